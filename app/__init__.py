@@ -1,0 +1,1 @@
+"""moechat terminal app and CLI. Never imports torch at start-up."""

@@ -1,0 +1,1 @@
+"""moechat engine: loading, models, expert providers, generation. Never imports Textual."""

@@ -1,0 +1,141 @@
+"""Loading a model directory: config -> architecture -> validated checkpoint -> weights + experts.
+
+The model is built on the meta device, so nothing is allocated until a tensor is assigned. Every
+tensor the architecture needs is checked against the safetensors headers first (name, shape, float
+dtype); a mismatch is a `CheckpointError` naming the file and the tensor, raised before any weight is
+read. Dense weights are then assigned from the memory-mapped shards (`load_state_dict(assign=True)`,
+strict), and the routed experts are stacked per layer into `w13 [E, 2I, H]` / `w2 [E, H, I]` for the
+`ResidentProvider`, whatever the checkpoint's per-expert naming.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint, read_json
+from .errors import ConfigError, UnsupportedModelError
+from .models import ARCHITECTURES, DENSE, PLANNED_MOE, MoEForCausalLM
+from .models.base import BaseModelArgs
+from .moe import ResidentProvider
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_model_config(model_dir: str | os.PathLike) -> tuple[type[MoEForCausalLM], BaseModelArgs, dict]:
+    """config.json -> (architecture class, parsed args, raw dict), or a typed error saying why not."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"{model_dir}: no such model directory")
+    raw = read_json(model_dir / "config.json", "model config (config.json)")
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        if raw.get("auto_map") and model_type not in PLANNED_MOE | DENSE:
+            raise UnsupportedModelError(
+                f"{model_dir}: model_type {model_type!r} needs trust_remote_code (custom Python code shipped "
+                "with the model); moechat never runs code from a checkpoint")
+        if model_type in DENSE:
+            raise UnsupportedModelError(f"{model_dir}: {model_type!r} is a dense model, not a Mixture-of-Experts; "
+                                        f"moechat runs {', '.join(sorted(ARCHITECTURES))}")
+        what = "not supported yet" if model_type in PLANNED_MOE else "unknown"
+        raise UnsupportedModelError(f"{model_dir}: model_type {model_type!r} is {what}; moechat runs "
+                                    f"{', '.join(sorted(ARCHITECTURES))}")
+    cls = ARCHITECTURES[model_type]
+    try:
+        args = cls.args_class.from_dict(raw)
+    except TypeError as e:
+        raise ConfigError(f"{model_dir / 'config.json'}: {e}") from None
+    args.check_moe()
+    return cls, args, raw
+
+
+def resolve_dtype(name: str | None, args: BaseModelArgs) -> torch.dtype:
+    """--dtype if given, else the checkpoint's own dtype, else float32."""
+    name = name or args.checkpoint_dtype or "float32"
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def expert_tensor_names(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint,
+                        layer: int) -> tuple[str, ...]:
+    """Which naming this checkpoint uses for a layer's experts: per-expert (3 per expert) or fused."""
+    n = cls.expert_naming
+    fused = n.fused_gate_up.format(layer=layer), n.fused_down.format(layer=layer)
+    if fused[0] in ckpt and fused[1] in ckpt:
+        return fused
+    return ()
+
+
+def validate(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """Check every tensor the model needs; return the dense names and shapes."""
+    dense = cls.dense_weight_names(args)
+    for name, shape in dense.items():
+        ckpt.check(name, shape)
+    E, I, H = args.num_experts, args.moe_intermediate, args.hidden_size
+    n = cls.expert_naming
+    for layer in cls.moe_layers(args):
+        fused = expert_tensor_names(cls, args, ckpt, layer)
+        if fused:
+            ckpt.check(fused[0], (E, 2 * I, H))
+            ckpt.check(fused[1], (E, H, I))
+            continue
+        for e in range(E):
+            ckpt.check(n.gate.format(layer=layer, expert=e), (I, H))
+            ckpt.check(n.up.format(layer=layer, expert=e), (I, H))
+            ckpt.check(n.down.format(layer=layer, expert=e), (H, I))
+    return dense
+
+
+def read_expert(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint, layer: int,
+                expert: int) -> dict[str, torch.Tensor]:
+    """One expert's tensors by name as stored (w13 [2I, H], w2 [H, I]); the unit a cache tier moves."""
+    fused = expert_tensor_names(cls, args, ckpt, layer)
+    if fused:
+        return {"w13": ckpt.get(fused[0])[expert], "w2": ckpt.get(fused[1])[expert]}
+    n = cls.expert_naming
+    gate = ckpt.get(n.gate.format(layer=layer, expert=expert))  # [I, H]
+    up = ckpt.get(n.up.format(layer=layer, expert=expert))  # [I, H]
+    return {"w13": torch.cat([gate, up]), "w2": ckpt.get(n.down.format(layer=layer, expert=expert))}
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    model: MoEForCausalLM
+    args: BaseModelArgs
+    raw_config: dict
+    checkpoint: Checkpoint
+    provider: ResidentProvider
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device: str | torch.device = "cpu",
+               max_positions: int | None = None) -> LoadedModel:
+    model_dir = Path(model_dir)
+    cls, args, raw = read_model_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, args)
+    device = torch.device(device)
+    ckpt = Checkpoint.open(model_dir)
+    dense = validate(cls, args, ckpt)
+    with torch.device("meta"):
+        model = cls(args)
+    state = {name: ckpt.get(name).to(device=device, dtype=torch_dtype) for name in dense}
+    model.load_state_dict(state, assign=True, strict=True)
+    model.finalize(max_positions or args.max_position_embeddings)
+    model.eval()
+    E, I, H = args.num_experts, args.moe_intermediate, args.hidden_size
+    w13, w2 = {}, {}
+    for layer in cls.moe_layers(args):
+        w13[layer] = torch.empty(E, 2 * I, H, dtype=torch_dtype, device=device)  # [E, 2I, H]
+        w2[layer] = torch.empty(E, H, I, dtype=torch_dtype, device=device)  # [E, H, I]
+        for e in range(E):
+            tensors = read_expert(cls, args, ckpt, layer, e)
+            w13[layer][e].copy_(tensors["w13"])
+            w2[layer][e].copy_(tensors["w2"])
+    provider = ResidentProvider(w13, w2, args.num_hidden_layers)
+    return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device)

@@ -1,0 +1,362 @@
+"""Shared blocks of the decoder-only MoE architectures: RMSNorm, RoPE, GQA attention, SwiGLU MLP,
+the sparse MoE block, and the decoder stack.
+
+Attribute names follow the checkpoint keys (`model.layers.3.self_attn.q_proj.weight`), so dense
+weights load with `load_state_dict(assign=True)` into a model built on the meta device and only the
+routed experts need a mapping (`ExpertNaming`). The routed experts are not parameters of this module:
+they belong to an `ExpertProvider`, which the MoE block asks for slots.
+
+The forward pass is written for decode latency (one token through L layers is ~40 small ops per
+layer, so Python and dispatch overhead matter as much as FLOPs): q/k/v are one fused GEMM, per-head
+q/k norms and RoPE run on q and k together, RoPE uses a precomputed table and `roll` instead of
+rotate-half's slices and concat, and decode attention folds the GQA group into the query length so
+K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError, UnsupportedModelError
+from ..experts import expert_compute
+from ..kv_cache import KVCache
+from ..moe import ExpertProvider, softmax_topk
+
+# T = tokens, S = positions in the KV cache, H = hidden size, D = head dim, E = experts, K = top-k
+
+
+@dataclass
+class BaseModelArgs:
+    """Fields shared by every supported config.json; subclasses add their own, by the same names."""
+
+    model_type: str = ""
+    vocab_size: int = 0
+    hidden_size: int = 0
+    num_hidden_layers: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    rope_theta: float | None = None
+    rope_parameters: dict | None = None
+    rope_scaling: dict | None = None
+    sliding_window: int | None = None
+    bos_token_id: Any = None
+    eos_token_id: Any = None
+    dtype: str | None = None
+    torch_dtype: str | None = None
+
+    # Other spellings of a field that config.json files use (transformers' attribute_map).
+    aliases: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BaseModelArgs":
+        """Unknown keys are dropped; an alias fills its field when the canonical key is absent."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        for alias, name in cls.aliases.items():
+            if alias in d and name not in kwargs:
+                kwargs[name] = d[alias]
+        return cls(**kwargs)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config.json: {name} must be a positive integer, found {value!r}")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.hidden_act != "silu":
+            raise UnsupportedModelError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)")
+        # transformers 5 writes rope_parameters; older configs have rope_theta / rope_scaling at the top.
+        rope = dict(self.rope_parameters or {})
+        scaling = self.rope_scaling or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise UnsupportedModelError(f"config.json: RoPE scaling {rope_type!r} is not supported yet "
+                                        "(only the default RoPE)")
+        self.rope_theta = float(rope.get("rope_theta", self.rope_theta if self.rope_theta is not None else 10000.0))
+
+    # Per-architecture answers, overridden by the model files.
+    @property
+    def num_experts(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def top_k(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def moe_intermediate(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def renormalize(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def attention_window(self) -> int | None:
+        return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return True
+
+    @property
+    def checkpoint_dtype(self) -> str | None:
+        return self.dtype or self.torch_dtype
+
+    def check_moe(self) -> None:
+        E, K, I = self.num_experts, self.top_k, self.moe_intermediate
+        if not (isinstance(E, int) and E > 0 and isinstance(K, int) and 0 < K <= E and isinstance(I, int) and I > 0):
+            raise ConfigError(f"config.json: needs experts > 0, 0 < top-k <= experts and an expert size > 0 "
+                              f"(found experts={E!r}, top-k={K!r}, expert size={I!r})")
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """Where a layer's routed experts are in the checkpoint.
+
+    Per-expert: format strings with {layer} and {expert} for gate, up and down (HF's usual layout).
+    Fused: one [E, 2I, H] gate_up and one [E, H, I] down tensor per layer (transformers 5's layout).
+    """
+
+    gate: str
+    up: str
+    down: str
+    fused_gate_up: str
+    fused_down: str
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """transformers' order: normalise in fp32, cast back, then scale (matters for bf16)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    y = F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+    return y if weight is None else weight * y
+
+
+class Attention(nn.Module):
+    """GQA attention with optional q/k RMSNorm: per head (Qwen3) or over the whole projection (OLMoE)."""
+
+    def __init__(self, args: BaseModelArgs, qk_norm: str | None, layer: int):
+        super().__init__()
+        H, D = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, D
+        self.layer = layer
+        self.qk_norm = qk_norm
+        self.eps = args.rms_norm_eps
+        self.window = args.attention_window
+        self.clip_qkv = getattr(args, "clip_qkv", None)
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=args.attention_bias)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_bias)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=args.attention_bias)
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(D, args.rms_norm_eps)
+            self.k_norm = RMSNorm(D, args.rms_norm_eps)
+        elif qk_norm == "full":
+            self.q_norm = RMSNorm(self.n_heads * D, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.n_kv * D, args.rms_norm_eps)
+        self.split = [self.n_heads * D, self.n_kv * D, self.n_kv * D]
+
+    def finalize(self) -> None:
+        """After loading: fuse q/k/v into one GEMM and stack per-head norm weights for q and k together."""
+        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # [(nH+2nKV)*D, H]
+        self.qkv_bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+                         if self.q_proj.bias is not None else None)
+        del self.q_proj, self.k_proj, self.v_proj
+        if self.qk_norm == "head":
+            self.qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.n_heads, -1),
+                                             self.k_norm.weight.expand(self.n_kv, -1)])  # [nH+nKV, D]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
+        T = x.shape[0]
+        nH, nKV, D = self.n_heads, self.n_kv, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (nH+2nKV)*D]
+        if self.qk_norm == "full" or self.clip_qkv is not None:
+            q, k, v = qkv.split(self.split, dim=-1)
+            if self.qk_norm == "full":
+                q = rms_norm(q, self.q_norm.weight, self.eps)
+                k = rms_norm(k, self.k_norm.weight, self.eps)
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            qk = torch.cat([q, k], dim=-1).view(T, nH + nKV, D)  # [T, nH+nKV, D]
+        else:
+            qk = qkv[:, : (nH + nKV) * D].view(T, nH + nKV, D)  # [T, nH+nKV, D]
+            v = qkv[:, (nH + nKV) * D :]
+        if self.qk_norm == "head":
+            qk = rms_norm(qk, None, self.eps) * self.qk_norm_weight
+        # RoPE: x*cos + rotate_half(x)*sin, with rotate_half(x) == roll(x, D/2) * [-1..., +1...] folded into sin
+        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # [T, nH+nKV, D]
+        end = start + T
+        kc, vc = kv.k[self.layer], kv.v[self.layer]  # [nKV, S, D]
+        kc[:, start:end] = qk[:, nH:].transpose(0, 1)
+        vc[:, start:end] = v.view(T, nKV, D).transpose(0, 1)
+        first = 0 if self.window is None else max(0, end - self.window)
+        keys, values = kc[:, first:end], vc[:, first:end]  # [nKV, S, D]
+        q = qk[:, :nH]  # [T, nH, D]
+        if T == 1:
+            # The G query heads sharing a KV head become G "query positions" of that head: no repeat of K/V.
+            out = F.scaled_dot_product_attention(q.view(nKV, nH // nKV, D), keys, values)  # [nKV, G, D]
+            return F.linear(out.reshape(1, nH * D), self.o_proj.weight, self.o_proj.bias)
+        q = q.transpose(0, 1)  # [nH, T, D]
+        if start == 0 and self.window is None:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=nH != nKV)
+        else:
+            qpos = torch.arange(start, end, device=x.device)[:, None]  # [T, 1]
+            kpos = torch.arange(first, end, device=x.device)[None, :]  # [1, S]
+            mask = kpos <= qpos  # [T, S]
+            if self.window is not None:
+                mask &= kpos > qpos - self.window
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nH != nKV)
+        return F.linear(out.transpose(0, 1).reshape(T, nH * D), self.o_proj.weight, self.o_proj.bias)  # [T, H]
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP (layers a MoE model keeps dense, e.g. Qwen3-MoE's mlp_only_layers)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """The gate: a [E, H] linear. Its weight name is `...gate.weight` in every supported checkpoint."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts through the provider. Model files never import the cache."""
+
+    def __init__(self, args: BaseModelArgs, layer: int):
+        super().__init__()
+        self.gate = Router(args.hidden_size, args.num_experts)
+        self.layer = layer
+        self.top_k = args.top_k
+        self.renormalize = args.renormalize
+
+    def forward(self, x: torch.Tensor, provider: ExpertProvider) -> torch.Tensor:
+        router_logits = F.linear(x, self.gate.weight)  # [T, E]
+        topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)  # [T, K], [T, K]
+        batch = provider.prepare(self.layer, topk_ids)
+        return expert_compute(x, topk_weights, batch)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: BaseModelArgs, layer: int, moe_attr: str, qk_norm: str | None):
+        super().__init__()
+        self.self_attn = Attention(args, qk_norm, layer)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.is_moe = args.is_moe_layer(layer)
+        self.mlp_attr = moe_attr if self.is_moe else "mlp"
+        if self.is_moe:
+            setattr(self, moe_attr, SparseMoeBlock(args, layer))
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.eps = args.rms_norm_eps
+
+    def finalize(self) -> None:
+        self.self_attn.finalize()
+        self.ffn = getattr(self, self.mlp_attr)
+
+    def forward(self, x, cos, sin, kv: KVCache, start: int, provider: ExpertProvider) -> torch.Tensor:
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, kv, start)
+        h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
+        return x + (self.ffn(h, provider) if self.is_moe else self.ffn(h))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, args: BaseModelArgs, moe_attr: str, qk_norm: str | None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, moe_attr, qk_norm) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class MoEForCausalLM(nn.Module):
+    """A decoder-only MoE language model; subclasses name the config class, MoE attribute and qk norm."""
+
+    args_class: ClassVar[type[BaseModelArgs]] = BaseModelArgs
+    moe_attr: ClassVar[str] = "mlp"
+    qk_norm: ClassVar[str | None] = None
+    expert_naming: ClassVar[ExpertNaming]
+
+    def __init__(self, args: BaseModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = DecoderBody(args, self.moe_attr, self.qk_norm)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def finalize(self, max_positions: int) -> None:
+        """After the weights are assigned: fused weights and the RoPE table for max_positions."""
+        for layer in self.model.layers:
+            layer.finalize()
+        self.lm_weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        D = self.args.head_dim
+        device = self.model.embed_tokens.weight.device
+        dtype = self.model.embed_tokens.weight.dtype
+        inv_freq = 1.0 / (self.args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # [D/2]
+        pos = torch.arange(max_positions, dtype=torch.int64).float()  # [S]
+        freqs = pos[:, None] * inv_freq[None, :]  # [S, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
+        sign = torch.cat([-torch.ones(D // 2), torch.ones(D // 2)])  # [D]
+        self.rope_cos = emb.cos().to(dtype).to(device)[:, None, :]  # [S, 1, D]
+        self.rope_sin = (emb.sin().to(dtype) * sign.to(dtype)).to(device)[:, None, :]  # [S, 1, D]
+        self.max_positions = max_positions
+
+    def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:
+        """input_ids [T] at positions kv.length.. -> final-normed hidden states [T, H]; advances kv.length."""
+        start = kv.length
+        T = input_ids.shape[0]
+        kv.reserve(T)
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, H]
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, D]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv, start, provider)
+        kv.length = start + T
+        return rms_norm(x, self.model.norm.weight, self.args.rms_norm_eps)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states, self.lm_weight).float()  # [T, V]
+
+    @classmethod
+    def dense_weight_names(cls, args: BaseModelArgs) -> dict[str, tuple[int, ...]]:
+        """Every dense tensor the checkpoint must have, with its shape (from a meta-device build)."""
+        with torch.device("meta"):
+            model = cls(args)
+        return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+    @classmethod
+    def moe_layers(cls, args: BaseModelArgs) -> list[int]:
+        return [i for i in range(args.num_hidden_layers) if args.is_moe_layer(i)]

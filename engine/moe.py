@@ -1,0 +1,108 @@
+"""The MoE contract: routing functions, the ExpertProvider protocol, and the slow reference.
+
+A model's MoE block does three things and knows nothing else about where experts live:
+
+    topk_weights, topk_ids = route(router_logits)        # pure function
+    batch = provider.prepare(layer, topk_ids)             # experts resident; slot ids back
+    out = expert_compute(hidden_states, topk_weights, batch)   # sees slots only
+
+`ResidentProvider` keeps every expert of every layer on the compute device and maps expert e to
+slot e (zero copies). The cached provider of the expert-cache issue implements the same protocol over
+a fixed pool of C slots, so model files never change when the cache does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+# T = tokens, E = experts, K = top-k, C = slots, H = hidden size, I = expert intermediate size
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all E experts in fp32, keep the top-k, optionally renormalise them to sum to 1.
+
+    Qwen3-MoE / OLMoE (`norm_topk_prob`) and Mixtral (always renormalised). Returns fp32 weights
+    [T, K] and int64 ids [T, K]; ties go to the lower expert id, as torch.topk does in transformers.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, K], [T, K]
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    """What expert compute needs for one layer: slot buffers by tensor name, and slot ids.
+
+    `tensors["w13"]` is [C, 2I, H] (gate rows then up rows), `tensors["w2"]` is [C, H, I]. `slot_ids`
+    is shaped like topk_ids ([T, K]) and never holds -1 for a correct provider. `slot_ids_cpu` is
+    the host copy when the provider already read the ids (the one host sync a layer may make).
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    slot_ids: torch.Tensor  # [T, K]
+    slot_ids_cpu: torch.Tensor | None = field(default=None)
+
+
+@runtime_checkable
+class ExpertProvider(Protocol):
+    """Makes the experts a layer needs resident and says in which slots they are."""
+
+    num_layers: int
+    num_experts: int
+
+    def prepare(self, layer: int, topk_ids: torch.Tensor) -> ExpertBatch:
+        """topk_ids [T, K] global expert ids of `layer` -> an ExpertBatch for exactly those experts."""
+        ...
+
+
+class ResidentProvider:
+    """Every expert of every MoE layer on the compute device; slot id == expert id, no copies."""
+
+    def __init__(self, w13: Mapping[int, torch.Tensor], w2: Mapping[int, torch.Tensor], num_layers: int):
+        # w13[layer] [E, 2I, H], w2[layer] [E, H, I], for the MoE layers only
+        self.num_layers = num_layers
+        first = next(iter(w13.values()))
+        self.num_experts = first.shape[0]
+        self._tensors = {layer: {"w13": w13[layer], "w2": w2[layer]} for layer in w13}
+
+    def prepare(self, layer: int, topk_ids: torch.Tensor) -> ExpertBatch:
+        slot_ids_cpu = topk_ids if topk_ids.device.type == "cpu" else None
+        return ExpertBatch(self._tensors[layer], topk_ids, slot_ids_cpu)
+
+    def expert_weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's tensors by name (views, no copy): what a cache tier stores per (layer, expert)."""
+        return {name: t[expert] for name, t in self._tensors[layer].items()}
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._tensors)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._tensors.values() for t in ts.values())
+
+
+def moe_reference(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Slow obvious MoE: for every token, for every chosen expert, run its SwiGLU MLP and weight it.
+
+    hidden_states [T, H], topk_weights [T, K], topk_ids [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H].
+    Used only by tests, as the oracle for every fast path.
+    """
+    T, K = topk_ids.shape
+    inter = w2.shape[-1]
+    out = torch.zeros_like(hidden_states, dtype=torch.float32)  # [T, H]
+    for t in range(T):
+        for k in range(K):
+            e = int(topk_ids[t, k])
+            x = hidden_states[t].float()
+            gate = w13[e, :inter].float() @ x  # [I]
+            up = w13[e, inter:].float() @ x  # [I]
+            y = w2[e].float() @ (F.silu(gate) * up)  # [H]
+            out[t] += topk_weights[t, k].float() * y
+    return out.to(hidden_states.dtype)
