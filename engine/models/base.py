@@ -213,7 +213,7 @@ class Attention(nn.Module):
         kc, vc = kv.k[self.layer], kv.v[self.layer]  # [nKV, S, D]
         kc[:, start:end] = qk[:, nH:].transpose(0, 1)
         vc[:, start:end] = v.view(T, nKV, D).transpose(0, 1)
-        first = 0 if self.window is None else max(0, end - self.window)
+        first = 0 if self.window is None else max(0, start - self.window + 1)  # oldest key any query sees
         keys, values = kc[:, first:end], vc[:, first:end]  # [nKV, S, D]
         q = qk[:, :nH]  # [T, nH, D]
         if T == 1:

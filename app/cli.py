@@ -1,0 +1,160 @@
+"""The `moechat` command line.
+
+`moechat run MODEL_DIR --prompt TEXT` streams a reply to stdout; `--json` prints one JSON object at the
+end instead. These flags are a contract other tools (benchmarks, scripts, the CI) rely on: keep them
+stable. Start-up imports neither torch nor the engine; they are imported when a command needs them,
+so `moechat --help` answers at once. Every error a user can cause is one line on stderr and a
+non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moechat", description="Run Mixture-of-Experts models bigger than "
+                                     "your GPU, and see what the expert cache does.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser("run", help="generate a reply from a local model directory",
+                         description="Generate from a local Hugging Face MoE model directory (safetensors).")
+    run.add_argument("model_dir", metavar="MODEL_DIR", help="directory with config.json and *.safetensors")
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the user message (the chat template is applied unless --raw)")
+    src.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="token ids, e.g. 1,2,3 (no template)")
+    run.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
+    run.add_argument("--system", help="system prompt (chat template only)")
+    run.add_argument("--max-tokens", type=_positive_int, metavar="N", help="tokens to generate at most "
+                     "(default: the model's max_new_tokens, else 512)")
+    run.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's "
+                     "generation_config.json)")
+    run.add_argument("--top-k", type=int, metavar="K")
+    run.add_argument("--top-p", type=float, metavar="P")
+    run.add_argument("--min-p", type=float, metavar="P")
+    run.add_argument("--repetition-penalty", type=float, metavar="R")
+    run.add_argument("--seed", type=int, metavar="S", help="sampling seed (same seed, same reply)")
+    run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                     help="compute dtype (default: the checkpoint's)")
+    run.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
+                     "cache for (default 4096, at most the model's)")
+    run.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    run.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    import threading
+
+    import torch
+
+    from moechat.engine.generate import Engine
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context)
+    sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    if args.prompt_ids is not None:
+        prompt_ids = args.prompt_ids
+    elif args.raw:
+        prompt_ids = engine.encode(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": args.prompt}])
+    cancel = threading.Event()
+    token_ids: list[int] = []
+    text: list[str] = []
+    last = None
+    stream = engine.generate(prompt_ids, sampling=sampling, max_tokens=args.max_tokens, cancel=cancel)
+    try:
+        for chunk in stream:
+            token_ids.extend(chunk.token_ids)
+            text.append(chunk.text)
+            last = chunk
+            if not args.json and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        cancel.set()
+        stream.close()
+        if not args.json:
+            sys.stdout.write("\n")
+        print("moechat: stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if args.json:
+        print(json.dumps({
+            "model": str(args.model_dir),
+            "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+            "device": str(engine.loaded.device),
+            "prompt_tokens": len(prompt_ids),
+            "token_ids": token_ids,
+            "text": "".join(text),
+            "generated_tokens": len(token_ids),
+            "finish_reason": last.finish_reason if last else None,
+            "prefill_tokens_per_s": last.prefill_tokens_per_s if last else 0.0,
+            "decode_tokens_per_s": last.decode_tokens_per_s if last else 0.0,
+        }))
+    else:
+        sys.stdout.write("\n")
+        if last is not None:
+            print(f"[{len(prompt_ids)} prompt tokens, {last.prefill_tokens_per_s:.1f} tok/s prefill; "
+                  f"{len(token_ids)} generated, {last.decode_tokens_per_s:.1f} tok/s decode; "
+                  f"{last.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    from moechat.engine.errors import MoechatError
+
+    try:
+        return _run(args)
+    except MoechatError as e:
+        print(f"moechat: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except torch_oom_errors() as e:  # pragma: no cover - needs a device to run out of memory
+        print(f"moechat: error: out of memory: {str(e).splitlines()[0]}; lower --context or use a smaller "
+              "--dtype", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("moechat: stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def torch_oom_errors() -> tuple[type[BaseException], ...]:
+    """torch's OOM error type, only if torch is already imported (start-up must not import it)."""
+    torch = sys.modules.get("torch")
+    return (torch.OutOfMemoryError, MemoryError) if torch is not None else (MemoryError,)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""The engine's public API: load a model, stream generations as immutable chunks, keep conversations.
+
+    engine = Engine.load("path/to/model")
+    for chunk in engine.generate(engine.encode_chat([{"role": "user", "content": "hi"}])):
+        print(chunk.text, end="")
+
+`generate` is a generator of frozen `GenerationChunk`s (text delta, token ids, finish reason,
+prefill/decode tok/s): the CLI prints them, the TUI posts them as messages, a server would send them
+as events. It knows nothing of any UI. Cancellation is a `threading.Event` checked between tokens, so
+a stop takes effect within one decode step.
+
+A `Conversation` owns a KV cache and the token ids in it. Each turn renders the whole conversation
+with the chat template, keeps the longest prefix that is already in the KV cache and prefills only the
+rest: a 10-turn chat prefills each turn's new tokens, not the whole history (templates that rewrite
+earlier turns, like Qwen3 dropping old reasoning, just share a shorter prefix).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from .chat_template import ChatTemplate
+from .checkpoint import read_json
+from .errors import ChatTemplateError, MoechatError, TokenizerError
+from .kv_cache import KVCache
+from .loader import LoadedModel, load_model
+from .moe import ExpertProvider
+from .sampling import Sampler, SamplingParams
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+DEFAULT_CONTEXT = 4096
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One step of a generation, as the UI and the CLI see it."""
+
+    text: str  # new text since the previous chunk (may be "" while a UTF-8 sequence is incomplete)
+    token_ids: tuple[int, ...]  # tokens sampled in this step
+    finish_reason: str | None = None  # None while running, then "stop", "length" or "cancelled"
+    prompt_tokens: int = 0  # tokens prefilled for this generation (new ones only, in a conversation)
+    generated_tokens: int = 0  # tokens generated so far
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+@dataclass
+class SequenceState:
+    """A KV cache and the token ids whose keys and values it holds."""
+
+    kv: KVCache
+    tokens: list[int] = field(default_factory=list)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+        self.kv.truncate(n)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+class Engine:
+    """A loaded model with its tokenizer, chat template and generation defaults."""
+
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
+                 generation_config: dict, context: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 provider: ExpertProvider | None = None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.args = loaded.args
+        self.provider = provider or loaded.provider
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.generation_config = generation_config
+        self.context = context
+        self.prefill_chunk = prefill_chunk
+        eos = _ids(generation_config.get("eos_token_id")) + _ids(loaded.args.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def load(cls, model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu",
+             context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> "Engine":
+        model_dir = Path(model_dir)
+        from .loader import read_model_config
+
+        _, args, _ = read_model_config(model_dir)
+        context = min(context or DEFAULT_CONTEXT, args.max_position_embeddings)
+        loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context)
+        gen_path = model_dir / "generation_config.json"
+        generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
+        tokenizer = Tokenizer.from_model_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
+        template = ChatTemplate.from_model_dir(model_dir)
+        if template is not None and tokenizer is not None:
+            template = ChatTemplate.from_string(template.source, {**tokenizer.special_tokens,
+                                                                   **template.special_tokens})
+        return cls(loaded, tokenizer, template, generation_config, context, prefill_chunk)
+
+    # -- text <-> ids ---------------------------------------------------------------------------
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise TokenizerError(f"{self.loaded.model_dir}: has no tokenizer.json, so text prompts cannot be "
+                                 "encoded; pass token ids with --prompt-ids")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """A raw prompt, with the tokenizer's own special tokens (e.g. BOS)."""
+        return self._need_tokenizer().encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """Render with the model's chat template and tokenize as transformers' apply_chat_template does."""
+        if self.chat_template is None:
+            raise ChatTemplateError(f"{self.loaded.model_dir}: the model has no chat template; use --raw to send "
+                                    "the prompt as plain text")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self._need_tokenizer().encode(text, add_special_tokens=False)
+
+    def sampling(self, **overrides) -> SamplingParams:
+        """The model's generation_config.json defaults with the given overrides."""
+        return SamplingParams.from_generation_config(self.generation_config, **overrides)
+
+    def default_max_tokens(self) -> int:
+        return int(self.generation_config.get("max_new_tokens") or 512)
+
+    # -- generation -----------------------------------------------------------------------------
+    def new_sequence(self) -> SequenceState:
+        a = self.args
+        return SequenceState(KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.context,
+                                     self.loaded.dtype, self.loaded.device))
+
+    def _forward(self, seq: SequenceState, ids: Sequence[int]) -> torch.Tensor:
+        """Run ids through the model (chunked), append them to seq; last position's fp32 logits [V]."""
+        hidden = None
+        for i in range(0, len(ids), self.prefill_chunk):
+            chunk = list(ids[i : i + self.prefill_chunk])
+            hidden = self.model(torch.tensor(chunk, dtype=torch.long, device=self.loaded.device), seq.kv,
+                                self.provider)  # [T, H]
+            seq.tokens.extend(chunk)
+        return self.model.logits(hidden[-1:])[0]  # [V]
+
+    def generate(self, prompt_ids: Sequence[int], *, sampling: SamplingParams | None = None,
+                 max_tokens: int | None = None, cancel: threading.Event | None = None,
+                 sequence: SequenceState | None = None, stop_on_eos: bool = True) -> Iterator[GenerationChunk]:
+        """Prefill prompt_ids (after whatever `sequence` already holds) and stream generated tokens."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise MoechatError("the prompt is empty: give at least one token")
+        vocab = self.args.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise MoechatError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        seq = sequence if sequence is not None else self.new_sequence()
+        seq.kv.reserve(len(prompt_ids))
+        sampling = sampling or self.sampling()
+        max_tokens = self.default_max_tokens() if max_tokens is None else max_tokens
+        sampler = Sampler(sampling, device=self.loaded.device)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids) if self.tokenizer else None
+        stop_ids = self.eos_token_ids if stop_on_eos else frozenset()
+        penalise = sampling.repetition_penalty != 1.0
+        history = seq.tokens[:]
+
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            logits = self._forward(seq, prompt_ids)
+            history.extend(prompt_ids)
+            t_first = time.perf_counter()
+            prefill_rate = len(prompt_ids) / max(t_first - t0, 1e-9)
+            generated: list[int] = []
+            while True:
+                penalty_ids = torch.tensor(history, device=self.loaded.device) if penalise else None
+                token = int(sampler(logits, penalty_ids))  # the one host sync per token
+                generated.append(token)
+                history.append(token)
+                finish = None
+                if token in stop_ids:
+                    finish = "stop"
+                elif len(generated) >= max_tokens or seq.kv.free == 0:
+                    finish = "length"
+                elif cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                text = "" if detok is None or token in stop_ids else detok.add(token)
+                if finish is not None and detok is not None:
+                    text += detok.flush()
+                now = time.perf_counter()
+                decode_rate = (len(generated) - 1) / (now - t_first) if len(generated) > 1 else 0.0
+                yield GenerationChunk(text, (token,), finish, len(prompt_ids), len(generated), prefill_rate,
+                                      decode_rate)
+                if finish is not None:
+                    return
+                if cancel is not None and cancel.is_set():
+                    yield GenerationChunk("", (), "cancelled", len(prompt_ids), len(generated), prefill_rate,
+                                          decode_rate)
+                    return
+                logits = self._forward(seq, [token])
+
+    def conversation(self, system: str | None = None) -> "Conversation":
+        return Conversation(self, system)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Conversation:
+    """A chat whose KV cache persists across turns; each turn prefills only its new tokens."""
+
+    def __init__(self, engine: Engine, system: str | None = None):
+        self.engine = engine
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.sequence = engine.new_sequence()
+        self.last_prefill_tokens = 0
+
+    def send(self, content: str, *, sampling: SamplingParams | None = None, max_tokens: int | None = None,
+             cancel: threading.Event | None = None, **template_kwargs) -> Iterator[GenerationChunk]:
+        """Add a user message, stream the assistant's reply, then record it in `messages`."""
+        self.messages.append({"role": "user", "content": content})
+        try:
+            ids = self.engine.encode_chat(self.messages, add_generation_prompt=True, **template_kwargs)
+        except MoechatError:
+            self.messages.pop()
+            raise
+        # Reuse the cached prefix; at least one token must be fed to get logits.
+        keep = min(_common_prefix(self.sequence.tokens, ids), len(ids) - 1)
+        self.sequence.truncate(keep)
+        self.last_prefill_tokens = len(ids) - keep
+        reply: list[str] = []
+        started = False
+        try:
+            for chunk in self.engine.generate(ids[keep:], sampling=sampling, max_tokens=max_tokens, cancel=cancel,
+                                              sequence=self.sequence):
+                started = True
+                reply.append(chunk.text)
+                yield chunk
+        except MoechatError:
+            if not started:  # refused before any token (e.g. too long): the turn never happened
+                self.messages.pop()
+                raise
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            raise
+        else:
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+        finally:
+            # A consumer that stops iterating early (GeneratorExit) keeps the partial reply: nothing is lost.
+            if started and self.messages[-1]["role"] != "assistant":
+                self.messages.append({"role": "assistant", "content": "".join(reply)})

@@ -1,0 +1,88 @@
+"""`moechat run`: the flag contract, JSON output, and one-line errors with no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moechat.app.cli import main
+from moechat.engine.generate import Engine
+from moechat.engine.sampling import SamplingParams
+
+
+def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "moechat.app.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=env)
+
+
+def _json_run(capsys, *args: str) -> dict:
+    assert main(["run", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_prompt_ids_json_matches_engine_and_transformers(tiny_models, capsys):
+    path, ref = tiny_models["olmoe"]
+    out = _json_run(capsys, str(path), "--prompt-ids", "5,17,42,9", "--max-tokens", "12", "--temperature", "0",
+                    "--dtype", "float32")
+    expected = ref.generate(torch.tensor([[5, 17, 42, 9]]), do_sample=False, max_new_tokens=12)[0, 4:].tolist()
+    assert out["token_ids"] == expected
+    assert out["finish_reason"] == "length" and out["generated_tokens"] == 12 and out["prompt_tokens"] == 4
+    assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0
+    assert out["text"] == ""  # this checkpoint has no tokenizer
+
+
+def test_chat_prompt_streams_text(tiny_chat_model, capsys):
+    path, _, fast = tiny_chat_model
+    assert main(["run", str(path), "--prompt", "Hello world", "--max-tokens", "10", "--temperature", "0"]) == 0
+    streamed = capsys.readouterr().out
+    out = _json_run(capsys, str(path), "--prompt", "Hello world", "--max-tokens", "10", "--temperature", "0")
+    ids = fast.apply_chat_template([{"role": "user", "content": "Hello world"}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+    engine = Engine.load(path)
+    expected = [t for c in engine.generate(ids, sampling=SamplingParams(temperature=0.0, do_sample=False),
+                                           max_tokens=10) for t in c.token_ids]
+    assert out["token_ids"] == expected
+    assert out["text"] == fast.decode(expected, skip_special_tokens=True)
+    assert streamed.rstrip("\n") == out["text"]
+
+
+def test_raw_prompt_and_seeded_sampling(tiny_chat_model, capsys):
+    path, _, fast = tiny_chat_model
+    args = (str(path), "--prompt", "The quick", "--raw", "--max-tokens", "16", "--temperature", "1.0", "--seed")
+    a = _json_run(capsys, *args, "7")
+    b = _json_run(capsys, *args, "7")
+    c = _json_run(capsys, *args, "8")
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"]
+    assert a["prompt_tokens"] == len(fast("The quick")["input_ids"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "/no/such/model", "--prompt", "hi"], "no such model directory"),
+    (["run", "{dense}", "--prompt-ids", "1,2"], "dense model"),
+    (["run", "{moe}", "--prompt-ids", ",".join(["1"] * 40), "--context", "16"], "do not fit the context of 16"),
+    (["run", "{moe}", "--prompt", "hi"], "no chat template; use --raw"),
+    (["run", "{moe}", "--prompt", "hi", "--raw"], "no tokenizer.json"),
+    (["run", "{moe}", "--prompt-ids", "1,99999"], "outside the vocabulary"),
+])
+def test_errors_are_one_line_without_traceback(tiny_models, tmp_path, args, message):
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    moe = str(tiny_models["mixtral"][0])
+    result = _cli(*[a.format(dense=dense, moe=moe) for a in args])
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moechat: error:") and message in lines[0], result.stderr
+
+
+def test_usage_errors_exit_2():
+    result = _cli("run", "somewhere", "--prompt-ids", "1,x")
+    assert result.returncode == 2 and "comma-separated token ids" in result.stderr
