@@ -89,3 +89,13 @@ def tiny_chat_model(tmp_path_factory):
                      eos_token_id=tok.token_to_id("<|im_end|>"))
     model = build_tiny_model(path, "qwen3_moe", overrides, seed=42)
     return path, model, fast
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA; bench/gpu_check.sh runs them on a machine that has it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run bench/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

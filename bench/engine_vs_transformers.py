@@ -1,0 +1,132 @@
+"""moechat vs transformers `generate`, same weights, same prompt, fp32, greedy, in one run.
+
+    python bench/engine_vs_transformers.py [--runs 5] [--prompt 512] [--new 128] [--only a|b]
+
+Two random-weight qwen3_moe models are built with transformers and saved as safetensors:
+  (a) small, like the bundled demo model: per-token overhead dominates decode;
+  (b) larger: decode is bound by memory bandwidth.
+For (b) the table also gives the bandwidth bound: bytes of weights one decoded token reads, divided by
+this machine's matrix-vector read bandwidth, measured here in the same run. Medians of --runs runs.
+Random weights route near-uniformly, which is the worst case for neither engine (both run all experts
+resident); transformers is given `eos_token_id=None` so both generate exactly --new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    "a": dict(vocab_size=8192, hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=1024,
+              norm_topk_prob=True),
+    "b": dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+              num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+              intermediate_size=2048, norm_topk_prob=True),
+}
+
+
+def build(path: Path, spec: dict):
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**spec, max_position_embeddings=2048, initializer_range=0.05,
+                                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def decode_bytes_per_token(spec: dict) -> int:
+    """fp32 bytes of weights a decode step reads: attention, norms, routers, K experts per layer, lm_head."""
+    H, L, D = spec["hidden_size"], spec["num_hidden_layers"], spec["head_dim"]
+    nH, nKV, E, K, I = (spec["num_attention_heads"], spec["num_key_value_heads"], spec["num_experts"],
+                        spec["num_experts_per_tok"], spec["moe_intermediate_size"])
+    attn = H * (nH + 2 * nKV) * D + nH * D * H + 2 * D + 2 * H
+    per_layer = attn + E * H + K * 3 * H * I
+    return 4 * (L * per_layer + spec["vocab_size"] * H + H)
+
+
+def matvec_bandwidth(nbytes: int = 256 << 20, reps: int = 20) -> float:
+    """Bytes/s this machine reads a large fp32 matrix at in a matrix-vector product (the decode pattern)."""
+    rows = 8192
+    w = torch.randn(rows, nbytes // 4 // rows)
+    x = torch.randn(w.shape[1])
+    torch.mv(w, x)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mv(w, x)
+        times.append(time.perf_counter() - t0)
+    return w.numel() * 4 / statistics.median(times)
+
+
+def run_moechat(path: Path, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
+    from moechat.engine.generate import Engine
+    from moechat.engine.sampling import SamplingParams
+
+    engine = Engine.load(path, dtype="float32", context=len(prompt) + new + 8)
+    greedy = SamplingParams(temperature=0.0, do_sample=False)
+    chunks = list(engine.generate(prompt, sampling=greedy, max_tokens=new))
+    return chunks[-1].prefill_tokens_per_s, chunks[-1].decode_tokens_per_s, [c.token_ids[0] for c in chunks]
+
+
+def run_transformers(model, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        t1 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        t2 = time.perf_counter()
+    prefill = t1 - t0
+    decode = (t2 - t1) - prefill  # the second call prefills again, then decodes new-1 tokens
+    return len(prompt) / prefill, (new - 1) / decode, out[0, len(prompt):].tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--only", choices=sorted(MODELS))
+    opts = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, prompt {opts.prompt}, "
+          f"{opts.new} greedy new tokens, median of {opts.runs} runs")
+    bandwidth = matvec_bandwidth()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, spec in MODELS.items():
+            if opts.only and name != opts.only:
+                continue
+            path = Path(tmp) / name
+            ref = build(path, spec)
+            prompt = torch.randint(0, spec["vocab_size"], (opts.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+            ours, theirs = [], []
+            for _ in range(opts.runs):
+                ours.append(run_moechat(path, prompt, opts.new))
+                theirs.append(run_transformers(ref, prompt, opts.new))
+            same = ours[0][2] == theirs[0][2]
+            med = lambda runs, i: statistics.median(r[i] for r in runs)  # noqa: E731
+            bound = bandwidth / decode_bytes_per_token(spec)
+            rows.append((name, med(ours, 0), med(theirs, 0), med(ours, 1), med(theirs, 1), bound, same))
+            del ref
+    print(f"matrix-vector read bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    header = (f"{'model':<6}{'prefill moechat':>16}{'prefill hf':>12}{'ratio':>7}{'decode moechat':>16}"
+              f"{'decode hf':>11}{'ratio':>7}{'bw bound':>10}{'moechat/bound':>15}{'same tokens':>13}")
+    print(header)
+    print("-" * len(header))
+    for name, pm, ph, dm, dh, bound, same in rows:
+        print(f"{name:<6}{pm:>16.1f}{ph:>12.1f}{pm / ph:>7.2f}{dm:>16.1f}{dh:>11.1f}{dm / dh:>7.2f}"
+              f"{bound:>10.1f}{dm / bound:>15.2f}{str(same):>13}")
+    print("(tok/s; bw bound = measured matvec bandwidth / fp32 weight bytes read per decoded token)")
+
+
+if __name__ == "__main__":
+    main()

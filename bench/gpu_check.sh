@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU check: the `gpu` tests, then the engine benchmark on CUDA; a short table last.
+# Run only on a machine with a CUDA GPU (under 8 minutes on one H200). Needs torch and transformers;
+# textual is not needed. Usage: bash bench/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="${PYTHONPATH:-}"
+python - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA device: run this on a GPU machine"
+print("device:", torch.cuda.get_device_name(0), "| torch", torch.__version__)
+PY
+# The project may not be installed there: put an import shim for `moechat` on the path.
+shim=$(mktemp -d)
+mkdir -p "$shim/moechat"
+ln -s "$PWD/engine" "$shim/moechat/engine"
+ln -s "$PWD/app" "$shim/moechat/app"
+export PYTHONPATH="$shim:$PYTHONPATH"
+timeout 240 python -m pytest -q -m gpu tests/engine/test_gpu.py -p no:cacheprovider 2>&1 | tail -5
+timeout 200 python bench/engine_vs_transformers.py --device cuda --runs 3 2>&1 | grep -v "Writing model shards"

@@ -1,0 +1,57 @@
+"""Real config.json files of published MoE models parse into the right architecture and sizes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moechat.engine.errors import UnsupportedModelError
+from moechat.engine.loader import read_model_config
+
+CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "model-configs"
+
+# model dir -> (config file, L, E, K, I, H, heads, kv heads, head_dim, renormalize, dense params without experts)
+EXPECTED = {
+    "Qwen--Qwen3-30B-A3B": ("config.json", 48, 128, 8, 768, 2048, 32, 4, 128, True),
+    "Qwen--Qwen3-235B-A22B": ("config.json", 94, 128, 8, 1536, 4096, 64, 4, 128, True),
+    "mistralai--Mixtral-8x7B-Instruct-v0.1": ("config.json", 32, 8, 2, 14336, 4096, 32, 8, 128, True),
+    "mistralai--Mixtral-8x22B-v0.1": ("config.json", 56, 8, 2, 16384, 6144, 48, 8, 128, True),
+    "allenai--OLMoE-1B-7B-0924-Instruct": ("config.finetune-derived.json", 16, 64, 8, 1024, 2048, 16, 16, 128, False),
+}
+
+
+def _model_dir(tmp_path, name: str, file: str) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    shutil.copy(CONFIGS / name / file, d / "config.json")
+    return d
+
+
+@pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared/model-configs not present")
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_real_configs(tmp_path, name):
+    file, L, E, K, I, H, nH, nKV, D, renorm = EXPECTED[name]
+    cls, args, raw = read_model_config(_model_dir(tmp_path, name, file))
+    assert (args.num_hidden_layers, args.num_experts, args.top_k, args.moe_intermediate, args.hidden_size,
+            args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.renormalize) == \
+        (L, E, K, I, H, nH, nKV, D, renorm)
+    assert cls.moe_layers(args) == list(range(L))
+    shapes = cls.dense_weight_names(args)  # built on the meta device: no memory
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (nH * D, H)
+    assert shapes[f"model.layers.{L - 1}.{cls.moe_attr}.gate.weight"] == (E, H)
+    assert not any("experts" in n for n in shapes)
+
+
+@pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared/model-configs not present")
+@pytest.mark.parametrize("name, file, message", [
+    ("deepseek-ai--DeepSeek-V3", "config.json", "deepseek_v3.*not supported yet"),
+    ("openai--gpt-oss-20b", "config.json", "gpt_oss.*not supported yet"),
+])
+def test_known_but_unsupported(tmp_path, name, file, message):
+    d = _model_dir(tmp_path, name, file)
+    with pytest.raises(UnsupportedModelError, match=message):
+        read_model_config(d)
+    assert json.loads((d / "config.json").read_text())["model_type"]
