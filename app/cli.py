@@ -72,7 +72,6 @@ def _run(args: argparse.Namespace) -> int:
     import threading
 
     import torch
-
     from moechat.engine.generate import Engine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

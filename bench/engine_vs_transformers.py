@@ -52,32 +52,39 @@ def decode_bytes_per_token(spec: dict) -> int:
     return 4 * (L * per_layer + spec["vocab_size"] * H + H)
 
 
-def matvec_bandwidth(nbytes: int = 256 << 20, reps: int = 20) -> float:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def matvec_bandwidth(device: str, nbytes: int = 256 << 20, reps: int = 20) -> float:
     """Bytes/s this machine reads a large fp32 matrix at in a matrix-vector product (the decode pattern)."""
     rows = 8192
-    w = torch.randn(rows, nbytes // 4 // rows)
-    x = torch.randn(w.shape[1])
+    w = torch.randn(rows, nbytes // 4 // rows, device=device)
+    x = torch.randn(w.shape[1], device=device)
     torch.mv(w, x)
     times = []
     for _ in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         torch.mv(w, x)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return w.numel() * 4 / statistics.median(times)
 
 
-def run_moechat(path: Path, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
+def run_moechat(path: Path, prompt: list[int], new: int, device: str) -> tuple[float, float, list[int]]:
     from moechat.engine.generate import Engine
     from moechat.engine.sampling import SamplingParams
 
-    engine = Engine.load(path, dtype="float32", context=len(prompt) + new + 8)
+    engine = Engine.load(path, dtype="float32", context=len(prompt) + new + 8, device=device)
     greedy = SamplingParams(temperature=0.0, do_sample=False)
     chunks = list(engine.generate(prompt, sampling=greedy, max_tokens=new))
     return chunks[-1].prefill_tokens_per_s, chunks[-1].decode_tokens_per_s, [c.token_ids[0] for c in chunks]
 
 
 def run_transformers(model, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -96,26 +103,30 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--only", choices=sorted(MODELS))
+    parser.add_argument("--device", default="cpu")
     opts = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, prompt {opts.prompt}, "
+    print(f"torch {torch.__version__}, {opts.device}, {torch.get_num_threads()} threads, fp32, prompt {opts.prompt}, "
           f"{opts.new} greedy new tokens, median of {opts.runs} runs")
-    bandwidth = matvec_bandwidth()
+    bandwidth = matvec_bandwidth(opts.device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in MODELS.items():
             if opts.only and name != opts.only:
                 continue
             path = Path(tmp) / name
-            ref = build(path, spec)
-            prompt = torch.randint(0, spec["vocab_size"], (opts.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+            ref = build(path, spec).to(opts.device)
+            generator = torch.Generator().manual_seed(1)
+            prompt = torch.randint(0, spec["vocab_size"], (opts.prompt,), generator=generator).tolist()
             ours, theirs = [], []
             for _ in range(opts.runs):
-                ours.append(run_moechat(path, prompt, opts.new))
+                ours.append(run_moechat(path, prompt, opts.new, opts.device))
                 theirs.append(run_transformers(ref, prompt, opts.new))
             same = ours[0][2] == theirs[0][2]
-            med = lambda runs, i: statistics.median(r[i] for r in runs)  # noqa: E731
+            med = lambda runs, i: statistics.median(r[i] for r in runs)
             bound = bandwidth / decode_bytes_per_token(spec)
             rows.append((name, med(ours, 0), med(theirs, 0), med(ours, 1), med(theirs, 1), bound, same))
+            print(f"({name}: moechat decode {rows[-1][3]:.1f} tok/s, transformers {rows[-1][4]:.1f} tok/s)",
+                  flush=True)
             del ref
     print(f"matrix-vector read bandwidth: {bandwidth / 1e9:.1f} GB/s")
     header = (f"{'model':<6}{'prefill moechat':>16}{'prefill hf':>12}{'ratio':>7}{'decode moechat':>16}"
@@ -124,7 +135,7 @@ def main() -> None:
     print("-" * len(header))
     for name, pm, ph, dm, dh, bound, same in rows:
         print(f"{name:<6}{pm:>16.1f}{ph:>12.1f}{pm / ph:>7.2f}{dm:>16.1f}{dh:>11.1f}{dm / dh:>7.2f}"
-              f"{bound:>10.1f}{dm / bound:>15.2f}{str(same):>13}")
+              f"{bound:>10.1f}{dm / bound:>15.2f}{same!s:>13}")
     print("(tok/s; bw bound = measured matvec bandwidth / fp32 weight bytes read per decoded token)")
 
 

@@ -140,7 +140,7 @@ class Checkpoint:
         self._handles: dict[Path, object] = {}
 
     @classmethod
-    def open(cls, model_dir: str | os.PathLike) -> "Checkpoint":
+    def open(cls, model_dir: str | os.PathLike) -> Checkpoint:
         model_dir = Path(model_dir)
         index_path = model_dir / "model.safetensors.index.json"
         if index_path.exists():

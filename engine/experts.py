@@ -23,24 +23,50 @@ from .moe import ExpertBatch
 # T = tokens, K = top-k, C = slots, H = hidden size, I = expert intermediate size
 
 
+# Per-slot views of the slot buffers, built once per buffer (slot buffers live at fixed addresses for
+# the life of a provider): indexing a [C, ...] tensor costs a dispatcher call per use, and decode makes
+# 2K of them per layer.
+_SLOT_VIEWS: dict[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
+
+
+def _slot_views(w13: torch.Tensor, w2: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """w13[s] [2I, H] and w2[s].t() [I, H] for every slot s, cached per buffer."""
+    entry = _SLOT_VIEWS.get(id(w13))
+    if entry is None or entry[0] is not w13 or entry[1] is not w2:
+        entry = (w13, w2, list(w13.unbind(0)), [w.t() for w in w2.unbind(0)])
+        _SLOT_VIEWS[id(w13)] = entry
+    return entry[2], entry[3]
+
+
 def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I], [n, I]
     return F.linear(F.silu(gate) * up, w2)  # [n, H]
 
 
-def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * SwiGLU_{slot_ids[t, k]}(hidden_states[t]) -> [T, H] in the input dtype."""
+def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """[residual +] sum_k topk_weights[t, k] * SwiGLU_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype."""
     w13 = batch.tensors["w13"]  # [C, 2I, H]
     w2 = batch.tensors["w2"]  # [C, H, I]
     slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]
     dtype = hidden_states.dtype
     T, K = slot_ids.shape
+    if T == 1 and topk_weights.device.type == "cpu":
+        # Host weights cost nothing to read here: fold each into its down-projection GEMM, and the residual
+        # (or the previous expert's sum) into its accumulator: 4 ops per expert.
+        w13s, w2ts = _slot_views(w13, w2)
+        inter = w2.shape[-1]
+        out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
+        for s, weight in zip(slot_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
+            gate_up = F.linear(hidden_states, w13s[s])  # [1, 2I]
+            out = torch.addmm(out, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2ts[s], alpha=weight)  # [1, H]
+        return out
     if T == 1:
         out = None
         for k, s in enumerate(slot_ids[0].tolist()):
             y = (_swiglu(hidden_states, w13[s], w2[s]) * topk_weights[:, k : k + 1]).to(dtype)  # [1, H]
             out = y if out is None else out + y
-        return out
+        return out if residual is None else residual + out
 
     flat = slot_ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)  # [T*K], pairs grouped by slot
@@ -57,4 +83,4 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
             start += n
     out = torch.zeros_like(hidden_states)  # [T, H]
     out.index_add_(0, token_idx, (y_sorted * w_sorted[:, None]).to(dtype))
-    return out
+    return out if residual is None else residual + out

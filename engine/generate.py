@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
@@ -92,7 +92,7 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu",
-             context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> "Engine":
+             context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
         model_dir = Path(model_dir)
         from .loader import read_model_config
 
@@ -205,7 +205,7 @@ class Engine:
                     return
                 logits = self._forward(seq, [token])
 
-    def conversation(self, system: str | None = None) -> "Conversation":
+    def conversation(self, system: str | None = None) -> Conversation:
         return Conversation(self, system)
 
 

@@ -13,8 +13,9 @@ a fixed pool of C slots, so model files never change when the cache does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +29,13 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     Qwen3-MoE / OLMoE (`norm_topk_prob`) and Mixtral (always renormalised). Returns fp32 weights
     [T, K] and int64 ids [T, K]; ties go to the lower expert id, as torch.topk does in transformers.
     """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, K], [T, K]
     if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
+        # softmax is monotonic and renormalising the top-k probabilities is a softmax over their logits:
+        # same experts, same weights (to rounding), two ops instead of four on the decode path.
+        topk_logits, topk_ids = torch.topk(router_logits.float(), top_k, dim=-1)  # [T, K], [T, K]
+        return torch.softmax(topk_logits, dim=-1), topk_ids
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    return torch.topk(probs, top_k, dim=-1)  # [T, K], [T, K]
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import moechat.app
 import moechat.engine
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,4 +25,4 @@ PLANNED_MOE = {"deepseek_v2", "deepseek_v3", "gpt_oss", "qwen2_moe", "glm4_moe",
 DENSE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3", "gpt2", "olmo",
          "olmo2", "falcon", "gpt_neox", "starcoder2", "cohere", "granite", "smollm3"}
 
-__all__ = ["ARCHITECTURES", "PLANNED_MOE", "DENSE", "MoEForCausalLM"]
+__all__ = ["ARCHITECTURES", "DENSE", "PLANNED_MOE", "MoEForCausalLM"]

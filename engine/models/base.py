@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..experts import expert_compute
@@ -59,7 +59,7 @@ class BaseModelArgs:
     aliases: ClassVar[dict[str, str]] = {}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BaseModelArgs":
+    def from_dict(cls, d: dict) -> BaseModelArgs:
         """Unknown keys are dropped; an alias fills its field when the canonical key is absent."""
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
@@ -166,6 +166,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.qk_norm = qk_norm
         self.eps = args.rms_norm_eps
+        self.scale = D**-0.5
         self.window = args.attention_window
         self.clip_qkv = getattr(args, "clip_qkv", None)
         self.q_proj = nn.Linear(H, self.n_heads * D, bias=args.attention_bias)
@@ -186,19 +187,27 @@ class Attention(nn.Module):
         self.qkv_bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
                          if self.q_proj.bias is not None else None)
         del self.q_proj, self.k_proj, self.v_proj
+        # Plain tensors, not Parameters, for the hot path: a Parameter or sub-module attribute goes through
+        # nn.Module.__getattr__, ~1 us a lookup, dozens per decode step.
+        self.o_weight_t = self.o_proj.weight.detach().t()  # [nH*D, H] view, for addmm
+        self.o_bias = None if self.o_proj.bias is None else self.o_proj.bias.detach()
+        if self.qk_norm == "full":
+            self.q_norm_weight, self.k_norm_weight = self.q_norm.weight.detach(), self.k_norm.weight.detach()
         if self.qk_norm == "head":
             self.qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.n_heads, -1),
                                              self.k_norm.weight.expand(self.n_kv, -1)])  # [nH+nKV, D]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int,
+                residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x) [T, H]; x is the normed input [T, H], positions start..start+T-1."""
         T = x.shape[0]
         nH, nKV, D = self.n_heads, self.n_kv, self.head_dim
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (nH+2nKV)*D]
         if self.qk_norm == "full" or self.clip_qkv is not None:
             q, k, v = qkv.split(self.split, dim=-1)
             if self.qk_norm == "full":
-                q = rms_norm(q, self.q_norm.weight, self.eps)
-                k = rms_norm(k, self.k_norm.weight, self.eps)
+                q = rms_norm(q, self.q_norm_weight, self.eps)
+                k = rms_norm(k, self.k_norm_weight, self.eps)
             if self.clip_qkv is not None:
                 q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
             qk = torch.cat([q, k], dim=-1).view(T, nH + nKV, D)  # [T, nH+nKV, D]
@@ -211,16 +220,19 @@ class Attention(nn.Module):
         qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # [T, nH+nKV, D]
         end = start + T
         kc, vc = kv.k[self.layer], kv.v[self.layer]  # [nKV, S, D]
+        first = 0 if self.window is None else max(0, start - self.window + 1)  # oldest key any query sees
+        if T == 1:
+            kc.select(1, start).copy_(qk[0, nH:])
+            vc.select(1, start).copy_(v.view(nKV, D))
+            # The G query heads sharing a KV head become G "query positions" of that head: no repeat of K/V.
+            # Written out rather than SDPA: SDPA's CPU math path scales a copy of all S keys every step.
+            scores = torch.matmul(qk[0, :nH].view(nKV, nH // nKV, D), kc[:, first:end].transpose(1, 2))  # [nKV, G, S]
+            out = torch.matmul(torch.softmax(scores * self.scale, dim=-1), vc[:, first:end])  # [nKV, G, D]
+            return self._out(out.view(1, nH * D), residual)
         kc[:, start:end] = qk[:, nH:].transpose(0, 1)
         vc[:, start:end] = v.view(T, nKV, D).transpose(0, 1)
-        first = 0 if self.window is None else max(0, start - self.window + 1)  # oldest key any query sees
         keys, values = kc[:, first:end], vc[:, first:end]  # [nKV, S, D]
-        q = qk[:, :nH]  # [T, nH, D]
-        if T == 1:
-            # The G query heads sharing a KV head become G "query positions" of that head: no repeat of K/V.
-            out = F.scaled_dot_product_attention(q.view(nKV, nH // nKV, D), keys, values)  # [nKV, G, D]
-            return F.linear(out.reshape(1, nH * D), self.o_proj.weight, self.o_proj.bias)
-        q = q.transpose(0, 1)  # [nH, T, D]
+        q = qk[:, :nH].transpose(0, 1)  # [nH, T, D]
         if start == 0 and self.window is None:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=nH != nKV)
         else:
@@ -230,7 +242,12 @@ class Attention(nn.Module):
             if self.window is not None:
                 mask &= kpos > qpos - self.window
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nH != nKV)
-        return F.linear(out.transpose(0, 1).reshape(T, nH * D), self.o_proj.weight, self.o_proj.bias)  # [T, H]
+        return self._out(out.transpose(0, 1).reshape(T, nH * D), residual)  # [T, H]
+
+    def _out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + o_proj(attn) as one GEMM-with-accumulate."""
+        out = torch.addmm(residual, attn, self.o_weight_t)  # [T, H]
+        return out if self.o_bias is None else out + self.o_bias
 
 
 class MLP(nn.Module):
@@ -264,11 +281,12 @@ class SparseMoeBlock(nn.Module):
         self.top_k = args.top_k
         self.renormalize = args.renormalize
 
-    def forward(self, x: torch.Tensor, provider: ExpertProvider) -> torch.Tensor:
-        router_logits = F.linear(x, self.gate.weight)  # [T, E]
+    def forward(self, x: torch.Tensor, provider: ExpertProvider, residual: torch.Tensor) -> torch.Tensor:
+        """residual + MoE(x) [T, H]."""
+        router_logits = F.linear(x, self.gate_weight)  # [T, E]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)  # [T, K], [T, K]
         batch = provider.prepare(self.layer, topk_ids)
-        return expert_compute(x, topk_weights, batch)
+        return expert_compute(x, topk_weights, batch, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -288,11 +306,18 @@ class DecoderLayer(nn.Module):
     def finalize(self) -> None:
         self.self_attn.finalize()
         self.ffn = getattr(self, self.mlp_attr)
+        self.attn = self.self_attn
+        self.w_in = self.input_layernorm.weight.detach()
+        self.w_post = self.post_attention_layernorm.weight.detach()
+        if self.is_moe:
+            self.ffn.gate_weight = self.ffn.gate.weight.detach()
 
     def forward(self, x, cos, sin, kv: KVCache, start: int, provider: ExpertProvider) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, kv, start)
-        h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
-        return x + (self.ffn(h, provider) if self.is_moe else self.ffn(h))
+        # Sub-modules are called through .forward: nn.Module.__call__ costs microseconds per call, and a
+        # decode step makes hundreds of them.
+        x = self.attn.forward(rms_norm(x, self.w_in, self.eps), cos, sin, kv, start, x)
+        h = rms_norm(x, self.w_post, self.eps)
+        return self.ffn.forward(h, provider, x) if self.is_moe else x + self.ffn.forward(h)
 
 
 class DecoderBody(nn.Module):
@@ -322,7 +347,10 @@ class MoEForCausalLM(nn.Module):
         """After the weights are assigned: fused weights and the RoPE table for max_positions."""
         for layer in self.model.layers:
             layer.finalize()
-        self.lm_weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        self.layer_list = list(self.model.layers)
+        self.embed_weight = self.model.embed_tokens.weight.detach()
+        self.norm_weight = self.model.norm.weight.detach()
+        self.lm_weight = (self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head).weight.detach()
         D = self.args.head_dim
         device = self.model.embed_tokens.weight.device
         dtype = self.model.embed_tokens.weight.dtype
@@ -340,12 +368,12 @@ class MoEForCausalLM(nn.Module):
         start = kv.length
         T = input_ids.shape[0]
         kv.reserve(T)
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, H]
+        x = F.embedding(input_ids, self.embed_weight)  # [T, H]
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, D]
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv, start, provider)
+        for layer in self.layer_list:
+            x = layer.forward(x, cos, sin, kv, start, provider)
         kv.length = start + T
-        return rms_norm(x, self.model.norm.weight, self.args.rms_norm_eps)
+        return rms_norm(x, self.norm_weight, self.args.rms_norm_eps)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_states, self.lm_weight).float()  # [T, V]

@@ -7,9 +7,8 @@ is `block_sparse_moe` with experts named w1 (gate), w3 (up), w2 (down). Mixtral-
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM
 

@@ -6,9 +6,8 @@ of 64 without renormalisation by default. One expert: 3 x 1024 x 2048 x 2 B = 12
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM
 

@@ -7,9 +7,8 @@ experts, top-8, I=768: one expert is 3 x 768 x 2048 x 2 B = 9.4 MB in bf16.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM
 

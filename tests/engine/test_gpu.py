@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moechat.engine.generate import Engine
 from moechat.engine.sampling import SamplingParams
 
@@ -22,7 +21,7 @@ def test_cuda_matches_cpu(tiny_models, name):
         a = cpu._forward(cpu.new_sequence(), ids)
         b = gpu._forward(gpu.new_sequence(), ids).cpu()
     assert (a - b).abs().max().item() < 1e-3
-    tok = lambda e: [t for c in e.generate(ids, sampling=GREEDY, max_tokens=24) for t in c.token_ids]  # noqa: E731
+    tok = lambda e: [t for c in e.generate(ids, sampling=GREEDY, max_tokens=24) for t in c.token_ids]
     assert tok(cpu) == tok(gpu)
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-
 from moechat.engine.generate import Engine
 from moechat.engine.sampling import SamplingParams
 
