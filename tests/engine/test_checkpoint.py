@@ -150,7 +150,8 @@ def test_fused_expert_layout_loads_the_same(tiny_models, model_dir):
     def fuse(t):
         for layer in range(3):
             p = f"model.layers.{layer}.mlp.experts"
-            gate_up = [torch.cat([t.pop(f"{p}.{e}.gate_proj.weight"), t.pop(f"{p}.{e}.up_proj.weight")]) for e in range(8)]
+            gate_up = [torch.cat([t.pop(f"{p}.{e}.gate_proj.weight"), t.pop(f"{p}.{e}.up_proj.weight")])
+                       for e in range(8)]
             down = [t.pop(f"{p}.{e}.down_proj.weight") for e in range(8)]
             t[f"{p}.gate_up_proj"] = torch.stack(gate_up)
             t[f"{p}.down_proj"] = torch.stack(down)

@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
+import transformers
 from moechat.engine.errors import ConfigError
 from moechat.engine.sampling import Sampler, SamplingParams
-
-transformers = pytest.importorskip("transformers")
 from transformers.generation import logits_process as lp
 
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
