@@ -65,17 +65,53 @@ def build_parser() -> argparse.ArgumentParser:
                      "cache for (default 4096, at most the model's)")
     run.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    cache = run.add_argument_group("expert cache", "keep only N experts on the compute device, the rest in RAM "
+                                   "or on disk (default: every expert resident)")
+    cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")
+    cache.add_argument("--policy", choices=_policies(), help="eviction policy of the slots (default: %(default)s)",
+                       default=_default_policy())
+    cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
+                       "experts beyond it stream from disk (default: every expert in RAM)")
+    cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
     return parser
+
+
+def _policies() -> list[str]:
+    from moechat.engine.cache.policy import POLICIES  # pure Python: no torch at start-up
+
+    return list(POLICIES)
+
+
+def _default_policy() -> str:
+    from moechat.engine.cache.policy import DEFAULT_POLICY
+
+    return DEFAULT_POLICY
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
 
 
 def _run(args: argparse.Namespace) -> int:
     import threading
 
     import torch
+    from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.generate import Engine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context)
+    cache = None
+    if args.expert_slots or args.ram_cache_mb is not None or args.record_trace:
+        cache = CacheConfig(expert_slots=args.expert_slots, policy=args.policy,
+                            ram_cache_bytes=None if args.ram_cache_mb is None else args.ram_cache_mb << 20,
+                            record_trace=bool(args.record_trace))
+    engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache)
     sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     if args.prompt_ids is not None:
@@ -105,7 +141,13 @@ def _run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
         print("moechat: stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    snapshot = engine.cache_snapshot()
+    if args.record_trace:
+        engine.provider.recorder.to_trace().save(args.record_trace)
     if args.json:
+        cache_json = snapshot.to_json() if snapshot is not None else {
+            "slots": None, "mode": "resident", "hits": 0, "misses": 0, "bytes_from_ram": 0, "bytes_from_disk": 0,
+            "expert_loads_prefill": 0, "expert_loads_decode": 0}
         print(json.dumps({
             "model": str(args.model_dir),
             "dtype": str(engine.loaded.dtype).removeprefix("torch."),
@@ -117,6 +159,7 @@ def _run(args: argparse.Namespace) -> int:
             "finish_reason": last.finish_reason if last else None,
             "prefill_tokens_per_s": last.prefill_tokens_per_s if last else 0.0,
             "decode_tokens_per_s": last.decode_tokens_per_s if last else 0.0,
+            "cache": cache_json,
         }))
     else:
         sys.stdout.write("\n")
@@ -124,6 +167,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"[{len(prompt_ids)} prompt tokens, {last.prefill_tokens_per_s:.1f} tok/s prefill; "
                   f"{len(token_ids)} generated, {last.decode_tokens_per_s:.1f} tok/s decode; "
                   f"{last.finish_reason}]", file=sys.stderr)
+            if snapshot is not None:
+                print(f"[cache: {snapshot.num_slots} slots, {snapshot.policy}, hit rate {snapshot.hit_rate:.1%}, "
+                      f"{snapshot.bytes_from_ram / 2**20:.1f} MiB from RAM, {snapshot.bytes_from_disk / 2**20:.1f} MiB "
+                      "from disk]", file=sys.stderr)
     return 0
 
 

@@ -45,42 +45,56 @@ def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
 
 def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
-    """[residual +] sum_k topk_weights[t, k] * SwiGLU_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype."""
+    """[residual +] sum_k topk_weights[t, k] * SwiGLU_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype.
+
+    With `batch.pairs` set (an expert-major group of a chunk that needs more experts than slots), only
+    those flat (t, k) pairs are computed; the others' slot ids are never read.
+    """
     w13 = batch.tensors["w13"]  # [C, 2I, H]
     w2 = batch.tensors["w2"]  # [C, H, I]
     slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]
     dtype = hidden_states.dtype
     T, K = slot_ids.shape
-    if T == 1 and topk_weights.device.type == "cpu":
-        # Host weights cost nothing to read here: fold each into its down-projection GEMM, and the residual
-        # (or the previous expert's sum) into its accumulator: 4 ops per expert.
-        w13s, w2ts = _slot_views(w13, w2)
-        inter = w2.shape[-1]
-        out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
-        for s, weight in zip(slot_ids[0].tolist(), topk_weights[0].tolist(), strict=True):
-            gate_up = F.linear(hidden_states, w13s[s])  # [1, 2I]
-            out = torch.addmm(out, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2ts[s], alpha=weight)  # [1, H]
-        return out
+    pairs = batch.pairs
     if T == 1:
-        out = None
-        for k, s in enumerate(slot_ids[0].tolist()):
-            y = (_swiglu(hidden_states, w13[s], w2[s]) * topk_weights[:, k : k + 1]).to(dtype)  # [1, H]
-            out = y if out is None else out + y
-        return out if residual is None else residual + out
+        ks = range(K) if pairs is None else pairs.tolist()
+        slots = slot_ids[0].tolist()
+        if topk_weights.device.type == "cpu":
+            # Host weights cost nothing to read here: fold each into its down-projection GEMM, and the
+            # residual (or the previous expert's sum) into its accumulator: 4 ops per expert.
+            w13s, w2ts = _slot_views(w13, w2)
+            inter = w2.shape[-1]
+            weights = topk_weights[0].tolist()
+            out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
+            for k in ks:
+                gate_up = F.linear(hidden_states, w13s[slots[k]])  # [1, 2I]
+                out = torch.addmm(out, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2ts[slots[k]],
+                                  alpha=weights[k])  # [1, H]
+            return out
+        out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
+        for k in ks:
+            s = slots[k]
+            out = out + (_swiglu(hidden_states, w13[s], w2[s]) * topk_weights[:, k : k + 1]).to(dtype)  # [1, H]
+        return out
 
     flat = slot_ids.reshape(-1)  # [T*K]
-    order = torch.argsort(flat, stable=True)  # [T*K], pairs grouped by slot
+    if pairs is not None:
+        pairs_cpu = pairs.cpu()
+        flat = flat.index_select(0, pairs_cpu)  # [P]
+    order = torch.argsort(flat, stable=True)  # [P], pairs grouped by slot
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    if pairs is not None:
+        order = pairs_cpu.index_select(0, order)  # back to flat (t, k) indices
     device_order = order.to(hidden_states.device)
-    token_idx = device_order // K  # [T*K]
-    x_sorted = hidden_states.index_select(0, token_idx)  # [T*K, H]
-    w_sorted = topk_weights.reshape(-1).index_select(0, device_order)  # [T*K]
-    y_sorted = torch.empty_like(x_sorted)  # [T*K, H]
+    token_idx = device_order // K  # [P]
+    x_sorted = hidden_states.index_select(0, token_idx)  # [P, H]
+    w_sorted = topk_weights.reshape(-1).index_select(0, device_order)  # [P]
+    y_sorted = torch.empty_like(x_sorted)  # [P, H]
     start = 0
     for s, n in enumerate(counts):
         if n:
             y_sorted[start : start + n] = _swiglu(x_sorted[start : start + n], w13[s], w2[s])
             start += n
-    out = torch.zeros_like(hidden_states)  # [T, H]
+    out = residual.clone() if residual is not None else torch.zeros_like(hidden_states)  # [T, H]
     out.index_add_(0, token_idx, (y_sorted * w_sorted[:, None]).to(dtype))
-    return out if residual is None else residual + out
+    return out

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .cache.provider import CacheConfig, build_cached_provider
+from .cache.stats import CacheSnapshot
 from .chat_template import ChatTemplate
 from .checkpoint import read_json
 from .errors import ChatTemplateError, MoechatError, TokenizerError
@@ -50,6 +52,7 @@ class GenerationChunk:
     generated_tokens: int = 0  # tokens generated so far
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    cache: CacheSnapshot | None = None  # on the last chunk, when the experts are cached
 
 
 @dataclass
@@ -92,13 +95,20 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu",
-             context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
+             context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+             cache: CacheConfig | None = None) -> Engine:
+        """Load a model directory. With `cache`, experts go to a slot pool over RAM/disk tiers."""
         model_dir = Path(model_dir)
         from .loader import read_model_config
 
         _, args, _ = read_model_config(model_dir)
         context = min(context or DEFAULT_CONTEXT, args.max_position_embeddings)
-        loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context)
+        loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context,
+                            resident_experts=cache is None)
+        provider = None
+        if cache is not None:
+            provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
+                                             loaded.device, cache)
         gen_path = model_dir / "generation_config.json"
         generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
         tokenizer = Tokenizer.from_model_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -106,7 +116,7 @@ class Engine:
         if template is not None and tokenizer is not None:
             template = ChatTemplate.from_string(template.source, {**tokenizer.special_tokens,
                                                                    **template.special_tokens})
-        return cls(loaded, tokenizer, template, generation_config, context, prefill_chunk)
+        return cls(loaded, tokenizer, template, generation_config, context, prefill_chunk, provider)
 
     # -- text <-> ids ---------------------------------------------------------------------------
     def _need_tokenizer(self) -> Tokenizer:
@@ -196,14 +206,19 @@ class Engine:
                 now = time.perf_counter()
                 decode_rate = (len(generated) - 1) / (now - t_first) if len(generated) > 1 else 0.0
                 yield GenerationChunk(text, (token,), finish, len(prompt_ids), len(generated), prefill_rate,
-                                      decode_rate)
+                                      decode_rate, self.cache_snapshot() if finish else None)
                 if finish is not None:
                     return
                 if cancel is not None and cancel.is_set():
                     yield GenerationChunk("", (), "cancelled", len(prompt_ids), len(generated), prefill_rate,
-                                          decode_rate)
+                                          decode_rate, self.cache_snapshot())
                     return
                 logits = self._forward(seq, [token])
+
+    def cache_snapshot(self) -> CacheSnapshot | None:
+        """The expert cache right now (None when every expert is resident)."""
+        snapshot = getattr(self.provider, "snapshot", None)
+        return snapshot() if snapshot is not None else None
 
     def conversation(self, system: str | None = None) -> Conversation:
         return Conversation(self, system)

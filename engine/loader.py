@@ -109,13 +109,15 @@ class LoadedModel:
     args: BaseModelArgs
     raw_config: dict
     checkpoint: Checkpoint
-    provider: ResidentProvider
+    provider: ResidentProvider | None  # None when the experts are left to a cache
     dtype: torch.dtype
     device: torch.device
+    cls: type[MoEForCausalLM] | None = None
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device: str | torch.device = "cpu",
-               max_positions: int | None = None) -> LoadedModel:
+               max_positions: int | None = None, resident_experts: bool = True) -> LoadedModel:
+    """Load and validate a model; with resident_experts=False the experts are left on disk for a cache."""
     model_dir = Path(model_dir)
     cls, args, raw = read_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, args)
@@ -128,6 +130,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     model.load_state_dict(state, assign=True, strict=True)
     model.finalize(max_positions or args.max_position_embeddings)
     model.eval()
+    if not resident_experts:
+        return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls)
     E, I, H = args.num_experts, args.moe_intermediate, args.hidden_size
     w13, w2 = {}, {}
     for layer in cls.moe_layers(args):
@@ -138,4 +142,4 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
             w13[layer][e].copy_(tensors["w13"])
             w2[layer][e].copy_(tensors["w2"])
     provider = ResidentProvider(w13, w2, args.num_hidden_layers)
-    return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device)
+    return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device, cls)

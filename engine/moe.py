@@ -13,7 +13,7 @@ a fixed pool of C slots, so model files never change when the cache does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -43,13 +43,16 @@ class ExpertBatch:
     """What expert compute needs for one layer: slot buffers by tensor name, and slot ids.
 
     `tensors["w13"]` is [C, 2I, H] (gate rows then up rows), `tensors["w2"]` is [C, H, I]. `slot_ids`
-    is shaped like topk_ids ([T, K]) and never holds -1 for a correct provider. `slot_ids_cpu` is
-    the host copy when the provider already read the ids (the one host sync a layer may make).
+    is shaped like topk_ids ([T, K]) and never holds -1 for a pair that is computed. `slot_ids_cpu` is
+    the host copy when the provider already read the ids (the one host sync a layer may make). `pairs`
+    restricts the batch to some flat (t, k) pairs: one expert-major group of a chunk that needs more
+    experts than there are slots.
     """
 
     tensors: Mapping[str, torch.Tensor]
     slot_ids: torch.Tensor  # [T, K]
     slot_ids_cpu: torch.Tensor | None = field(default=None)
+    pairs: torch.Tensor | None = field(default=None)  # [P] flat (t, k) indices to compute; None = all
 
 
 @runtime_checkable
@@ -61,6 +64,10 @@ class ExpertProvider(Protocol):
 
     def prepare(self, layer: int, topk_ids: torch.Tensor) -> ExpertBatch:
         """topk_ids [T, K] global expert ids of `layer` -> an ExpertBatch for exactly those experts."""
+        ...
+
+    def batches(self, layer: int, topk_ids: torch.Tensor) -> Iterator[ExpertBatch]:
+        """Like prepare, as one or more batches whose pairs cover every (t, k) exactly once."""
         ...
 
 
@@ -77,6 +84,9 @@ class ResidentProvider:
     def prepare(self, layer: int, topk_ids: torch.Tensor) -> ExpertBatch:
         slot_ids_cpu = topk_ids if topk_ids.device.type == "cpu" else None
         return ExpertBatch(self._tensors[layer], topk_ids, slot_ids_cpu)
+
+    def batches(self, layer: int, topk_ids: torch.Tensor) -> Iterator[ExpertBatch]:
+        yield self.prepare(layer, topk_ids)
 
     def expert_weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """One expert's tensors by name (views, no copy): what a cache tier stores per (layer, expert)."""

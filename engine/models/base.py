@@ -285,8 +285,9 @@ class SparseMoeBlock(nn.Module):
         """residual + MoE(x) [T, H]."""
         router_logits = F.linear(x, self.gate_weight)  # [T, E]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)  # [T, K], [T, K]
-        batch = provider.prepare(self.layer, topk_ids)
-        return expert_compute(x, topk_weights, batch, residual=residual)
+        for batch in provider.batches(self.layer, topk_ids):  # one batch unless the slots are too few
+            residual = expert_compute(x, topk_weights, batch, residual=residual)
+        return residual
 
 
 class DecoderLayer(nn.Module):

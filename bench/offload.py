@@ -1,0 +1,143 @@
+"""Experts several times the RAM budget: moechat (slots + RAM cache + disk) vs transformers + accelerate
+disk offload under the same budget. One run, each engine in its own process (so peak RSS is its own),
+the page cache of the model's files dropped before each run (posix_fadvise DONTNEED).
+
+    pip install accelerate    # transformers' offloading needs it (not a moechat dependency)
+    python bench/offload.py [--budget-mb 256] [--new 64] [--hf-new 8]
+
+transformers with `device_map` offloading re-reads every offloaded weight on every forward pass, so it
+gets fewer tokens (--hf-new) and is reported per token like moechat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SPEC = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=64, num_experts=64, num_experts_per_tok=4, moe_intermediate_size=512, intermediate_size=1024,
+            norm_topk_prob=True)
+
+
+def build(path: Path) -> None:
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**SPEC, max_position_embeddings=1024, initializer_range=0.05,
+                                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
+        path, max_shard_size="512MB")
+
+
+def drop_page_cache(path: Path) -> None:
+    for f in path.glob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def child_moechat(path: str, budget: int, prompt: list[int], new: int, slots: int) -> dict:
+    from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.generate import Engine
+    from moechat.engine.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = Engine.load(path, dtype="float32", context=len(prompt) + new + 8,
+                         cache=CacheConfig(expert_slots=slots, ram_cache_bytes=budget))
+    load_s = time.perf_counter() - t0
+    chunks = list(engine.generate(prompt, sampling=SamplingParams(temperature=0.0, do_sample=False),
+                                  max_tokens=new))
+    snap = chunks[-1].cache
+    return {"load_s": load_s, "decode_tok_s": chunks[-1].decode_tokens_per_s,
+            "prefill_tok_s": chunks[-1].prefill_tokens_per_s, "tokens": [c.token_ids[0] for c in chunks],
+            "bytes_read": snap.bytes_from_disk, "hit_rate": snap.hit_rate}
+
+
+def child_transformers(path: str, budget: int, prompt: list[int], new: int) -> dict:
+    import torch
+    import transformers
+
+    offload = tempfile.mkdtemp(prefix="hf-offload-")
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, device_map="auto", max_memory={"cpu": budget}, offload_folder=offload)
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        t2 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        t3 = time.perf_counter()
+    prefill = t2 - t1
+    return {"load_s": load_s, "decode_tok_s": (new - 1) / max((t3 - t2) - prefill, 1e-9),
+            "prefill_tok_s": len(prompt) / prefill, "tokens": out[0, len(prompt):].tolist()}
+
+
+def run_child(kind: str, path: Path, budget: int, prompt: list[int], new: int, slots: int) -> dict:
+    drop_page_cache(path)
+    args = json.dumps({"kind": kind, "path": str(path), "budget": budget, "prompt": prompt, "new": new,
+                       "slots": slots})
+    out = subprocess.run([sys.executable, __file__, "--child", args], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{kind} run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget-mb", type=int, default=256, help="RAM budget for the experts")
+    parser.add_argument("--slots", type=int, default=64, help="moechat expert slots (RAM on a CPU)")
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--hf-new", type=int, default=8)
+    parser.add_argument("--child")
+    opts = parser.parse_args()
+    if opts.child:
+        a = json.loads(opts.child)
+        if a["kind"] == "moechat":
+            result = child_moechat(a["path"], a["budget"], a["prompt"], a["new"], a["slots"])
+        else:
+            result = child_transformers(a["path"], a["budget"], a["prompt"], a["new"])
+        result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
+    budget = opts.budget_mb << 20
+    prompt = [(13 * i + 5) % SPEC["vocab_size"] for i in range(32)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model"
+        build(path)
+        L, E, I, H = SPEC["num_hidden_layers"], SPEC["num_experts"], SPEC["moe_intermediate_size"], SPEC["hidden_size"]
+        expert_bytes = 3 * I * H * 4
+        print(f"model: {L} layers x {E} experts of {expert_bytes / 2**20:.1f} MiB = {L * E * expert_bytes / 2**30:.2f} "
+              f"GiB of experts (fp32), top-{SPEC['num_experts_per_tok']}; RAM budget {opts.budget_mb} MiB "
+              f"({L * E * expert_bytes / budget:.1f}x smaller); moechat slots: {opts.slots} "
+              f"({opts.slots * expert_bytes / 2**20:.0f} MiB)")
+        ours = run_child("moechat", path, budget, prompt, opts.new, opts.slots)
+        theirs = run_child("transformers", path, budget, prompt, opts.hf_new, opts.slots)
+    same = ours["tokens"][: opts.hf_new] == theirs["tokens"]
+    per_token = ours["bytes_read"] / max(opts.new, 1)
+    rows = [("moechat", ours, f"{per_token / 2**20:.1f}"), ("transformers+accelerate", theirs, "all offloaded")]
+    header = f"{'engine':<26}{'decode tok/s':>14}{'prefill tok/s':>15}{'load s':>9}{'peak RSS MiB':>14}{'read/token MiB':>16}"
+    print(header)
+    print("-" * len(header))
+    for name, r, read in rows:
+        print(f"{name:<26}{r['decode_tok_s']:>14.2f}{r['prefill_tok_s']:>15.1f}{r['load_s']:>9.1f}"
+              f"{r['peak_rss_mb']:>14.0f}{read:>16}")
+    print(f"decode ratio moechat / transformers: {ours['decode_tok_s'] / theirs['decode_tok_s']:.0f}x; "
+          f"moechat hit rate {ours['hit_rate']:.1%}; first {opts.hf_new} greedy tokens identical: {same}")
+
+
+if __name__ == "__main__":
+    main()

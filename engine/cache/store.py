@@ -1,0 +1,216 @@
+"""Where experts live when they are not in a slot: the host tier (RAM) over the disk tier.
+
+An expert is a set of named tensors (`w13` [2I, H], `w2` [H, I]); a store copies one expert into the
+slot views it is given and says which tier the bytes came from. Three stores:
+
+* `DiskStore` reads an expert straight from the safetensors shards with `os.preadv` into the
+  destination memory: no mmap, so streamed experts do not pile up in the process's RSS, and a
+  per-expert read is 2-3 contiguous ranges (gate, up, down) of the shard. Measured against the mmap
+  path in `bench/offload.py`.
+* `RamStore`: every expert in RAM (pinned when CUDA is present, so copies to the device are DMA).
+* `RamCache`: a fixed slab of N experts (N = budget // expert bytes, allocated once, so the tier can
+  never exceed its budget) managed by an eviction policy, over a `DiskStore`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import Checkpoint, TensorInfo
+from ..errors import CheckpointError
+from ..models.base import MoEForCausalLM
+from .policy import make_policy
+
+RAM, DISK = "ram", "disk"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous byte range of a shard and the rows of a named expert tensor it fills."""
+
+    name: str
+    row_start: int
+    row_end: int
+    file: Path
+    offset: int
+    nbytes: int
+
+
+def expert_shapes(args, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    I, H = args.moe_intermediate, args.hidden_size
+    return {"w13": ((2 * I, H), dtype), "w2": ((H, I), dtype)}
+
+
+class DiskStore:
+    """Experts read from the shards on every request (the page cache may still help; see bench)."""
+
+    tier = DISK
+
+    def __init__(self, cls: type[MoEForCausalLM], args, ckpt: Checkpoint, dtype: torch.dtype):
+        self.args = args
+        self.dtype = dtype
+        self.shapes = expert_shapes(args, dtype)
+        self.expert_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in self.shapes.values())
+        self._segments: dict[tuple[int, int], list[Segment]] = {}
+        self._stored_dtype: torch.dtype | None = None
+        from ..checkpoint import SAFETENSORS_DTYPES
+        from ..loader import expert_tensor_names
+
+        I, H, E = args.moe_intermediate, args.hidden_size, args.num_experts
+        n = cls.expert_naming
+        for layer in cls.moe_layers(args):
+            fused = expert_tensor_names(cls, args, ckpt, layer)
+            for e in range(E):
+                if fused:
+                    gu, dn = ckpt.info(fused[0]), ckpt.info(fused[1])
+                    segs = [self._slice(gu, "w13", 0, 2 * I, e), self._slice(dn, "w2", 0, H, e)]
+                    infos = [gu, dn]
+                else:
+                    infos = [ckpt.info(n.gate.format(layer=layer, expert=e)), ckpt.info(n.up.format(layer=layer, expert=e)),
+                             ckpt.info(n.down.format(layer=layer, expert=e))]
+                    segs = [self._whole(infos[0], "w13", 0, I), self._whole(infos[1], "w13", I, 2 * I),
+                            self._whole(infos[2], "w2", 0, H)]
+                for info in infos:
+                    stored = SAFETENSORS_DTYPES[info.dtype]
+                    if self._stored_dtype not in (None, stored):
+                        raise CheckpointError(f"{info.file}: experts are stored in mixed dtypes ({info.dtype} and "
+                                              f"{self._stored_dtype}); moechat streams one dtype", path=str(info.file),
+                                              tensor=info.name)
+                    self._stored_dtype = stored
+                self._segments[(layer, e)] = segs
+        self._fds: dict[Path, int] = {}
+        self._staging: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _whole(info: TensorInfo, name: str, r0: int, r1: int) -> Segment:
+        return Segment(name, r0, r1, info.file, info.start, info.nbytes)
+
+    @staticmethod
+    def _slice(info: TensorInfo, name: str, r0: int, r1: int, expert: int) -> Segment:
+        per = info.nbytes // info.shape[0]  # bytes of one expert in a fused [E, ...] tensor
+        return Segment(name, r0, r1, info.file, info.start + expert * per, per)
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def _pread(self, seg: Segment, out: torch.Tensor) -> None:
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")  # the tensor's own bytes
+        done = 0
+        fd = self._fd(seg.file)
+        while done < seg.nbytes:
+            n = os.preadv(fd, [view[done:]], seg.offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{seg.file}: ended while reading an expert at byte {seg.offset + done} "
+                                      "(was the file truncated or replaced while moechat ran?)", path=str(seg.file))
+            done += n
+
+    def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+        direct = self._stored_dtype == self.dtype
+        for seg in self._segments[(layer, expert)]:
+            target = dst[seg.name][seg.row_start : seg.row_end]
+            if direct and target.device.type == "cpu" and target.is_contiguous():
+                self._pread(seg, target)
+            else:  # convert dtype and/or cross to the device through a host staging buffer
+                staging = self._staging_for(seg.name, target.shape)[: seg.row_end - seg.row_start]
+                self._pread(seg, staging)
+                target.copy_(staging)
+        return DISK, self.expert_bytes
+
+    def _staging_for(self, name: str, shape) -> torch.Tensor:
+        full = self.shapes[name][0]
+        buf = self._staging.get(name)
+        if buf is None:
+            buf = torch.empty(full, dtype=self._stored_dtype, pin_memory=torch.cuda.is_available())
+            self._staging[name] = buf
+        return buf
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class RamStore:
+    """Every expert in RAM, stacked per layer; filled once from the disk store."""
+
+    tier = RAM
+
+    def __init__(self, disk: DiskStore, layers: list[int], num_experts: int):
+        pin = torch.cuda.is_available()
+        self.shapes = disk.shapes
+        self.expert_bytes = disk.expert_bytes
+        self.used_bytes = self.expert_bytes * len(layers) * num_experts
+        self.budget_bytes = 0
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        for layer in layers:
+            self.tensors[layer] = {name: torch.empty((num_experts, *shape), dtype=dtype, pin_memory=pin)
+                                   for name, (shape, dtype) in self.shapes.items()}  # [E, ...]
+            for e in range(num_experts):
+                disk.read_into(layer, e, {name: t[e] for name, t in self.tensors[layer].items()})
+
+    def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+        src = self.tensors[layer]
+        for name, out in dst.items():
+            out.copy_(src[name][expert], non_blocking=True)
+        return RAM, self.expert_bytes
+
+
+class RamCache:
+    """A RAM tier bounded by a byte budget, with its own eviction policy, over the disk tier."""
+
+    tier = RAM
+
+    def __init__(self, disk: DiskStore, budget_bytes: int, policy: str = "lru"):
+        self.disk = disk
+        self.shapes = disk.shapes
+        self.expert_bytes = disk.expert_bytes
+        self.budget_bytes = budget_bytes
+        self.capacity = budget_bytes // self.expert_bytes
+        pin = torch.cuda.is_available()
+        self.slab = {name: torch.empty((self.capacity, *shape), dtype=dtype, pin_memory=pin)
+                     for name, (shape, dtype) in self.shapes.items()}  # [N, ...], allocated once
+        self.entry: dict[tuple[int, int], int] = {}
+        self.owner: list[tuple[int, int] | None] = [None] * self.capacity
+        self.policy = make_policy(policy, capacity=max(self.capacity, 1))
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self.entry) * self.expert_bytes
+
+    def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+        if self.capacity == 0:
+            return self.disk.read_into(layer, expert, dst)
+        key = (layer, expert)
+        self.policy.access(key)
+        idx = self.entry.get(key)
+        tier = RAM
+        if idx is None:
+            tier = DISK
+            if len(self.entry) < self.capacity:
+                idx = len(self.entry)
+            else:
+                victim = self.policy.victim(())
+                idx = self.entry.pop(victim)
+                self.policy.evict(victim)
+            self.disk.read_into(layer, expert, {name: t[idx] for name, t in self.slab.items()})
+            self.entry[key] = idx
+            self.owner[idx] = key
+            self.policy.admit(key)
+            assert self.used_bytes <= self.budget_bytes
+        for name, out in dst.items():
+            out.copy_(self.slab[name][idx], non_blocking=True)
+        return tier, self.expert_bytes

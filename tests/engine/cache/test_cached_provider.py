@@ -1,0 +1,133 @@
+"""Cached against resident: identical greedy output at any slot count and tier set-up."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moechat.app.cli import main
+from moechat.engine.cache.provider import CacheConfig
+from moechat.engine.cache.slots import READY
+from moechat.engine.cache.store import RamCache, RamStore
+from moechat.engine.cache.trace import RoutingTrace
+from moechat.engine.generate import Engine
+from moechat.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, do_sample=False)
+PROMPT = [(7 * i + 3) % 250 for i in range(21)]
+
+
+def _tokens(engine, prompt=PROMPT, n=16):
+    return [t for c in engine.generate(prompt, sampling=GREEDY, max_tokens=n) for t in c.token_ids]
+
+
+def _logits(engine, prompt=PROMPT, steps=4):
+    """Prefill logits, then `steps` greedy decode steps' logits."""
+    seq = engine.new_sequence()
+    out = []
+    with torch.inference_mode():
+        logits = engine._forward(seq, prompt)
+        for _ in range(steps):
+            out.append(logits)
+            logits = engine._forward(seq, [int(logits.argmax())])
+    return torch.stack(out)
+
+
+def _slot_counts(args, n_moe_layers):
+    E, K = args.num_experts, args.top_k
+    return sorted({1, K, E, n_moe_layers * E})
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_models):
+    out = {}
+    for name, (path, _) in tiny_models.items():
+        engine = Engine.load(path, dtype="float32", prefill_chunk=8)
+        out[name] = (engine, _tokens(engine), _logits(engine))
+    return out
+
+
+@pytest.mark.parametrize("tier", ["ram", "ram+disk"])
+def test_cached_matches_resident_at_every_slot_count(tiny_models, resident, tiny_name, tier):
+    path, _ = tiny_models[tiny_name]
+    ref_engine, ref_tokens, ref_logits = resident[tiny_name]
+    args = ref_engine.args
+    n_moe = len(ref_engine.loaded.provider.layers)
+    expert_bytes = 3 * args.moe_intermediate * args.hidden_size * 4
+    for slots in _slot_counts(args, n_moe):
+        # "ram+disk": a RAM tier of 3 experts, far fewer than the model's, the rest read from the shards
+        budget = None if tier == "ram" else 3 * expert_bytes
+        engine = Engine.load(path, dtype="float32", prefill_chunk=8,
+                             cache=CacheConfig(expert_slots=slots, policy="lru", ram_cache_bytes=budget))
+        store = engine.provider.store
+        assert isinstance(store, RamStore if tier == "ram" else RamCache)
+        assert _tokens(engine) == ref_tokens, f"{slots} slots"
+        err = (_logits(engine) - ref_logits).abs().max().item()
+        assert err < 1e-5, f"{slots} slots: logits differ by {err:.2e}"
+        snap = engine.cache_snapshot()
+        assert snap.slots_used <= slots and sum(snap.misses) > 0
+        if tier == "ram+disk":
+            assert snap.bytes_from_disk > 0 and store.used_bytes <= store.budget_bytes
+        # After every eviction path: each ready slot holds exactly its expert's bytes.
+        pool = engine.provider.pool
+        for slot, key in enumerate(pool.owner):
+            if key is not None:
+                assert pool.state[slot] == READY and pool.slot_map[key].item() == slot
+                want = ref_engine.loaded.provider.expert_weights(*key)
+                for name, tensor in pool.views(slot).items():
+                    assert torch.equal(tensor, want[name]), (slots, key, name)
+        # The device map and its host mirror agree, and -1 means absent.
+        assert np.array_equal(pool.slot_map.numpy(), pool.host_map)
+
+
+def test_prefill_loads_each_unique_expert_once(tiny_models):
+    path, _ = tiny_models["qwen3_moe"]  # 8 experts, top-2, 3 layers
+    prompt = list(range(40))
+    for slots in (1, 3, 100):
+        engine = Engine.load(path, dtype="float32", prefill_chunk=64,
+                             cache=CacheConfig(expert_slots=slots, policy="lru", record_trace=True))
+        seq = engine.new_sequence()
+        with torch.inference_mode():
+            engine._forward(seq, prompt)
+        trace = engine.provider.recorder.to_trace()
+        for layer, stats in enumerate(engine.provider.stats.layers):
+            unique = np.unique(trace.topk_ids[trace.layer == layer]).size
+            assert stats.expert_loads_prefill == unique, (slots, layer)
+            assert stats.misses == unique and stats.hits == 0
+            assert stats.expert_loads_decode == 0
+
+
+def test_ram_tier_never_exceeds_its_budget(tiny_models):
+    path, _ = tiny_models["olmoe"]
+    engine = Engine.load(path, dtype="float32",
+                         cache=CacheConfig(expert_slots=2, policy="lru", ram_cache_bytes=50_000))
+    store = engine.provider.store
+    slab_bytes = sum(t.numel() * t.element_size() for t in store.slab.values())
+    assert slab_bytes <= 50_000 and store.capacity == 50_000 // store.expert_bytes
+    _tokens(engine, n=24)
+    assert 0 < store.used_bytes <= store.budget_bytes
+
+
+def test_cli_cache_flags_and_trace(tiny_models, tmp_path, capsys):
+    path, ref = tiny_models["mixtral"]
+    trace_path = tmp_path / "trace.npz"
+    argv = ["run", str(path), "--prompt-ids", "5,6,7,8,9", "--max-tokens", "10", "--temperature", "0",
+            "--dtype", "float32", "--json"]
+    assert main(argv) == 0
+    resident = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--expert-slots", "2", "--policy", "lru", "--ram-cache-mb", "0",
+                 "--record-trace", str(trace_path)]) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert cached["token_ids"] == resident["token_ids"]
+    cache = cached["cache"]
+    assert cache["slots"] == 2 and cache["policy"] == "lru"
+    assert cache["hits"] + cache["misses"] > 0 and cache["bytes_from_ram"] == 0 and cache["bytes_from_disk"] > 0
+    assert cache["expert_loads_prefill"] > 0
+    assert resident["cache"]["mode"] == "resident"
+    trace = RoutingTrace.load(trace_path)
+    assert trace.num_layers == 3 and trace.top_k == 2
+    # 5 prompt tokens prefilled, then 9 decode steps (the 10th token is never fed), at each of 3 layers
+    assert (trace.phase == 0).sum() == 5 * 3 and (trace.phase == 1).sum() == 9 * 3
