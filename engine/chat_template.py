@@ -32,6 +32,7 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError, UndefinedError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+
 from moechat.engine.errors import ChatTemplateError, ConfigError
 
 __all__ = ["ChatTemplate"]

@@ -6,9 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
+
 import moechat.app
 import moechat.engine
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -37,7 +37,7 @@ class CacheConfig:
 
 
 def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.device,
-                          config: CacheConfig) -> "CachedProvider":
+                          config: CacheConfig) -> CachedProvider:
     """Slot pool + store + policy for a loaded model's experts, as `config` asks."""
     disk = DiskStore(cls, args, ckpt, dtype)
     layers = cls.moe_layers(args)

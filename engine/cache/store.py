@@ -71,8 +71,7 @@ class DiskStore:
                     segs = [self._slice(gu, "w13", 0, 2 * I, e), self._slice(dn, "w2", 0, H, e)]
                     infos = [gu, dn]
                 else:
-                    infos = [ckpt.info(n.gate.format(layer=layer, expert=e)), ckpt.info(n.up.format(layer=layer, expert=e)),
-                             ckpt.info(n.down.format(layer=layer, expert=e))]
+                    infos = [ckpt.info(name.format(layer=layer, expert=e)) for name in (n.gate, n.up, n.down)]
                     segs = [self._whole(infos[0], "w13", 0, I), self._whole(infos[1], "w13", I, 2 * I),
                             self._whole(infos[2], "w2", 0, H)]
                 for info in infos:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from moechat.app.cli import main
 from moechat.engine.generate import Engine
 from moechat.engine.sampling import SamplingParams

@@ -8,11 +8,12 @@ import struct
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from moechat.engine.checkpoint import Checkpoint, read_safetensors_header
 from moechat.engine.errors import CheckpointError, ConfigError, UnsupportedModelError
 from moechat.engine.generate import Engine
 from moechat.engine.loader import load_model
-from safetensors.torch import load_file, save_file
 
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
 

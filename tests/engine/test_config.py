@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from moechat.engine.errors import UnsupportedModelError
 from moechat.engine.loader import read_model_config
 

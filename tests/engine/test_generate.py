@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+
 from moechat.engine.errors import PromptTooLongError
 from moechat.engine.generate import Engine, GenerationChunk
 from moechat.engine.sampling import SamplingParams

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from moechat.engine.generate import Engine
 from moechat.engine.sampling import SamplingParams
 
@@ -30,3 +31,18 @@ def test_cuda_bfloat16_decode_runs(tiny_models):
     engine = Engine.load(path, dtype="bfloat16", device="cuda")
     chunks = list(engine.generate([1, 2, 3], sampling=GREEDY, max_tokens=8))
     assert chunks[-1].finish_reason == "length" and chunks[-1].decode_tokens_per_s > 0
+
+
+def test_cuda_cached_matches_resident(tiny_models):
+    from moechat.engine.cache.provider import CacheConfig
+
+    path, _ = tiny_models["qwen3_moe"]
+    ids = list(range(3, 30))
+    resident = Engine.load(path, dtype="float32", device="cuda")
+    want = [t for c in resident.generate(ids, sampling=GREEDY, max_tokens=16) for t in c.token_ids]
+    for slots, budget in [(1, None), (2, 3 * 32 * 64 * 4), (24, None)]:
+        cached = Engine.load(path, dtype="float32", device="cuda",
+                             cache=CacheConfig(expert_slots=slots, policy="lru", ram_cache_bytes=budget))
+        got = [t for c in cached.generate(ids, sampling=GREEDY, max_tokens=16) for t in c.token_ids]
+        assert got == want, (slots, budget)
+        assert cached.provider.pool.buffers["w13"].is_cuda

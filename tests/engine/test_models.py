@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from moechat.engine.generate import Engine
 from moechat.engine.sampling import SamplingParams
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from moechat.engine.experts import expert_compute
 from moechat.engine.moe import ExpertBatch, ExpertProvider, ResidentProvider, moe_reference, softmax_topk
 

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 import transformers
+from transformers.generation import logits_process as lp
+
 from moechat.engine.errors import ConfigError
 from moechat.engine.sampling import Sampler, SamplingParams
-from transformers.generation import logits_process as lp
 
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
                            "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,

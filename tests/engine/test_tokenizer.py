@@ -23,10 +23,11 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moechat.engine.errors import TokenizerError
-from moechat.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
+
+from moechat.engine.errors import TokenizerError
+from moechat.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
