@@ -215,6 +215,37 @@ class Engine:
                     return
                 logits = self._forward(seq, [token])
 
+    def retune_cache(self, *, expert_slots: int | None = None, policy: str | None = None,
+                     ram_cache_bytes: int | None = None) -> CacheSnapshot:
+        """Change the expert cache without reloading the model; call it between tokens (a safe point).
+
+        A resident model becomes cached on the first call. Slots carry their experts over, best ranked
+        first; a new RAM budget starts that tier empty.
+        """
+        from .cache.provider import CachedProvider
+        from .cache.store import RamCache, RamStore
+
+        loaded = self.loaded
+        if not isinstance(self.provider, CachedProvider):
+            config = CacheConfig(expert_slots=expert_slots, policy=policy or CacheConfig.policy,
+                                 ram_cache_bytes=ram_cache_bytes)
+            self.provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
+                                                  loaded.device, config)
+            loaded.provider = None  # the resident experts are released
+            return self.provider.snapshot()
+        provider = self.provider
+        if policy is not None:
+            provider.set_policy(policy)
+        if expert_slots is not None:
+            provider.resize(expert_slots)
+        if ram_cache_bytes is not None and ram_cache_bytes != getattr(provider.store, "budget_bytes", None):
+            disk = provider.store.disk
+            layers = loaded.cls.moe_layers(loaded.args)
+            all_bytes = disk.expert_bytes * len(layers) * loaded.args.num_experts
+            provider.store = (RamStore(disk, layers, loaded.args.num_experts) if ram_cache_bytes >= all_bytes
+                              else RamCache(disk, ram_cache_bytes, policy=provider.policy.name))
+        return provider.snapshot()
+
     def cache_snapshot(self) -> CacheSnapshot | None:
         """The expert cache right now (None when every expert is resident)."""
         snapshot = getattr(self.provider, "snapshot", None)

@@ -150,6 +150,42 @@ class CachedProvider:
                 stats.expert_loads_decode += 1
         stats.load_seconds += time.perf_counter() - t0
 
+    # -- live retuning (between tokens, from the thread that drives generation) ------------------------
+    def resize(self, num_slots: int) -> None:
+        """A new pool of num_slots slots; the experts the policy ranks highest are carried over."""
+        pool = self.pool
+        num_slots = max(1, min(num_slots, pool.num_layers * pool.num_experts))
+        if num_slots == pool.num_slots:
+            return
+        shapes = {name: (tuple(buf.shape[1:]), buf.dtype) for name, buf in pool.buffers.items()}
+        new = SlotPool(num_slots, pool.num_layers, pool.num_experts, shapes, pool.device)
+        keep = self._ranked_resident()[:num_slots]
+        for key in keep:
+            slot = new.begin_load(*key)
+            for name, view in new.views(slot).items():
+                view.copy_(pool.buffers[name][pool.slot_of(*key)])
+            new.finish_load(slot)
+        self.pool = new
+        self._reset_policy(self.policy.name, keep)
+
+    def set_policy(self, name: str) -> None:
+        if name != self.policy.name:
+            self._reset_policy(name, self._ranked_resident())
+
+    def _ranked_resident(self) -> list[tuple[int, int]]:
+        """Resident keys, most valuable first by the current policy (evicting one by one gives the order)."""
+        resident = [key for key in self.pool.owner if key is not None]
+        scores = self.policy.scores()
+        if scores:
+            return sorted(resident, key=lambda k: scores.get(k, 0.0), reverse=True)
+        return resident
+
+    def _reset_policy(self, name: str, resident: list[tuple[int, int]]) -> None:
+        self.policy = make_policy(name, capacity=self.pool.num_slots)
+        for key in reversed(resident):  # least valuable first, so recency-based policies keep the order
+            self.policy.access(key)
+            self.policy.admit(key)
+
     # -- for the UI and the CLI ------------------------------------------------------------------
     def snapshot(self) -> CacheSnapshot:
         total = self.stats.total()

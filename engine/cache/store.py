@@ -150,6 +150,7 @@ class RamStore:
 
     def __init__(self, disk: DiskStore, layers: list[int], num_experts: int):
         pin = torch.cuda.is_available()
+        self.disk = disk
         self.shapes = disk.shapes
         self.expert_bytes = disk.expert_bytes
         self.used_bytes = self.expert_bytes * len(layers) * num_experts

@@ -131,3 +131,25 @@ def test_cli_cache_flags_and_trace(tiny_models, tmp_path, capsys):
     assert trace.num_layers == 3 and trace.top_k == 2
     # 5 prompt tokens prefilled, then 9 decode steps (the 10th token is never fed), at each of 3 layers
     assert (trace.phase == 0).sum() == 5 * 3 and (trace.phase == 1).sum() == 9 * 3
+
+
+def test_retune_between_tokens_keeps_output_identical(tiny_models, resident):
+    """Resize the pool, switch policy and bound the RAM tier mid-generation: same greedy tokens."""
+    path, _ = tiny_models["qwen3_moe"]
+    _, ref_tokens, _ = resident["qwen3_moe"]
+    engine = Engine.load(path, dtype="float32", prefill_chunk=8)
+    got = []
+    changes = {3: dict(expert_slots=4), 6: dict(policy="lfu"), 9: dict(expert_slots=1, ram_cache_bytes=20_000),
+               12: dict(expert_slots=24, ram_cache_bytes=10**9)}
+    for i, chunk in enumerate(engine.generate(PROMPT, sampling=GREEDY, max_tokens=16)):
+        got.extend(chunk.token_ids)
+        if i in changes:
+            snap = engine.retune_cache(**changes[i])
+            assert snap.num_slots == changes[i].get("expert_slots", snap.num_slots)
+    assert got == ref_tokens
+    snap = engine.cache_snapshot()
+    assert snap.policy == "lfu" and snap.num_slots == 24 and isinstance(engine.provider.store, RamStore)
+    pool = engine.provider.pool
+    for slot, key in enumerate(pool.owner):
+        if key is not None:
+            assert torch.equal(pool.views(slot)["w2"], resident["qwen3_moe"][0].loaded.provider.expert_weights(*key)["w2"])
