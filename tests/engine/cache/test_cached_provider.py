@@ -150,6 +150,7 @@ def test_retune_between_tokens_keeps_output_identical(tiny_models, resident):
     snap = engine.cache_snapshot()
     assert snap.policy == "lfu" and snap.num_slots == 24 and isinstance(engine.provider.store, RamStore)
     pool = engine.provider.pool
+    source = resident["qwen3_moe"][0].loaded.provider
     for slot, key in enumerate(pool.owner):
         if key is not None:
-            assert torch.equal(pool.views(slot)["w2"], resident["qwen3_moe"][0].loaded.provider.expert_weights(*key)["w2"])
+            assert torch.equal(pool.views(slot)["w2"], source.expert_weights(*key)["w2"])
