@@ -102,6 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     import threading
 
     import torch
+
     from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.generate import Engine
 
