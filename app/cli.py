@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
                        "experts beyond it stream from disk (default: every expert in RAM)")
     cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
+    from moechat.app.fit import add_fit_parser  # no torch, no engine
+
+    add_fit_parser(sub)
     return parser
 
 
@@ -107,10 +110,23 @@ def _run(args: argparse.Namespace) -> int:
     from moechat.engine.generate import Engine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    slots = args.expert_slots
+    ram_cache_bytes = None if args.ram_cache_mb is None else args.ram_cache_mb << 20
+    if slots is None or args.ram_cache_mb is None:
+        # Defaults from the memory plan, but only when a cache is needed: if every expert fits on the
+        # compute device (RAM on a CPU), the resident path stays as it is.
+        from moechat.app.fit import plan_for_run, warn
+
+        plan = plan_for_run(args.model_dir, device=device, dtype=args.dtype, context=args.context)
+        if plan is not None and plan.needs_cache:
+            if plan.refusal is not None:
+                warn(f"{plan.refusal.message}; loading anyway")
+            slots = slots or plan.expert_slots
+            if args.ram_cache_mb is None:
+                ram_cache_bytes = plan.ram_cache_bytes
     cache = None
-    if args.expert_slots or args.ram_cache_mb is not None or args.record_trace:
-        cache = CacheConfig(expert_slots=args.expert_slots, policy=args.policy,
-                            ram_cache_bytes=None if args.ram_cache_mb is None else args.ram_cache_mb << 20,
+    if slots or ram_cache_bytes is not None or args.record_trace:
+        cache = CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
                             record_trace=bool(args.record_trace))
     engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache)
     sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -184,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     from moechat.engine.errors import MoechatError
 
     try:
+        if args.command == "fit":
+            from moechat.app.fit import run_fit
+
+            return run_fit(args)
         return _run(args)
     except MoechatError as e:
         print(f"moechat: error: {e}", file=sys.stderr)

@@ -1,0 +1,212 @@
+"""`moechat fit MODEL`: will this model run here, with what settings, and how fast, in numbers.
+
+MODEL is a local model directory (complete weights: exact sizes from the safetensors headers; only
+config.json, perhaps with the index: estimates from the config), or a Hub repo id whose config.json
+is already in the local Hugging Face cache. `--vram-gb`, `--ram-gb`, `--disk-gb`, `--link-gbps` and
+`--context` ask "what if" without that hardware. Exit status: 0 when it fits, 3 when the plan refuses
+(the message names the shortfall and the cheapest fix), 1 on an error such as a missing config.
+
+Start-up imports neither torch nor the engine; a config-only directory is planned without torch at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_REFUSED = 3
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value:g}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def add_fit_parser(subparsers) -> argparse.ArgumentParser:
+    fit = subparsers.add_parser(
+        "fit", help="plan what fits where and predict decode speed, before or after download",
+        description="Plan a model on this machine (or a what-if machine): dense weights, KV cache, expert slots, "
+                    "RAM and disk tiers, predicted decode tok/s and its bound, each with its reason. Exits 3 when it "
+                    "does not fit. Memory sizes are GiB, bandwidths GB/s.")
+    fit.add_argument("model", metavar="MODEL", help="model directory (config.json alone is enough) or a Hub repo id "
+                     "already in the local Hugging Face cache")
+    fit.add_argument("--json", action="store_true", help="print the plan, model spec and hardware as one JSON object")
+    fit.add_argument("--context", type=_positive_int, metavar="N", help="tokens of KV cache to plan for (default: "
+                     "4096, lowered if needed; with --prefer context, the model's maximum)")
+    fit.add_argument("--vram-gb", type=_positive_float, metavar="GIB", help="what if the GPU had this much free "
+                     "memory (0: no GPU)")
+    fit.add_argument("--ram-gb", type=_positive_float, metavar="GIB", help="what if this much RAM were available")
+    fit.add_argument("--disk-gb", type=_positive_float, metavar="GIB", help="what if this much disk were free")
+    fit.add_argument("--link-gbps", type=_positive_float, metavar="GBPS", help="host->GPU link bandwidth, usable "
+                     "GB/s (PCIe 4.0 x16 ~ 25)")
+    fit.add_argument("--disk-read-gbps", type=_positive_float, metavar="GBPS", help="disk read bandwidth for "
+                     "streamed experts (default: 2, an NVMe SSD)")
+    fit.add_argument("--prefer", choices=["speed", "context"], default="speed", help="spare device memory goes to "
+                     "expert slots (speed) or to a longer context (default: %(default)s)")
+    fit.add_argument("--margin", type=_positive_float, default=0.05, metavar="FRACTION", help="fraction of each "
+                     "memory total to leave free (default: %(default)s)")
+    fit.add_argument("--device", help="plan for cpu, cuda or cuda:N (default: the GPU with the most free memory, "
+                     "else the CPU)")
+    fit.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="plan in this compute dtype, as "
+                     "moechat run --dtype would (default: the checkpoint's own formats)")
+    fit.add_argument("--hit-curve", metavar="PATH", help="miss-ratio curve JSON ({\"points\": [[fraction, "
+                     "hit_rate], ...]} or bench/replay.py --json output) instead of the conservative default")
+    fit.add_argument("--force", action="store_true", help="show the plan that loading anyway would use, and exit 0 "
+                     "even when it does not fit")
+    return fit
+
+
+def _runnable(model_type: str) -> bool:
+    """moechat runs a model_type when engine/models/<model_type>.py exists (one file per HF model_type)."""
+    import moechat.engine  # no torch: the package __init__ imports nothing
+
+    return (Path(moechat.engine.__file__).parent / "models" / f"{model_type}.py").is_file()
+
+
+def _load_curve(path: str | None, num_experts: int):
+    if path is None:
+        return None
+    from moechat.engine.errors import ConfigError
+    from moechat.engine.plan import MissRatioCurve
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return MissRatioCurve.from_json(data, num_experts)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        raise ConfigError(f"{path}: not a miss-ratio curve ({e})") from None
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from moechat.engine.hardware import probe
+    from moechat.engine.plan import FLOAT_SIZES, Preferences, make_plan, read_model_spec
+
+    spec = read_model_spec(args.model)
+    if args.dtype:
+        spec = spec.in_dtype(FLOAT_SIZES[args.dtype], args.dtype)
+    hw = probe(spec.path or args.model).with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb,
+                                                       disk_gb=args.disk_gb, link_gbps=args.link_gbps)
+    if args.margin >= 1:
+        from moechat.engine.errors import ConfigError
+
+        raise ConfigError(f"--margin {args.margin:g}: a fraction below 1, e.g. 0.05")
+    prefs = Preferences(context=args.context, prefer=args.prefer, device=args.device, margin=args.margin,
+                        hit_curve=_load_curve(args.hit_curve, spec.num_experts), disk_read_gbps=args.disk_read_gbps,
+                        override=args.force)
+    plan = make_plan(spec, hw, prefs)
+    runnable = _runnable(spec.model_type)
+    if args.json:
+        print(json.dumps({"model": args.model, "fits": plan.ok, "runnable": runnable, "plan": plan.to_json(),
+                          "spec": spec.to_json(), "hardware": hw.to_json(),
+                          "run_flags": _run_flags(plan) if plan.ok or plan.overridden else None}, indent=1))
+    else:
+        print(format_plan(plan, spec, hw, runnable))
+    if plan.ok or plan.overridden:
+        return 0
+    return EXIT_REFUSED
+
+
+def _run_flags(plan) -> list[str]:
+    """The `moechat run` flags that reproduce the plan (empty when the defaults already do)."""
+    flags = ["--context", str(plan.context)]
+    if plan.needs_cache:
+        flags += ["--expert-slots", str(plan.expert_slots)]
+        if plan.ram_cache_bytes is not None:
+            flags += ["--ram-cache-mb", str(plan.ram_cache_bytes >> 20)]
+    if plan.device != "cpu":
+        flags += ["--device", plan.device]
+    return flags
+
+
+def format_plan(plan, spec, hw, runnable: bool) -> str:
+    from moechat.engine.plan import gib
+
+    verdict = "fits" if plan.ok else ("does NOT fit (loading anyway: --force)" if plan.overridden else "does NOT fit")
+    out = [f"moechat fit {spec.name} ({spec.model_type}): {verdict}"]
+    ts = " + ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in spec.expert_tensors)
+    out.append(f"  model     {spec.num_layers} layers, {spec.num_moe_layers} MoE x {spec.num_experts} experts, "
+               f"top-{spec.top_k}" + (f", {spec.shared_experts} shared" if spec.shared_experts else "")
+               + f"; {spec.total_experts:,} experts x {gib(spec.expert_bytes)} = {gib(spec.all_experts_bytes)} "
+               f"({spec.expert_format})")
+    out.append(f"            one expert: {ts}")
+    out.append(f"            dense {gib(spec.dense_bytes)}; KV {gib(spec.kv_bytes_per_token())}/token "
+               f"({spec.kv_kind}); checkpoint {gib(spec.checkpoint_bytes)}; sizes from {spec.source}"
+               + (" (ESTIMATES)" if spec.estimated else " (exact)"))
+    out.append(f"            moechat run: {'supported' if runnable else 'not supported yet (planning only)'}")
+    def mark(source: str) -> str:
+        return " (what-if)" if source == "what-if" else ""
+
+    gpus = "; ".join(f"{g.label} {g.name} {gib(g.free_bytes)} free{mark(g.source)}" for g in hw.gpus if g.usable)
+    disk = "disk unknown" if hw.disk is None else f"disk {gib(hw.disk.free_bytes)} free on {hw.disk.path}"
+    ram = f"RAM {gib(hw.ram.available_bytes)} available{mark(hw.ram.source)}"
+    out.append(f"  hardware  {gpus or 'no usable GPU'}; {ram}; {disk}{mark(hw.disk.source if hw.disk else '')}")
+    rows = [(d.item, "" if d.bytes is None else gib(d.bytes), d.where, d.reason) for d in plan.decisions]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    w2 = max(len(r[2]) for r in rows)
+    out.append("")
+    out.append(f"  {'item':<{w0}}  {'size':>{w1}}  {'where':<{w2}}  why")
+    for item, size, where, why in rows:
+        out.append(f"  {item:<{w0}}  {size:>{w1}}  {where:<{w2}}  {why}")
+    out.append("")
+    if plan.decode is not None:
+        d = plan.decode
+        out.append(f"  decode    {d.low:.1f}-{d.high:.1f} tok/s predicted   (bound {d.bound:.1f} tok/s, set by "
+                   f"{d.bound_by}; formula in docs/plan.md)")
+    if plan.refusal is not None:
+        out.append(f"  REFUSED   {plan.refusal.message}")
+    if (plan.ok or plan.overridden) and runnable:
+        when = [w for w, cond in (("after the download", not spec.weights_present), ("on that hardware", hw.what_if))
+                if cond]
+        out.append(f"  run with  moechat run {spec.path or spec.name} {' '.join(_run_flags(plan))} --prompt ..."
+                   + (f"   ({', '.join(when)})" if when else ""))
+    if plan.notes:
+        out.append("  notes")
+        out += [f"    - {n}" for n in plan.notes]
+    return "\n".join(out)
+
+
+def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | None):
+    """The plan `moechat run` takes its cache defaults from, for the device and dtype it will use.
+
+    Planned as `run` allocates: the context it will allocate (never lowered), every KV layer at full
+    length (the KV cache has no sliding-window ring yet), sizes in the compute dtype.
+    """
+    from moechat.engine.errors import MoechatError
+    from moechat.engine.hardware import probe
+    from moechat.engine.plan import DEFAULT_CONTEXT, FLOAT_SIZES, Preferences, make_plan, read_model_spec
+
+    try:
+        spec = read_model_spec(model_dir)
+    except MoechatError:
+        return None  # not plannable (a dense model, a broken config...): the loader says why, in its words
+    name = dtype or spec.float_dtype or "float32"
+    spec = spec.in_dtype(FLOAT_SIZES.get(name, 4), name)
+    ctx = min(context or DEFAULT_CONTEXT, spec.max_context)
+    dev = "cpu" if device.startswith("cpu") else device
+    if dev != "cpu" and not (dev == "cuda" or dev.startswith("cuda:")):
+        return None  # a device the planner does not know: keep today's defaults
+    hw = probe(model_dir)
+    if dev != "cpu" and hw.gpu(int(dev.partition(":")[2] or 0)) is None:
+        return None  # a GPU the probe cannot see: keep today's defaults
+    return make_plan(spec, hw, Preferences(context=ctx, device=dev, windowed_kv=False, override=True))
+
+
+def warn(message: str) -> None:
+    print(f"moechat: warning: {message}", file=sys.stderr)

@@ -1,0 +1,539 @@
+"""What this machine has: GPUs (memory, PCIe link), RAM (clamped to a container's cgroup), free disk.
+
+The probe never raises. Each source can fail on its own (no NVIDIA driver, an NVML library that
+does not match the driver, `[N/A]` memory on unified-memory boards, no torch, a container without
+cgroup files), and each failure becomes a note and a weaker mode instead of a crash:
+
+    gpu          NVML (or torch) reported every GPU's free memory
+    gpu-partial  a GPU was found but some numbers are estimated or missing (see `notes`)
+    cpu          no usable GPU: the compute device is RAM
+
+Sources, in order: NVML per GPU (name, UUID, total/free memory, PCIe generation and width, memory
+clock and bus width); `torch.cuda` to map NVML devices to torch indices by UUID (CUDA_VISIBLE_DEVICES
+and CUDA's default FASTEST_FIRST order both renumber devices) and as the fallback for memory
+(`mem_get_info`); psutil for RAM, clamped to the tightest cgroup v1/v2 limit above this process; and
+`shutil.disk_usage` where the model lives. Every source is a parameter of `probe`, so tests inject
+fakes instead of patching this module.
+
+Link bandwidth is the negotiated PCIe generation x width at 80% of the raw rate (TLP and DMA
+overheads): PCIe 4.0 x16 is 31.5 GB/s raw, ~25 GB/s usable, so one 9.4 MB Qwen3-30B-A3B expert
+crosses in 0.37 ms. GPU memory bandwidth is NVML's max memory clock x 2 (double data rate) x bus width
+(RTX 4090: 10501 MHz x 2 x 384 bit = 1008 GB/s; H100 SXM: 2619 MHz x 2 x 5120 bit = 3.35 TB/s).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+GiB = 1 << 30
+GB = 1e9
+
+# Raw GB/s per lane after line encoding, by PCIe generation (8b/10b for 1-2, 128b/130b for 3-5, FLIT for 6).
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+PCIE_EFFICIENCY = 0.8  # usable fraction of the raw rate for large host->device DMA copies
+# Stated assumptions used when a number cannot be probed (docs/plan.md lists them all).
+ASSUMED_LINK_GBPS = round(PCIE_LANE_GBPS[4] * 16 * PCIE_EFFICIENCY, 1)  # PCIe 4.0 x16, usable: 25.2
+ASSUMED_GPU_MEMORY_GBPS = 300.0  # a modest consumer GPU (RTX 3060: 360 GB/s)
+ASSUMED_RAM_GBPS = 20.0  # what a decode step's mat-vecs reach on dual-channel DDR4/DDR5 desktops
+ASSUMED_DISK_GBPS = 2.0  # an NVMe SSD reading MB-sized expert ranges with one reader
+# cgroup v1 writes "no limit" as a huge page-aligned number (2^63 - 4096 on x86-64).
+CGROUP_V1_UNLIMITED = 1 << 62
+
+
+def pcie_link_gbps(generation: int | None, width: int | None) -> float | None:
+    """Usable host->device GB/s of a PCIe link, or None when either number is unknown."""
+    if not generation or not width or generation not in PCIE_LANE_GBPS:
+        return None
+    return PCIE_LANE_GBPS[generation] * width * PCIE_EFFICIENCY
+
+
+def _norm_uuid(uuid) -> str | None:
+    """NVML says 'GPU-8c5f...'; torch says '8c5f...' (a uuid.UUID or str); compare without prefix."""
+    if uuid is None:
+        return None
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    text = text.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    return text or None
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU. Any number may be None when the driver does not report it (see Hardware.notes)."""
+
+    nvml_index: int | None
+    torch_index: int | None  # as torch numbers it in this process; None when not visible to torch
+    name: str
+    uuid: str | None = None
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    pcie_gen: int | None = None  # the fastest generation device and host both support (negotiated max)
+    pcie_width: int | None = None
+    pcie_gen_current: int | None = None  # often lower at idle (power saving); shown, not planned with
+    pcie_width_current: int | None = None
+    link_gbps: float | None = None  # usable host->device GB/s (measured or estimated, see link_source)
+    link_source: str = "unknown"
+    memory_gbps: float | None = None  # device memory bandwidth, peak
+    source: str = "nvml"  # nvml | torch | nvml+torch | what-if
+
+    @property
+    def label(self) -> str:
+        return f"cuda:{self.torch_index}" if self.torch_index is not None else f"nvml:{self.nvml_index}"
+
+    @property
+    def usable(self) -> bool:
+        """Planning needs its free memory and a torch index to run on."""
+        return self.free_bytes is not None and self.torch_index is not None
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    total_bytes: int | None
+    available_bytes: int | None  # what a new allocation can get without swapping, after the cgroup clamp
+    cgroup_limit_bytes: int | None = None
+    cgroup_available_bytes: int | None = None
+    source: str = "psutil"
+
+
+@dataclass(frozen=True)
+class DiskInfo:
+    path: str
+    free_bytes: int | None
+    total_bytes: int | None = None
+    source: str = "statvfs"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: tuple[GpuInfo, ...]
+    ram: HostMemory
+    disk: DiskInfo | None
+    notes: tuple[str, ...] = field(default_factory=tuple)  # RAM and disk probe degradations
+    what_if: tuple[str, ...] = field(default_factory=tuple)  # the numbers the user supplied instead
+    gpu_notes: tuple[str, ...] = field(default_factory=tuple)  # GPU probe degradations (dropped by a vram what-if)
+
+    @property
+    def all_notes(self) -> tuple[str, ...]:
+        return self.gpu_notes + self.notes
+
+    @property
+    def mode(self) -> str:
+        usable = [g for g in self.gpus if g.usable]
+        if not usable:
+            return "gpu-partial" if self.gpus else "cpu"
+        partial = any(not g.usable or g.link_gbps is None or g.memory_gbps is None for g in self.gpus)
+        return "gpu-partial" if partial else "gpu"
+
+    def gpu(self, torch_index: int) -> GpuInfo | None:
+        return next((g for g in self.gpus if g.torch_index == torch_index), None)
+
+    def best_gpu(self) -> GpuInfo | None:
+        """The usable GPU with the most free memory (lowest torch index on ties)."""
+        usable = [g for g in self.gpus if g.usable]
+        return max(usable, key=lambda g: (g.free_bytes, -g.torch_index)) if usable else None
+
+    def with_overrides(self, *, vram_gb: float | None = None, ram_gb: float | None = None,
+                       disk_gb: float | None = None, link_gbps: float | None = None) -> Hardware:
+        """The same machine with some numbers replaced (what-ifs): GiB for memory and disk, GB/s for the link.
+
+        `vram_gb` keeps one GPU, the probed best one (for its link and memory bandwidth) or a hypothetical
+        one, with that much free memory; 0 means no GPU at all.
+        """
+        gpus, ram, disk, what_if = self.gpus, self.ram, self.disk, list(self.what_if)
+        gpu_notes = self.gpu_notes
+        if vram_gb is not None:
+            gpu_notes = ()
+            if vram_gb <= 0:
+                gpus = ()
+                what_if.append("no GPU")
+            else:
+                size = int(vram_gb * GiB)
+                base = self.best_gpu() or (self.gpus[0] if self.gpus else None)
+                if base is None:
+                    base = GpuInfo(None, 0, "what-if GPU", link_source="assumed", source="what-if")
+                gpus = (replace(base, torch_index=0 if base.torch_index is None else base.torch_index,
+                                total_bytes=size, free_bytes=size, source="what-if"),)
+                what_if.append(f"GPU with {vram_gb:g} GiB free")
+        if link_gbps is not None:
+            gpus = tuple(replace(g, link_gbps=float(link_gbps), link_source="given") for g in gpus)
+            what_if.append(f"link {link_gbps:g} GB/s")
+        if ram_gb is not None:
+            size = int(ram_gb * GiB)
+            ram = HostMemory(size, size, source="what-if")
+            what_if.append(f"RAM {ram_gb:g} GiB available")
+        if disk_gb is not None:
+            disk = DiskInfo(disk.path if disk else ".", int(disk_gb * GiB), None, source="what-if")
+            what_if.append(f"disk {disk_gb:g} GiB free")
+        return Hardware(gpus, ram, disk, self.notes, tuple(what_if), gpu_notes)
+
+    def to_json(self) -> dict:
+        return {
+            "mode": self.mode,
+            "gpus": [{k: getattr(g, k) for k in g.__dataclass_fields__} | {"device": g.label} for g in self.gpus],
+            "ram": {k: getattr(self.ram, k) for k in self.ram.__dataclass_fields__},
+            "disk": None if self.disk is None else {k: getattr(self.disk, k) for k in self.disk.__dataclass_fields__},
+            "notes": list(self.all_notes),
+            "what_if": list(self.what_if),
+        }
+
+
+# -- NVML ------------------------------------------------------------------------------------------------
+
+def _default_nvml():
+    import pynvml  # nvidia-ml-py; a thin ctypes wrapper, cheap to import, fails only on nvmlInit
+
+    return pynvml
+
+
+def _err(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _try(fn, *args):
+    """(value, None) or (None, reason): NVML raises on [N/A] fields, unsupported queries, lost GPUs."""
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001 - any driver error degrades one field, never the probe
+        return None, _err(e)
+
+
+def _probe_nvml(nvml, notes: list[str]) -> list[GpuInfo] | None:
+    """Every GPU NVML reports, or None when NVML itself is unusable."""
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, a mismatch...
+        notes.append(f"NVML unavailable ({_err(e)}): no NVIDIA driver, or one that does not match the library")
+        return None
+    try:
+        count, why = _try(nvml.nvmlDeviceGetCount)
+        if count is None:
+            notes.append(f"NVML cannot count GPUs ({why})")
+            return None
+        gpus = []
+        for i in range(count):
+            handle, why = _try(nvml.nvmlDeviceGetHandleByIndex, i)
+            if handle is None:
+                notes.append(f"NVML GPU {i}: cannot open ({why}); skipped")
+                continue
+            name, _ = _try(nvml.nvmlDeviceGetName, handle)
+            name = (name.decode() if isinstance(name, bytes) else name) or f"GPU {i}"
+            uuid, _ = _try(nvml.nvmlDeviceGetUUID, handle)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            mem, why = _try(nvml.nvmlDeviceGetMemoryInfo, handle)
+            total = free = None
+            if mem is not None:
+                total, free = _int_or_none(getattr(mem, "total", None)), _int_or_none(getattr(mem, "free", None))
+            if free is None:
+                notes.append(f"NVML {name} (GPU {i}): memory not reported ([N/A]: {why or 'no value'}); "
+                             "unified-memory board?")
+            gen, _ = _try(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle)
+            width, _ = _try(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle)
+            gen_now, _ = _try(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle)
+            width_now, _ = _try(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle)
+            gen, width = _int_or_none(gen) or _int_or_none(gen_now), _int_or_none(width) or _int_or_none(width_now)
+            link = pcie_link_gbps(gen, width)
+            bus, _ = _try(nvml.nvmlDeviceGetMemoryBusWidth, handle)
+            clock, _ = _try(nvml.nvmlDeviceGetMaxClockInfo, handle, getattr(nvml, "NVML_CLOCK_MEM", 2))
+            bus, clock = _int_or_none(bus), _int_or_none(clock)
+            membw = clock * 1e6 * 2 * bus / 8 / GB if bus and clock else None
+            gpus.append(GpuInfo(
+                nvml_index=i, torch_index=None, name=name, uuid=uuid, total_bytes=total, free_bytes=free,
+                pcie_gen=gen, pcie_width=width, pcie_gen_current=_int_or_none(gen_now),
+                pcie_width_current=_int_or_none(width_now), link_gbps=link,
+                link_source=f"PCIe {gen}.0 x{width} at {PCIE_EFFICIENCY:.0%} of raw" if link else "unknown",
+                memory_gbps=membw, source="nvml"))
+        return gpus
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001, S110 - nothing to do about a failed shutdown
+            pass
+
+
+def _int_or_none(value) -> int | None:
+    """NVML and sysfs report 'not available' as None, 0xFFFFFFFF, or a string like '[N/A]'."""
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        return None
+    return None if value < 0 or value in (0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF) else value
+
+
+# -- torch.cuda ------------------------------------------------------------------------------------------
+
+def _default_cuda(nvml_ok: bool):
+    """torch.cuda if torch is already imported, or as the fallback when NVML failed; else None.
+
+    Importing torch costs seconds, so with NVML working and torch not loaded the probe maps devices
+    from CUDA_VISIBLE_DEVICES instead.
+    """
+    if "torch" not in sys.modules and nvml_ok:
+        return None
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - torch missing or broken: the probe goes on without it
+        return None
+    return torch.cuda
+
+
+def _probe_torch(cuda, notes: list[str]) -> list[dict] | None:
+    """[{index, name, uuid, total}] of the devices torch sees ([] when torch has no CUDA), None on error."""
+    try:
+        if not cuda.is_available():
+            return []
+        count = cuda.device_count()
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"torch.cuda unavailable ({_err(e)})")
+        return None
+    out = []
+    for i in range(count):
+        props, why = _try(cuda.get_device_properties, i)
+        if props is None:
+            notes.append(f"torch cuda:{i}: no properties ({why})")
+            out.append(dict(index=i, name=f"cuda:{i}", uuid=None, total=None))
+            continue
+        out.append(dict(index=i, name=str(getattr(props, "name", f"cuda:{i}")), uuid=getattr(props, "uuid", None),
+                        total=_int_or_none(getattr(props, "total_memory", None))))
+    return out
+
+
+def _visible_order(environ: Mapping[str, str], gpus: list[GpuInfo], notes: list[str]) -> list[int | None]:
+    """torch index -> NVML index from CUDA_VISIBLE_DEVICES (numbers or UUID prefixes), without torch."""
+    pci_order = environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") == "PCI_BUS_ID"
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        if not pci_order and len(gpus) > 1:
+            notes.append("torch device numbers assumed equal to NVML's (CUDA orders fastest first unless "
+                         "CUDA_DEVICE_ORDER=PCI_BUS_ID)")
+        return [g.nvml_index for g in gpus]
+    order: list[int | None] = []
+    numbers = False
+    for entry in (e.strip() for e in cvd.split(",")):
+        if not entry:
+            continue
+        if entry.lstrip("-").isdigit():
+            n = int(entry)
+            if n < 0 or n >= len(gpus):
+                break  # CUDA stops at the first invalid entry
+            numbers = True
+            order.append(gpus[n].nvml_index)
+            continue
+        key = _norm_uuid(entry)
+        match = [g for g in gpus if key and _norm_uuid(g.uuid) and _norm_uuid(g.uuid).startswith(key)]
+        if len(match) != 1:
+            if entry.lower().startswith("mig-"):
+                notes.append(f"CUDA_VISIBLE_DEVICES names a MIG instance ({entry}); its memory is not probed")
+            break
+        order.append(match[0].nvml_index)
+    if numbers and not pci_order and len(gpus) > 1:
+        notes.append("CUDA_VISIBLE_DEVICES numbers read in NVML (PCI bus) order; set CUDA_DEVICE_ORDER=PCI_BUS_ID "
+                     "to make that exact")
+    return list(dict.fromkeys(order))
+
+
+def _probe_gpus(nvml, cuda, environ: Mapping[str, str], notes: list[str]) -> list[GpuInfo]:
+    nvml_gpus = None
+    if nvml is not None:
+        nvml_gpus = _probe_nvml(nvml, notes)
+    if cuda == "auto":
+        cuda = _default_cuda(nvml_ok=nvml_gpus is not None)
+    torch_devs = _probe_torch(cuda, notes) if cuda is not None else None
+    if nvml_gpus and torch_devs == []:
+        notes.append("torch cannot use CUDA here (a CPU-only torch build, or a driver it does not support): "
+                     "the GPUs NVML lists are not usable by moechat")
+        return [replace(g, torch_index=None) for g in nvml_gpus]
+    if nvml_gpus is not None and torch_devs is not None:
+        by_uuid = {_norm_uuid(g.uuid): g for g in nvml_gpus if g.uuid}
+        out, seen = [], set()
+        for dev in torch_devs:
+            g = by_uuid.get(_norm_uuid(dev["uuid"])) if dev["uuid"] is not None else None
+            if g is None:
+                notes.append(f"torch cuda:{dev['index']} ({dev['name']}) has no NVML match by UUID; "
+                             "memory from torch.cuda.mem_get_info")
+                out.append(_torch_only(cuda, dev, notes))
+                continue
+            seen.add(g.nvml_index)
+            g = replace(g, torch_index=dev["index"], source="nvml+torch")
+            if g.free_bytes is None:
+                g = _fill_memory_from_torch(cuda, g, notes)
+            out.append(g)
+        # GPUs NVML sees that this process cannot use (hidden by CUDA_VISIBLE_DEVICES) stay listed, unusable.
+        out += [g for g in nvml_gpus if g.nvml_index not in seen]
+        return out
+    if nvml_gpus is not None:
+        order = _visible_order(environ, nvml_gpus, notes)
+        index_of = {nv: t for t, nv in enumerate(order)}
+        return [replace(g, torch_index=index_of.get(g.nvml_index)) for g in nvml_gpus]
+    if torch_devs:
+        notes.append("GPU memory from torch.cuda.mem_get_info; PCIe link and memory bandwidth not known")
+        return [_torch_only(cuda, dev, notes) for dev in torch_devs]
+    return []
+
+
+def _torch_only(cuda, dev: dict, notes: list[str]) -> GpuInfo:
+    g = GpuInfo(nvml_index=None, torch_index=dev["index"], name=dev["name"],
+                uuid=None if dev["uuid"] is None else str(dev["uuid"]), total_bytes=dev["total"], source="torch")
+    return _fill_memory_from_torch(cuda, g, notes)
+
+
+def _fill_memory_from_torch(cuda, g: GpuInfo, notes: list[str]) -> GpuInfo:
+    info, why = _try(cuda.mem_get_info, g.torch_index)
+    if info is None:
+        notes.append(f"{g.label} ({g.name}): torch.cuda.mem_get_info failed too ({why}); memory unknown")
+        return g
+    free, total = (_int_or_none(v) for v in info)
+    src = g.source if "torch" in g.source else f"{g.source}+torch"
+    return replace(g, free_bytes=free, total_bytes=total if total is not None else g.total_bytes, source=src)
+
+
+# -- RAM and cgroups -------------------------------------------------------------------------------------
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if text == "max":
+        return None
+    return _int_or_none(text)
+
+
+def _read_stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return _int_or_none(value) or 0
+    except (OSError, UnicodeDecodeError):
+        pass
+    return 0
+
+
+def _ancestors(root: Path, rel: str) -> list[Path]:
+    """root/rel and each parent up to root, existing ones only (in a container the path may not exist)."""
+    parts = [p for p in rel.strip("/").split("/") if p and p != ".."]
+    dirs = [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+    return [d for d in dirs if d.is_dir()]
+
+
+def cgroup_memory(proc_cgroup: Path, cgroup_root: Path) -> tuple[int | None, int | None, str]:
+    """(limit, available under it, which file) for the tightest memory limit above this process.
+
+    v2: memory.max (the string 'max' means none) and memory.current minus inactive_file; v1:
+    memory/memory.limit_in_bytes (huge means none) and memory.usage_in_bytes minus total_inactive_file.
+    Page cache that the kernel can drop is counted as available, as the kernel's own OOM logic does.
+    """
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None, None, ""
+    best: tuple[int, int, str] | None = None
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, rel = fields
+        if controllers == "":  # v2 unified hierarchy
+            for d in _ancestors(cgroup_root, rel):
+                limit = _read_int(d / "memory.max")
+                if limit is None:
+                    continue
+                used = (_read_int(d / "memory.current") or 0) - _read_stat(d / "memory.stat", "inactive_file")
+                cand = (limit, max(0, limit - max(0, used)), str(d / "memory.max"))
+                best = cand if best is None or cand[1] < best[1] else best
+        elif "memory" in controllers.split(","):  # v1
+            for d in _ancestors(cgroup_root / "memory", rel):
+                limit = _read_int(d / "memory.limit_in_bytes")
+                if limit is None or limit >= CGROUP_V1_UNLIMITED:
+                    continue
+                used = ((_read_int(d / "memory.usage_in_bytes") or 0)
+                        - _read_stat(d / "memory.stat", "total_inactive_file"))
+                cand = (limit, max(0, limit - max(0, used)), str(d / "memory.limit_in_bytes"))
+                best = cand if best is None or cand[1] < best[1] else best
+    return (best[0], best[1], best[2]) if best else (None, None, "")
+
+
+def _meminfo(path: Path) -> tuple[int | None, int | None]:
+    values = {}
+    try:
+        for line in path.read_text().splitlines():
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                values[name] = int(parts[0]) * 1024
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None, None
+    return values.get("MemTotal"), values.get("MemAvailable")
+
+
+def _probe_ram(virtual_memory, proc_cgroup: Path, cgroup_root: Path, meminfo: Path,
+               notes: list[str]) -> HostMemory:
+    total = avail = None
+    source = "psutil"
+    try:
+        if virtual_memory is None:
+            import psutil
+
+            virtual_memory = psutil.virtual_memory
+        vm = virtual_memory()
+        total, avail = _int_or_none(vm.total), _int_or_none(vm.available)
+    except Exception as e:  # noqa: BLE001
+        total, avail = _meminfo(meminfo)
+        source = "/proc/meminfo"
+        notes.append(f"psutil failed ({_err(e)}); RAM from /proc/meminfo" if avail is not None else
+                     f"RAM size unknown (psutil: {_err(e)}); pass --ram-gb")
+    limit, cg_avail, where = cgroup_memory(proc_cgroup, cgroup_root)
+    if limit is not None:
+        if total is None or limit < total:
+            total = limit
+            source += " + cgroup"
+        if avail is None or cg_avail < avail:
+            avail = cg_avail
+            notes.append(f"RAM clamped to the container's cgroup limit ({limit / GiB:.1f} GiB, {where})")
+    return HostMemory(total, avail, limit, cg_avail, source)
+
+
+def _probe_disk(model_path, disk_usage, notes: list[str]) -> DiskInfo | None:
+    path = Path(model_path) if model_path is not None else Path.cwd()
+    path = path.expanduser().resolve()
+    while not path.exists() and path.parent != path:
+        path = path.parent  # not downloaded yet: the free space of where it would go
+    try:
+        usage = disk_usage(str(path))
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"free disk on {path} unknown ({_err(e)})")
+        return DiskInfo(str(path), None)
+    return DiskInfo(str(path), int(usage.free), int(usage.total))
+
+
+def probe(model_path: str | os.PathLike | None = None, *, nvml="auto", cuda="auto",
+          virtual_memory: Callable | None = None, environ: Mapping[str, str] | None = None,
+          proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup"),
+          meminfo: Path = Path("/proc/meminfo"), disk_usage: Callable = shutil.disk_usage) -> Hardware:
+    """Probe GPUs, RAM and disk. Never raises; every failure is a note and a weaker mode.
+
+    `nvml`: a pynvml-like module ("auto": import pynvml; None: skip). `cuda`: a torch.cuda-like object
+    ("auto": torch.cuda when torch is loaded or NVML failed; None: skip). `virtual_memory`: psutil's.
+    """
+    notes: list[str] = []
+    gpu_notes: list[str] = []
+    if nvml == "auto":
+        try:
+            nvml = _default_nvml()
+        except Exception as e:  # noqa: BLE001
+            gpu_notes.append(f"NVML unavailable (nvidia-ml-py: {_err(e)})")
+            nvml = None
+    gpus = _probe_gpus(nvml, cuda, os.environ if environ is None else environ, gpu_notes)
+    ram = _probe_ram(virtual_memory, proc_cgroup, cgroup_root, meminfo, notes)
+    disk = _probe_disk(model_path, disk_usage, notes)
+    if not any(g.usable for g in gpus):
+        gpu_notes.append("no usable GPU: the compute device is the CPU and its RAM")
+    return Hardware(tuple(gpus), ram, disk, tuple(notes), (), tuple(gpu_notes))

@@ -1,0 +1,130 @@
+"""`moechat fit`: the table, --json, exit 3 on refusal, what-ifs; and `moechat run` taking its cache
+defaults from the plan only when a cache is needed."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moechat.app.cli import main
+from moechat.app.fit import EXIT_REFUSED, plan_for_run
+from moechat.engine.hardware import GiB, Hardware, HostMemory
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT.parent / "shared" / "model-configs"
+QWEN = CONFIGS / "Qwen--Qwen3-30B-A3B"
+DSV3 = CONFIGS / "deepseek-ai--DeepSeek-V3"
+needs_configs = pytest.mark.skipif(not (QWEN / "config.json").exists() or not (DSV3 / "config.json").exists(),
+                                   reason="../shared/model-configs is not here")
+WHAT_IF = ["--vram-gb", "12", "--ram-gb", "32", "--disk-gb", "1000", "--link-gbps", "25"]
+
+
+def _fit(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["fit", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@needs_configs
+def test_table_shows_every_decision_and_the_bound_next_to_the_prediction(capsys):
+    code, out, err = _fit(capsys, str(QWEN), *WHAT_IF)
+    assert code == 0 and err == ""
+    assert "Qwen--Qwen3-30B-A3B (qwen3_moe): fits" in out and "(ESTIMATES)" in out
+    for item in ("dense weights", "KV cache, 4,096 tokens", "workspace", "expert slots C = ", "host tier",
+                 "disk tier", "download", "expected hit rate"):
+        assert f"\n  {item}" in out, item
+    decode = [line for line in out.splitlines() if line.startswith("  decode ")]
+    assert len(decode) == 2  # the decision row, and the summary with the bound next to the prediction
+    assert "tok/s predicted" in decode[1] and "(bound " in decode[1] and "docs/plan.md" in decode[1]
+    assert "--expert-slots" in out  # how to run it
+
+
+@needs_configs
+def test_json_and_what_ifs(capsys):
+    code, out, _ = _fit(capsys, str(QWEN), *WHAT_IF, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fits"] and data["runnable"]
+    plan, spec, hw = data["plan"], data["spec"], data["hardware"]
+    assert spec["expert_bytes"] == 9_437_184 and spec["estimated"] and spec["total_experts"] == 6144
+    assert plan["device_budget_bytes"] == int(12 * GiB * 0.95) and plan["context"] == 4096
+    assert plan["device_used_bytes"] <= plan["device_budget_bytes"]
+    assert plan["decode"]["low"] <= plan["decode"]["high"] <= plan["decode"]["bound"]
+    assert plan["decode"]["link_gbps"] == 25 and len(hw["what_if"]) == 4
+    assert data["run_flags"][:4] == ["--context", "4096", "--expert-slots", str(plan["expert_slots"])]
+    # more VRAM, more slots; a longer context, more KV
+    code, out, _ = _fit(capsys, str(QWEN), *WHAT_IF, "--vram-gb", "24", "--context", "16384", "--json")
+    bigger = json.loads(out)["plan"]
+    assert bigger["expert_slots"] > plan["expert_slots"] and bigger["kv_bytes"] == 16384 * 98_304
+
+
+@needs_configs
+def test_refusal_exits_3_with_the_shortfall_and_force_exits_0(capsys):
+    code, out, _ = _fit(capsys, str(DSV3), "--vram-gb", "8", "--ram-gb", "16", "--disk-gb", "10000")
+    assert code == EXIT_REFUSED == 3
+    refused = next(line for line in out.splitlines() if line.startswith("  REFUSED"))
+    assert "short by" in refused and "GiB of VRAM" in refused
+    code, out, _ = _fit(capsys, str(DSV3), "--vram-gb", "8", "--ram-gb", "16", "--disk-gb", "10000", "--json")
+    data = json.loads(out)
+    assert code == 3 and not data["fits"] and data["plan"]["refusal"]["resource"] == "VRAM"
+    assert data["plan"]["refusal"]["short_bytes"] > 0 and data["plan"]["decode"] is None
+    code, out, _ = _fit(capsys, str(DSV3), "--vram-gb", "8", "--ram-gb", "16", "--disk-gb", "10000", "--force")
+    assert code == 0 and "loading anyway" in out
+
+
+@needs_configs
+def test_config_only_directory_and_a_disk_what_if(capsys, tmp_path):
+    model = tmp_path / "just-a-config"
+    model.mkdir()
+    shutil.copy(QWEN / "config.json", model / "config.json")
+    code, out, _ = _fit(capsys, str(model), *WHAT_IF, "--disk-gb", "20")
+    assert code == 3 and "GiB of disk" in out and "free " in out and "4-bit variant" in out
+
+
+def test_errors_are_one_line(capsys, tmp_path):
+    code, out, err = _fit(capsys, str(tmp_path / "missing"))
+    assert code == 1 and out == "" and err.count("\n") == 1 and "no such model directory" in err
+    code, _, err = _fit(capsys, "no-such-org-moechat-test/no-such-model")
+    assert code == 1 and err.startswith("moechat: error:") and "Hugging Face cache" in err
+    with pytest.raises(SystemExit) as e:
+        main(["fit", str(tmp_path), "--vram-gb", "-1"])
+    assert e.value.code == 2
+
+
+def test_fit_parser_does_not_import_torch(tmp_path):
+    code = ("import sys\nfrom moechat.app.cli import build_parser\nbuild_parser().parse_args(['fit', 'x', "
+            "'--vram-gb', '8'])\nassert 'torch' not in sys.modules, 'torch imported at start-up'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_run_takes_cache_defaults_from_the_plan_only_when_needed(tiny_models, capsys, monkeypatch):
+    path, _ = tiny_models["qwen3_moe"]
+    args = [str(path), "--prompt-ids", "3,1,4,1,5", "--max-tokens", "6", "--temperature", "0", "--device", "cpu",
+            "--json"]
+    cpu_box = Hardware((), HostMemory(64 * GiB, 64 * GiB), None)
+    monkeypatch.setattr("moechat.engine.hardware.probe", lambda *a, **k: cpu_box)
+    assert main(["run", *args]) == 0
+    resident = json.loads(capsys.readouterr().out)
+    assert resident["cache"]["mode"] == "resident"  # every expert fits: today's path, unchanged
+    roomy = plan_for_run(path, device="cpu", dtype=None, context=None)
+    assert roomy.resident and roomy.context == 512  # the tiny model's maximum
+    # A RAM budget that leaves room for 5 of its 16 experts beyond the dense part, KV and workspace.
+    fixed = roomy.device_used_bytes - roomy.total_experts * roomy.expert_bytes
+    avail = math.ceil((fixed + 5.5 * roomy.expert_bytes + GiB) / 0.95)
+    small_box = Hardware((), HostMemory(avail, avail), None)
+    monkeypatch.setattr("moechat.engine.hardware.probe", lambda *a, **k: small_box)
+    plan = plan_for_run(path, device="cpu", dtype=None, context=None)
+    assert plan.needs_cache and plan.expert_slots == 5 and plan.ram_cache_bytes == 0
+    assert main(["run", *args]) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert cached["cache"]["slots"] == 5 and "mode" not in cached["cache"] and cached["cache"]["ram_cache_bytes"] == 0
+    assert cached["token_ids"] == resident["token_ids"]
+    # explicit flags still win
+    assert main(["run", *args, "--expert-slots", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["cache"]["slots"] == 3
