@@ -180,6 +180,7 @@ def _run(args: argparse.Namespace) -> int:
         }))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()  # the reply before the stats line on stderr
         if last is not None:
             print(f"[{len(prompt_ids)} prompt tokens, {last.prefill_tokens_per_s:.1f} tok/s prefill; "
                   f"{len(token_ids)} generated, {last.decode_tokens_per_s:.1f} tok/s decode; "

@@ -1,0 +1,358 @@
+"""Measure the shipped demo model with transformers and write the model-card numbers.
+
+  python analyze.py --model ../../assets/demo-moe
+
+Writes (into --model unless --out is given):
+  loss_curve.png          training loss from the CSV log
+  analysis.json           every number quoted in README.md
+and prints a Markdown summary to stdout.
+
+Everything is compared with a random-weight model of the same config
+(Qwen3MoeForCausalLM(config) under torch.manual_seed(--seed), i.e. the
+training script's initialisation).
+
+Routing is read with a forward hook on every layer's `mlp.gate`
+(Qwen3MoeTopKRouter, which returns logits, top-k weights, top-k indices).
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalLM  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DOMAINS = ["code", "docs", "quotes", "arith", "chat"]
+
+# (prompt, subject, kind): the subject is looked up in the training questions and
+# in the source the corpus took its answers from (docstring, Jargon File, arithmetic)
+PROMPTS = [
+    ("What does json.dumps do?", "json.dumps", "doc"),
+    ("What does str.split do?", "str.split", "doc"),
+    ("What does os.path.join do?", "os.path.join", "doc"),
+    ("What does collections.Counter do?", "collections.Counter", "doc"),
+    ("What is 12 + 7?", "12 + 7", "arith"),
+    ("What is 45 * 3?", "45 * 3", "arith"),
+    ("What does \"hacker\" mean in hacker jargon?", "hacker", "jargon"),
+]
+
+
+def load_heldout(data: Path, seq: int, max_seqs: int):
+    out = {}
+    for dom in DOMAINS:
+        ids = np.load(data / f"heldout_{dom}.npy").astype(np.int64)
+        n = min((len(ids) - 1) // seq, max_seqs)
+        out[dom] = torch.tensor(np.stack([ids[j * seq:(j + 1) * seq + 1] for j in range(n)]))
+    return out
+
+
+@torch.no_grad()
+def run_domain(model, x, n_layers, bs=8):
+    """Returns (mean NLL per token, list over layers of [n_seq, seq, k] expert indices)."""
+    caught = {}
+    hooks = []
+    for li, layer in enumerate(model.model.layers):
+        def hook(mod, inp, outp, li=li):
+            caught[li] = outp[2].detach()
+        hooks.append(layer.mlp.gate.register_forward_hook(hook))
+    nll, cnt = 0.0, 0
+    idx = [[] for _ in range(n_layers)]
+    try:
+        for i in range(0, x.shape[0], bs):
+            xb = x[i:i + bs]
+            out = model(input_ids=xb[:, :-1])
+            logits = out.logits.float()
+            nll += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     xb[:, 1:].reshape(-1), reduction="sum").item()
+            cnt += xb[:, 1:].numel()
+            for li in range(n_layers):
+                idx[li].append(caught[li].reshape(xb.shape[0], xb.shape[1] - 1, -1))
+    finally:
+        for h in hooks:
+            h.remove()
+    return nll / cnt, [torch.cat(t) for t in idx]
+
+
+def js(p, q):
+    m = 0.5 * (p + q)
+    def kl(a, b):
+        mask = a > 0
+        return float(np.sum(a[mask] * np.log2(a[mask] / b[mask])))
+    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+
+
+def routing_stats(idx_by_dom, n_exp, k):
+    """idx_by_dom[dom][layer] -> LongTensor [n_seq, seq, k]."""
+    L = len(next(iter(idx_by_dom.values())))
+    usage = {}
+    for dom, layers in idx_by_dom.items():
+        u = np.zeros((L, n_exp))
+        for li, t in enumerate(layers):
+            u[li] = np.bincount(t.reshape(-1).numpy(), minlength=n_exp)
+        usage[dom] = u / u.sum(1, keepdims=True)
+    allu = sum(usage.values()) / len(usage)
+    ent = -np.sum(np.where(allu > 0, allu * np.log2(np.where(allu > 0, allu, 1)), 0), axis=1)
+    res = {
+        "usage_per_domain": {d: np.round(u, 4).tolist() for d, u in usage.items()},
+        # skew of the domain-averaged usage: entropy (bits, max log2 E) and top-expert share per layer
+        "usage_entropy_bits": np.round(ent, 3).tolist(),
+        "usage_entropy_max_bits": float(np.log2(n_exp)),
+        "top_expert_share": np.round(allu.max(1), 4).tolist(),
+        "uniform_share": 1.0 / n_exp,
+    }
+    # per-domain skew: mean over layers of the top-expert share and of the top-4 share
+    res["per_domain_top1_share"] = {d: float(np.mean(u.max(1))) for d, u in usage.items()}
+    res["per_domain_top4_share"] = {d: float(np.mean(np.sort(u, 1)[:, -4:].sum(1))) for d, u in usage.items()}
+    doms = list(usage)
+    mat = np.zeros((len(doms), len(doms)))
+    for i, a in enumerate(doms):
+        for j, b in enumerate(doms):
+            mat[i, j] = np.mean([js(usage[a][l], usage[b][l]) for l in range(L)])
+    res["js_matrix_bits"] = {"domains": doms, "matrix": np.round(mat, 4).tolist()}
+    off = mat[np.triu_indices(len(doms), 1)]
+    res["js_mean_offdiag_bits"] = float(off.mean())
+    # temporal locality: token t reuses >=1 of token t-1's experts at the same layer
+    reuse, overlap, per_layer = [], [], []
+    for dom, layers in idx_by_dom.items():
+        for li, t in enumerate(layers):
+            a, b = t[:, 1:, :], t[:, :-1, :]
+            inter = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1).float()  # [n, s-1]
+            reuse.append(((inter > 0).float().mean().item(), dom, li))
+            overlap.append((inter.mean().item() / k, dom, li))
+    res["reuse_any_mean"] = float(np.mean([r for r, _, _ in reuse]))
+    res["reuse_any_per_domain"] = {d: float(np.mean([r for r, dd, _ in reuse if dd == d])) for d in doms}
+    res["reuse_any_per_layer"] = [float(np.mean([r for r, _, l in reuse if l == li])) for li in range(L)]
+    res["overlap_frac_mean"] = float(np.mean([o for o, _, _ in overlap]))
+    # per-layer LRU expert cache simulated over each held-out sequence (cold start per sequence)
+    res["lru_hit_rate"] = {}
+    for cap in (4, 8):
+        hits = tot = 0
+        for dom, layers in idx_by_dom.items():
+            for t in layers:
+                for seq in t.tolist():
+                    cache = []
+                    for experts in seq:
+                        for e in experts:
+                            tot += 1
+                            if e in cache:
+                                hits += 1
+                                cache.remove(e)
+                            elif len(cache) >= cap:
+                                cache.pop(0)
+                            cache.append(e)
+        res["lru_hit_rate"][str(cap)] = hits / tot
+    # independent uniform top-k choice: P(no shared expert) = C(E-k,k)/C(E,k)
+    from math import comb
+    res["reuse_any_uniform_baseline"] = 1 - comb(n_exp - k, k) / comb(n_exp, k)
+    return res
+
+
+def plot_loss(csv_path: Path, png: Path):
+    import csv
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = list(csv.DictReader(open(csv_path)))
+    steps = [int(r["step"]) for r in rows]
+    lm = [float(r["lm_loss"]) for r in rows]
+    hs, hv = [], []
+    for r in rows:
+        if r["heldout"]:
+            h = json.loads(r["heldout"])
+            hs.append(int(r["step"]))
+            hv.append(float(np.mean(list(h.values()))))
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=90)
+    ax.plot(steps, lm, lw=1, label="train LM loss (mean of 10 steps)")
+    if hs:
+        ax.plot(hs, hv, "o-", ms=3, lw=1, label="held-out loss (16 seqs/domain, mean of domains)")
+    ax.set_xlabel("step (16 x 256 tokens)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylim(bottom=max(0, min(lm) - 0.5), top=min(9, max(lm) + 0.2))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png)
+    last = lm[-5:]
+    return {"final_train_lm_loss_last50": float(np.mean(last)), "final_step": steps[-1]}
+
+
+def plot_usage(result, png: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [n for n in ("trained", "random") if n in result]
+    L = len(result[names[0]]["routing"]["usage_entropy_bits"])
+    fig, axes = plt.subplots(len(names), L, figsize=(1.6 * L, 1.5 * len(names) + 0.4), dpi=80, squeeze=False)
+    vmax = max(np.max(result[n]["routing"]["usage_per_domain"][d]) for n in names for d in DOMAINS)
+    for r, n in enumerate(names):
+        for li in range(L):
+            m = np.array([result[n]["routing"]["usage_per_domain"][d][li] for d in DOMAINS])
+            ax = axes[r, li]
+            ax.imshow(m, aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
+            ax.set_xticks([])
+            ax.set_yticks(range(len(DOMAINS)) if li == 0 else [])
+            if li == 0:
+                ax.set_yticklabels(DOMAINS, fontsize=7)
+                ax.set_ylabel(n, fontsize=8)
+            if r == 0:
+                ax.set_title(f"layer {li}", fontsize=8)
+    fig.suptitle("share of top-2 selections per expert (columns: 16 experts)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(HERE.parent.parent / "assets" / "demo-moe"))
+    ap.add_argument("--data", default="/work/demo_build/data")
+    ap.add_argument("--corpus", default="/work/demo_build/corpus")
+    ap.add_argument("--log", default="/work/demo_build/train_log.csv")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--max-seqs", type=int, default=48, help="held-out sequences per domain")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-random", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out or args.model)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {}
+
+    if Path(args.log).exists():
+        result["train"] = plot_loss(Path(args.log), out / "loss_curve.png")
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    cfg = model.config
+    torch.manual_seed(args.seed)
+    rand = Qwen3MoeForCausalLM(cfg).float().eval()
+
+    x = load_heldout(Path(args.data), args.seq, args.max_seqs)
+    result["heldout_tokens"] = {d: int(t[:, 1:].numel()) for d, t in x.items()}
+    for name, m in [("trained", model), ("random", rand)]:
+        if name == "random" and args.skip_random:
+            continue
+        ppl, idx = {}, {}
+        for dom in DOMAINS:
+            nll, idx[dom] = run_domain(m, x[dom], cfg.num_hidden_layers)
+            ppl[dom] = float(np.exp(nll))
+            print(f"{name} {dom}: ppl {ppl[dom]:.2f}", file=sys.stderr, flush=True)
+        result[name] = {"perplexity": ppl, "routing": routing_stats(idx, cfg.num_experts, cfg.num_experts_per_tok)}
+
+    # greedy chat transcripts
+    train_q = {}
+    with open(Path(args.corpus) / "train.jsonl") as f:
+        for line in f:
+            d = json.loads(line)
+            if d["domain"] == "chat":
+                for q in d.get("questions", []):
+                    train_q[q] = True
+    import re
+    sys.path.insert(0, str(HERE))
+    import build_corpus
+    docs = {q: a for q, _, a in build_corpus.docstring_pairs()}
+    jargon = {t: build_corpus.first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", d.replace("\n", " ")), 300)
+              for t, _, d in build_corpus.jargon_entries()}
+    forms = {"doc": build_corpus.QUESTION_FORMS + build_corpus.MODULE_FORMS,
+             "jargon": build_corpus.JARGON_FORMS, "arith": build_corpus.ARITH_FORMS}
+    subjects, reference = {}, {}
+    for p, subj, kind in PROMPTS:
+        variants = {f.format(n=subj, e=subj) for f in forms[kind]}
+        subjects[p] = sorted(variants & set(train_q))
+        if kind == "doc":
+            reference[p] = docs.get(subj)
+        elif kind == "jargon":
+            reference[p] = jargon.get(subj)
+        else:
+            reference[p] = f"{subj} = {eval(subj)}"
+    transcripts = []
+    for p, _, _ in PROMPTS:
+        msgs = [{"role": "user", "content": p}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            gen = model.generate(**ids, do_sample=False, max_new_tokens=60,
+                                 eos_token_id=model.generation_config.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+        new = gen[0, ids["input_ids"].shape[1]:]
+        text = tok.decode(new, skip_special_tokens=False)
+        transcripts.append({"user": p, "assistant": text,
+                            "stopped_at_im_end": bool((new == tok.convert_tokens_to_ids("<|im_end|>")).any()),
+                            "exact_question_in_train": p in train_q,
+                            "same_subject_questions_in_train": subjects[p][:3],
+                            "n_same_subject_questions_in_train": len(subjects[p]),
+                            "reference_from_source": reference[p]})
+        print(f"USER: {p}\nASSISTANT: {text}\n", file=sys.stderr, flush=True)
+    result["transcripts"] = transcripts
+    plot_usage(result, out / "routing_usage.png")
+    (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    print(markdown(result))
+
+
+def markdown(result):
+    """Markdown tables for the model card."""
+    T = result["trained"]
+    R = result.get("random")
+    lines = ["#### Held-out perplexity", "",
+             "| domain | held-out tokens | trained | random-weight |", "| --- | ---: | ---: | ---: |"]
+    for d in DOMAINS:
+        rp = f"{R['perplexity'][d]:.0f}" if R else "-"
+        lines.append(f"| {d} | {result['heldout_tokens'][d]:,} | {T['perplexity'][d]:.2f} | {rp} |")
+    tr, rr = T["routing"], (R["routing"] if R else None)
+    L = len(tr["usage_entropy_bits"])
+    lines += ["", "#### Routing per layer (all held-out domains pooled)", "",
+              "| layer | top-1 expert share (trained / random) | usage entropy, bits of 4 (trained / random) "
+              "| P(reuse >=1 of previous token's experts) (trained / random) |",
+              "| ---: | ---: | ---: | ---: |"]
+    for li in range(L):
+        def pair(key):
+            a = tr[key][li]
+            b = rr[key][li] if rr else float("nan")
+            return f"{a:.3f} / {b:.3f}"
+        lines.append(f"| {li} | {pair('top_expert_share')} | {pair('usage_entropy_bits')} | {pair('reuse_any_per_layer')} |")
+    def row(name, f):
+        return f"| {name} | {f(tr)} | {f(rr) if rr else '-'} |"
+    lines += ["", "#### Summary", "", "| statistic | trained | random-weight |", "| --- | ---: | ---: |",
+              row("mean top-1 expert share per layer (uniform = 0.0625)", lambda r: f"{np.mean(r['top_expert_share']):.3f}"),
+              row("mean usage entropy per layer, bits (uniform = 4)", lambda r: f"{np.mean(r['usage_entropy_bits']):.2f}"),
+              row("mean Jensen-Shannon divergence between domains, bits", lambda r: f"{r['js_mean_offdiag_bits']:.3f}"),
+              row("P(token reuses >=1 of previous token's experts), same layer", lambda r: f"{r['reuse_any_mean']:.3f}"),
+              row("mean overlap fraction with previous token's experts", lambda r: f"{r['overlap_frac_mean']:.3f}"),
+              row("LRU hit rate, 4 of 16 experts cached per layer", lambda r: f"{r['lru_hit_rate']['4']:.3f}"),
+              row("LRU hit rate, 8 of 16 experts cached per layer", lambda r: f"{r['lru_hit_rate']['8']:.3f}"),
+              f"| independent uniform top-2 baseline for reuse | {tr['reuse_any_uniform_baseline']:.3f} | |"]
+    for name, r in (("trained", tr), ("random-weight", rr)):
+        if not r:
+            continue
+        doms, m = r["js_matrix_bits"]["domains"], r["js_matrix_bits"]["matrix"]
+        lines += ["", f"#### Jensen-Shannon divergence between domains, {name} (bits, mean over layers)", "",
+                  "| | " + " | ".join(doms) + " |", "| --- |" + " ---: |" * len(doms)]
+        for i, d in enumerate(doms):
+            lines.append(f"| {d} | " + " | ".join(f"{v:.3f}" for v in m[i]) + " |")
+    lines += ["", "#### Per-domain concentration (trained / random): mean over layers of the top-1 and top-4 expert shares", "",
+              "| domain | top-1 share | top-4 share | reuse prob. |", "| --- | ---: | ---: | ---: |"]
+    for d in DOMAINS:
+        lines.append(f"| {d} | {tr['per_domain_top1_share'][d]:.3f} / {rr['per_domain_top1_share'][d]:.3f} | "
+                     f"{tr['per_domain_top4_share'][d]:.3f} / {rr['per_domain_top4_share'][d]:.3f} | "
+                     f"{tr['reuse_any_per_domain'][d]:.3f} / {rr['reuse_any_per_domain'][d]:.3f} |" if rr else
+                     f"| {d} | {tr['per_domain_top1_share'][d]:.3f} | {tr['per_domain_top4_share'][d]:.3f} | {tr['reuse_any_per_domain'][d]:.3f} |")
+    lines += ["", "#### Greedy transcripts", ""]
+    for t in result["transcripts"]:
+        lines += ["```", f"user: {t['user']}", f"assistant: {t['assistant']}", "```",
+                  f"Stopped with `<|im_end|>`: {t['stopped_at_im_end']}. Exact question in training data: "
+                  f"{t['exact_question_in_train']}. Training questions on the same subject: "
+                  f"{t['n_same_subject_questions_in_train']} {t['same_subject_questions_in_train']}. "
+                  f"Source text: {t['reference_from_source']!r}", ""]
+    return "\n".join(lines)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,447 @@
+"""Build the demo-moe training corpus from what an offline Debian machine has.
+
+Domains (each document carries one label; the router analysis uses them):
+  code   Python standard-library source (.py files of the running interpreter)
+  docs   English technical prose: CPython docs (python3.11-doc, reST sources),
+         Debian Reference (debian-reference-en), Git docs (git-doc),
+         GNU Coding Standards + Information for Maintainers (gnu-standards)
+  quotes fortune cookies (fortunes, fortunes-min) and Jargon File entries (jargon-text)
+  arith  synthetic arithmetic lines such as "12 + 7 = 19"
+  chat   ChatML conversations whose answers are copied from real sources:
+         stdlib docstrings (via inspect), Jargon File definitions, exact arithmetic
+
+Deterministic: sorted file lists, fixed seeds, hash-based held-out split.
+Output: OUT/train.jsonl, OUT/heldout.jsonl (one {"domain","source","text"} per line)
+        OUT/sources.json (documents and characters per source).
+
+Prerequisites (Debian 12):
+  apt-get install python3.11-doc debian-reference-en git-doc gnu-standards \
+                  fortunes fortunes-min jargon-text
+"""
+
+import argparse
+import gzip
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import random
+import re
+import sys
+import sysconfig
+import warnings
+from collections import Counter, defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chatml import render  # noqa: E402
+
+SEED = 1234
+HELDOUT_MOD = 50  # 1 document in 50 goes to the held-out set
+
+# Character budgets per domain (roughly 3-4 characters per token).
+BUDGET = {
+    "code": 9_000_000,
+    "docs": 11_000_000,
+    "quotes": 4_000_000,
+    "arith": 1_600_000,
+    "chat": None,  # everything that can be derived
+}
+
+PY_DOC = Path("/usr/share/doc/python3.11/html/_sources")
+DEB_REF = Path("/usr/share/debian-reference/debian-reference.en.txt.gz")
+GIT_DOC = Path("/usr/share/doc/git-doc")
+GNU_STD = [Path("/usr/share/doc/gnu-standards/standards.text.gz"),
+           Path("/usr/share/doc/gnu-standards/maintain.text.gz")]
+FORTUNE_DIR = Path("/usr/share/games/fortunes")
+FORTUNE_FILES = ["computers", "debian", "definitions", "education", "fortunes",
+                 "goedel", "humorists", "linux", "literature", "miscellaneous",
+                 "paradoxum", "people", "platitudes", "pratchett", "riddles",
+                 "science", "startrek", "tao", "wisdom", "work", "zippy"]
+JARGON = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
+
+LICENSES = {
+    "cpython-stdlib": "PSF License 2.0",
+    "python3.11-doc": "PSF License 2.0 (Python documentation)",
+    "debian-reference-en": "GPL-2+",
+    "git-doc": "GPL-2",
+    "gnu-standards": "GFDL-1.3+ (no invariant sections)",
+    "fortunes": "BSD-3-Clause per debian/copyright (UC Regents); quotations are attributed third-party text",
+    "jargon-text": "public domain",
+    "synthetic-arith": "generated (no licence needed)",
+    "chat-docstrings": "PSF License 2.0 (answers copied from stdlib docstrings)",
+    "chat-jargon": "public domain (answers copied from the Jargon File)",
+    "chat-arith": "generated",
+}
+
+
+def read_text(p: Path) -> str:
+    if p.suffix == ".gz":
+        with gzip.open(p, "rb") as f:
+            data = f.read()
+    else:
+        data = p.read_bytes()
+    return data.decode("utf-8", errors="replace").replace("\r\n", "\n")
+
+
+def chunk(text: str, size: int, sep: str = "\n\n"):
+    """Split text into pieces of about `size` chars at `sep` boundaries."""
+    parts, cur, n = [], [], 0
+    for para in text.split(sep):
+        if n + len(para) > size and cur:
+            parts.append(sep.join(cur))
+            cur, n = [], 0
+        cur.append(para)
+        n += len(para) + len(sep)
+    if cur:
+        parts.append(sep.join(cur))
+    return [p.strip("\n") for p in parts if p.strip()]
+
+
+def squeeze_blank(text: str) -> str:
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+# ---------------------------------------------------------------- code
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def code_docs():
+    root = stdlib_dir()
+    skip = re.compile(r"(^|/)(test|tests|idle_test|site-packages|__pycache__|"
+                      r"lib2to3/tests|turtledemo|ensurepip)(/|$)")
+    files = sorted(p for p in root.rglob("*.py")
+                   if not skip.search(str(p.relative_to(root))))
+    for p in files:
+        rel = str(p.relative_to(root))
+        text = read_text(p)
+        if "\x00" in text:
+            continue
+        for i, piece in enumerate(chunk(text, 5000, sep="\n\n\n") if len(text) > 6000 else [text]):
+            # second pass for very long top-level blocks
+            for j, sub in enumerate(chunk(piece, 5000, sep="\n\n") if len(piece) > 8000 else [piece]):
+                yield {"domain": "code", "source": "cpython-stdlib",
+                       "id": f"code:{rel}:{i}:{j}", "text": sub.strip("\n")}
+
+
+# ---------------------------------------------------------------- docs
+RST_ROLE = re.compile(r":[a-zA-Z:]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+
+
+def clean_rst(text: str) -> str:
+    out = []
+    skip_block = False
+    for line in text.split("\n"):
+        s = line.strip()
+        if skip_block:
+            if s and not line.startswith((" ", "\t")):
+                skip_block = False
+            else:
+                continue
+        if s.startswith(".. ") and ("::" not in s or s.startswith((".. _", ".. index::", ".. toctree::",
+                                                                     ".. |", ".. testsetup::",
+                                                                     ".. testcleanup::", ".. highlight",
+                                                                     ".. sectionauthor", ".. moduleauthor",
+                                                                     ".. versionadded", ".. versionchanged",
+                                                                     ".. deprecated", ".. only::",
+                                                                     ".. raw::", ".. include::"))):
+            if s.startswith((".. versionadded", ".. versionchanged", ".. deprecated")):
+                out.append(re.sub(r"^\.\. (\w+)::", lambda m: m.group(1).replace("version", "Version ").capitalize() + ":", s))
+                continue
+            if s.startswith((".. toctree::", ".. index::", ".. |", ".. raw::", ".. only::")):
+                skip_block = True
+            continue
+        m = re.match(r"^(\s*)\.\. [\w:-]+:: ?(.*)$", line)
+        if m:
+            line = m.group(1) + m.group(2)
+        if re.match(r"^\s+:[\w-]+:( |$)", line) and not re.match(r"^\s+:[\w-]+:`", line):
+            continue  # directive option
+        line = RST_ROLE.sub(r"\1", line)
+        line = line.replace("``", "`")
+        out.append(line)
+    return squeeze_blank("\n".join(out))
+
+
+def docs_docs():
+    subdirs = ["tutorial", "library", "reference", "howto", "faq", "using", "glossary.rst.txt",
+               "extending", "c-api", "installing", "distributing"]
+    files = []
+    for s in subdirs:
+        p = PY_DOC / s
+        files += [p] if p.is_file() else sorted(p.rglob("*.rst.txt"))
+    for p in files:
+        rel = str(p.relative_to(PY_DOC))
+        for i, piece in enumerate(chunk(clean_rst(read_text(p)), 4000)):
+            yield {"domain": "docs", "source": "python3.11-doc", "id": f"docs:py:{rel}:{i}", "text": piece}
+    for i, piece in enumerate(chunk(squeeze_blank(read_text(DEB_REF)), 4000)):
+        yield {"domain": "docs", "source": "debian-reference-en", "id": f"docs:debref:{i}", "text": piece}
+    for p in sorted(GIT_DOC.glob("*.txt")) + sorted(GIT_DOC.glob("*/*.txt")):
+        rel = str(p.relative_to(GIT_DOC))
+        for i, piece in enumerate(chunk(squeeze_blank(read_text(p)), 4000)):
+            yield {"domain": "docs", "source": "git-doc", "id": f"docs:git:{rel}:{i}", "text": piece}
+    for p in GNU_STD:
+        for i, piece in enumerate(chunk(squeeze_blank(read_text(p)), 4000)):
+            yield {"domain": "docs", "source": "gnu-standards", "id": f"docs:gnu:{p.name}:{i}", "text": piece}
+
+
+# ---------------------------------------------------------------- quotes
+def fortunes():
+    quotes = []
+    for name in FORTUNE_FILES:
+        p = FORTUNE_DIR / name
+        if not p.exists():
+            continue
+        for k, q in enumerate(read_text(p).split("\n%\n")):
+            q = q.strip("\n")
+            if 20 <= len(q) <= 400 and q.strip():
+                quotes.append((f"{name}:{k}", q))
+    return quotes
+
+
+def jargon_entries():
+    text = read_text(JARGON)
+    # entries look like "   :term: pos.\n\n   body...\n\n   :next term: ..."
+    start = text.find("   :(TM):")
+    if start < 0:
+        start = 0
+    body = text[start:]
+    end = body.find("\nAppendix A. Hacker Folklore\n")
+    if end > 0:
+        body = body[:end]
+    entries = []
+    for m in re.finditer(r"^   :([^\n:][^\n]*?):(.*?)\n(.*?)(?=^   :[^\n]+?:|\Z)", body, re.S | re.M):
+        term, pos, defn = m.group(1).strip(), m.group(2).strip(), m.group(3)
+        defn = "\n".join(l[3:] if l.startswith("   ") else l for l in defn.split("\n"))
+        defn = squeeze_blank(defn)
+        if len(defn) < 20:
+            continue
+        entries.append((term, pos, defn))
+    return entries
+
+
+def quote_docs(jargon):
+    rng = random.Random(SEED + 1)
+    quotes = fortunes()
+    rng.shuffle(quotes)
+    for g in range(0, len(quotes), 8):
+        grp = quotes[g:g + 8]
+        yield {"domain": "quotes", "source": "fortunes", "id": "quotes:fortune:" + grp[0][0],
+               "text": "\n%\n".join(q for _, q in grp)}
+    for g in range(0, len(jargon), 4):
+        grp = jargon[g:g + 4]
+        text = "\n\n".join(f":{t}: {p}\n\n{d}".replace(": \n", ":\n") for t, p, d in grp)
+        yield {"domain": "quotes", "source": "jargon-text", "id": "quotes:jargon:" + grp[0][0], "text": text}
+
+
+# ---------------------------------------------------------------- arithmetic
+def arith_line(rng):
+    op = rng.choice("+-*+-*+/")
+    big = rng.random() < 0.3
+    hi = 999 if big else 99
+    a, b = rng.randint(0, hi), rng.randint(0, hi)
+    if op == "+":
+        return f"{a} + {b}", a + b
+    if op == "-":
+        return f"{a} - {b}", a - b
+    if op == "*":
+        b = rng.randint(0, 12 if big else 20)
+        return f"{a} * {b}", a * b
+    b = rng.randint(1, 12)
+    return f"{a * b} / {b}", a
+
+
+def arith_docs():
+    rng = random.Random(SEED + 2)
+    total, k = 0, 0
+    while total < BUDGET["arith"]:
+        lines = [" = ".join((e, str(v))) for e, v in (arith_line(rng) for _ in range(rng.randint(16, 40)))]
+        text = "\n".join(lines)
+        total += len(text)
+        yield {"domain": "arith", "source": "synthetic-arith", "id": f"arith:{k}", "text": text}
+        k += 1
+
+
+# ---------------------------------------------------------------- chat
+DOC_MODULES = sorted("""
+abc argparse array ast asyncio base64 binascii bisect builtins bz2 calendar cmath codecs collections
+colorsys concurrent.futures configparser contextlib contextvars copy csv dataclasses datetime decimal
+difflib dis email email.utils enum errno filecmp fnmatch fractions ftplib functools gc getpass gettext
+glob graphlib gzip hashlib heapq hmac html html.parser http.client imaplib importlib inspect io
+ipaddress itertools json keyword linecache locale logging lzma math mimetypes netrc numbers operator
+os os.path pathlib pickle pkgutil platform plistlib poplib pprint queue quopri random re reprlib sched
+secrets select selectors shlex shutil signal smtplib socket sqlite3 ssl stat statistics string struct
+subprocess sys tarfile tempfile textwrap threading time timeit tokenize tomllib traceback tracemalloc
+types typing unicodedata unittest urllib.parse urllib.request uuid warnings wave weakref
+xml.dom.minidom xml.etree.ElementTree zipfile zlib zoneinfo
+""".split())
+
+BUILTIN_TYPES = ["str", "bytes", "list", "dict", "set", "frozenset", "tuple", "int", "float", "complex",
+                 "bytearray", "range", "memoryview"]
+
+QUESTION_FORMS = ["What does {n} do?", "What is {n} for?", "Explain {n} briefly.",
+                  "Can you tell me what {n} does?", "What does {n} do in Python?"]
+MODULE_FORMS = ["What is the {n} module?", "What is the {n} module for?", "Tell me about the {n} module."]
+JARGON_FORMS = ["What does \"{n}\" mean in hacker jargon?", "What is {n}?", "Define {n}."]
+ARITH_FORMS = ["What is {e}?", "Compute {e}.", "How much is {e}?"]
+
+
+def first_sentences(doc: str, max_chars=320):
+    doc = inspect.cleandoc(doc)
+    paras = [p for p in doc.split("\n\n") if p.strip()]
+    if not paras:
+        return None
+    p = paras[0]
+    # skip signature-like first paragraphs ("dumps(obj) -> str")
+    if re.match(r"^[\w.]+\(.*\)(\s*->.*)?$", p.strip().split("\n")[0]) and len(paras) > 1:
+        p = paras[1] if "\n" not in p.strip() else p.strip().split("\n", 1)[1]
+    p = " ".join(p.split())
+    if not p or len(p) < 15:
+        return None
+    sents = re.split(r"(?<=[.!?])\s+(?=[A-Z`'\"(])", p)
+    out = sents[0]
+    for s in sents[1:]:
+        if len(out) + 1 + len(s) > max_chars:
+            break
+        out += " " + s
+    if len(out) > max_chars + 200:
+        return None
+    return out
+
+
+def docstring_pairs():
+    warnings.simplefilter("ignore")
+    pairs = {}
+    def add(qname, obj, kind):
+        doc = getattr(obj, "__doc__", None)
+        if not isinstance(doc, str):
+            return
+        ans = first_sentences(doc)
+        if ans and qname not in pairs:
+            pairs[qname] = (kind, ans)
+    for mname in DOC_MODULES:
+        try:
+            mod = importlib.import_module(mname)
+        except Exception:
+            continue
+        if mname != "builtins":
+            add(mname, mod, "module")
+        names = getattr(mod, "__all__", None) or [n for n in dir(mod) if not n.startswith("_")]
+        for n in sorted(set(names)):
+            try:
+                obj = getattr(mod, n)
+            except Exception:
+                continue
+            if inspect.ismodule(obj):
+                continue
+            owner = getattr(obj, "__module__", None)
+            if mname != "builtins" and owner and owner.split(".")[0] not in (mname.split(".")[0], "posixpath" if mname == "os.path" else "", "_" + mname.split(".")[0], "posix", "posixpath", "_io", "_collections", "_functools", "_heapq", "_bisect", "_json", "_operator", "_random", "_struct", "_socket", "_sqlite3", "_ssl", "_datetime", "_decimal", "_pickle", "_csv", "_sha512", "_hashlib", "zlib", "math", "time"):
+                continue
+            qn = n if mname == "builtins" else f"{mname}.{n}"
+            if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj) or callable(obj):
+                add(qn, obj, "callable")
+            if inspect.isclass(obj) and owner and owner.split(".")[0].lstrip("_") == mname.split(".")[0]:
+                for attr in sorted(vars(obj)):
+                    if attr.startswith("_"):
+                        continue
+                    meth = vars(obj)[attr]
+                    if isinstance(meth, (staticmethod, classmethod)):
+                        meth = meth.__func__
+                    if inspect.isfunction(meth) or inspect.ismethoddescriptor(meth) or isinstance(meth, property):
+                        add(f"{qn}.{attr}", meth, "callable")
+    for t in BUILTIN_TYPES:
+        typ = getattr(__import__("builtins"), t)
+        for n in sorted(vars(typ)):
+            if n.startswith("_"):
+                continue
+            add(f"{t}.{n}", getattr(typ, n), "callable")
+    return sorted((q, k, a) for q, (k, a) in pairs.items())
+
+
+def chat_docs(jargon):
+    rng = random.Random(SEED + 3)
+    qa = []
+    for qn, kind, ans in docstring_pairs():
+        if kind == "module":
+            q = rng.choice(MODULE_FORMS).format(n=qn)
+        else:
+            q = rng.choice(QUESTION_FORMS).format(n=qn)
+        qa.append(("chat-docstrings", qn, q, ans))
+    for term, pos, defn in jargon:
+        ans = first_sentences(defn.replace("\n", " "), 300)
+        if not ans or ans.startswith("["):
+            # drop a leading etymology bracket
+            ans = first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", defn.replace("\n", " ")), 300)
+        if ans:
+            qa.append(("chat-jargon", term, rng.choice(JARGON_FORMS).format(n=term), ans))
+    arng = random.Random(SEED + 4)
+    for k in range(2500):
+        e, v = arith_line(arng)
+        qa.append(("chat-arith", f"arith{k}", rng.choice(ARITH_FORMS).format(e=e), f"{e} = {v}."))
+    rng.shuffle(qa)
+    i = 0
+    while i < len(qa):
+        n = rng.choice([1, 1, 1, 2, 3])
+        grp = qa[i:i + n]
+        i += n
+        msgs = []
+        for _, _, q, a in grp:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        yield {"domain": "chat", "source": grp[0][0], "id": "chat:" + "|".join(g[1] for g in grp),
+               "text": render(msgs), "questions": [g[2] for g in grp]}
+
+
+# ---------------------------------------------------------------- main
+def is_heldout(doc_id: str) -> bool:
+    return int(hashlib.sha256(doc_id.encode()).hexdigest(), 16) % HELDOUT_MOD == 0
+
+
+def take_budget(docs, budget, seed):
+    docs = list(docs)
+    if budget is None:
+        return docs
+    rng = random.Random(seed)
+    rng.shuffle(docs)
+    out, n = [], 0
+    for d in docs:
+        if n >= budget:
+            break
+        out.append(d)
+        n += len(d["text"])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/work/demo_build/corpus")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jargon = jargon_entries()
+    print(f"jargon entries: {len(jargon)}", file=sys.stderr)
+    all_docs = []
+    for dom, gen, seed in [("code", code_docs(), 11), ("docs", docs_docs(), 12),
+                           ("quotes", quote_docs(jargon), 13), ("arith", arith_docs(), 14),
+                           ("chat", chat_docs(jargon), 15)]:
+        docs = take_budget(gen, BUDGET[dom], seed)
+        print(f"{dom}: {len(docs)} docs, {sum(len(d['text']) for d in docs)} chars", file=sys.stderr)
+        all_docs += docs
+    rng = random.Random(SEED)
+    rng.shuffle(all_docs)
+    stats = defaultdict(lambda: Counter())
+    with open(out / "train.jsonl", "w") as ft, open(out / "heldout.jsonl", "w") as fh:
+        for d in all_docs:
+            split = "heldout" if is_heldout(d["id"]) else "train"
+            (fh if split == "heldout" else ft).write(json.dumps(d, ensure_ascii=False) + "\n")
+            stats[f"{split}:{d['domain']}:{d['source']}"].update(docs=1, chars=len(d["text"]))
+    meta = {"python": sys.version, "stdlib": str(stdlib_dir()), "seed": SEED,
+            "licenses": LICENSES, "stats": {k: dict(v) for k, v in sorted(stats.items())}}
+    (out / "sources.json").write_text(json.dumps(meta, indent=1))
+    for k, v in sorted(stats.items()):
+        print(k, dict(v), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
