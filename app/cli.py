@@ -74,8 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "experts beyond it stream from disk (default: every expert in RAM)")
     cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
     from moechat.app.fit import add_fit_parser  # no torch, no engine
+    from moechat.app.launch import add_chat_parser
 
     add_fit_parser(sub)
+    add_chat_parser(sub)
     return parser
 
 
@@ -196,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return EXIT_USAGE
+        from moechat.app.launch import run_default
+
+        return run_default()  # the chat app on the bundled demo model
     from moechat.engine.errors import MoechatError
 
     try:
@@ -205,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             from moechat.app.fit import run_fit
 
             return run_fit(args)
+        if args.command == "chat":
+            return args.handler(args)
         return _run(args)
     except MoechatError as e:
         print(f"moechat: error: {e}", file=sys.stderr)

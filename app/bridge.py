@@ -1,0 +1,385 @@
+"""The only module that talks to the engine: an invisible widget whose thread workers own it.
+
+    UI thread (Textual)                       worker threads (one holds the engine lock at a time)
+    ChatScreen --load(model)--------------->  load: import torch + engine, Engine.load, describe
+               --generate(history, text)--->  generate: Conversation.send(...) -> chunks
+               <--TokensArrived (doorbell)--    each chunk queued in an outbox; a doorbell when the
+               --take_tokens()------------->      UI has taken the last batch
+                                                between tokens: apply pending retunes, and every
+               <--StatsUpdated (<= 4 Hz)----    STATS_INTERVAL_S a cache snapshot -> StatsTracker
+               --stop()--> cancel Event         (checked by the engine between tokens)
+               --retune(...)--> pending dict   applied by the generating thread at its next token,
+                                               or by a retune worker when nothing is generating
+
+Why this shape: the engine is not thread-safe and `retune_cache` must run between tokens on the
+thread that iterates the generator, so one lock serialises load, generate and retune, and a retune
+asked for mid-reply waits in a dict for the generating thread's next safe point (one decode step).
+The UI never blocks on the engine: every call here returns at once. torch and the engine are
+imported inside the load worker (`load_engine`), so `import moechat.app` stays torch-free and the
+first frame comes before the model has even started loading.
+
+Tokens go into an outbox (a list under a lock); the first one after the UI last emptied it rings a
+`TokensArrived` doorbell, and the UI takes the whole outbox when it draws. A token is never delayed
+by more than the UI's own pace, and the UI wakes per batch, not per token: at 300 tok/s per-token
+messages kept the UI thread 20% busy, GIL the generating thread needs. Stats go out at most every
+STATS_INTERVAL_S as replaceable messages. The engine object is duck-typed (the app's tests pass a
+fake): `conversation()`, `sampling()`, `default_max_tokens()`, `cache_snapshot()`, `retune_cache()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from textual import work
+from textual.widget import Widget
+
+from .livestats import StatsTracker
+from .messages import (
+    CacheRetuned,
+    CacheState,
+    EngineFailed,
+    EngineReady,
+    GenerationFailed,
+    GenerationFinished,
+    LoadProgress,
+    ModelInfo,
+    RetuneFailed,
+    StatsUpdated,
+    TokensArrived,
+)
+
+STATS_INTERVAL_S = 0.25  # cache snapshots for the live panel: 4 a second
+_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load the model: the flags `moechat chat` shares with `moechat run`."""
+
+    dtype: str | None = None
+    device: str | None = None
+    context: int | None = None
+    expert_slots: int | None = None
+    policy: str | None = None
+    ram_cache_mb: int | None = None
+    resident: bool = False  # every expert on the device, no cache (the heatmap stays empty)
+
+
+# (model dir or repo id, options, progress callback) -> engine
+EngineFactory = Callable[[str, LoadOptions, Callable[[str], None]], Any]
+
+
+def policy_names() -> tuple[str, ...]:
+    from moechat.engine.cache.policy import POLICIES  # pure Python and numpy: no torch
+
+    return POLICIES
+
+
+def default_policy() -> str:
+    from moechat.engine.cache.policy import DEFAULT_POLICY
+
+    return DEFAULT_POLICY
+
+
+def looks_like_repo_id(model: str) -> bool:
+    return bool(_REPO_ID.match(model)) and not Path(model).exists()
+
+
+def resolve_model(model: str) -> Path:
+    """A local model dir, or a Hub repo id already in the local Hugging Face cache."""
+    from moechat.engine.errors import ConfigError
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if looks_like_repo_id(model):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(repo_id=model, local_files_only=True))
+        except Exception:
+            raise ConfigError(f"{model}: not a local directory, and not in the Hugging Face cache; download it "
+                              f"first (hf download {model}) or pass the model's directory") from None
+    raise ConfigError(f"{model}: no such model directory; pass a directory with config.json and *.safetensors")
+
+
+def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None]):
+    """The real engine factory; runs in the load worker, where torch gets imported."""
+    progress("importing torch")
+    import torch
+
+    from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.generate import Engine
+
+    path = resolve_model(model)
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cache = None
+    if not options.resident:
+        slots = options.expert_slots
+        ram_cache_bytes = None if options.ram_cache_mb is None else options.ram_cache_mb << 20
+        if slots is None or options.ram_cache_mb is None:
+            # As `moechat run`: what the user left unset comes from the memory plan when the experts do not
+            # all fit on the device; else every expert gets a slot (and the panel shows them filling up).
+            progress("planning memory")
+            plan = _plan(path, device, options)
+            if plan is not None and plan.needs_cache:
+                if plan.refusal is not None:
+                    progress(f"warning: {plan.refusal.message}; loading anyway")
+                slots = slots or plan.expert_slots
+                if options.ram_cache_mb is None:
+                    ram_cache_bytes = plan.ram_cache_bytes
+        cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
+                            ram_cache_bytes=ram_cache_bytes)
+    progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
+    return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache)
+
+
+def _plan(path: Path, device: str, options: LoadOptions):
+    """The memory plan `moechat run` takes its defaults from, or None: planning is advice, never a failure."""
+    try:
+        from moechat.app.fit import plan_for_run
+
+        return plan_for_run(path, device=device, dtype=options.dtype, context=options.context)
+    except Exception:  # noqa: BLE001 - a model the planner cannot read still loads (the loader explains)
+        return None
+
+
+def describe_error(e: BaseException) -> str:
+    """One readable line for an exception the engine did not type (a MoechatError's str() already is)."""
+    from moechat.engine.errors import MoechatError
+
+    if isinstance(e, MoechatError):
+        return str(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return (f"out of memory ({first or type(e).__name__}); lower --context, use fewer --expert-slots or a "
+                "smaller --dtype")
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _moe_layer_count(engine) -> int | None:
+    loaded = getattr(engine, "loaded", None)
+    cls = getattr(loaded, "cls", None)
+    try:
+        return len(cls.moe_layers(engine.args)) if cls is not None else None
+    except Exception:
+        return None
+
+
+def cache_state(engine, snap) -> CacheState | None:
+    if snap is None:
+        return None
+    moe_layers = _moe_layer_count(engine)
+    max_slots = moe_layers * snap.resident.shape[1] if moe_layers else int(snap.resident.size)
+    store = getattr(getattr(engine, "provider", None), "store", None)
+    expert_bytes = getattr(store, "expert_bytes", None)
+    return CacheState(snap.num_slots, max_slots, snap.policy, snap.ram_cache_bytes, snap.ram_cache_used_bytes,
+                      expert_bytes * max_slots if expert_bytes else None)
+
+
+def describe(engine, model: str) -> ModelInfo:
+    args = engine.args
+    loaded = getattr(engine, "loaded", None)
+    try:
+        defaults = dataclasses.asdict(engine.sampling())
+    except Exception:
+        defaults = {}
+    return ModelInfo(
+        name=Path(str(getattr(loaded, "model_dir", model))).name or model,
+        path=str(getattr(loaded, "model_dir", model)),
+        model_type=getattr(args, "model_type", ""),
+        dtype=str(getattr(loaded, "dtype", "")).removeprefix("torch."),
+        device=str(getattr(loaded, "device", "")),
+        num_layers=int(args.num_hidden_layers),
+        num_experts=int(args.num_experts),
+        top_k=int(args.top_k),
+        sampling_defaults=defaults,
+        generation_config=dict(getattr(engine, "generation_config", None) or {}),
+        default_max_tokens=int(engine.default_max_tokens()),
+        has_chat_template=getattr(engine, "chat_template", True) is not None,
+        cache=cache_state(engine, engine.cache_snapshot()),
+    )
+
+
+class EngineBridge(Widget):
+    """Owns the engine; every method returns at once and answers with messages (see messages.py)."""
+
+    DEFAULT_CSS = "EngineBridge { display: none; }"
+
+    def __init__(self, factory: EngineFactory = load_engine, options: LoadOptions | None = None):
+        super().__init__()
+        self.factory = factory
+        self.options = options or LoadOptions()
+        self._engine = None
+        self._conversation = None
+        self._lock = threading.Lock()  # held by whichever worker uses the engine
+        self._tracker = StatsTracker()
+        self._cancel: threading.Event | None = None
+        self._gen_id = 0
+        self._pending: dict[str, Any] = {}  # retune changes not yet applied
+        self._pending_lock = threading.Lock()
+        self._outbox: list[tuple[int, str, tuple[int, ...]]] = []  # (gen_id, text, token ids) not yet taken
+        self._rung = False  # a TokensArrived is on its way and the UI has not taken the outbox since
+        self._outbox_lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None
+
+    # -- loading --------------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="engine-load", exit_on_error=False)
+    def load(self, model: str) -> None:
+        t0 = time.monotonic()
+
+        def progress(stage: str) -> None:
+            self.post_message(LoadProgress(stage, time.monotonic() - t0))
+
+        with self._lock:
+            self._engine = self._conversation = None
+            try:
+                engine = self.factory(model, self.options, progress)
+                info = describe(engine, model)
+            except BaseException as e:  # noqa: BLE001 - any failure is a notice; the app stays up
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                self.post_message(EngineFailed(describe_error(e)))
+                return
+            self._engine = engine
+            self._tracker = StatsTracker()
+            self.post_message(EngineReady(info, time.monotonic() - t0))
+            self._post_stats(engine)
+
+    # -- generation -----------------------------------------------------------------------------------
+    def generate(self, history: list[dict], text: str, sampling: dict | None = None,
+                 max_tokens: int | None = None) -> int:
+        """Start a reply to `text` after `history` (system + earlier turns); returns its generation id."""
+        self.stop()
+        self._gen_id += 1
+        self._cancel = threading.Event()
+        self._generate(self._gen_id, [dict(m) for m in history], text, dict(sampling or {}), max_tokens,
+                       self._cancel)
+        return self._gen_id
+
+    def take_tokens(self) -> list[tuple[int, str, tuple[int, ...]]]:
+        """Every queued chunk, oldest first, merged per generation: [(gen_id, text, token ids)]. UI thread."""
+        with self._outbox_lock:
+            items, self._outbox, self._rung = self._outbox, [], False
+        merged: list[tuple[int, str, tuple[int, ...]]] = []
+        for gen_id, text, ids in items:
+            if merged and merged[-1][0] == gen_id:
+                merged[-1] = (gen_id, merged[-1][1] + text, merged[-1][2] + ids)
+            else:
+                merged.append((gen_id, text, ids))
+        return merged
+
+    def _queue_tokens(self, gen_id: int, text: str, ids: tuple[int, ...]) -> None:
+        with self._outbox_lock:
+            self._outbox.append((gen_id, text, ids))
+            ring, self._rung = not self._rung, True
+        if ring:
+            self.post_message(TokensArrived(gen_id))
+
+    def stop(self) -> None:
+        """Ask the running reply to stop; the engine sees it before its next token."""
+        if self._cancel is not None:
+            self._cancel.set()
+
+    @work(thread=True, exclusive=True, group="engine-generate", exit_on_error=False)
+    def _generate(self, gen_id: int, history: list[dict], text: str, sampling: dict, max_tokens: int | None,
+                  cancel: threading.Event) -> None:
+        with self._lock:
+            engine = self._engine
+            if engine is None:
+                self.post_message(GenerationFailed(gen_id, "no model is loaded yet"))
+                return
+            if cancel.is_set():
+                self.post_message(GenerationFinished(gen_id, "cancelled", 0, 0, 0.0, 0.0))
+                return
+            tracker = self._tracker
+            last = None
+            try:
+                params = engine.sampling(**sampling)
+                if self._conversation is None:
+                    self._conversation = engine.conversation()
+                conversation = self._conversation
+                conversation.messages = history  # the UI's transcript is the truth; the KV prefix is reused
+                tracker.start_generation()
+                last_stats = 0.0
+                for chunk in conversation.send(text, sampling=params, max_tokens=max_tokens, cancel=cancel):
+                    last = chunk
+                    if chunk.text or chunk.token_ids:
+                        self._queue_tokens(gen_id, chunk.text, tuple(chunk.token_ids))
+                    tracker.observe_chunk(chunk.prompt_tokens, chunk.generated_tokens, chunk.prefill_tokens_per_s,
+                                          chunk.decode_tokens_per_s)
+                    if chunk.finish_reason is None:
+                        # The safe point: the generator is suspended between two tokens, on this thread.
+                        self._apply_retune(engine, at_token=chunk.generated_tokens)
+                        now = time.monotonic()
+                        if now - last_stats >= STATS_INTERVAL_S:
+                            tracker.sample_rate()
+                            self._post_stats(engine)
+                            last_stats = now
+            except BaseException as e:  # noqa: BLE001 - shown as a notice; the partial reply is kept
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                self.post_message(GenerationFailed(gen_id, describe_error(e)))
+                self._post_stats(engine)
+                return
+            tracker.sample_rate()
+            self._post_stats(engine, last.cache if last is not None else None)
+            if last is not None:
+                self.post_message(GenerationFinished(gen_id, last.finish_reason or "stop", last.prompt_tokens,
+                                                     last.generated_tokens, last.prefill_tokens_per_s,
+                                                     last.decode_tokens_per_s))
+            else:
+                self.post_message(GenerationFinished(gen_id, "stop", 0, 0, 0.0, 0.0))
+
+    # -- tuning ---------------------------------------------------------------------------------------
+    def retune(self, *, expert_slots: int | None = None, policy: str | None = None,
+               ram_cache_bytes: int | None = None) -> None:
+        """Queue a cache change (ram_cache_bytes=0: every expert in RAM); applied at the next safe point."""
+        changes = {k: v for k, v in (("expert_slots", expert_slots), ("policy", policy),
+                                     ("ram_cache_bytes", ram_cache_bytes)) if v is not None}
+        if not changes:
+            return
+        with self._pending_lock:
+            self._pending.update(changes)
+        self._retune_when_idle()
+
+    @work(thread=True, exclusive=True, group="engine-retune", exit_on_error=False)
+    def _retune_when_idle(self) -> None:
+        # Blocks while a reply is generating; by then that thread has applied the change and this is a no-op.
+        with self._lock:
+            if self._engine is not None:
+                self._apply_retune(self._engine, at_token=None)
+
+    def _apply_retune(self, engine, at_token: int | None) -> None:
+        with self._pending_lock:
+            changes, self._pending = self._pending, {}
+        if not changes:
+            return
+        try:
+            if changes.get("ram_cache_bytes") == 0:  # 0 = every expert in RAM
+                state = cache_state(engine, engine.cache_snapshot())
+                changes["ram_cache_bytes"] = (state.all_experts_bytes if state and state.all_experts_bytes
+                                              else 1 << 62)
+            snap = engine.retune_cache(**changes)
+        except Exception as e:  # noqa: BLE001 - a bad value is a notice, generation goes on
+            self.post_message(RetuneFailed(describe_error(e)))
+            return
+        self._tracker.observe_snapshot(snap)
+        self.post_message(CacheRetuned(cache_state(engine, snap), at_token))
+        self.post_message(StatsUpdated(self._tracker.stats()))
+
+    def _post_stats(self, engine, snap=None) -> None:
+        snap = snap if snap is not None else engine.cache_snapshot()
+        if snap is not None:
+            self._tracker.observe_snapshot(snap)
+        self.post_message(StatsUpdated(self._tracker.stats()))

@@ -1,0 +1,129 @@
+"""Entry points of the terminal app, for app/cli.py to wire in:
+
+    sub = parser.add_subparsers(...)
+    add_chat_parser(sub)                 # `moechat chat MODEL [--dtype ...]`
+    ...
+    if args.command == "chat": return run_chat(args)
+    if args.command is None:   return run_default()     # bare `moechat`
+
+Bare `moechat` opens the bundled demo model (assets/demo-moe) when it is there, else the model used
+last, else a welcome screen that says how to pass a model. Nothing here imports torch: the app's
+first frame is up before the model starts loading. `python -m moechat.app.launch chat MODEL` runs the
+same thing without cli.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .bridge import LoadOptions, default_policy, looks_like_repo_id, policy_names
+
+EXIT_ERROR = 1
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-moe"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def add_chat_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `moechat chat MODEL` to a subparsers object; its options mirror `moechat run`'s."""
+    chat = subparsers.add_parser(
+        "chat", help="chat with a model in the terminal app, with the live expert-cache panel",
+        description="Open the chat app on a local Hugging Face MoE model directory (or a Hub repo id already "
+                    "in the local cache). The experts are kept in a slot cache so the panel can show it; "
+                    "retune it live from the panel.")
+    chat.add_argument("model", metavar="MODEL", help="directory with config.json and *.safetensors, or a "
+                      "downloaded Hub repo id")
+    chat.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                      help="compute dtype (default: the checkpoint's)")
+    chat.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
+                      "cache for (default 4096, at most the model's)")
+    chat.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    cache = chat.add_argument_group("expert cache", "N slots on the compute device over a RAM tier and the disk "
+                                    "(default: a slot for every expert, every expert in RAM)")
+    cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")
+    cache.add_argument("--policy", choices=list(policy_names()), default=default_policy(),
+                       help="eviction policy of the slots (default: %(default)s)")
+    cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
+                       "experts beyond it stream from disk (default: every expert in RAM)")
+    cache.add_argument("--resident", action="store_true", help="no cache: every expert on the device (the "
+                       "heatmap stays empty until slots are set in the panel)")
+    chat.set_defaults(handler=run_chat)
+    return chat
+
+
+def options_from_args(args: argparse.Namespace) -> LoadOptions:
+    return LoadOptions(dtype=args.dtype, device=args.device, context=args.context, expert_slots=args.expert_slots,
+                       policy=args.policy, ram_cache_mb=args.ram_cache_mb, resident=args.resident)
+
+
+def _run(app) -> int:
+    app.run()
+    return app.return_code or 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    model = str(args.model)
+    if not Path(model).expanduser().is_dir() and not looks_like_repo_id(model):
+        print(f"moechat: error: {model}: no such model directory; pass a directory with config.json and "
+              "*.safetensors", file=sys.stderr)
+        return EXIT_ERROR
+    if Path(model).expanduser().is_dir():
+        model = str(Path(model).expanduser().resolve())
+    from .app import make_app
+
+    return _run(make_app(model, options=options_from_args(args)))
+
+
+def default_model(demo: Path | None = None, settings=None) -> str | None:
+    """The bundled demo model if it is there, else the most recently used model that still exists."""
+    demo = DEMO_MODEL if demo is None else demo
+    if (demo / "config.json").is_file():
+        return str(demo)
+    if settings is None:
+        from .settings import Settings
+
+        settings = Settings.load()
+    for model in settings.recent_models:
+        if Path(model).is_dir() or looks_like_repo_id(model):
+            return model
+    return None
+
+
+def run_default() -> int:
+    from .app import make_app
+    from .settings import Settings
+
+    settings = Settings.load()
+    return _run(make_app(default_model(settings=settings), settings=settings))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moechat")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_chat_parser(sub)
+    args = parser.parse_args(argv)
+    return run_default() if args.command is None else args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

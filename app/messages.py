@@ -1,0 +1,117 @@
+"""Every message the bridge's workers post to the UI, as dataclasses, and the values they carry.
+
+Posted from worker threads with `post_message` (thread-safe), handled on the UI thread. Tokens are
+never merged away or dropped: `TokensArrived` says "tokens are waiting", and the UI takes every
+waiting token from the bridge (`EngineBridge.take_tokens`) when it next draws; while one is
+outstanding the worker only queues (so 300 tok/s cost ~10 UI wake-ups a second, not 300). Stats
+messages replace a pending one of the same kind (`can_replace`), so a slow frame never builds a
+backlog of stale numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from textual.message import Message
+
+from .livestats import DashboardStats
+from .sysmon import MemoryReading
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """The effective expert-cache configuration, as the engine reports it after (re)tuning."""
+
+    slots: int
+    max_slots: int  # every expert of every MoE layer
+    policy: str
+    ram_budget_bytes: int  # 0: every expert in RAM
+    ram_used_bytes: int
+    all_experts_bytes: int | None = None  # the size of every expert: the RAM tier's "all in RAM" point
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    model_type: str
+    dtype: str
+    device: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json (+ transformers')
+    generation_config: dict = field(default_factory=dict)  # the file itself: which defaults it sets
+    default_max_tokens: int = 512
+    has_chat_template: bool = True
+    cache: CacheState | None = None  # None: every expert resident (no cache)
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+@dataclass
+class LoadProgress(Message):
+    stage: str
+    elapsed: float
+
+
+@dataclass
+class EngineReady(Message):
+    info: ModelInfo
+    seconds: float
+
+
+@dataclass
+class EngineFailed(Message):
+    error: str
+
+
+# -- generation ------------------------------------------------------------------------------------------
+@dataclass
+class TokensArrived(Message):
+    """Tokens of generation `gen_id` are queued in the bridge; take them with `take_tokens()`."""
+
+    gen_id: int
+
+
+@dataclass
+class GenerationFinished(Message):
+    gen_id: int
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_tps: float
+    decode_tps: float
+
+
+@dataclass
+class GenerationFailed(Message):
+    gen_id: int
+    error: str
+
+
+# -- stats and tuning ------------------------------------------------------------------------------------
+@dataclass
+class StatsUpdated(Message):
+    stats: DashboardStats
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, StatsUpdated)
+
+
+@dataclass
+class MemorySampled(Message):
+    reading: MemoryReading
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, MemorySampled)
+
+
+@dataclass
+class CacheRetuned(Message):
+    state: CacheState
+    at_token: int | None  # tokens generated in the running reply when it applied; None when idle
+
+
+@dataclass
+class RetuneFailed(Message):
+    error: str

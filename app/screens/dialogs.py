@@ -1,0 +1,158 @@
+"""Modal dialogs: the system prompt, the sampling parameters, and opening another model."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, OptionList, TextArea
+
+from ..settings import SAMPLING_KEYS
+
+CANCEL = [Binding("escape", "cancel", "Cancel")]
+
+
+class SystemPromptScreen(ModalScreen[str | None]):
+    BINDINGS = [*CANCEL, Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, text: str):
+        super().__init__(classes="dialog-screen")
+        self.text = text
+
+    def compose(self):
+        with Vertical(classes="dialog") as box:
+            box.border_title = "System prompt"
+            yield Label("Sent before the conversation; applies from the next reply. Empty: none.", classes="hint")
+            yield TextArea(self.text, id="system-text", soft_wrap=True)
+            with Horizontal(classes="buttons"):
+                yield Button("Save", id="save", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    @on(Button.Pressed, "#save")
+    def action_save(self) -> None:
+        self.dismiss(self.query_one("#system-text", TextArea).text.strip())
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+def _fmt_default(value) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+class SamplingScreen(ModalScreen[tuple[dict, int | None] | None]):
+    """Overrides of the model's defaults; an empty field means "the model's default", shown beside it."""
+
+    BINDINGS = CANCEL
+
+    def __init__(self, defaults: dict, generation_config: dict, overrides: dict, max_tokens: int | None,
+                 default_max_tokens: int):
+        super().__init__(classes="dialog-screen")
+        self.defaults = defaults
+        self.generation_config = generation_config
+        self.overrides = overrides
+        self.max_tokens = max_tokens
+        self.default_max_tokens = default_max_tokens
+
+    def _source(self, key: str) -> str:
+        return "generation_config.json" if key in self.generation_config else "built-in default"
+
+    def compose(self):
+        with Vertical(classes="dialog sampling") as box:
+            box.border_title = "Sampling"
+            yield Label("An empty field uses the model's default, shown on the right. Temperature 0 = greedy.",
+                        classes="hint")
+            with Grid(id="sampling-grid"):
+                yield Label("")
+                yield Label("yours", classes="column-title")
+                yield Label("model default", classes="column-title")
+                for key in (*SAMPLING_KEYS, "max_tokens"):
+                    yield Label(key.replace("_", " "), classes="param")
+                    value = self.max_tokens if key == "max_tokens" else self.overrides.get(key)
+                    default = self.default_max_tokens if key == "max_tokens" else self.defaults.get(key)
+                    kind = "integer" if key in ("top_k", "seed", "max_tokens") else "number"
+                    yield Input("" if value is None else str(value), placeholder=_fmt_default(default), type=kind,
+                                id=f"param-{key}", compact=True)
+                    source = self._source("max_new_tokens" if key == "max_tokens" else key)
+                    yield Label(f"{_fmt_default(default)}  ({source})", classes="param-default", markup=False)
+            with Horizontal(classes="buttons"):
+                yield Button("Save", id="save", variant="primary")
+                yield Button("Model defaults", id="reset")
+                yield Button("Cancel", id="cancel")
+
+    @on(Button.Pressed, "#save")
+    def save(self) -> None:
+        overrides: dict = {}
+        max_tokens = None
+        for key in (*SAMPLING_KEYS, "max_tokens"):
+            text = self.query_one(f"#param-{key}", Input).value.strip()
+            if not text:
+                continue
+            try:
+                value = int(text) if key in ("top_k", "seed", "max_tokens") else float(text)
+            except ValueError:
+                self.notify(f"{key}: {text!r} is not a number", severity="error")
+                return
+            if key == "max_tokens":
+                if value <= 0:
+                    self.notify("max tokens must be > 0", severity="error")
+                    return
+                max_tokens = value
+            else:
+                overrides[key] = value
+        self.dismiss((overrides, max_tokens))
+
+    @on(Button.Pressed, "#reset")
+    def reset(self) -> None:
+        for field in self.query(Input):
+            field.value = ""
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ModelPicker(Vertical):
+    """A path input and the recent models; posts Input.Submitted / OptionList.OptionSelected upwards."""
+
+    def __init__(self, recent: list[str], **kwargs):
+        super().__init__(**kwargs)
+        self.recent = recent
+
+    def compose(self):
+        yield Label("Model directory (or a Hub repo id already downloaded):", classes="hint")
+        yield Input(placeholder="~/models/Qwen3-30B-A3B", id="model-path")
+        if self.recent:
+            yield Label("Recent:", classes="hint")
+            yield OptionList(*self.recent, id="recent-models")
+
+
+class OpenModelScreen(ModalScreen[str | None]):
+    BINDINGS = CANCEL
+
+    def __init__(self, recent: list[str]):
+        super().__init__(classes="dialog-screen")
+        self.recent = recent
+
+    def compose(self):
+        with Vertical(classes="dialog") as box:
+            box.border_title = "Open a model"
+            yield ModelPicker(self.recent)
+
+    @on(Input.Submitted, "#model-path")
+    def _path(self, event: Input.Submitted) -> None:
+        if event.value.strip():
+            self.dismiss(event.value.strip())
+
+    @on(OptionList.OptionSelected, "#recent-models")
+    def _recent(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(self.recent[event.option_index])
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

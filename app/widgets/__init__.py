@@ -1,0 +1,1 @@
+"""Widgets of the terminal app, by area: transcript, prompt, dashboard, heatmap, tuning."""

@@ -1,0 +1,127 @@
+"""The live panel beside the chat: throughput, hit rates, bytes moved, memory, heatmap and tuning.
+
+It only draws what it is given: `show_stats(DashboardStats)` a few times a second from the bridge,
+`MemorySampled` once a second from its own thread worker (psutil and NVML calls stay off the UI
+thread), `show_model(ModelInfo)` once. Values sit in their own labels (ids below) so tests and a
+person's eye find them in the same place.
+
+Cheap to refresh by construction: every value label has a fixed width (set in moechat.tcss), so an
+update repaints that label without a layout pass of the whole screen (a reflow costs ~10 ms of the
+GIL that the generating thread also needs), and a value that did not change is not touched.
+"""
+
+from __future__ import annotations
+
+import math
+
+from textual import work
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Label, Sparkline
+
+from ..livestats import DashboardStats, fmt_bytes, fmt_pct, fmt_rate
+from ..messages import MemorySampled, ModelInfo
+from ..sysmon import MemoryReading
+from .heatmap import CacheHeatmap, HeatmapLegend
+from .tuning import TuningPanel
+
+MEMORY_INTERVAL_S = 1.0
+SPARK_POINTS = 40  # the sparkline always spans this many samples, so a short history starts at the right
+
+
+def _row(key: str, *values: tuple[str, str]) -> Horizontal:
+    """A 'key  value value' line; each value a Label with an id (and a fixed width in the tcss)."""
+    return Horizontal(Label(key, classes="key"),
+                      *(Label(text, id=id_, classes="value", markup=False) for id_, text in values),
+                      classes="stat-row")
+
+
+def _used_free(used: int, free: int) -> str:
+    """'12.0 GiB used · 20.0 free' (the unit once when both share it)."""
+    a, b = fmt_bytes(used), fmt_bytes(free)
+    unit = a.rsplit(" ", 1)[-1]
+    return f"{a} used · {b.removesuffix(' ' + unit) if b.endswith(' ' + unit) else b} free"
+
+
+class Dashboard(Vertical):
+    def __init__(self, policies: tuple[str, ...], memory_probe=None, **kwargs):
+        super().__init__(**kwargs)
+        self.policies = policies
+        self.memory_probe = memory_probe
+        self.stats = DashboardStats()
+        self._shown: dict[str, str] = {}  # label id -> text on screen
+
+    def compose(self):
+        yield _row("tok/s", ("prefill-tps", "prefill –"), ("decode-tps", "decode –"))
+        yield Sparkline([], id="decode-spark", summary_function=max)
+        yield _row("cache", ("hit-rate", "–"), ("hit-counts", ""))
+        yield _row("slots", ("slots-used", "–"))
+        yield _row("moved", ("bytes-ram", "RAM –"), ("bytes-disk", "disk –"))
+        yield _row("RAM", ("ram", "–"), ("ram-app", ""))
+        yield _row("VRAM", ("vram", "–"))
+        yield CacheHeatmap(id="heatmap")
+        yield HeatmapLegend(id="legend")
+        yield TuningPanel(self.policies, id="tuning")
+
+    def on_mount(self) -> None:
+        if self.memory_probe is not None:
+            self.sample_memory()
+            self.set_interval(MEMORY_INTERVAL_S, self.sample_memory)
+
+    # -- memory ---------------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="memory", exit_on_error=False)
+    def sample_memory(self) -> None:
+        try:
+            reading = self.memory_probe.read()
+        except Exception:  # noqa: BLE001 - a failed probe leaves the last numbers up
+            return
+        self.post_message(MemorySampled(reading))
+
+    def on_memory_sampled(self, message: MemorySampled) -> None:
+        message.stop()
+        self.show_memory(message.reading)
+
+    def _set(self, id_: str, text: str) -> None:
+        if self._shown.get(id_) != text:
+            self._shown[id_] = text
+            self.query_one(f"#{id_}", Label).update(text, layout=False)
+
+    def show_memory(self, m: MemoryReading) -> None:
+        self._set("ram", _used_free(m.ram_used_bytes, m.ram_available_bytes))
+        self._set("ram-app", f"· app {fmt_bytes(m.process_rss_bytes)}")  # hidden in a narrow panel
+        if m.gpus:
+            self._set("vram", " | ".join(_used_free(g.used_bytes, g.free_bytes) for g in m.gpus))
+        else:
+            self._set("vram", f"n/a ({m.vram_note})")
+
+    # -- model and stats ------------------------------------------------------------------------------
+    def show_model(self, info: ModelInfo | None, loading: str | None = None) -> None:
+        heatmap = self.query_one(CacheHeatmap)
+        if info is None:
+            heatmap.set_placeholder(loading or "waiting for the model…")
+            return
+        if info.cache is None:
+            heatmap.set_placeholder("no expert cache: every expert is resident; set slots below to cache")
+        else:
+            heatmap.set_placeholder("no routing yet: send a message")
+        self.query_one(TuningPanel).show_state(info.cache)
+
+    def show_stats(self, s: DashboardStats) -> None:
+        self.stats = s
+        q = self.query_one
+        self._set("prefill-tps", f"prefill {fmt_rate(s.prefill_tps)}")
+        self._set("decode-tps", f"decode {fmt_rate(s.decode_tps)}")
+        history = list(s.decode_history[-SPARK_POINTS:])
+        spark = q("#decode-spark", Sparkline)
+        data = [0.0] * (SPARK_POINTS - len(history)) + history if history else []
+        if list(spark.data or []) != data:
+            spark.data = data
+        self._set("hit-rate", fmt_pct(s.hit_rate))
+        self._set("hit-counts", f"{s.hits:,} hits · {s.misses:,} misses" if s.has_cache else "no cache")
+        if s.has_cache:
+            self._set("slots-used", f"{s.slots_used}/{s.num_slots} used · {s.policy}")
+        self._set("bytes-ram", f"RAM {fmt_bytes(s.bytes_per_token_ram)}/tok")
+        self._set("bytes-disk", f"disk {fmt_bytes(s.bytes_per_token_disk)}/tok")
+        heatmap = q(CacheHeatmap)
+        if s.has_cache and s.resident is not None and s.resident.size:
+            rates = s.layer_hit_rates or tuple(math.nan for _ in range(s.resident.shape[0]))
+            heatmap.set_data(s.resident, s.recent, rates)

@@ -1,0 +1,139 @@
+"""The tuning panel: expert slots, the RAM tier's size and the eviction policy, changed live.
+
+Textual has no slider, so each knob is an integer `Input` (Enter or leaving the field applies it;
+Up/Down step it by a sixteenth of the range, like a slider's arrow keys) and the policy a `Select`.
+A change is posted as `TuningPanel.Changed`; the bridge applies it between two tokens, and the line
+under the knobs shows the *effective* configuration the engine reports back, not what was typed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual import on
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.validation import Integer
+from textual.widgets import Input, Label, Select
+
+from ..livestats import fmt_bytes
+from ..messages import CacheState
+
+
+class StepInput(Input):
+    """An integer input whose Up/Down keys step the value within [minimum, maximum]."""
+
+    def __init__(self, *args, minimum: int = 0, maximum: int = 1 << 40, **kwargs):
+        super().__init__(*args, type="integer", compact=True, **kwargs)
+        self.minimum, self.maximum = minimum, maximum
+
+    def step(self, direction: int) -> None:
+        try:
+            value = int(self.value or self.placeholder or 0)
+        except ValueError:
+            value = self.minimum
+        delta = max((self.maximum - self.minimum) // 16, 1)
+        self.value = str(min(max(value + direction * delta, self.minimum), self.maximum))
+        self.post_message(Input.Submitted(self, self.value))
+
+    def key_up(self) -> None:
+        self.step(+1)
+
+    def key_down(self) -> None:
+        self.step(-1)
+
+
+def describe_state(state: CacheState | None) -> str:
+    if state is None:
+        return "now: every expert resident (no cache)"
+    pct = f" ({state.slots / state.max_slots:.0%})" if state.max_slots else ""
+    if state.ram_budget_bytes:
+        ram = f"RAM tier {fmt_bytes(state.ram_used_bytes)}/{fmt_bytes(state.ram_budget_bytes)}"
+    else:
+        ram = "all in RAM"
+    return f"now: {state.slots}/{state.max_slots} slots{pct} · {state.policy} · {ram}"
+
+
+class TuningPanel(Vertical):
+    @dataclass
+    class Changed(Message):
+        expert_slots: int | None = None
+        policy: str | None = None
+        ram_cache_bytes: int | None = None  # 0: every expert in RAM
+
+    def __init__(self, policies: tuple[str, ...], **kwargs):
+        super().__init__(**kwargs)
+        self.policies = policies
+        self.state: CacheState | None = None
+
+    def compose(self):
+        with Horizontal(classes="knob"):
+            yield Label("slots", classes="knob-label")
+            yield StepInput(id="slots", minimum=1, validators=[Integer(minimum=1)], valid_empty=False)
+            yield Label("", id="slots-of", classes="knob-note")
+        with Horizontal(classes="knob"):
+            yield Label("RAM MB", classes="knob-label")
+            yield StepInput(id="ram-mb", minimum=0, placeholder="all", validators=[Integer(minimum=0)],
+                            valid_empty=True)
+            yield Label("", id="ram-of", classes="knob-note")
+        with Horizontal(classes="knob"):
+            yield Label("policy", classes="knob-label")
+            yield Select([(p, p) for p in self.policies], id="policy", allow_blank=True, compact=True,
+                         prompt="–")
+        yield Label("now: waiting for the model…", id="effective")
+
+    def on_mount(self) -> None:
+        self.disabled = True  # until a model with a cache is loaded
+
+    def show_state(self, state: CacheState | None) -> None:
+        """Show what the engine runs with (after load or a retune); does not post Changed."""
+        self.state = state
+        self.query_one("#effective", Label).update(describe_state(state))
+        self.disabled = False
+        slots = self.query_one("#slots", StepInput)
+        ram = self.query_one("#ram-mb", StepInput)
+        policy = self.query_one("#policy", Select)
+        if state is None:
+            slots.value = ""
+            return
+        slots.maximum = state.max_slots
+        slots.value = str(state.slots)
+        self.query_one("#slots-of", Label).update(f"of {state.max_slots}")
+        if state.all_experts_bytes:
+            ram.maximum = -(-state.all_experts_bytes // (1 << 20))
+            self.query_one("#ram-of", Label).update(f"of {ram.maximum} (empty: all)")
+        ram.value = str(state.ram_budget_bytes >> 20) if state.ram_budget_bytes else ""
+        with policy.prevent(Select.Changed):
+            policy.value = state.policy if state.policy in self.policies else Select.BLANK
+
+    @on(Input.Submitted, "#slots")
+    def _slots(self, event: Input.Submitted) -> None:
+        event.stop()
+        if event.validation_result is not None and not event.validation_result.is_valid:
+            self.notify(f"slots: {'; '.join(event.validation_result.failure_descriptions)}", severity="warning")
+            return
+        value = int(event.value)
+        if self.state is None or value != self.state.slots:
+            self.post_message(self.Changed(expert_slots=value))
+
+    @on(Input.Submitted, "#ram-mb")
+    def _ram(self, event: Input.Submitted) -> None:
+        event.stop()
+        if event.validation_result is not None and not event.validation_result.is_valid:
+            self.notify(f"RAM MB: {'; '.join(event.validation_result.failure_descriptions)}", severity="warning")
+            return
+        mb = int(event.value) if event.value else 0
+        if self.state is None or mb << 20 != self.state.ram_budget_bytes:
+            self.post_message(self.Changed(ram_cache_bytes=mb << 20))
+
+    @on(Select.Changed, "#policy")
+    def _policy(self, event: Select.Changed) -> None:
+        event.stop()
+        if event.value is not Select.BLANK and (self.state is None or event.value != self.state.policy):
+            self.post_message(self.Changed(policy=str(event.value)))
+
+    @on(Input.Blurred)
+    def _blurred(self, event: Input.Blurred) -> None:
+        if event.input.id in ("slots", "ram-mb") and event.input.is_valid:
+            event.input.post_message(Input.Submitted(event.input, event.input.value,
+                                                     event.input.validate(event.input.value)))

@@ -1,0 +1,48 @@
+"""The bridge's pure parts: finding a model (dir or cached Hub repo), readable errors, effective cache state."""
+
+from __future__ import annotations
+
+import pytest
+
+from moechat.app.bridge import cache_state, describe, describe_error, resolve_model
+from moechat.app.sysmon import MemoryProbe
+from moechat.engine.errors import ConfigError, PromptTooLongError
+
+
+def test_resolve_model_dir_and_cached_hub_repo(tmp_path, monkeypatch):
+    assert resolve_model(str(tmp_path)) == tmp_path
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache; download it first"):
+        resolve_model("someone/tiny-moe")
+    snapshot = tmp_path / "hub" / "models--someone--tiny-moe" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--someone--tiny-moe" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--tiny-moe" / "refs" / "main").write_text("a" * 40)
+    assert resolve_model("someone/tiny-moe") == snapshot
+    with pytest.raises(ConfigError, match="no such model directory"):
+        resolve_model(str(tmp_path / "missing" / "deeper"))
+
+
+def test_describe_error_is_one_readable_line():
+    assert describe_error(PromptTooLongError("the prompt has 5000 tokens; raise --context")) == (
+        "the prompt has 5000 tokens; raise --context")
+    assert describe_error(MemoryError()).startswith("out of memory (MemoryError); lower --context")
+    assert describe_error(ValueError("bad\nsecond line")) == "ValueError: bad"
+
+
+def test_describe_and_cache_state_of_the_fake_engine(fakes):
+    engine = fakes.Engine(num_layers=4, num_experts=16, slots=24)
+    info = describe(engine, "/models/fake-moe")
+    assert (info.name, info.num_layers, info.num_experts, info.top_k, info.dtype) == ("fake-moe", 4, 16, 2, "float32")
+    assert info.sampling_defaults["temperature"] == 0.7 and info.generation_config["top_p"] == 0.8
+    state = cache_state(engine, engine.retune_cache(ram_cache_bytes=8 << 20))
+    assert (state.slots, state.max_slots, state.policy) == (24, 64, "lru")
+    assert state.ram_budget_bytes == 8 << 20 and state.all_experts_bytes == 64 << 20
+
+
+def test_memory_probe_without_nvidia():
+    reading = MemoryProbe().read()
+    assert reading.ram_total_bytes > 0 and 0 < reading.process_rss_bytes < reading.ram_total_bytes
+    assert reading.gpus or reading.vram_note  # a GPU's numbers, or why there are none

@@ -1,0 +1,51 @@
+"""The app on the real engine and a tiny random chat model: load, send, tokens arrive, the panel fills."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from textual.widgets import Label
+
+from moechat.app.bridge import LoadOptions
+from moechat.app.settings import Settings
+from moechat.app.widgets.transcript import AssistantMessage
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_real_engine_streams_and_fills_the_panel(tiny_chat_model, app_env, fakes):
+    from moechat.app.app import make_app
+    from moechat.app.store import ChatStore
+
+    path = tiny_chat_model[0]
+    settings = Settings(path=app_env / "settings.toml", max_tokens=12, sampling={"temperature": 0.0})
+    store = ChatStore(app_env / "chats.sqlite3")
+    app = make_app(path, options=LoadOptions(dtype="float32", expert_slots=6), settings=settings, store=store,
+                   memory_probe=fakes.Memory(), export_dir=app_env)
+    async with app.run_test(size=(120, 36)) as pilot:
+        screen = app.screen
+        await fakes.wait_for(pilot, lambda: screen.info is not None, timeout=120, what="the model to load")
+        info = screen.info
+        assert (info.model_type, info.num_layers, info.num_experts, info.top_k) == ("qwen3_moe", 3, 8, 2)
+        assert info.cache.slots == 6 and info.cache.max_slots == 24
+        assert str(screen.query_one("#hit-rate", Label).content) == "–"  # nothing routed yet
+        screen.query_one("#prompt").load_text("Hello world")
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: screen.gen_id is None and len(screen.session.turns) == 2, timeout=60,
+                             what="the reply")
+        reply = screen.session.turns[-1]
+        assert reply.status == "done" and reply.content
+        assert 1 <= reply.stats["generated_tokens"] <= 12
+        assert screen.query_one(AssistantMessage).text == reply.content
+        assert store.load(screen.session.conversation_id).messages[-1].content == reply.content
+
+        def value(id_: str) -> str:
+            return str(screen.query_one(id_, Label).content)
+
+        await fakes.wait_for(pilot, lambda: re.fullmatch(r"\d+\.\d%", value("#hit-rate")), what="a hit rate")
+        assert re.fullmatch(r"prefill \d+(\.\d)?", value("#prefill-tps")), value("#prefill-tps")
+        assert re.fullmatch(r"decode \d+(\.\d)?", value("#decode-tps")), value("#decode-tps")
+        assert re.fullmatch(r"6/6 used · \S+", value("#slots-used")), value("#slots-used")
+        heatmap = screen.query_one("#heatmap")
+        assert heatmap.resident.shape == (3, 8) and heatmap.resident.sum() == 6

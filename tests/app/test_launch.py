@@ -1,0 +1,75 @@
+"""`moechat chat` and bare `moechat`: the parser, the model they open, and errors before any TUI."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from moechat.app import launch
+from moechat.app.bridge import LoadOptions, default_policy
+from moechat.app.screens.welcome import WelcomeScreen
+from moechat.app.settings import Settings
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser(prog="moechat")
+    launch.add_chat_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(list(argv))
+
+
+def test_chat_parser_mirrors_run_options(tmp_path):
+    args = _parse("chat", str(tmp_path), "--dtype", "bfloat16", "--context", "2048", "--expert-slots", "64",
+                  "--policy", "lfu", "--ram-cache-mb", "512")
+    assert args.handler is launch.run_chat
+    assert launch.options_from_args(args) == LoadOptions(dtype="bfloat16", context=2048, expert_slots=64,
+                                                         policy="lfu", ram_cache_mb=512)
+    assert _parse("chat", "x").policy == default_policy()
+    for bad in (["--expert-slots", "0"], ["--policy", "nope"], ["--ram-cache-mb", "-1"]):
+        with pytest.raises(SystemExit):
+            _parse("chat", "x", *bad)
+
+
+@pytest.fixture
+def captured(monkeypatch, app_env):
+    apps = []
+    monkeypatch.setattr(launch, "_run", lambda app: apps.append(app) or 0)
+    return apps
+
+
+def test_run_chat_opens_the_model(captured, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    assert launch.run_chat(_parse("chat", str(model), "--expert-slots", "8")) == 0
+    (app,) = captured
+    assert app.model == str(model.resolve()) and app.load_options.expert_slots == 8
+
+
+def test_run_chat_on_a_missing_dir_is_one_line(captured, capsys):
+    assert launch.run_chat(_parse("chat", "/no/such/dir")) == 1
+    assert capsys.readouterr().err.strip() == ("moechat: error: /no/such/dir: no such model directory; pass a "
+                                               "directory with config.json and *.safetensors")
+    assert captured == []
+
+
+def test_default_model_prefers_the_demo_then_the_last_used(tmp_path):
+    demo, used = tmp_path / "demo", tmp_path / "used"
+    used.mkdir()
+    settings = Settings(recent_models=[str(tmp_path / "deleted"), str(used)])
+    assert launch.default_model(demo, settings) == str(used)  # no demo yet; the deleted one is skipped
+    demo.mkdir()
+    (demo / "config.json").write_text("{}")
+    assert launch.default_model(demo, settings) == str(demo)
+    assert launch.default_model(tmp_path / "none", Settings()) is None
+
+
+@pytest.mark.anyio
+async def test_run_default_without_any_model_shows_the_welcome_screen(captured, monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "DEMO_MODEL", tmp_path / "no-demo")
+    assert launch.run_default() == 0
+    (app,) = captured
+    assert app.model is None
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        assert isinstance(app.screen, WelcomeScreen)
+        assert "moechat chat" in app.screen.query_one("#welcome-text").source

@@ -1,0 +1,57 @@
+"""Settings: the TOML writer round-trips through tomllib; bad files fall back to defaults with a reason."""
+
+from __future__ import annotations
+
+import math
+
+import tomllib
+
+from moechat.app.settings import Settings, config_dir, data_dir, dumps
+
+
+def test_dumps_round_trips_through_tomllib():
+    data = {"name": 'quote " back\\slash\nnew\ttab \x01 \x7f ünï 漢字', "n": 3, "x": 0.1, "big": 1e300,
+            "flag": False, "items": ["a", "b c"], "empty": [],
+            "table": {"key with space": "v", "inf": math.inf, "neg": -2.5, "none": None}}
+    back = tomllib.loads(dumps(data))
+    expected = {**data, "table": {"key with space": "v", "inf": math.inf, "neg": -2.5}}
+    assert back == expected
+
+
+def test_settings_save_and_load(app_env):
+    path = app_env / "cfg" / "settings.toml"
+    s = Settings(path=path)
+    s.remember_model("/m/a")
+    s.remember_model("/m/b")
+    s.remember_model("/m/a")
+    s.system_prompt = 'Answer in "French".\nBriefly.'
+    s.sampling = {"temperature": 0.2, "top_k": 5}
+    s.max_tokens = 300
+    s.show_dashboard = False
+    assert s.save() is None
+    t = Settings.load(path)
+    assert t.recent_models == ["/m/a", "/m/b"] and t.last_model == "/m/a"
+    assert (t.system_prompt, t.sampling, t.max_tokens, t.show_dashboard) == (
+        s.system_prompt, {"temperature": 0.2, "top_k": 5}, 300, False)
+    assert t.problem is None
+
+
+def test_bad_or_missing_file_gives_defaults(app_env):
+    assert Settings.load(app_env / "missing.toml").recent_models == []
+    bad = app_env / "bad.toml"
+    bad.write_text("recent = [unclosed")
+    s = Settings.load(bad)
+    assert s.recent_models == [] and "cannot read the settings" in s.problem
+    wrong_types = app_env / "types.toml"
+    wrong_types.write_text('[sampling]\ntemperature = "hot"\ntop_k = 3\n[ui]\nshow_dashboard = 1\n')
+    s = Settings.load(wrong_types)
+    assert s.sampling == {"top_k": 3} and s.show_dashboard is True
+
+
+def test_xdg_dirs(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "c"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "d"))
+    assert config_dir() == tmp_path / "c" / "moechat" and data_dir() == tmp_path / "d" / "moechat"
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert config_dir() == tmp_path / "home" / ".config" / "moechat"
