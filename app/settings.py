@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import tomllib
 
 try:
     import tomllib

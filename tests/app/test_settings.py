@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 import tomllib
 
 from moechat.app.settings import Settings, config_dir, data_dir, dumps
