@@ -1,0 +1,1 @@
+"""The expert cache: slot pool, eviction policies, tiered store, routing traces."""
