@@ -12,7 +12,8 @@ A step is one row of the trace (one token at one layer): the pool accesses its K
 miss evicts the policy's victim (never one of the step's own experts) and admits the miss, as
 engine/cache/provider.py does. Caches start cold; decode traces replay each generation cold, prefill
 traces one stream across prompts (the setup of ../shared/traces/README.md section 3, whose table is
-then recomputed under its own definitions and compared).
+then recomputed under its own definitions and compared; for the DeepSeek rows that needs the whole
+trace, --max-tokens 0). `--json` prints a list of {trace, policy, pool, capacity_per_layer, hit_rate}.
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shared", action="store_true", help="replay ../shared/traces too (the default with no TRACE)")
     ap.add_argument("--json", action="store_true", help="print a JSON list of rows instead of tables")
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                    help=f"replay only the first N tokens of each trace; 0: all (default {DEFAULT_MAX_TOKENS}: the "
-                         "DeepSeek trace in full, 22,287 tokens, takes ~20 minutes on one core, this ~2)")
+                    help=f"replay only the first N tokens of each trace; 0: all (default {DEFAULT_MAX_TOKENS}: "
+                         "both shared traces in under 2 minutes on one core; the DeepSeek one in full, 22,287 "
+                         "tokens, takes 15-20 minutes)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="online policies to run (Belady always runs)")
     ap.add_argument("--no-readme-check", action="store_true", help="skip recomputing README section 3")
     args = ap.parse_args(argv)
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
             if len(trace) == len(full):
                 readme = readme_check(path.name, trace, results)
             elif not args.json:
-                print("  README section 3 check skipped: the trace was cut by --max-tokens")
+                print("  README section 3 check skipped: the trace was cut by --max-tokens (0 replays it all)")
         if not args.json:
             if readme:
                 print(readme)
