@@ -44,8 +44,10 @@ async def test_real_engine_streams_and_fills_the_panel(tiny_chat_model, app_env,
             return str(screen.query_one(id_, Label).content)
 
         await fakes.wait_for(pilot, lambda: re.fullmatch(r"\d+\.\d%", value("#hit-rate")), what="a hit rate")
-        assert re.fullmatch(r"prefill \d+(\.\d)?", value("#prefill-tps")), value("#prefill-tps")
-        assert re.fullmatch(r"decode \d+(\.\d)?", value("#decode-tps")), value("#decode-tps")
-        assert re.fullmatch(r"6/6 used · \S+", value("#slots-used")), value("#slots-used")
+        # The panel redraws on its own clock (a few times a second): wait for each field, don't sample once.
+        for field, pattern in (("#prefill-tps", r"prefill \d+(\.\d)?"), ("#decode-tps", r"decode \d+(\.\d)?"),
+                               ("#slots-used", r"6/6 used · \S+")):
+            await fakes.wait_for(pilot, lambda f=field, p=pattern: re.fullmatch(p, value(f)),
+                                 what=f"{field} to become a number")
         heatmap = screen.query_one("#heatmap")
         assert heatmap.resident.shape == (3, 8) and heatmap.resident.sum() == 6
