@@ -92,8 +92,8 @@ def looks_like_repo_id(model: str) -> bool:
     return bool(_REPO_ID.match(model)) and not Path(model).exists()
 
 
-def resolve_model(model: str) -> Path:
-    """A local model dir, or a Hub repo id already in the local Hugging Face cache."""
+def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
+    """A local model dir, or a Hub repo id already in the local Hugging Face cache (default: HF_HUB_CACHE)."""
     from moechat.engine.errors import ConfigError
 
     path = Path(model).expanduser()
@@ -103,7 +103,7 @@ def resolve_model(model: str) -> Path:
         try:
             from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(repo_id=model, local_files_only=True))
+            return Path(snapshot_download(repo_id=model, local_files_only=True, cache_dir=cache_dir))
         except Exception:
             raise ConfigError(f"{model}: not a local directory, and not in the Hugging Face cache; download it "
                               f"first (hf download {model}) or pass the model's directory") from None

@@ -11,16 +11,17 @@ from moechat.engine.errors import ConfigError, PromptTooLongError
 
 def test_resolve_model_dir_and_cached_hub_repo(tmp_path, monkeypatch):
     assert resolve_model(str(tmp_path)) == tmp_path
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    # huggingface_hub reads HF_HUB_CACHE once at import, which another test may already have done: pass it.
+    hub = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="not in the Hugging Face cache; download it first"):
-        resolve_model("someone/tiny-moe")
+        resolve_model("someone/tiny-moe", cache_dir=hub)
     snapshot = tmp_path / "hub" / "models--someone--tiny-moe" / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
     (tmp_path / "hub" / "models--someone--tiny-moe" / "refs").mkdir()
     (tmp_path / "hub" / "models--someone--tiny-moe" / "refs" / "main").write_text("a" * 40)
-    assert resolve_model("someone/tiny-moe") == snapshot
+    assert resolve_model("someone/tiny-moe", cache_dir=hub) == snapshot
     with pytest.raises(ConfigError, match="no such model directory"):
         resolve_model(str(tmp_path / "missing" / "deeper"))
 
