@@ -149,11 +149,19 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """transformers' order: normalise in fp32, cast back, then scale (matters for bf16)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
-    y = F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+    """transformers' order: normalise in fp32, cast back, then scale (matters for bf16).
+
+    Spelled out rather than F.rms_norm: on CPU the fused kernel costs ~0.2 ms on a [1, 1024] row inside a
+    decode step (its internal dtype round trip), more than the layer's attention GEMMs.
+    """
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else weight * y
+
+
+def _in_out(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's [out, in] weight as [in, out]: contiguous on CPU (faster one-row GEMMs), a view elsewhere."""
+    return weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
 
 
 class Attention(nn.Module):
@@ -183,13 +191,17 @@ class Attention(nn.Module):
 
     def finalize(self) -> None:
         """After loading: fuse q/k/v into one GEMM and stack per-head norm weights for q and k together."""
-        self.qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # [(nH+2nKV)*D, H]
+        qkv_weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # [(nH+2nKV)*D, H]
+        # x @ W with W stored [in, out] streams ~1.2-1.8x faster than F.linear's [out, in] on CPU BLAS for the
+        # one-row GEMMs of decode (measured 19 vs 10.5-16.5 GB/s); CUDA takes either layout at full speed.
+        self.qkv_t = qkv_weight.t().contiguous() if qkv_weight.device.type == "cpu" else qkv_weight.t()  # [H, out]
         self.qkv_bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
                          if self.q_proj.bias is not None else None)
         del self.q_proj, self.k_proj, self.v_proj
         # Plain tensors, not Parameters, for the hot path: a Parameter or sub-module attribute goes through
         # nn.Module.__getattr__, ~1 us a lookup, dozens per decode step.
-        self.o_weight_t = self.o_proj.weight.detach().t()  # [nH*D, H] view, for addmm
+        self.o_weight_t = _in_out(self.o_proj.weight.detach())  # [nH*D, H], for addmm
+        self.o_proj.weight.data = self.o_weight_t.t()  # one copy of the weights, not two
         self.o_bias = None if self.o_proj.bias is None else self.o_proj.bias.detach()
         if self.qk_norm == "full":
             self.q_norm_weight, self.k_norm_weight = self.q_norm.weight.detach(), self.k_norm.weight.detach()
@@ -202,7 +214,7 @@ class Attention(nn.Module):
         """residual + attention(x) [T, H]; x is the normed input [T, H], positions start..start+T-1."""
         T = x.shape[0]
         nH, nKV, D = self.n_heads, self.n_kv, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (nH+2nKV)*D]
+        qkv = x @ self.qkv_t if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_t)  # [T, out]
         if self.qk_norm == "full" or self.clip_qkv is not None:
             q, k, v = qkv.split(self.split, dim=-1)
             if self.qk_norm == "full":
@@ -351,7 +363,10 @@ class MoEForCausalLM(nn.Module):
         self.layer_list = list(self.model.layers)
         self.embed_weight = self.model.embed_tokens.weight.detach()
         self.norm_weight = self.model.norm.weight.detach()
-        self.lm_weight = (self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head).weight.detach()
+        lm_weight = (self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head).weight.detach()
+        self.lm_weight_t = _in_out(lm_weight)  # [H, V] (a transposed copy on CPU, see Attention.finalize)
+        if not self.args.tie_word_embeddings:  # the embedding table must stay [V, H] for lookups
+            self.lm_head.weight.data = self.lm_weight_t.t()
         D = self.args.head_dim
         device = self.model.embed_tokens.weight.device
         dtype = self.model.embed_tokens.weight.dtype
@@ -377,7 +392,7 @@ class MoEForCausalLM(nn.Module):
         return rms_norm(x, self.norm_weight, self.args.rms_norm_eps)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.lm_weight).float()  # [T, V]
+        return (hidden_states @ self.lm_weight_t).float()  # [T, V]
 
     @classmethod
     def dense_weight_names(cls, args: BaseModelArgs) -> dict[str, tuple[int, ...]]:
