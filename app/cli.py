@@ -13,19 +13,12 @@ import argparse
 import json
 import sys
 
+from .argtypes import non_negative_int as _non_negative_int
+from .argtypes import positive_int as _positive_int
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
 
 
 def _token_ids(text: str) -> list[int]:
@@ -92,15 +85,6 @@ def _default_policy() -> str:
 
     return DEFAULT_POLICY
 
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -16,27 +16,12 @@ import json
 import sys
 from pathlib import Path
 
+from .argtypes import non_negative_float as _positive_float
+from .argtypes import positive_int as _positive_int
+
 EXIT_REFUSED = 3
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value:g}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
 
 
 def add_fit_parser(subparsers) -> argparse.ArgumentParser:

@@ -18,30 +18,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from .argtypes import non_negative_int as _non_negative_int
+from .argtypes import positive_int as _positive_int
 from .bridge import LoadOptions, default_policy, looks_like_repo_id, policy_names
 
 EXIT_ERROR = 1
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-moe"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def add_chat_parser(subparsers) -> argparse.ArgumentParser:
