@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
                        "experts beyond it stream from disk (default: every expert in RAM)")
     cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
+    cache.add_argument("--repack-dir", metavar="DIR", help="stream experts from a repacked copy kept in DIR "
+                       "(one read per expert; written on first use, needs as much disk as the experts)")
     from moechat.app.fit import add_fit_parser  # no torch, no engine
     from moechat.app.launch import add_chat_parser
 
@@ -111,9 +113,9 @@ def _run(args: argparse.Namespace) -> int:
             if args.ram_cache_mb is None:
                 ram_cache_bytes = plan.ram_cache_bytes
     cache = None
-    if slots or ram_cache_bytes is not None or args.record_trace:
+    if slots or ram_cache_bytes is not None or args.record_trace or args.repack_dir:
         cache = CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
-                            record_trace=bool(args.record_trace))
+                            record_trace=bool(args.record_trace), repack_dir=args.repack_dir)
     engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache)
     sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from ..moe import ExpertBatch
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .slots import SlotPool
 from .stats import CacheSnapshot, CacheStats
-from .store import DiskStore, RamCache, RamStore
+from .store import DiskStore, RamCache, RamStore, RepackedStore
 from .trace import TraceRecorder
 
 
@@ -34,6 +35,7 @@ class CacheConfig:
     policy: str = DEFAULT_POLICY
     ram_cache_bytes: int | None = None  # None: every expert in RAM; else a bounded RAM cache over disk
     record_trace: bool = False
+    repack_dir: str | None = None  # read the disk tier from a repacked per-expert file kept here
 
 
 def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.device,
@@ -42,6 +44,8 @@ def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.dev
     disk = DiskStore(cls, args, ckpt, dtype)
     layers = cls.moe_layers(args)
     E = args.num_experts
+    if config.repack_dir is not None:
+        disk = RepackedStore(disk, layers, E, Path(config.repack_dir))
     all_bytes = disk.expert_bytes * len(layers) * E
     if config.ram_cache_bytes is None or config.ram_cache_bytes >= all_bytes:
         store = RamStore(disk, layers, E)

@@ -127,6 +127,9 @@ def test_cli_cache_flags_and_trace(tiny_models, tmp_path, capsys):
     assert cache["hits"] + cache["misses"] > 0 and cache["bytes_from_ram"] == 0 and cache["bytes_from_disk"] > 0
     assert cache["expert_loads_prefill"] > 0
     assert resident["cache"]["mode"] == "resident"
+    assert main([*argv, "--expert-slots", "1", "--ram-cache-mb", "0", "--repack-dir", str(tmp_path / "rp")]) == 0
+    repacked = json.loads(capsys.readouterr().out)
+    assert repacked["token_ids"] == resident["token_ids"] and (tmp_path / "rp" / "experts.bin").is_file()
     trace = RoutingTrace.load(trace_path)
     assert trace.num_layers == 3 and trace.top_k == 2
     # 5 prompt tokens prefilled, then 9 decode steps (the 10th token is never fed), at each of 3 layers
@@ -154,3 +157,30 @@ def test_retune_between_tokens_keeps_output_identical(tiny_models, resident):
     for slot, key in enumerate(pool.owner):
         if key is not None:
             assert torch.equal(pool.views(slot)["w2"], source.expert_weights(*key)["w2"])
+
+
+def test_repacked_disk_tier_matches_resident_and_is_reused(tiny_models, resident, tmp_path):
+    from moechat.engine.cache.store import RepackedStore
+
+    path, _ = tiny_models["mixtral"]
+    ref_engine, ref_tokens, ref_logits = resident["mixtral"]
+    config = CacheConfig(expert_slots=2, policy="lru", ram_cache_bytes=20_000, repack_dir=str(tmp_path / "rp"))
+    engine = Engine.load(path, dtype="float32", prefill_chunk=8, cache=config)
+    repacked = engine.provider.store.disk
+    assert isinstance(repacked, RepackedStore)
+    assert repacked.path.stat().st_size == 3 * 4 * repacked.expert_bytes  # 3 layers x 4 experts
+    assert _tokens(engine) == ref_tokens
+    assert (_logits(engine) - ref_logits).abs().max().item() < 1e-5
+    assert engine.cache_snapshot().bytes_from_disk > 0
+    # Record k of the file is expert k's w13 then w2, exactly.
+    raw = torch.from_file(str(repacked.path), size=repacked.path.stat().st_size // 4, dtype=torch.float32)
+    w = ref_engine.loaded.provider.expert_weights(2, 3)
+    k = repacked.index[(2, 3)] * repacked.expert_bytes // 4
+    assert torch.equal(raw[k : k + w["w13"].numel()], w["w13"].reshape(-1))
+    # A second load reuses the file; a sidecar that no longer matches makes it write a fresh one.
+    mtime = repacked.path.stat().st_mtime_ns
+    Engine.load(path, dtype="float32", cache=config)
+    assert repacked.path.stat().st_mtime_ns == mtime
+    repacked.path.with_suffix(".json").write_text("{}")
+    again = Engine.load(path, dtype="float32", cache=config)
+    assert _tokens(again) == ref_tokens
