@@ -91,10 +91,11 @@ def read_paths(path: Path, layer: int = 0) -> dict[str, float]:
 
 
 def drop_page_cache(path: Path) -> None:
-    for f in path.glob("*"):
+    for f in path.rglob("*"):
         if f.is_file():
             fd = os.open(f, os.O_RDONLY)
             try:
+                os.fsync(fd)  # dirty pages (a file just written) are not dropped until written back
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)

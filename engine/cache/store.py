@@ -158,7 +158,7 @@ class RepackedStore:
     """The disk tier from a repacked file: each expert's tensors back to back, in the compute dtype.
 
     One read per expert instead of 2-3 scattered ranges of the shards, and no dtype conversion:
-    `bench/offload.py` measured 2,700 vs 1,500 MiB/s cold on this project's CI machine. It costs as much
+    `bench/offload.py` measured 2,700 vs 1,770 MiB/s cold on the CI machine. It costs as much
     disk as the experts, so it is opt-in (`--repack-dir`). Written once through a `.partial` file and
     a sidecar JSON naming its source; a later run reuses it only when the sidecar matches.
     """
