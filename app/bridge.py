@@ -122,33 +122,26 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cache = None
     if not options.resident:
-        slots = options.expert_slots
-        ram_cache_bytes = None if options.ram_cache_mb is None else options.ram_cache_mb << 20
-        if slots is None or options.ram_cache_mb is None:
-            # As `moechat run`: what the user left unset comes from the memory plan when the experts do not
-            # all fit on the device; else every expert gets a slot (and the panel shows them filling up).
-            progress("planning memory")
-            plan = _plan(path, device, options)
-            if plan is not None and plan.needs_cache:
-                if plan.refusal is not None:
-                    progress(f"warning: {plan.refusal.message}; loading anyway")
-                slots = slots or plan.expert_slots
-                if options.ram_cache_mb is None:
-                    ram_cache_bytes = plan.ram_cache_bytes
+        # As `moechat run`: what the user left unset comes from the memory plan when the experts do not all
+        # fit on the device; else every expert gets a slot (and the panel shows them filling up).
+        progress("planning memory")
+        slots, ram_cache_bytes = _cache_defaults(path, device, options, progress)
         cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
                             ram_cache_bytes=ram_cache_bytes)
     progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
     return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache)
 
 
-def _plan(path: Path, device: str, options: LoadOptions):
-    """The memory plan `moechat run` takes its defaults from, or None: planning is advice, never a failure."""
-    try:
-        from moechat.app.fit import plan_for_run
+def _cache_defaults(path: Path, device: str, options: LoadOptions, progress) -> tuple[int | None, int | None]:
+    """`cache_defaults` of `moechat run`; planning is advice, never a failure: on error the sizes stay unset."""
+    from moechat.app.fit import cache_defaults
 
-        return plan_for_run(path, device=device, dtype=options.dtype, context=options.context)
+    try:
+        return cache_defaults(path, device=device, dtype=options.dtype, context=options.context,
+                              expert_slots=options.expert_slots, ram_cache_mb=options.ram_cache_mb,
+                              warn=lambda message: progress(f"warning: {message}"))
     except Exception:  # noqa: BLE001 - a model the planner cannot read still loads (the loader explains)
-        return None
+        return options.expert_slots, None if options.ram_cache_mb is None else options.ram_cache_mb << 20
 
 
 def describe_error(e: BaseException) -> str:

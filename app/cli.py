@@ -98,20 +98,10 @@ def _run(args: argparse.Namespace) -> int:
     from moechat.engine.generate import Engine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    slots = args.expert_slots
-    ram_cache_bytes = None if args.ram_cache_mb is None else args.ram_cache_mb << 20
-    if slots is None or args.ram_cache_mb is None:
-        # Defaults from the memory plan, but only when a cache is needed: if every expert fits on the
-        # compute device (RAM on a CPU), the resident path stays as it is.
-        from moechat.app.fit import plan_for_run, warn
+    from moechat.app.fit import cache_defaults, warn
 
-        plan = plan_for_run(args.model_dir, device=device, dtype=args.dtype, context=args.context)
-        if plan is not None and plan.needs_cache:
-            if plan.refusal is not None:
-                warn(f"{plan.refusal.message}; loading anyway")
-            slots = slots or plan.expert_slots
-            if args.ram_cache_mb is None:
-                ram_cache_bytes = plan.ram_cache_bytes
+    slots, ram_cache_bytes = cache_defaults(args.model_dir, device=device, dtype=args.dtype, context=args.context,
+                                            expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn)
     cache = None
     if slots or ram_cache_bytes is not None or args.record_trace or args.repack_dir:
         cache = CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,

@@ -193,5 +193,22 @@ def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | No
     return make_plan(spec, hw, Preferences(context=ctx, device=dev, windowed_kv=False, override=True))
 
 
+def cache_defaults(model_dir, *, device: str, dtype: str | None, context: int | None, expert_slots: int | None,
+                   ram_cache_mb: int | None, warn=None) -> tuple[int | None, int | None]:
+    """(slots, RAM-cache bytes) for `moechat run` and the app: what the user left unset comes from the memory
+    plan when the experts do not all fit the compute device (RAM on a CPU); else it stays unset (resident)."""
+    ram_cache_bytes = None if ram_cache_mb is None else ram_cache_mb << 20
+    if expert_slots is not None and ram_cache_mb is not None:
+        return expert_slots, ram_cache_bytes
+    plan = plan_for_run(model_dir, device=device, dtype=dtype, context=context)
+    if plan is not None and plan.needs_cache:
+        if plan.refusal is not None and warn is not None:
+            warn(f"{plan.refusal.message}; loading anyway")
+        expert_slots = expert_slots or plan.expert_slots
+        if ram_cache_mb is None:
+            ram_cache_bytes = plan.ram_cache_bytes
+    return expert_slots, ram_cache_bytes
+
+
 def warn(message: str) -> None:
     print(f"moechat: warning: {message}", file=sys.stderr)
