@@ -244,16 +244,23 @@ class Attention(nn.Module):
         kc[:, start:end] = qk[:, nH:].transpose(0, 1)
         vc[:, start:end] = v.view(T, nKV, D).transpose(0, 1)
         keys, values = kc[:, first:end], vc[:, first:end]  # [nKV, S, D]
+        if nH != nKV:
+            # Repeated K/V rather than enable_gqa: with it, CPU SDPA falls back to its math path (3x slower
+            # on a 512-token chunk than the flash kernel), and the copy is small next to the attention.
+            G = nH // nKV
+            keys = keys[:, None].expand(nKV, G, *keys.shape[1:]).reshape(nH, -1, D)  # [nH, S, D]
+            values = values[:, None].expand(nKV, G, *values.shape[1:]).reshape(nH, -1, D)  # [nH, S, D]
         q = qk[:, :nH].transpose(0, 1)  # [nH, T, D]
         if start == 0 and self.window is None:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=nH != nKV)
+            # 4-D ([1, nH, T, D]): CPU SDPA picks its flash kernel only for batched 4-D inputs.
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True)[0]
         else:
             qpos = torch.arange(start, end, device=x.device)[:, None]  # [T, 1]
             kpos = torch.arange(first, end, device=x.device)[None, :]  # [1, S]
             mask = kpos <= qpos  # [T, S]
             if self.window is not None:
                 mask &= kpos > qpos - self.window
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nH != nKV)
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
         return self._out(out.transpose(0, 1).reshape(T, nH * D), residual)  # [T, H]
 
     def _out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
