@@ -99,12 +99,9 @@ class Engine:
              cache: CacheConfig | None = None) -> Engine:
         """Load a model directory. With `cache`, experts go to a slot pool over RAM/disk tiers."""
         model_dir = Path(model_dir)
-        from .loader import read_model_config
-
-        _, args, _ = read_model_config(model_dir)
-        context = min(context or DEFAULT_CONTEXT, args.max_position_embeddings)
-        loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context,
+        loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context or DEFAULT_CONTEXT,
                             resident_experts=cache is None)
+        context = loaded.model.max_positions  # clamped to the model's own maximum
         provider = None
         if cache is not None:
             provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,

@@ -92,7 +92,8 @@ def validate(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint) -
 
 def read_expert(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint, layer: int,
                 expert: int) -> dict[str, torch.Tensor]:
-    """One expert's tensors by name as stored (w13 [2I, H], w2 [H, I]); the unit a cache tier moves."""
+    """One expert's tensors (w13 [2I, H], w2 [H, I]) through safetensors' mmap: the path bench/offload.py
+    compares with DiskStore's preadv (which loading and the cache use)."""
     fused = expert_tensor_names(cls, args, ckpt, layer)
     if fused:
         return {"w13": ckpt.get(fused[0])[expert], "w2": ckpt.get(fused[1])[expert]}
@@ -128,18 +129,21 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
         model = cls(args)
     state = {name: ckpt.get(name).to(device=device, dtype=torch_dtype) for name in dense}
     model.load_state_dict(state, assign=True, strict=True)
-    model.finalize(max_positions or args.max_position_embeddings)
+    # The RoPE table and any KV cache built on this model cover at most the model's own context.
+    model.finalize(min(max_positions or args.max_position_embeddings, args.max_position_embeddings))
     model.eval()
     if not resident_experts:
         return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls)
+    from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
+
+    disk = DiskStore(cls, args, ckpt, torch_dtype)
     E, I, H = args.num_experts, args.moe_intermediate, args.hidden_size
     w13, w2 = {}, {}
     for layer in cls.moe_layers(args):
         w13[layer] = torch.empty(E, 2 * I, H, dtype=torch_dtype, device=device)  # [E, 2I, H]
         w2[layer] = torch.empty(E, H, I, dtype=torch_dtype, device=device)  # [E, H, I]
         for e in range(E):
-            tensors = read_expert(cls, args, ckpt, layer, e)
-            w13[layer][e].copy_(tensors["w13"])
-            w2[layer][e].copy_(tensors["w2"])
+            disk.read_into(layer, e, {"w13": w13[layer][e], "w2": w2[layer][e]})
+    disk.close()
     provider = ResidentProvider(w13, w2, args.num_hidden_layers)
     return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device, cls)
