@@ -42,17 +42,19 @@ def test_cancel_stops_within_one_token(tiny_models):
 
 
 def test_eos_stops_and_is_not_in_text(tiny_chat_model):
-    path, ref, fast = tiny_chat_model
+    path, _, fast = tiny_chat_model
     engine = Engine.load(path, dtype="float32")
-    eos = fast.convert_tokens_to_ids("<|im_end|>")
-    assert eos in engine.eos_token_ids
-    # Force the EOS: a sampler that only allows it.
-    params = SamplingParams(temperature=1.0, top_k=1, seed=0)
-    ids = [eos] * 3
-    chunks = list(engine.generate(ids, sampling=params, max_tokens=50))
-    assert chunks[-1].finish_reason in ("stop", "length")
-    if chunks[-1].finish_reason == "stop":
-        assert chunks[-1].token_ids[-1] in engine.eos_token_ids and "<|im_end|>" not in "".join(c.text for c in chunks)
+    assert fast.convert_tokens_to_ids("<|im_end|>") in engine.eos_token_ids
+    ids = engine.encode_chat([{"role": "user", "content": "Hello world"}])
+    free = [t for c in engine.generate(ids, sampling=SamplingParams(temperature=0.0, do_sample=False),
+                                       max_tokens=8, stop_on_eos=False) for t in c.token_ids]
+    # Make the 4th greedy token a stop id (with its text), whatever the random weights prefer.
+    engine.eos_token_ids = frozenset({free[3]})
+    chunks = list(engine.generate(ids, sampling=SamplingParams(temperature=0.0, do_sample=False), max_tokens=8))
+    assert chunks[-1].finish_reason == "stop"
+    assert [t for c in chunks for t in c.token_ids] == free[: free.index(free[3]) + 1]
+    text = "".join(c.text for c in chunks)
+    assert text == fast.decode(free[: free.index(free[3])], skip_special_tokens=True)  # the stop token's text is not
 
 
 def test_prompt_longer_than_context_is_refused_before_compute(tiny_models):
