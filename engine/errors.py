@@ -45,3 +45,53 @@ class PromptTooLongError(MoechatError):
 
 class GenerationCancelled(MoechatError):
     """Raised inside the engine when the caller cancels; never escapes the public API."""
+
+
+# -- the Hugging Face Hub (engine/hub.py) ----------------------------------------------------------------
+
+class HubError(MoechatError):
+    """Talking to the Hugging Face Hub, or downloading from it, failed. `repo_id` names the repo."""
+
+    def __init__(self, message: str, *, repo_id: str | None = None):
+        super().__init__(message)
+        self.repo_id = repo_id
+
+
+class RepoNotFoundError(HubError):
+    """404: no such repo or revision (or a private repo the token cannot see)."""
+
+
+class RepoGatedError(HubError):
+    """401/403 on a gated repo: the licence must be accepted, with the account whose token is used."""
+
+
+class HubAuthError(HubError):
+    """The token was rejected (401 invalid credentials) or lacks the permission (403)."""
+
+
+class HubOfflineError(HubError):
+    """HF_HUB_OFFLINE is set (or the Hub is unreachable) and what was asked for is not in the local cache."""
+
+
+class NetworkError(HubError):
+    """The connection failed or dropped and retries did not help; the bytes received so far are kept."""
+
+
+class DownloadIntegrityError(HubError):
+    """A downloaded file's size or checksum differs from the Hub's listing; the bad bytes were discarded."""
+
+
+class DiskSpaceError(HubError):
+    """Not enough free disk for the download (checked before the first byte, with a margin)."""
+
+
+class DownloadCancelled(HubError):
+    """The caller cancelled the download; partial files are kept so the next pull resumes."""
+
+
+class DownloadBusyError(HubError):
+    """Another process (or thread) is already downloading this repo."""
+
+
+class NotDownloadedError(HubError):
+    """A repo id that is not (completely) in the local Hugging Face cache."""

@@ -7,6 +7,8 @@ out: greedy ties between implementations that differ by 1e-7 would make an oracl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -31,6 +33,12 @@ TINY_MODELS = {
                                  intermediate_size=32, norm_topk_prob=True, clip_qkv=0.5, eos_token_id=None,
                                  pad_token_id=None)),
 }
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path_factory, monkeypatch):
+    """Routing profiles and other cache files go to a fresh directory per test, never to ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
 
 
 def build_tiny_model(path, model_type: str, overrides: dict, seed: int = 0):
@@ -99,3 +107,78 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# -- a local Hugging Face Hub (tests/hubserver.py) serving a tiny sharded chat model -----------------------------
+
+def _hubserver_module():
+    """tests/hubserver.py, loaded by path (tests are not a package under --import-mode=importlib)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "moechat_tests_hubserver"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("hubserver.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+HUB_REPO = "tiny-org/chat-moe"
+HUB_GATED = "tiny-org/gated-moe"
+HUB_TOKEN = "hf_test_token_approved"
+
+
+@pytest.fixture(scope="session")
+def hub_repo_dir(tiny_chat_model, tmp_path_factory):
+    """The tiny chat model as a Hub repo: 3+ safetensors shards with an index, tokenizer, chat template, plus
+    files moechat must never fetch (pickle weights, a README)."""
+    import shutil
+
+    src, model, _ = tiny_chat_model
+    path = tmp_path_factory.mktemp("hub_repo")
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, path / f.name)
+    model.save_pretrained(path, max_shard_size="300KB")
+    (path / "pytorch_model.bin").write_bytes(b"\x80\x04pickle weights moechat must not download" * 64)
+    (path / "README.md").write_text("# tiny chat moe\n")
+    assert len(list(path.glob("*.safetensors"))) >= 3, "expected a sharded checkpoint"
+    return path
+
+
+@pytest.fixture(scope="session")
+def hub_server_session(hub_repo_dir):
+    mod = _hubserver_module()
+    server = mod.HubServer()
+    server.add(mod.Repo.from_folder(HUB_REPO, hub_repo_dir, downloads=100))
+    server.add(mod.Repo.from_folder(HUB_GATED, hub_repo_dir, gated=True, approved_tokens={HUB_TOKEN}))
+    server.tokens.add(HUB_TOKEN)
+    server.tokens.add("hf_test_token_not_approved")
+    for repo_id, model_type in (("other-org/dense-llama", "llama"), ("other-org/gpt-oss-tiny", "gpt_oss"),
+                                ("other-org/mixtral-moe-tiny", "mixtral")):
+        server.add(mod.Repo(repo_id, {"config.json": json.dumps({"model_type": model_type}).encode()},
+                            "f" * 40, model_type=model_type, downloads=10))
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def hub(hub_server_session, tmp_path, monkeypatch):
+    """A clean local Hub for one test: faults off, request log empty, an empty HF_HOME in tmp_path, no token.
+
+    `hub.client` is an engine Hub pointed at it; `hub.server` the server (faults, requests, repos)."""
+    from types import SimpleNamespace
+
+    from moechat.engine.hub import Hub
+
+    hub_server_session.reset()
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_ENDPOINT", hub_server_session.url)
+    client = Hub(endpoint=hub_server_session.url, cache_dir=tmp_path / "hf_home" / "hub")
+    return SimpleNamespace(server=hub_server_session, client=client, repo=HUB_REPO, gated=HUB_GATED,
+                           token=HUB_TOKEN, cache=tmp_path / "hf_home" / "hub", module=_hubserver_module())

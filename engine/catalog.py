@@ -1,0 +1,111 @@
+"""The curated catalog of MoE models: what moechat runs today, and the popular ones it does not run yet, with why.
+
+Pure data and no imports beyond the standard library, so the CLI and the setup wizard can list it at once.
+Each entry names the Hub repo, its `model_type` (the family, one file in engine/models/ when supported),
+its size in parameters (total and active per token), how its experts are stored, and the engine features
+it needs. What changes on the Hub (the commit, gated or not, file sizes) is refreshed by
+`engine/hub.py` (`Hub.catalog`); the revision is pinned to the commit at download time.
+
+`SUPPORTED_TYPES` mirrors `engine/models.ARCHITECTURES` (a test keeps them equal) so that listing the
+catalog does not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_TYPES = frozenset({"qwen3_moe", "mixtral", "olmoe"})
+
+# model_type -> what the engine lacks for it (shown next to the entry, and for Hub search results).
+MISSING_FEATURES: dict[str, str] = {
+    "gpt_oss": "needs MXFP4 expert weights, attention sinks, clamped SwiGLU and softmax-after-top-k routing",
+    "deepseek_v3": "needs MLA attention (latent KV cache), sigmoid group-limited routing with a bias, fp8 "
+                   "block-scaled weights and shared experts",
+    "deepseek_v2": "needs MLA attention (latent KV cache), group-limited routing and shared experts",
+    "qwen2_moe": "needs a gated shared expert per layer",
+    "qwen3_next": "needs hybrid linear attention (Gated DeltaNet) and a gated shared expert",
+    "glm4_moe": "needs sigmoid routing with a correction bias and shared experts",
+    "phimoe": "needs SparseMixer routing",
+    "granitemoe": "needs Granite's scaled residuals and routing",
+    "llama4": "needs interleaved dense/MoE layers with a shared expert, chunked attention and NoPE layers",
+    "jamba": "needs Mamba layers",
+    "dbrx": "needs DBRX's fused expert layout and clipped attention",
+    "ernie4_5_moe": "needs ERNIE's shared experts and routing",
+    "minimax": "needs lightning (linear) attention",
+    "hunyuan_v1_moe": "needs shared experts and cross-layer attention",
+}
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One curated model. Parameter counts in billions; `features` are the engine features it needs."""
+
+    repo_id: str
+    family: str  # the HF model_type
+    total_params_b: float
+    active_params_b: float
+    format: str  # how the experts are stored: bf16, mxfp4, fp8 (block scales)
+    features: tuple[str, ...] = ()
+    gated: bool = False  # gated on the Hub: the licence must be accepted and HF_TOKEN set
+    note: str = ""
+
+    @property
+    def supported(self) -> bool:
+        return self.family in SUPPORTED_TYPES
+
+    @property
+    def why_unsupported(self) -> str | None:
+        if self.supported:
+            return None
+        return MISSING_FEATURES.get(self.family, f"model_type {self.family} is not implemented")
+
+    def to_json(self) -> dict:
+        return {"repo_id": self.repo_id, "family": self.family, "total_params_b": self.total_params_b,
+                "active_params_b": self.active_params_b, "format": self.format, "features": list(self.features),
+                "gated": self.gated, "supported": self.supported, "why_unsupported": self.why_unsupported,
+                "note": self.note}
+
+
+_SOFTMAX = "softmax top-k routing"
+CATALOG: tuple[CatalogEntry, ...] = (
+    # -- runs today ---------------------------------------------------------------------------------------
+    CatalogEntry("allenai/OLMoE-1B-7B-0125-Instruct", "olmoe", 6.9, 1.3, "bf16",
+                 (_SOFTMAX, "64 experts top-8", "q/k norm"), note="small: fits most machines"),
+    CatalogEntry("allenai/OLMoE-1B-7B-0924-Instruct", "olmoe", 6.9, 1.3, "bf16",
+                 (_SOFTMAX, "64 experts top-8", "q/k norm", "clip_qkv")),
+    CatalogEntry("Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3_moe", 30.5, 3.3, "bf16",
+                 (_SOFTMAX, "128 experts top-8", "per-head q/k norm", "GQA")),
+    CatalogEntry("Qwen/Qwen3-30B-A3B", "qwen3_moe", 30.5, 3.3, "bf16",
+                 (_SOFTMAX, "128 experts top-8", "per-head q/k norm", "GQA"), note="thinking and non-thinking"),
+    CatalogEntry("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3_moe", 30.5, 3.3, "bf16",
+                 (_SOFTMAX, "128 experts top-8", "per-head q/k norm", "GQA")),
+    CatalogEntry("Qwen/Qwen3-235B-A22B-Instruct-2507", "qwen3_moe", 235.1, 22.2, "bf16",
+                 (_SOFTMAX, "128 experts top-8", "per-head q/k norm", "GQA"), note="needs ~470 GB of RAM + disk"),
+    CatalogEntry("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral", 46.7, 12.9, "bf16",
+                 (_SOFTMAX, "8 experts top-2", "GQA")),
+    CatalogEntry("mistralai/Mixtral-8x22B-Instruct-v0.1", "mixtral", 140.6, 39.1, "bf16",
+                 (_SOFTMAX, "8 experts top-2", "GQA")),
+    # -- popular, not yet ---------------------------------------------------------------------------------
+    CatalogEntry("openai/gpt-oss-20b", "gpt_oss", 20.9, 3.6, "mxfp4",
+                 ("MXFP4 experts", "attention sinks", "alternating sliding window", "clamped SwiGLU")),
+    CatalogEntry("openai/gpt-oss-120b", "gpt_oss", 116.8, 5.1, "mxfp4",
+                 ("MXFP4 experts", "attention sinks", "alternating sliding window", "clamped SwiGLU")),
+    CatalogEntry("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3", 671.0, 37.0, "fp8 (128x128 block scales)",
+                 ("MLA", "sigmoid group-limited routing", "shared experts", "fp8 block scales")),
+    CatalogEntry("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek_v2", 15.7, 2.4, "bf16",
+                 ("MLA", "group-limited routing", "shared experts")),
+    CatalogEntry("zai-org/GLM-4.5-Air", "glm4_moe", 106.9, 12.0, "bf16",
+                 ("sigmoid routing + bias", "shared experts")),
+    CatalogEntry("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 80.0, 3.0, "bf16",
+                 ("Gated DeltaNet", "gated shared expert", "512 experts top-10")),
+    CatalogEntry("Qwen/Qwen1.5-MoE-A2.7B-Chat", "qwen2_moe", 14.3, 2.7, "bf16", ("gated shared expert",)),
+    CatalogEntry("microsoft/Phi-3.5-MoE-instruct", "phimoe", 41.9, 6.6, "bf16", ("SparseMixer routing",)),
+    CatalogEntry("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama4", 109.0, 17.0, "bf16",
+                 ("shared expert", "chunked attention", "multimodal"), gated=True),
+)
+
+
+def find(repo_id: str) -> CatalogEntry | None:
+    """The catalog entry of a repo id (case-insensitive, as the Hub resolves names)."""
+    low = repo_id.lower()
+    return next((e for e in CATALOG if e.repo_id.lower() == low), None)

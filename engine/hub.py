@@ -1,0 +1,1110 @@
+"""The Hugging Face Hub: the catalog's live state, search, a fit verdict before download, and downloads that
+survive the real world.
+
+Everything goes through huggingface_hub (`HfApi` for model info, search and safetensors headers,
+`hf_hub_download` for the small JSON files, `get_hf_file_metadata` for each file's ETag, size and CDN
+location, its HTTP session and its error types), into the standard cache (`$HF_HOME/hub`:
+`models--org--name/{blobs,snapshots/<commit>,refs}`), so other tools see what moechat pulled and the other
+way round. Reading the headers of a model costs one ranged request per shard (the first 100 kB), so a
+verdict for a 60 GB model moves about 2 MB.
+
+The weight files are fetched by our own loop rather than `hf_hub_download` because huggingface_hub 2.x
+writes each attempt to a process-unique temporary file and deletes it on failure: nothing survives a crash
+or a cancel, and it checks sizes but not checksums. Here a file streams into `blobs/<etag>.incomplete`
+(the name huggingface_hub 0.x resumed from), its sha256 (git blob sha1 for small files) is computed as it
+arrives and compared with the Hub's listing, the cancel event is checked between chunks, and a dropped
+connection resumes with a Range request (and starts the file over when the server ignores Range). A
+verified blob is renamed into place; the snapshot's links are made only when every file is verified,
+weights last, so a snapshot that has all its weight shards is complete (`snapshot_problems`).
+
+One download per repo at a time: a file lock in `$HF_HUB_CACHE/.locks/`. HF_TOKEN, HF_ENDPOINT,
+HF_HOME / HF_HUB_CACHE and HF_HUB_OFFLINE are read when called (huggingface_hub reads some at import).
+
+Everything here is safe to call from a worker thread; nothing imports torch except `fit` on a model that is
+already downloaded (its headers are then read locally).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .catalog import CATALOG, MISSING_FEATURES, SUPPORTED_TYPES, CatalogEntry
+from .errors import (
+    ConfigError,
+    DiskSpaceError,
+    DownloadBusyError,
+    DownloadCancelled,
+    DownloadIntegrityError,
+    HubAuthError,
+    HubError,
+    HubOfflineError,
+    MoechatError,
+    NetworkError,
+    NotDownloadedError,
+    RepoGatedError,
+    RepoNotFoundError,
+    UnsupportedModelError,
+)
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_ENDPOINT = "https://huggingface.co"
+CHUNK = 256 * 1024  # bytes per read: the cancel check and progress granularity
+RETRIES = 5  # attempts per file without progress before giving up (as huggingface_hub's http_get)
+RETRY_DELAY_S = 0.5  # first back-off; doubles up to RETRY_DELAY_MAX_S
+RETRY_DELAY_MAX_S = 8.0
+READ_TIMEOUT_S = 30.0  # a silent connection is dropped (and resumed) after this
+DISK_MARGIN_BYTES = 512 * MiB  # free space kept after the download, at least...
+DISK_MARGIN_FRACTION = 0.02  # ...or this fraction of the download
+PROGRESS_EVERY_S = 0.1
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+INDEX_FILE = "model.safetensors.index.json"
+# Non-JSON files a tokenizer or chat template may need. JSON files are all taken (config, generation config,
+# index, tokenizer, special tokens...). Never pickle: .bin, .pt, .pth, .ckpt, .pkl are skipped.
+TOKENIZER_FILES = {"tokenizer.model", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model"}
+TOKENIZER_SUFFIXES = (".tiktoken", ".jinja")
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """`org/name` that is not a local path."""
+    return bool(_REPO_ID.match(str(text))) and not Path(str(text)).expanduser().exists()
+
+
+def is_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), read now; huggingface_hub reads it once at import."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    if env is not None:
+        return env.strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def default_cache_dir() -> Path:
+    """The standard Hugging Face cache: HF_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def wanted_file(path: str) -> bool:
+    """Files the engine needs: top-level safetensors, JSON and tokenizer files; never pickle weights."""
+    if "/" in path:
+        return False  # original/, metal/, onnx/ ...: other runtimes' copies
+    return (path.endswith((".safetensors", ".json") + TOKENIZER_SUFFIXES) or path in TOKENIZER_FILES)
+
+
+def _is_weight(path: str) -> bool:
+    return path.endswith(".safetensors")
+
+
+def _fmt(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+# -- what is on the Hub ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RepoFile:
+    path: str
+    size: int
+    sha256: str | None  # LFS files: the content's sha256 (also the blob's name in the cache)
+    blob_id: str | None  # git blob sha1 (the blob's name for non-LFS files)
+
+    @property
+    def etag(self) -> str:
+        return self.sha256 or self.blob_id or ""
+
+
+@dataclass(frozen=True)
+class RepoListing:
+    """A repo at one commit: the files moechat takes and the ones it leaves (pickle weights, READMEs, ...)."""
+
+    repo_id: str
+    sha: str
+    files: tuple[RepoFile, ...]
+    skipped: tuple[str, ...]
+    gated: bool
+    model_type: str | None
+
+    @property
+    def weight_files(self) -> tuple[RepoFile, ...]:
+        return tuple(f for f in self.files if _is_weight(f.path))
+
+    @property
+    def download_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def file(self, path: str) -> RepoFile | None:
+        return next((f for f in self.files if f.path == path), None)
+
+
+# -- progress, plans and verdicts: immutable values for the CLI and the wizard --------------------------------
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    size: int
+    action: str  # "cached" (verified blob present) | "resume" (partial kept) | "download"
+    kept_bytes: int = 0
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class DownloadPlan:
+    """What a pull will do, said before it starts: cached files, partial files resumed, bytes to fetch."""
+
+    repo_id: str
+    sha: str
+    files: tuple[FilePlan, ...]
+    skipped: tuple[str, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(f.size for f in self.files if f.action == "cached")
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(f.kept_bytes for f in self.files if f.action == "resume")
+
+    @property
+    def to_download_bytes(self) -> int:
+        return self.total_bytes - self.cached_bytes - self.kept_bytes
+
+    def describe(self) -> list[str]:
+        """The honest account: what is reused, what resumes where, what starts over and why."""
+        lines = [f"{self.repo_id} at {self.sha[:12]}: {len(self.files)} files, {_fmt(self.total_bytes)}"
+                 + (f" ({len(self.skipped)} files not needed: {', '.join(self.skipped[:4])}"
+                    + (", ..." if len(self.skipped) > 4 else "") + ")" if self.skipped else "")]
+        cached = [f for f in self.files if f.action == "cached"]
+        if cached:
+            lines.append(f"already in the cache: {len(cached)} files, {_fmt(self.cached_bytes)}")
+        for f in self.files:
+            if f.action == "resume":
+                lines.append(f"resuming {f.path} at {_fmt(f.kept_bytes)} of {_fmt(f.size)} "
+                             f"({_fmt(f.size - f.kept_bytes)} left)")
+            elif f.note:
+                lines.append(f"{f.path}: {f.note}")
+        lines.append(f"to download: {_fmt(self.to_download_bytes)}")
+        return lines
+
+    def to_json(self) -> dict:
+        return {"repo_id": self.repo_id, "revision": self.sha, "total_bytes": self.total_bytes,
+                "cached_bytes": self.cached_bytes, "kept_bytes": self.kept_bytes,
+                "to_download_bytes": self.to_download_bytes, "skipped": list(self.skipped),
+                "files": [{"path": f.path, "size": f.size, "action": f.action, "kept_bytes": f.kept_bytes,
+                           "note": f.note} for f in self.files]}
+
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    """One report to the caller's progress sink. `note` carries one-off events (resume, retry, restart)."""
+
+    repo_id: str
+    sha: str
+    stage: str  # "plan" | "download" | "verify" | "done"
+    file: str | None
+    file_done: int
+    file_total: int
+    done: int  # bytes of all needed files present and verified, plus the current file's bytes so far
+    total: int
+    files_done: int
+    files_total: int
+    bytes_per_s: float = 0.0  # over this session's transfer (kept and cached bytes not counted)
+    note: str | None = None
+    plan: DownloadPlan | None = None  # on the first report
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 1.0
+
+
+ProgressSink = Callable[[DownloadProgress], None]
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """Will this repo run here, how fast, and how much to download: `plan` is the engine's MemoryPlan."""
+
+    repo_id: str
+    sha: str | None
+    spec: object  # plan.ModelSpec
+    plan: object  # plan.MemoryPlan
+    hardware: object  # hardware.Hardware
+    supported: bool
+    why_unsupported: str | None
+    download_bytes: int
+    cached_bytes: int
+    source: str  # "local snapshot" | "Hub safetensors headers" | "Hub config.json (estimate)"
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.plan.ok)
+
+    @property
+    def verdict(self) -> str:
+        if not self.supported:
+            return "unsupported"
+        return "fits" if self.fits else "does not fit"
+
+    @property
+    def decode_tok_s(self) -> tuple[float, float] | None:
+        d = self.plan.decode
+        return None if d is None else (d.low, d.high)
+
+    def summary(self) -> str:
+        parts = []
+        if not self.supported:
+            parts.append(f"not supported yet ({self.why_unsupported})")
+        if self.plan.ok:
+            d = self.plan.decode
+            parts.append("fits" + (f", {d.low:.1f}-{d.high:.1f} tok/s predicted" if d is not None else ""))
+        else:
+            parts.append(f"does not fit: {self.plan.refusal.message}")
+        left = self.download_bytes - self.cached_bytes
+        parts.append(f"{_fmt(left)} to download" if left > 0 else "downloaded")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"repo_id": self.repo_id, "revision": self.sha, "verdict": self.verdict, "fits": self.fits,
+                "supported": self.supported, "why_unsupported": self.why_unsupported,
+                "download_bytes": self.download_bytes, "cached_bytes": self.cached_bytes, "source": self.source,
+                "decode_tok_s": self.decode_tok_s, "plan": self.plan.to_json(), "spec": self.spec.to_json()}
+
+
+@dataclass(frozen=True)
+class CatalogStatus:
+    """A catalog entry with what the Hub says now and its verdict on this machine (None when unknown)."""
+
+    entry: CatalogEntry
+    sha: str | None = None
+    gated: bool | None = None
+    download_bytes: int | None = None
+    downloaded: bool = False  # a complete snapshot is in the local cache
+    verdict: FitVerdict | None = None
+    error: str | None = None  # why the live part is missing (offline, gated, network...)
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    repo_id: str
+    model_type: str | None
+    supported: bool
+    why_unsupported: str | None
+    downloads: int | None = None
+    likes: int | None = None
+    gated: bool | None = None
+    params: int | None = None  # from the Hub's safetensors summary
+    in_catalog: bool = False
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """What plan.spec_from_headers reads from a header entry."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+# -- errors from huggingface_hub and the HTTP client, as typed errors that say what to do ----------------------
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's transport errors (httpx in huggingface_hub 1.x, httpx2 in 2.x)."""
+    from huggingface_hub.utils import get_session
+
+    module = sys.modules.get(type(get_session()).__module__.split(".")[0])
+    err = getattr(module, "TransportError", None)
+    return (err,) if isinstance(err, type) else ()
+
+
+def _status(e: BaseException) -> int | None:
+    response = getattr(e, "response", None)
+    return getattr(response, "status_code", None)
+
+
+class _Ctx:
+    """Who and what an error is about, for its message."""
+
+    def __init__(self, hub: Hub, repo_id: str, revision: str | None = None):
+        self.hub, self.repo_id, self.revision = hub, repo_id, revision
+
+    def token_hint(self) -> str:
+        return ("the token in use (HF_TOKEN or `hf auth login`)" if self.hub.token_in_use()
+                else "no token is set (set HF_TOKEN to a read token)")
+
+
+def _translate(e: BaseException, ctx: _Ctx) -> MoechatError:
+    from huggingface_hub import errors as hfe
+
+    repo, url = ctx.repo_id, ctx.hub.endpoint_url
+    status = _status(e)
+    if isinstance(e, MoechatError):
+        return e
+    if isinstance(e, hfe.GatedRepoError):
+        how = ("accept its conditions on the model page with the account of your token" if ctx.hub.token_in_use()
+               else "accept its conditions on the model page, then set HF_TOKEN to a read token of that account")
+        return RepoGatedError(f"{repo} is gated ({status}): {how}: {url}/{repo}", repo_id=repo)
+    if isinstance(e, hfe.RevisionNotFoundError):
+        return RepoNotFoundError(f"{repo} has no revision {ctx.revision!r} (404): check the branch, tag or commit",
+                                 repo_id=repo)
+    if isinstance(e, hfe.RepositoryNotFoundError):
+        return RepoNotFoundError(f"{repo}: no such model on {url} ({status}), or it is private and "
+                                 f"{ctx.token_hint()} has no access: check the name", repo_id=repo)
+    if isinstance(e, hfe.RemoteEntryNotFoundError if hasattr(hfe, "RemoteEntryNotFoundError")
+                  else hfe.EntryNotFoundError) and status == 404:
+        return RepoNotFoundError(f"{repo}: a file listed by the Hub is missing (404): {e}".split("\n")[0],
+                                 repo_id=repo)
+    if isinstance(e, hfe.HfHubHTTPError) and status == 401:
+        return HubAuthError(f"{url} rejected the token (401 invalid credentials): create a new read token at "
+                            f"{url}/settings/tokens and set HF_TOKEN, or unset it for public models", repo_id=repo)
+    if isinstance(e, hfe.HfHubHTTPError) and status == 403:
+        return HubAuthError(f"{repo}: access denied (403) for {ctx.token_hint()}: use a token with read access "
+                            "(fine-grained tokens need 'read access to public gated repos')", repo_id=repo)
+    if isinstance(e, hfe.OfflineModeIsEnabled):
+        return HubOfflineError(f"{repo}: HF_HUB_OFFLINE is set and this needs the Hub: unset HF_HUB_OFFLINE, or "
+                               "use a model that is already downloaded", repo_id=repo)
+    if isinstance(e, hfe.HfHubHTTPError) and status is not None and status >= 500:
+        return NetworkError(f"{url} answered {status} for {repo}: the Hub is having trouble; try again later",
+                            repo_id=repo)
+    if isinstance(e, hfe.HfHubHTTPError):
+        return HubError(f"{repo}: the Hub answered {status}: {str(e).splitlines()[0]}", repo_id=repo)
+    if isinstance(e, hfe.LocalEntryNotFoundError) or isinstance(e, _transport_errors()) or isinstance(
+            e, ConnectionError | TimeoutError):
+        return NetworkError(f"cannot reach {url} for {repo} ({type(e).__name__}): check the connection or proxy, "
+                            "or set HF_HUB_OFFLINE=1 to use only downloaded models", repo_id=repo)
+    if isinstance(e, hfe.SafetensorsParsingError | hfe.NotASafetensorsRepoError):
+        return ConfigError(f"{repo}: {str(e).splitlines()[0]}")
+    return HubError(f"{repo}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", repo_id=repo)
+
+
+@contextlib.contextmanager
+def _hub_errors(ctx: _Ctx):
+    try:
+        yield
+    except MoechatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - everything the Hub client raises becomes a typed, readable error
+        raise _translate(e, ctx) from e
+
+
+# -- the cache layout -----------------------------------------------------------------------------------------
+
+def _repo_folder(repo_id: str) -> str:
+    return "models--" + repo_id.replace("/", "--")
+
+
+def snapshot_problems(path: Path) -> list[str]:
+    """Why a snapshot folder is not a complete model ([] when it is).
+
+    Complete: config.json, and every shard the index names (else at least one *.safetensors), each link
+    resolving to a blob. moechat links weights last, after everything is verified, so a crash leaves this
+    list non-empty; snapshots made by other tools are judged by the same rule.
+    """
+    if not path.is_dir():
+        return ["no snapshot folder"]
+    problems = []
+    if not (path / "config.json").is_file():
+        problems.append("config.json missing")
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted({v for v in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return problems + [f"{INDEX_FILE} unreadable"]
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            problems.append(f"{len(missing)} of {len(shards)} weight shards missing")
+    elif not any(p.is_file() for p in path.glob("*.safetensors")):
+        problems.append("no *.safetensors weights")
+    dangling = [p.name for p in path.iterdir() if p.is_symlink() and not p.exists()]
+    if dangling:
+        problems.append(f"{len(dangling)} links to missing blobs")
+    return problems
+
+
+# -- the Hub client -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hub:
+    """Where the Hub is, whose token, which cache. Defaults follow huggingface_hub's environment variables.
+
+    `token=None`: HF_TOKEN or the saved login; `False`: anonymous. `free_space(path) -> bytes` is injectable
+    (tests give a small disk).
+    """
+
+    endpoint: str | None = None
+    token: str | bool | None = None
+    cache_dir: str | os.PathLike | None = None
+    free_space: Callable[[str], int] | None = None
+    _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+
+    # -- basics ------------------------------------------------------------------------------------------
+    @property
+    def endpoint_url(self) -> str:
+        return (self.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+    @property
+    def cache(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
+
+    @property
+    def api(self):
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=self.endpoint_url, token=self.token, library_name="moechat")
+
+    def token_in_use(self) -> bool:
+        if self.token is False:
+            return False
+        if isinstance(self.token, str):
+            return True
+        from huggingface_hub import get_token
+
+        return get_token() is not None
+
+    def _auth_headers(self) -> dict[str, str]:
+        from huggingface_hub.utils import build_hf_headers
+
+        return build_hf_headers(token=self.token, library_name="moechat")
+
+    def _check_online(self, ctx: _Ctx) -> None:
+        if is_offline():
+            raise HubOfflineError(f"{ctx.repo_id}: HF_HUB_OFFLINE is set and this needs the Hub: unset "
+                                  "HF_HUB_OFFLINE, or use a model that is already downloaded", repo_id=ctx.repo_id)
+
+    def storage(self, repo_id: str) -> Path:
+        return self.cache / _repo_folder(repo_id)
+
+    # -- the local cache ---------------------------------------------------------------------------------
+    def cached_sha(self, repo_id: str, revision: str | None = None) -> str | None:
+        rev = revision or "main"
+        if _COMMIT.match(rev):
+            return rev
+        ref = self.storage(repo_id) / "refs" / rev
+        try:
+            sha = ref.read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+        return sha if _COMMIT.match(sha) else None
+
+    def local_snapshot(self, repo_id: str, revision: str | None = None) -> Path | None:
+        """The complete cached snapshot of this repo at `revision` (default main), without the network."""
+        sha = self.cached_sha(repo_id, revision)
+        if sha is None:
+            return None
+        path = self.storage(repo_id) / "snapshots" / sha
+        return path if not snapshot_problems(path) else None
+
+    def resolve(self, repo_id: str, revision: str | None = None) -> Path:
+        """The complete cached snapshot, or NotDownloadedError saying what is missing and how to get it."""
+        path = self.local_snapshot(repo_id, revision)
+        if path is not None:
+            return path
+        sha = self.cached_sha(repo_id, revision)
+        rev = f" --revision {revision}" if revision else ""
+        if sha is None:
+            raise NotDownloadedError(f"{repo_id} is not downloaded (nothing in {self.cache}): run moechat pull "
+                                     f"{repo_id}{rev}", repo_id=repo_id)
+        problems = snapshot_problems(self.storage(repo_id) / "snapshots" / sha)
+        raise NotDownloadedError(f"{repo_id} is only partly downloaded ({'; '.join(problems)}): run moechat pull "
+                                 f"{repo_id}{rev} to finish it", repo_id=repo_id)
+
+    # -- listing -----------------------------------------------------------------------------------------
+    def listing(self, repo_id: str, revision: str | None = None) -> RepoListing:
+        """The repo at `revision` (default main) resolved to its commit, with file sizes and checksums."""
+        ctx = _Ctx(self, repo_id, revision)
+        self._check_online(ctx)
+        with _hub_errors(ctx):
+            info = self.api.model_info(repo_id, revision=revision or "main", files_metadata=True)
+            siblings = [(s.rfilename, s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
+                        for s in (info.siblings or [])]
+            if any(size is None for path, size, _, _ in siblings if wanted_file(path)):
+                from huggingface_hub.hf_api import RepoFile as HfRepoFile
+
+                tree = self.api.list_repo_tree(repo_id, revision=info.sha, recursive=True)
+                siblings = [(t.path, t.size, t.lfs.sha256 if t.lfs else None, t.blob_id) for t in tree
+                            if isinstance(t, HfRepoFile)]
+        if not info.sha or not _COMMIT.match(info.sha):
+            raise HubError(f"{repo_id}: the Hub did not say which commit {revision or 'main'} is", repo_id=repo_id)
+        files, skipped = [], []
+        for path, size, sha256, blob_id in siblings:
+            if wanted_file(path) and size is not None and (sha256 or blob_id):
+                files.append(RepoFile(path, int(size), sha256, blob_id))
+            else:
+                skipped.append(path)
+        config = info.config if isinstance(getattr(info, "config", None), dict) else {}
+        return RepoListing(repo_id, info.sha, tuple(files), tuple(skipped), bool(info.gated),
+                           config.get("model_type"))
+
+    def _fetch_json(self, repo_id: str, filename: str, sha: str) -> dict:
+        from huggingface_hub import hf_hub_download
+
+        ctx = _Ctx(self, repo_id, sha)
+        with _hub_errors(ctx):
+            path = hf_hub_download(repo_id, filename, revision=sha, cache_dir=self.cache, endpoint=self.endpoint_url,
+                                   token=self.token, library_name="moechat")
+        try:
+            return json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{repo_id}/{filename}: not valid JSON ({e})") from None
+
+    def headers(self, repo_id: str, listing: RepoListing, workers: int = 8) -> dict[str, _Tensor]:
+        """Every tensor's dtype, shape and size from the safetensors headers (a ranged read per shard)."""
+        if listing.file(INDEX_FILE) is not None:
+            index = self._fetch_json(repo_id, INDEX_FILE, listing.sha)
+            shards = sorted({v for v in (index.get("weight_map") or {}).values() if isinstance(v, str)})
+        else:
+            shards = [f.path for f in listing.weight_files]
+        if not shards:
+            raise UnsupportedModelError(f"{repo_id} has no safetensors weights (files: "
+                                        f"{', '.join(listing.skipped[:6])}); moechat runs safetensors only")
+        api, ctx = self.api, _Ctx(self, repo_id, listing.sha)
+
+        def read(shard: str):
+            with _hub_errors(ctx):
+                return api.parse_safetensors_file_metadata(repo_id, shard, revision=listing.sha)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(shards)))) as pool:
+            metas = list(pool.map(read, shards))
+        tensors: dict[str, _Tensor] = {}
+        for meta in metas:
+            for name, t in meta.tensors.items():
+                start, end = t.data_offsets
+                tensors[name] = _Tensor(t.dtype, tuple(t.shape), int(end) - int(start))
+        return tensors
+
+    def cached_bytes(self, repo_id: str, listing: RepoListing) -> int:
+        blobs = self.storage(repo_id) / "blobs"
+        return sum(f.size for f in listing.files if _blob_ok(blobs / f.etag, f.size))
+
+    # -- the model spec and the verdict --------------------------------------------------------------------
+    def remote_spec(self, repo_id: str, revision: str | None = None, *, listing: RepoListing | None = None,
+                    exact: bool = True):
+        """The ModelSpec from config.json and the safetensors headers on the Hub (`exact=False`: config.json and
+        the index only, sizes labelled estimates). Never fetches a weight file's body."""
+        from .plan import spec_from_config, spec_from_headers
+
+        listing = listing or self.listing(repo_id, revision)
+        config = self._fetch_json(repo_id, "config.json", listing.sha)
+        where = f"{repo_id}/config.json"
+        present = self.cached_bytes(repo_id, listing)
+        if exact:
+            spec = spec_from_headers(config, self.headers(repo_id, listing), name=repo_id, where=where)
+            return replace(spec, source="safetensors headers (Hub)", weights_present=False, present_bytes=present,
+                           checkpoint_bytes=listing.download_bytes, path=None,
+                           notes=("sizes read from the safetensors headers on the Hub",) + spec.notes[1:])
+        index = self._fetch_json(repo_id, INDEX_FILE, listing.sha) if listing.file(INDEX_FILE) else None
+        spec = spec_from_config(config, name=repo_id, index=index, present_bytes=present, where=where)
+        return replace(spec, checkpoint_bytes=max(spec.checkpoint_bytes, listing.download_bytes))
+
+    def fit(self, repo_id: str, hardware=None, prefs=None, *, revision: str | None = None, exact: bool = True,
+            listing: RepoListing | None = None) -> FitVerdict:
+        """Verdict, predicted speed and download size for this machine (or `hardware`), before any weight byte.
+
+        A complete local snapshot is planned from its own files; else config.json and the safetensors headers
+        come from the Hub (`exact=False`: config.json alone, faster for long lists).
+        """
+        from .hardware import probe
+        from .plan import Preferences, make_plan, read_model_spec
+
+        local = self.local_snapshot(repo_id, revision) if listing is None else None
+        if local is not None:
+            spec = replace(read_model_spec(local), name=repo_id)
+            sha, download, cached, source = local.name, spec.checkpoint_bytes, spec.checkpoint_bytes, "local snapshot"
+        else:
+            listing = listing or self.listing(repo_id, revision)
+            spec = self.remote_spec(repo_id, listing=listing, exact=exact)
+            sha, download = listing.sha, listing.download_bytes
+            cached = self.cached_bytes(repo_id, listing)
+            source = "Hub safetensors headers" if exact else "Hub config.json (estimate)"
+        hw = hardware if hardware is not None else probe(self.cache)
+        plan = make_plan(spec, hw, prefs if prefs is not None else Preferences())
+        supported = spec.model_type in SUPPORTED_TYPES
+        why = None if supported else MISSING_FEATURES.get(spec.model_type, f"model_type {spec.model_type} is "
+                                                          "not implemented")
+        return FitVerdict(repo_id, sha, spec, plan, hw, supported, why, download, cached, source)
+
+    # -- the catalog and search ----------------------------------------------------------------------------
+    def catalog(self, hardware=None, prefs=None, *, entries: Sequence[CatalogEntry] = CATALOG, refresh: bool = True,
+                exact: bool = False, workers: int = 4) -> list[CatalogStatus]:
+        """Each catalog entry with the Hub's current commit, size and gating, and its verdict on `hardware`.
+
+        Offline (HF_HUB_OFFLINE, or `refresh=False`) only downloaded entries get a verdict. Errors (a gated
+        repo, no network) are kept per entry, never raised: the list always comes back.
+        """
+        from .hardware import probe
+
+        hw = hardware if hardware is not None else probe(self.cache)
+        online = refresh and not is_offline()
+
+        def one(entry: CatalogEntry) -> CatalogStatus:
+            downloaded = self.local_snapshot(entry.repo_id) is not None
+            if not online:
+                verdict, error = None, "offline: HF_HUB_OFFLINE is set" if refresh else "not refreshed"
+                if downloaded:
+                    with contextlib.suppress(MoechatError):
+                        verdict, error = self.fit(entry.repo_id, hw, prefs), None
+                return CatalogStatus(entry, self.cached_sha(entry.repo_id), entry.gated, None, downloaded, verdict,
+                                     error)
+            try:
+                listing = self.listing(entry.repo_id)
+            except MoechatError as e:
+                return CatalogStatus(entry, None, isinstance(e, RepoGatedError) or entry.gated, None, downloaded,
+                                     None, str(e))
+            try:
+                verdict, error = self.fit(entry.repo_id, hw, prefs, exact=exact, listing=listing), None
+            except MoechatError as e:
+                verdict, error = None, str(e)
+            return CatalogStatus(entry, listing.sha, listing.gated, listing.download_bytes, downloaded, verdict, error)
+
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            return list(pool.map(one, entries))
+
+    def search(self, query: str, *, limit: int = 20, supported_only: bool = True) -> list[SearchHit]:
+        """Hub search by name; `supported_only` keeps repos whose model_type moechat runs, else every known MoE
+        family (with why it is not supported yet). model_type comes from the Hub's config summary."""
+        ctx = _Ctx(self, query)
+        self._check_online(ctx)
+        from .catalog import find
+
+        hits: list[SearchHit] = []
+        with _hub_errors(ctx):
+            models = self.api.list_models(search=query, limit=min(500, limit * 5), sort="downloads",
+                                          expand=["config", "downloads", "likes", "gated", "safetensors"])
+            for m in models:
+                config = m.config if isinstance(m.config, dict) else {}
+                mt = config.get("model_type")
+                supported = mt in SUPPORTED_TYPES
+                if supported_only and not supported:
+                    continue
+                if not supported and mt not in MISSING_FEATURES:
+                    continue  # dense or unknown: nothing for moechat to offload
+                params = getattr(m.safetensors, "total", None) if m.safetensors else None
+                hits.append(SearchHit(m.id, mt, supported, None if supported else MISSING_FEATURES[mt], m.downloads,
+                                      m.likes, bool(m.gated) if m.gated is not None else None, params,
+                                      find(m.id) is not None))
+                if len(hits) >= limit:
+                    break
+        return hits
+
+    # -- download --------------------------------------------------------------------------------------------
+    def plan_download(self, repo_id: str, revision: str | None = None, *,
+                      listing: RepoListing | None = None) -> DownloadPlan:
+        """What `download` would do now: cached files, partial files it resumes, and what starts over."""
+        listing = listing or self.listing(repo_id, revision)
+        blobs = self.storage(repo_id) / "blobs"
+        files = []
+        for f in listing.files:
+            blob = blobs / f.etag
+            if blob.exists():
+                if _blob_ok(blob, f.size):
+                    files.append(FilePlan(f.path, f.size, "cached"))
+                    continue
+                files.append(FilePlan(f.path, f.size, "download", note=f"the cached blob has the wrong size "
+                                      f"({blob.stat().st_size} B, not {f.size}): downloaded again"))
+                continue
+            kept, note = _partial_size(blobs, f)
+            if kept:
+                files.append(FilePlan(f.path, f.size, "resume", kept, note))
+            else:
+                files.append(FilePlan(f.path, f.size, "download", 0, note))
+        return DownloadPlan(repo_id, listing.sha, tuple(files), listing.skipped)
+
+    def download(self, repo_id: str, revision: str | None = None, *, progress: ProgressSink | None = None,
+                 cancel: threading.Event | None = None) -> Path:
+        """Download what the engine needs into the cache and return the snapshot folder (pinned to the commit).
+
+        Blocking; call it from a worker thread. `progress` gets a DownloadProgress first with the plan, then as
+        bytes arrive (at most every 0.1 s, and at each file boundary and event). Setting `cancel` stops it
+        within one chunk (or the read timeout on a silent connection) with DownloadCancelled; partial files are
+        kept for the next call to resume. Raises the typed HubError subclasses; after any failure the snapshot
+        is not complete (`resolve` refuses it).
+        """
+        ctx = _Ctx(self, repo_id, revision)
+        if is_offline():
+            path = self.local_snapshot(repo_id, revision)
+            if path is not None:
+                return path
+            raise HubOfflineError(f"{repo_id} is not downloaded and HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to "
+                                  "download it", repo_id=repo_id)
+        with self._repo_lock(repo_id):
+            listing = self.listing(repo_id, revision)
+            if not listing.weight_files:
+                raise UnsupportedModelError(f"{repo_id} has no safetensors weights (only "
+                                            f"{', '.join(listing.skipped[:6]) or 'no files'}); moechat runs "
+                                            "safetensors checkpoints only")
+            plan = self.plan_download(repo_id, listing=listing)
+            self._check_disk(repo_id, plan)
+            run = _Transfer(self, ctx, listing, plan, progress, cancel)
+            run.report("plan", None, 0, 0, plan=plan)
+            # small files first, weights last: all weight links present means every file is there
+            order = sorted(listing.files, key=lambda f: (_is_weight(f.path), f.path))
+            for f in order:
+                run.fetch(f)
+            snapshot = self._link_snapshot(repo_id, listing, revision, order)
+            problems = snapshot_problems(snapshot)
+            if problems:  # a listing without config.json, an index naming a shard that is not in the repo...
+                raise HubError(f"{repo_id} at {listing.sha[:12]} is not a complete model ({'; '.join(problems)})",
+                               repo_id=repo_id)
+            run.report("done", None, 0, 0)
+            return snapshot
+
+    @contextlib.contextmanager
+    def _repo_lock(self, repo_id: str):
+        from filelock import FileLock, Timeout
+
+        lock_path = self.cache / ".locks" / _repo_folder(repo_id) / "moechat-download.lock"
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(lock_path), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise DownloadBusyError(f"{repo_id} is already being downloaded by another moechat (lock {lock_path}): "
+                                    "wait for it to finish, or stop it", repo_id=repo_id) from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _check_disk(self, repo_id: str, plan: DownloadPlan) -> None:
+        need = plan.to_download_bytes
+        if need <= 0:
+            return
+        where = self.storage(repo_id)
+        probe_at = where
+        while not probe_at.exists() and probe_at.parent != probe_at:
+            probe_at = probe_at.parent
+        free = (self.free_space or (lambda p: shutil.disk_usage(p).free))(str(probe_at))
+        margin = max(DISK_MARGIN_BYTES, int(need * DISK_MARGIN_FRACTION))
+        if free < need + margin:
+            raise DiskSpaceError(f"{repo_id} needs {_fmt(need)} more on disk (+ {_fmt(margin)} margin) and "
+                                 f"{_fmt(free)} is free on {probe_at}: free {_fmt(need + margin - free)}, or set "
+                                 "HF_HOME to a bigger disk", repo_id=repo_id)
+
+    def _link_snapshot(self, repo_id: str, listing: RepoListing, revision: str | None,
+                       order: Iterable[RepoFile]) -> Path:
+        storage = self.storage(repo_id)
+        snapshot = storage / "snapshots" / listing.sha
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for f in order:
+            _link(storage / "blobs" / f.etag, snapshot / f.path)
+        ref = revision or "main"
+        if not _COMMIT.match(ref):
+            (storage / "refs").mkdir(parents=True, exist_ok=True)
+            tmp = storage / "refs" / f".{ref}.moechat-tmp"
+            tmp.write_text(listing.sha, encoding="utf-8")
+            os.replace(tmp, storage / "refs" / ref)
+        return snapshot
+
+
+def _blob_ok(path: Path, size: int) -> bool:
+    """A blob in the cache: placed atomically after a complete download (ours verify the checksum, huggingface_hub's
+    the size), so its size is the check that stays cheap on a 60 GB model."""
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def _partial_size(blobs: Path, f: RepoFile) -> tuple[int, str | None]:
+    """Bytes kept from an interrupted download of this file, and what happens to anything unusable."""
+    ours = blobs / f"{f.etag}.incomplete"
+    theirs = sorted(blobs.glob(f"{f.etag}.*.incomplete")) if blobs.is_dir() else []
+    size = ours.stat().st_size if ours.is_file() else 0
+    if size > f.size:
+        return 0, f"a partial file larger than the file ({size} B) is discarded: downloaded from the start"
+    if size:
+        return size, None
+    if theirs:
+        best = max(theirs, key=lambda p: p.stat().st_size)
+        kept = best.stat().st_size
+        if 0 < kept <= f.size:
+            return kept, "resumed from huggingface_hub's interrupted download (it would start over)"
+    return 0, None
+
+
+def _link(blob: Path, pointer: Path) -> None:
+    """snapshots/<sha>/<file> -> ../../blobs/<etag>, as huggingface_hub lays it out (a copy where links fail)."""
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    target = os.path.relpath(blob, pointer.parent)
+    if pointer.is_symlink() and os.readlink(pointer) == target:
+        return
+    tmp = pointer.with_name(f".{pointer.name}.moechat-tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        os.symlink(target, tmp)
+    except OSError:
+        shutil.copyfile(blob, tmp)
+    os.replace(tmp, pointer)
+
+
+class _Transfer:
+    """One download session's byte loop: resume, retry, verify, report, cancel."""
+
+    def __init__(self, hub: Hub, ctx: _Ctx, listing: RepoListing, plan: DownloadPlan, progress: ProgressSink | None,
+                 cancel: threading.Event | None):
+        self.hub, self.ctx, self.listing, self.plan = hub, ctx, listing, plan
+        self.sink, self.cancel = progress, cancel
+        self.blobs = hub.storage(listing.repo_id) / "blobs"
+        self.done = plan.cached_bytes  # bytes of finished files
+        self.files_done = sum(1 for f in plan.files if f.action == "cached")
+        self.transferred = 0
+        self.started = time.monotonic()
+        self.last_report = 0.0
+
+    # -- reporting -----------------------------------------------------------------------------------------
+    def report(self, stage: str, f: RepoFile | None, file_done: int, file_total: int, *, note: str | None = None,
+               plan: DownloadPlan | None = None, force: bool = True) -> None:
+        if self.sink is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.last_report < PROGRESS_EVERY_S:
+            return
+        self.last_report = now
+        rate = self.transferred / max(1e-6, now - self.started)
+        self.sink(DownloadProgress(self.listing.repo_id, self.listing.sha, stage, f.path if f else None, file_done,
+                                   file_total, self.done + file_done, self.plan.total_bytes, self.files_done,
+                                   len(self.plan.files), rate, note, plan))
+
+    def _check_cancel(self, f: RepoFile, have: int) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            kept = self.plan.kept_bytes + have if have else self.plan.kept_bytes
+            raise DownloadCancelled(f"download of {self.listing.repo_id} cancelled during {f.path}; "
+                                    f"{_fmt(self.done + have)} of {_fmt(self.plan.total_bytes)} kept in the cache "
+                                    f"({_fmt(kept)} partial): moechat pull {self.listing.repo_id} resumes it",
+                                    repo_id=self.listing.repo_id)
+
+    # -- one file --------------------------------------------------------------------------------------------
+    def fetch(self, f: RepoFile) -> None:
+        blob = self.blobs / f.etag
+        if _blob_ok(blob, f.size):
+            return  # counted as cached in the plan
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        partial = self.blobs / f"{f.etag}.incomplete"
+        if blob.exists():
+            blob.unlink()  # wrong size: the plan said it is downloaded again
+        self._adopt_or_clear(f, partial)
+        st = _FileState(partial.stat().st_size if partial.exists() else 0, self._new_hasher(f))
+        if st.have:
+            self.report("verify", f, st.have, f.size, note=f"resuming {f.path} at {_fmt(st.have)} of {_fmt(f.size)}")
+            with partial.open("rb") as fh:
+                while chunk := fh.read(4 * MiB):
+                    st.hasher.update(chunk)
+        url, auth = self._locate(f)
+        failures, reason = 0, ""
+        while True:
+            self._check_cancel(f, st.have)
+            before = st.have
+            try:
+                self._stream(f, url, auth, partial, st)
+                break
+            except _transport_errors() as e:  # dropped, reset, timed out: resume from what arrived
+                reason = f"{type(e).__name__}: {str(e) or 'connection lost'}"
+            except _RangeMismatch as e:  # resumed at the wrong offset: the partial file is useless
+                partial.unlink(missing_ok=True)
+                st.have, st.hasher, reason = 0, self._new_hasher(f), str(e)
+            failures = 0 if st.have > before else failures + 1
+            if failures >= RETRIES:
+                raise NetworkError(f"the connection dropped {RETRIES} times in a row during {f.path} ({reason}) after "
+                                   f"{_fmt(st.have)} of {_fmt(f.size)}; the bytes are kept: run moechat pull "
+                                   f"{self.listing.repo_id} again to resume", repo_id=self.listing.repo_id)
+            delay = min(RETRY_DELAY_MAX_S, RETRY_DELAY_S * (2 ** max(0, failures - 1)))
+            self.report("download", f, st.have, f.size, note=f"connection dropped during {f.path} at "
+                        f"{_fmt(st.have)} ({reason}); resuming in {delay:g} s")
+            if self.cancel is not None:
+                self.cancel.wait(delay)
+            else:
+                time.sleep(delay)
+        have, hasher = st.have, st.hasher
+        self._verify(f, partial, have, hasher)
+        os.replace(partial, blob)
+        self.done += f.size
+        self.files_done += 1
+        self.report("download", f, 0, f.size)
+
+    def _adopt_or_clear(self, f: RepoFile, partial: Path) -> None:
+        if partial.exists() and partial.stat().st_size > f.size:
+            partial.unlink()
+        if partial.exists():
+            return
+        # huggingface_hub 2.x's own temp files (<etag>.<uuid>.incomplete) are left behind by a crash; adopt the
+        # longest (holding its per-blob lock, so a live huggingface_hub download of it is never touched).
+        others = sorted(self.blobs.glob(f"{f.etag}.*.incomplete"), key=lambda p: p.stat().st_size)
+        if not others:
+            return
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(str(self.hub.cache / ".locks" / _repo_folder(self.listing.repo_id) / f"{f.etag}.lock"),
+                        timeout=0)
+        try:
+            with lock:
+                best = others[-1]
+                if 0 < best.stat().st_size <= f.size:
+                    os.replace(best, partial)
+                for p in others[:-1]:
+                    p.unlink(missing_ok=True)
+        except Timeout:
+            pass  # huggingface_hub is downloading it right now: leave its file alone, start our own
+
+    @staticmethod
+    def _new_hasher(f: RepoFile):
+        if f.sha256:
+            return hashlib.sha256()
+        h = hashlib.sha1()  # git's blob id: sha1("blob <size>\0" + content)
+        h.update(b"blob %d\0" % f.size)
+        return h
+
+    def _locate(self, f: RepoFile) -> tuple[str, bool]:
+        """HEAD the file at the pinned commit: the CDN location, and a check of its ETag and size."""
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        url = hf_hub_url(self.listing.repo_id, f.path, revision=self.listing.sha, endpoint=self.hub.endpoint_url)
+        with _hub_errors(self.ctx):
+            meta = get_hf_file_metadata(url, token=self.hub.token, endpoint=self.hub.endpoint_url,
+                                        library_name="moechat")
+        if meta.commit_hash and meta.commit_hash != self.listing.sha:
+            raise DownloadIntegrityError(f"{self.listing.repo_id}/{f.path}: the Hub served commit "
+                                         f"{meta.commit_hash[:12]}, not the pinned {self.listing.sha[:12]}: run the "
+                                         "pull again", repo_id=self.listing.repo_id)
+        if meta.etag and meta.etag != f.etag:
+            raise DownloadIntegrityError(f"{self.listing.repo_id}/{f.path}: the server's ETag {meta.etag[:16]} "
+                                         f"differs from the Hub's listing {f.etag[:16]}: a proxy or mirror is "
+                                         "serving another file; nothing was written", repo_id=self.listing.repo_id)
+        if meta.size is not None and meta.size != f.size:
+            raise DownloadIntegrityError(f"{self.listing.repo_id}/{f.path}: the server says {meta.size} B, the "
+                                         f"Hub's listing {f.size} B: a proxy or mirror is serving another file; "
+                                         "nothing was written", repo_id=self.listing.repo_id)
+        location = meta.location or url
+        same = _origin(location) == _origin(url)
+        return location, same  # the token goes to the Hub only, never to the CDN
+
+    def _stream(self, f: RepoFile, url: str, auth: bool, partial: Path, st: _FileState) -> None:
+        """One GET from `st.have` on; `st` follows every byte written, so a drop mid-way loses nothing."""
+        from huggingface_hub.utils import get_session, hf_raise_for_status
+
+        headers = dict(self.hub._auth_headers()) if auth else {"user-agent": "moechat"}
+        headers["Accept-Encoding"] = "identity"
+        if st.have:
+            headers["Range"] = f"bytes={st.have}-"
+        with get_session().stream("GET", url, headers=headers, timeout=READ_TIMEOUT_S, follow_redirects=True) as r:
+            if r.status_code >= 400:
+                r.read()
+                with _hub_errors(self.ctx):
+                    hf_raise_for_status(r)
+            if st.have and r.status_code == 206:
+                start = _content_range_start(r.headers.get("Content-Range"))
+                if start != st.have:
+                    raise _RangeMismatch(f"the server resumed at byte {start}, not {st.have}")
+            elif st.have:  # 200: the whole file again
+                self.report("download", f, 0, f.size, note=f"{f.path}: the server ignored the Range request: "
+                            f"starting the file over ({_fmt(st.have)} dropped)")
+                st.have, st.hasher = 0, self._new_hasher(f)
+            try:
+                with partial.open("ab" if st.have else "wb") as out:
+                    for chunk in r.iter_bytes(CHUNK):
+                        if not chunk:
+                            continue
+                        if st.have + len(chunk) > f.size:
+                            out.close()
+                            partial.unlink(missing_ok=True)
+                            raise DownloadIntegrityError(
+                                f"{self.listing.repo_id}/{f.path}: the server sent more than the {f.size} B the Hub "
+                                "lists; the file was discarded: run the pull again, and if it repeats a proxy or "
+                                "mirror is altering downloads", repo_id=self.listing.repo_id)
+                        out.write(chunk)
+                        out.flush()  # what the hasher saw is what a crash leaves on disk
+                        st.hasher.update(chunk)
+                        st.have += len(chunk)
+                        self.transferred += len(chunk)
+                        self.report("download", f, st.have, f.size, force=False)
+                        self._check_cancel(f, st.have)
+            except OSError as e:
+                if e.errno == 28:  # ENOSPC: the disk filled up under us (another program wrote to it)
+                    raise DiskSpaceError(f"the disk filled up while writing {f.path} ({_fmt(st.have)} kept): free "
+                                         f"space and run moechat pull {self.listing.repo_id} again to resume",
+                                         repo_id=self.listing.repo_id) from None
+                raise
+
+    def _verify(self, f: RepoFile, partial: Path, have: int, hasher) -> None:
+        repo = self.listing.repo_id
+        if have != f.size:
+            partial.unlink(missing_ok=True)
+            raise DownloadIntegrityError(f"{repo}/{f.path}: received {have} B but the Hub lists {f.size} B; the file "
+                                         "was discarded: run the pull again, and if it repeats a proxy or mirror is "
+                                         "altering downloads", repo_id=repo)
+        digest = hasher.hexdigest()
+        if digest != f.etag:
+            partial.unlink(missing_ok=True)
+            kind = "sha256" if f.sha256 else "git blob id"
+            raise DownloadIntegrityError(f"{repo}/{f.path}: {kind} {digest[:16]}... does not match the Hub's "
+                                         f"{f.etag[:16]}...; the file was discarded: run the pull again, and if it "
+                                         "repeats a proxy or mirror is altering downloads", repo_id=repo)
+
+
+class _RangeMismatch(Exception):
+    pass
+
+
+@dataclass
+class _FileState:
+    have: int  # bytes of the file in the partial file, all hashed
+    hasher: object
+
+
+def _content_range_start(value: str | None) -> int | None:
+    m = re.match(r"bytes (\d+)-", value or "")
+    return int(m.group(1)) if m else None
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    p = urlparse(url)
+    return p.scheme, (p.hostname or "").lower(), p.port
+
+
+# -- module-level shortcuts (the defaults of the environment) -------------------------------------------------
+
+def download(repo_id: str, revision: str | None = None, *, progress: ProgressSink | None = None,
+             cancel: threading.Event | None = None, endpoint: str | None = None, token: str | bool | None = None,
+             cache_dir: str | os.PathLike | None = None) -> Path:
+    return Hub(endpoint, token, cache_dir).download(repo_id, revision, progress=progress, cancel=cancel)
+
+
+def fit(repo_id: str, hardware=None, prefs=None, *, revision: str | None = None, endpoint: str | None = None,
+        token: str | bool | None = None, cache_dir: str | os.PathLike | None = None) -> FitVerdict:
+    return Hub(endpoint, token, cache_dir).fit(repo_id, hardware, prefs, revision=revision)
+
+
+def search(query: str, *, limit: int = 20, supported_only: bool = True, endpoint: str | None = None,
+           token: str | bool | None = None) -> list[SearchHit]:
+    return Hub(endpoint, token).search(query, limit=limit, supported_only=supported_only)
+
+
+def catalog(hardware=None, prefs=None, *, refresh: bool = True, endpoint: str | None = None,
+            token: str | bool | None = None, cache_dir: str | os.PathLike | None = None) -> list[CatalogStatus]:
+    return Hub(endpoint, token, cache_dir).catalog(hardware, prefs, refresh=refresh)
+
+
+def resolve(repo_id: str, revision: str | None = None, *, cache_dir: str | os.PathLike | None = None) -> Path:
+    return Hub(cache_dir=cache_dir).resolve(repo_id, revision)

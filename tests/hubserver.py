@@ -1,0 +1,343 @@
+"""A local stand-in for the Hugging Face Hub that speaks enough of its protocol for huggingface_hub (1.x/2.x).
+
+Two origins: the Hub (`url`) answers the API and `/{repo}/resolve/{rev}/{file}`, and redirects LFS files
+(weights) to the CDN (`cdn_url`, another port, so the token must not follow), as huggingface.co does:
+
+    GET  /api/models?search=...                        search (config, downloads, likes, gated, safetensors)
+    GET  /api/models/{repo}[/revision/{rev}][?blobs=1]  sha, siblings (+ size, blobId, lfs), gated, config
+    GET  /api/models/{repo}/tree/{rev}                 files with oid, size, lfs
+    HEAD/GET /{repo}/resolve/{rev}/{file}              X-Repo-Commit, ETag / X-Linked-Etag, Content-Length /
+                                                       X-Linked-Size; small files served here, LFS -> 302 CDN
+    GET  /blobs/{sha256}  (CDN)                        the LFS file, with Range
+
+Errors as the Hub sends them (X-Error-Code RepoNotFound / RevisionNotFound / GatedRepo, 401 "Invalid
+credentials in Authorization header"). `faults` injects what the real world does: drop the connection at a
+byte offset, ignore Range, serve wrong bytes or a wrong length, serve slowly. Every request is recorded.
+
+Loaded by tests/engine/conftest.py (tests are not a package).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlparse
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    files: dict[str, bytes]
+    sha: str
+    gated: bool = False
+    approved_tokens: set[str] = field(default_factory=set)
+    model_type: str | None = None
+    downloads: int = 0
+
+    @staticmethod
+    def from_folder(repo_id: str, folder: Path, **kw) -> Repo:
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        sha = hashlib.sha1(repo_id.encode() + b"".join(hashlib.sha256(b).digest() for b in files.values())).hexdigest()
+        config = json.loads(files["config.json"]) if "config.json" in files else {}
+        kw.setdefault("model_type", config.get("model_type"))
+        return Repo(repo_id, files, sha, **kw)
+
+    def is_lfs(self, path: str) -> bool:
+        return path.endswith(LFS_SUFFIXES)
+
+    def sha256(self, path: str) -> str:
+        return hashlib.sha256(self.files[path]).hexdigest()
+
+    def blob_id(self, path: str) -> str:
+        data = self.files[path]
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+    def etag(self, path: str) -> str:
+        return self.sha256(path) if self.is_lfs(path) else self.blob_id(path)
+
+    def entry(self, path: str) -> dict:
+        data = self.files[path]
+        out = {"rfilename": path, "size": len(data), "blobId": self.blob_id(path)}
+        if self.is_lfs(path):
+            out["lfs"] = {"size": len(data), "sha256": self.sha256(path), "pointerSize": 134}
+        return out
+
+
+@dataclass
+class Faults:
+    drop_at: dict[str, int] = field(default_factory=dict)  # file -> close the connection at this byte offset
+    drop_times: dict[str, int] = field(default_factory=dict)  # file -> how many times (default once)
+    ignore_range: bool = False  # answer 200 with the whole file to a Range request
+    corrupt: set[str] = field(default_factory=set)  # flip one byte of the body
+    size_delta: dict[str, int] = field(default_factory=dict)  # serve this many bytes more (or fewer) than listed
+    slow_s: float = 0.0  # sleep between 16 KiB pieces of LFS bodies
+    slow_paths: tuple[str, ...] = LFS_SUFFIXES
+
+
+@dataclass(frozen=True)
+class Request:
+    origin: str  # "hub" | "cdn"
+    method: str
+    path: str  # URL path, unquoted, no query
+    file: str | None  # the repo file it is about, when it is one
+    range: str | None
+    status: int
+    body_bytes: int
+
+
+class HubServer:
+    def __init__(self):
+        self.repos: dict[str, Repo] = {}
+        self.tokens: set[str] = set()  # valid tokens; any other bearer token gets 401 invalid credentials
+        self.faults = Faults()
+        self.requests: list[Request] = []
+        self._lock = threading.Lock()
+        self.hub = _serve(self, "hub")
+        self.cdn = _serve(self, "cdn")
+        self.url = f"http://127.0.0.1:{self.hub.server_address[1]}"
+        self.cdn_url = f"http://127.0.0.1:{self.cdn.server_address[1]}"
+
+    def add(self, repo: Repo) -> Repo:
+        self.repos[repo.repo_id] = repo
+        return repo
+
+    def record(self, req: Request) -> None:
+        with self._lock:
+            self.requests.append(req)
+
+    def reset(self) -> None:
+        self.faults = Faults()
+        with self._lock:
+            self.requests.clear()
+
+    def file_requests(self, file: str, method: str | None = None) -> list[Request]:
+        return [r for r in list(self.requests) if r.file == file and (method is None or r.method == method)]
+
+    def by_sha256(self, digest: str) -> tuple[Repo, str] | None:
+        for repo in self.repos.values():
+            for path in repo.files:
+                if repo.is_lfs(path) and repo.sha256(path) == digest:
+                    return repo, path
+        return None
+
+    def close(self) -> None:
+        for srv in (self.hub, self.cdn):
+            srv.shutdown()
+            srv.server_close()
+
+
+def _serve(hub: HubServer, origin: str) -> ThreadingHTTPServer:
+    handler = type(f"{origin.title()}Handler", (_Handler,), {"hub": hub, "origin": origin})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True, name=f"hubserver-{origin}").start()
+    return srv
+
+
+_RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
+_API_MODEL = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+?)(?:/revision/(?P<rev>[^/]+)|/tree/(?P<tree>[^/]+))?/?$")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    hub: HubServer
+    origin: str
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    # -- plumbing ------------------------------------------------------------------------------------------
+    def do_HEAD(self):
+        self._dispatch("HEAD")
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def _dispatch(self, method: str):
+        self.method = method
+        self._file = None
+        self._status = 0
+        self._sent = 0
+        url = urlparse(self.path)
+        self.url_path, self.query = unquote(url.path), parse_qs(url.query)
+        try:
+            if self.origin == "cdn":
+                self._cdn()
+            else:
+                self._hub()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            self.hub.record(Request(self.origin, method, self.url_path, self._file, self.headers.get("Range"),
+                                    self._status, self._sent))
+            self.close_connection = True
+
+    def _reply(self, status: int, body: bytes = b"", headers: dict | None = None, content_type="application/json"):
+        self._status = status
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.method != "HEAD" and body:
+            self.wfile.write(body)
+            self._sent += len(body)
+
+    def _json(self, data, status: int = 200):
+        self._reply(status, json.dumps(data).encode())
+
+    def _error(self, status: int, code: str | None, message: str, headers: dict | None = None):
+        h = {"X-Error-Message": message, **(headers or {})}
+        if code:
+            h["X-Error-Code"] = code
+        self._reply(status, json.dumps({"error": message}).encode(), h)
+
+    def _token(self) -> str | None:
+        auth = self.headers.get("Authorization") or ""
+        return auth[7:] if auth.lower().startswith("bearer ") else None
+
+    def _repo(self, repo_id: str, rev: str | None = None) -> Repo | None:
+        """The repo if this caller may read it; else the error is sent and None returned."""
+        token = self._token()
+        if token is not None and token not in self.hub.tokens:
+            self._error(401, None, "Invalid credentials in Authorization header")
+            return None
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            self._error(404, "RepoNotFound", "Repository not found")
+            return None
+        if repo.gated and token not in repo.approved_tokens:
+            status = 401 if token is None else 403
+            self._error(status, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access to it "
+                        "and be authenticated to access it. Please log in.")
+            return None
+        if rev is not None and rev not in ("main", repo.sha):
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+            return None
+        return repo
+
+    # -- the Hub ---------------------------------------------------------------------------------------------
+    def _hub(self):
+        p = self.url_path
+        if p == "/api/models":
+            return self._search()
+        m = _API_MODEL.match(p)
+        if m:
+            repo = self._repo(m.group("repo"), m.group("rev") or m.group("tree") or "main")
+            if repo is None:
+                return
+            if m.group("tree") is not None:
+                return self._json([{"type": "file", "oid": repo.blob_id(f), "size": len(d), "path": f,
+                                    **({"lfs": {"oid": repo.sha256(f), "size": len(d), "pointerSize": 134}}
+                                       if repo.is_lfs(f) else {})} for f, d in repo.files.items()])
+            return self._json(self._info(repo, blobs="blobs" in self.query))
+        m = _RESOLVE.match(p)
+        if m:
+            return self._resolve(m.group("repo"), m.group("rev"), m.group("file"))
+        self._error(404, None, f"no route {p}")
+
+    def _info(self, repo: Repo, blobs: bool) -> dict:
+        siblings = [repo.entry(f) if blobs else {"rfilename": f} for f in repo.files]
+        total = sum(len(d) for f, d in repo.files.items() if f.endswith(".safetensors")) // 4
+        return {"id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha, "private": False,
+                "gated": "manual" if repo.gated else False, "disabled": False, "downloads": repo.downloads,
+                "likes": 1, "tags": [repo.model_type] if repo.model_type else [], "lastModified":
+                "2025-01-01T00:00:00.000Z", "config": {"model_type": repo.model_type} if repo.model_type else {},
+                "safetensors": {"parameters": {"F32": total}, "total": total}, "siblings": siblings}
+
+    def _search(self):
+        text = (self.query.get("search") or [""])[0].lower()
+        limit = int((self.query.get("limit") or ["1000"])[0])
+        hits = [self._info(r, blobs=False) for r in sorted(self.hub.repos.values(), key=lambda r: -r.downloads)
+                if text in r.repo_id.lower()]
+        for h in hits:
+            h.pop("siblings")
+        self._json(hits[:limit])
+
+    def _resolve(self, repo_id: str, rev: str, file: str):
+        self._file = file
+        repo = self._repo(repo_id, rev)
+        if repo is None:
+            return
+        if file not in repo.files:
+            return self._error(404, "EntryNotFound", f"{file} does not exist", {"X-Repo-Commit": repo.sha})
+        common = {"X-Repo-Commit": repo.sha, "Accept-Ranges": "bytes"}
+        if repo.is_lfs(file):
+            digest = repo.sha256(file)
+            size = len(repo.files[file])
+            self._status = 302
+            self.send_response(302)
+            for k, v in {**common, "Location": f"{self.hub.cdn_url}/blobs/{digest}?expires=never",
+                         "ETag": f'"{repo.blob_id(file)}"', "X-Linked-Etag": f'"{digest}"',
+                         "X-Linked-Size": str(size), "Content-Length": "0", "Connection": "close"}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            return
+        self._body(repo, file, {**common, "ETag": f'"{repo.blob_id(file)}"'})
+
+    # -- the CDN ---------------------------------------------------------------------------------------------
+    def _cdn(self):
+        m = re.match(r"^/blobs/([0-9a-f]{64})$", self.url_path)
+        found = self.hub.by_sha256(m.group(1)) if m else None
+        if found is None:
+            return self._error(404, None, "NoSuchKey")
+        repo, file = found
+        self._file = file
+        self._body(repo, file, {"ETag": f'"{repo.sha256(file)}"'})
+
+    def _body(self, repo: Repo, file: str, headers: dict):
+        f = self.hub.faults
+        data = repo.files[file]
+        if file in f.corrupt:
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        delta = f.size_delta.get(file, 0)
+        data = data + b"\0" * delta if delta > 0 else data[:len(data) + delta]
+        total = len(data)
+        start, end = 0, total - 1
+        rng = self.headers.get("Range")
+        status = 200
+        if rng and not f.ignore_range:
+            m = re.match(r"bytes=(\d+)-(\d*)$", rng.strip())
+            if m:
+                start = int(m.group(1))
+                end = min(int(m.group(2)), total - 1) if m.group(2) else total - 1
+                if start >= total:
+                    return self._error(416, None, "Range Not Satisfiable", {"Content-Range": f"bytes */{total}"})
+                status = 206
+                headers = {**headers, "Content-Range": f"bytes {start}-{end}/{total}"}
+        body = data[start:end + 1]
+        self._status = status
+        self.send_response(status)
+        for k, v in {**headers, "Content-Type": "application/octet-stream", "Content-Length": str(len(body)),
+                     "Connection": "close"}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.method == "HEAD":
+            return
+        drop = f.drop_at.get(file)
+        if drop is not None and start < drop <= end and f.drop_times.get(file, 1) > 0:
+            f.drop_times[file] = f.drop_times.get(file, 1) - 1
+            body = body[:drop - start]
+        else:
+            drop = None
+        slow = f.slow_s if file.endswith(f.slow_paths) else 0.0
+        piece = 16 * 1024
+        for i in range(0, len(body), piece):
+            self.wfile.write(body[i:i + piece])
+            self.wfile.flush()
+            self._sent += len(body[i:i + piece])
+            if slow:
+                time.sleep(slow)
+        if drop is not None:  # hang up mid-file: the client sees fewer bytes than Content-Length
+            self.wfile.flush()
+            self.connection.shutdown(2)
