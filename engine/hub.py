@@ -62,7 +62,6 @@ from .errors import (
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_ENDPOINT = "https://huggingface.co"
-CHUNK = 256 * 1024  # bytes per read: the cancel check and progress granularity
 RETRIES = 5  # attempts per file without progress before giving up (as huggingface_hub's http_get)
 RETRY_DELAY_S = 0.5  # first back-off; doubles up to RETRY_DELAY_MAX_S
 RETRY_DELAY_MAX_S = 8.0
@@ -523,6 +522,10 @@ class Hub:
             return path
         sha = self.cached_sha(repo_id, revision)
         rev = f" --revision {revision}" if revision else ""
+        if sha is None and revision is None:  # no ref yet: files fetched at a pinned commit (fit, a crashed pull)
+            snaps = self.storage(repo_id) / "snapshots"
+            found = sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime) if snaps.is_dir() else []
+            sha = found[-1].name if found else None
         if sha is None:
             raise NotDownloadedError(f"{repo_id} is not downloaded (nothing in {self.cache}): run moechat pull "
                                      f"{repo_id}{rev}", repo_id=repo_id)
@@ -1023,7 +1026,7 @@ class _Transfer:
                 st.have, st.hasher = 0, self._new_hasher(f)
             try:
                 with partial.open("ab" if st.have else "wb") as out:
-                    for chunk in r.iter_bytes(CHUNK):
+                    for chunk in r.iter_bytes():  # as the network delivers: cancel and progress stay live
                         if not chunk:
                             continue
                         if st.have + len(chunk) > f.size:

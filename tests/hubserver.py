@@ -75,6 +75,7 @@ class Repo:
 class Faults:
     drop_at: dict[str, int] = field(default_factory=dict)  # file -> close the connection at this byte offset
     drop_times: dict[str, int] = field(default_factory=dict)  # file -> how many times (default once)
+    hang_up_from: dict[str, int] = field(default_factory=dict)  # file -> hang up on requests starting at >= offset
     ignore_range: bool = False  # answer 200 with the whole file to a Range request
     corrupt: set[str] = field(default_factory=set)  # flip one byte of the body
     size_delta: dict[str, int] = field(default_factory=dict)  # serve this many bytes more (or fewer) than listed
@@ -82,8 +83,10 @@ class Faults:
     slow_paths: tuple[str, ...] = LFS_SUFFIXES
 
 
-@dataclass(frozen=True)
+@dataclass
 class Request:
+    """Logged when the request arrives (so a reset between tests drops late finishers), filled in when done."""
+
     origin: str  # "hub" | "cdn"
     method: str
     path: str  # URL path, unquoted, no query
@@ -91,6 +94,7 @@ class Request:
     range: str | None
     status: int
     body_bytes: int
+    auth: bool  # an Authorization header was sent
 
 
 class HubServer:
@@ -168,6 +172,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._sent = 0
         url = urlparse(self.path)
         self.url_path, self.query = unquote(url.path), parse_qs(url.query)
+        req = Request(self.origin, method, self.url_path, None, self.headers.get("Range"), 0, 0,
+                      "Authorization" in self.headers)
+        self.hub.record(req)
         try:
             if self.origin == "cdn":
                 self._cdn()
@@ -176,8 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
-            self.hub.record(Request(self.origin, method, self.url_path, self._file, self.headers.get("Range"),
-                                    self._status, self._sent))
+            req.file, req.status, req.body_bytes = self._file, self._status, self._sent
             self.close_connection = True
 
     def _reply(self, status: int, body: bytes = b"", headers: dict | None = None, content_type="application/json"):
@@ -316,6 +322,9 @@ class _Handler(BaseHTTPRequestHandler):
                 status = 206
                 headers = {**headers, "Content-Range": f"bytes {start}-{end}/{total}"}
         body = data[start:end + 1]
+        if file in f.hang_up_from and start >= f.hang_up_from[file] and self.method == "GET":
+            self.connection.shutdown(2)  # the network is gone: no answer at all
+            return
         self._status = status
         self.send_response(status)
         for k, v in {**headers, "Content-Type": "application/octet-stream", "Content-Length": str(len(body)),
