@@ -68,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
     cache.add_argument("--repack-dir", metavar="DIR", help="stream experts from a repacked copy kept in DIR "
                        "(one read per expert; written on first use, needs as much disk as the experts)")
+    cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
+                       help="load the experts later layers will want while this layer computes: next-layer "
+                       "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or "
+                       "off (default: next-layer when experts are cached)")
+    cache.add_argument("--prefetch-depth", type=_positive_int, default=1, metavar="N",
+                       help="predict N MoE layers ahead (1-4, default 1)")
+    cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                       help="fill the slots at start with the experts this model used most in earlier runs "
+                       "(a routing profile saved at exit under $XDG_CACHE_HOME/moechat; default: on)")
     from moechat.app.fit import add_fit_parser  # no torch, no engine
     from moechat.app.launch import add_chat_parser
 
@@ -80,6 +89,12 @@ def _policies() -> list[str]:
     from moechat.engine.cache.policy import POLICIES  # pure Python: no torch at start-up
 
     return list(POLICIES)
+
+
+def _prefetch_modes() -> list[str]:
+    from moechat.engine.cache.prefetch import PREFETCH_MODES  # no torch at import time either
+
+    return list(PREFETCH_MODES)
 
 
 def _default_policy() -> str:
@@ -95,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.errors import MoechatError
     from moechat.engine.generate import Engine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,8 +120,16 @@ def _run(args: argparse.Namespace) -> int:
                                             expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn)
     cache = None
     if slots or ram_cache_bytes is not None or args.record_trace or args.repack_dir:
+        from moechat.engine.cache.prefetch import DEFAULT_PREFETCH, check_prefetch
+
+        prefetch = args.prefetch or DEFAULT_PREFETCH
+        try:
+            check_prefetch(prefetch, args.prefetch_depth)
+        except ValueError as e:
+            raise MoechatError(str(e)) from None
         cache = CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
-                            record_trace=bool(args.record_trace), repack_dir=args.repack_dir)
+                            record_trace=bool(args.record_trace), repack_dir=args.repack_dir, prefetch=prefetch,
+                            prefetch_depth=args.prefetch_depth, warm_start=args.warm_start)
     engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache)
     sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
@@ -132,10 +156,12 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         cancel.set()
         stream.close()
+        engine.close()
         if not args.json:
             sys.stdout.write("\n")
         print("moechat: stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    engine.close()  # in-flight loads stopped, routing profile saved for --warm-start
     snapshot = engine.cache_snapshot()
     if args.record_trace:
         engine.provider.recorder.to_trace().save(args.record_trace)
@@ -167,6 +193,13 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"[cache: {snapshot.num_slots} slots, {snapshot.policy}, hit rate {snapshot.hit_rate:.1%}, "
                       f"{snapshot.bytes_from_ram / 2**20:.1f} MiB from RAM, {snapshot.bytes_from_disk / 2**20:.1f} MiB "
                       "from disk]", file=sys.stderr)
+                if snapshot.prefetch != "off":
+                    print(f"[prefetch {snapshot.prefetch} depth {snapshot.prefetch_depth}: "
+                          f"{sum(snapshot.prefetch_used)} of {sum(snapshot.prefetch_issued)} used, "
+                          f"{snapshot.demand_misses} demand misses, stalled {snapshot.stall_seconds * 1e3:.0f} ms, "
+                          f"prediction precision {snapshot.prefetch_precision:.0%} recall "
+                          f"{snapshot.prefetch_recall:.0%}; {snapshot.warm_loaded} experts warm-started]",
+                          file=sys.stderr)
     return 0
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .cache.prefetch import Predictor, load_profile, profile_path, save_profile
 from .cache.provider import CacheConfig, build_cached_provider
 from .cache.stats import CacheSnapshot
 from .chat_template import ChatTemplate
@@ -88,6 +89,7 @@ class Engine:
         self.generation_config = generation_config
         self.context = context
         self.prefill_chunk = prefill_chunk
+        self.profile_path: Path | None = None  # where this model's routing profile is saved (cached only)
         eos = _ids(generation_config.get("eos_token_id")) + _ids(loaded.args.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
@@ -113,7 +115,35 @@ class Engine:
         if template is not None and tokenizer is not None:
             template = ChatTemplate.from_string(template.source, {**tokenizer.special_tokens,
                                                                    **template.special_tokens})
-        return cls(loaded, tokenizer, template, generation_config, context, prefill_chunk, provider)
+        engine = cls(loaded, tokenizer, template, generation_config, context, prefill_chunk, provider)
+        if provider is not None:
+            provider.set_predictor(Predictor.from_model(loaded.model))
+            engine.profile_path = profile_path(model_dir, cache.profile_dir)
+            if cache.warm_start:
+                counts = load_profile(engine.profile_path, loaded.args.num_hidden_layers, loaded.args.num_experts)
+                if counts is not None:
+                    provider.warm(counts)
+        return engine
+
+    def save_routing_profile(self) -> Path | None:
+        """Merge this run's expert usage into the model's saved profile (what --warm-start reads)."""
+        from .cache.provider import CachedProvider
+
+        provider = self.provider
+        if not isinstance(provider, CachedProvider) or self.profile_path is None or not provider.frequency.any():
+            return None
+        try:
+            save_profile(self.profile_path, provider.frequency)
+        except OSError:
+            return None  # a cache dir we cannot write is not worth failing a run for
+        return self.profile_path
+
+    def close(self) -> None:
+        """Stop in-flight expert loads and save the routing profile; the engine stays usable."""
+        quiesce = getattr(self.provider, "quiesce", None)
+        if quiesce is not None:
+            quiesce()
+        self.save_routing_profile()
 
     # -- text <-> ids ---------------------------------------------------------------------------
     def _need_tokenizer(self) -> Tokenizer:
@@ -172,12 +202,23 @@ class Engine:
         seq.kv.reserve(len(prompt_ids))
         sampling = sampling or self.sampling()
         max_tokens = self.default_max_tokens() if max_tokens is None else max_tokens
-        sampler = Sampler(sampling, device=self.loaded.device)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids) if self.tokenizer else None
         stop_ids = self.eos_token_ids if stop_on_eos else frozenset()
         penalise = sampling.repetition_penalty != 1.0
         history = seq.tokens[:]
 
+        try:
+            yield from self._generate(seq, prompt_ids, sampling, max_tokens, cancel, detok, stop_ids, penalise,
+                                      history)
+        finally:
+            # Done, cancelled or abandoned: no expert load may outlive the request.
+            quiesce = getattr(self.provider, "quiesce", None)
+            if quiesce is not None:
+                quiesce()
+
+    def _generate(self, seq, prompt_ids, sampling, max_tokens, cancel, detok, stop_ids, penalise,
+                  history) -> Iterator[GenerationChunk]:
+        sampler = Sampler(sampling, device=self.loaded.device)
         with torch.inference_mode():
             t0 = time.perf_counter()
             logits = self._forward(seq, prompt_ids)
@@ -213,7 +254,8 @@ class Engine:
                 logits = self._forward(seq, [token])
 
     def retune_cache(self, *, expert_slots: int | None = None, policy: str | None = None,
-                     ram_cache_bytes: int | None = None) -> CacheSnapshot:
+                     ram_cache_bytes: int | None = None, prefetch: str | None = None,
+                     prefetch_depth: int | None = None) -> CacheSnapshot:
         """Change the expert cache without reloading the model; call it between tokens (a safe point).
 
         A resident model becomes cached on the first call. Slots carry their experts over, best ranked
@@ -228,14 +270,21 @@ class Engine:
                                  ram_cache_bytes=ram_cache_bytes)
             self.provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
                                                   loaded.device, config)
+            self.provider.set_predictor(Predictor.from_model(loaded.model))
+            self.profile_path = profile_path(loaded.model_dir)
             loaded.provider = None  # the resident experts are released
+            if prefetch is not None or prefetch_depth is not None:
+                self.provider.set_prefetch(prefetch or self.provider.prefetch_mode, prefetch_depth)
             return self.provider.snapshot()
         provider = self.provider
+        if prefetch is not None or prefetch_depth is not None:
+            provider.set_prefetch(prefetch or provider.prefetch_mode, prefetch_depth)
         if policy is not None:
             provider.set_policy(policy)
-        if expert_slots is not None:
+        if expert_slots is not None and expert_slots != provider.pool.num_slots:
             provider.resize(expert_slots)
         if ram_cache_bytes is not None and ram_cache_bytes != getattr(provider.store, "budget_bytes", None):
+            provider.quiesce()  # no load may be reading the store being replaced
             disk = provider.store.disk
             layers = loaded.cls.moe_layers(loaded.args)
             all_bytes = disk.expert_bytes * len(layers) * loaded.args.num_experts

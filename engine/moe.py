@@ -70,6 +70,13 @@ class ExpertProvider(Protocol):
         """Like prepare, as one or more batches whose pairs cover every (t, k) exactly once."""
         ...
 
+    def observe(self, layer: int, hidden_states: torch.Tensor) -> None:
+        """The residual stream [T, H] entering `layer`'s MoE, given before `batches(layer, ...)`.
+
+        A provider may use it to predict and prefetch later layers' experts; it must not change them.
+        """
+        ...
+
 
 class ResidentProvider:
     """Every expert of every MoE layer on the compute device; slot id == expert id, no copies."""
@@ -87,6 +94,9 @@ class ResidentProvider:
 
     def batches(self, layer: int, topk_ids: torch.Tensor) -> Iterator[ExpertBatch]:
         yield self.prepare(layer, topk_ids)
+
+    def observe(self, layer: int, hidden_states: torch.Tensor) -> None:
+        pass  # everything is resident: nothing to predict
 
     def expert_weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """One expert's tensors by name (views, no copy): what a cache tier stores per (layer, expert)."""

@@ -7,13 +7,25 @@ the expert compute uses. When a prefill chunk needs more distinct experts than t
 be 1), it yields them expert-major in groups of at most C: load a group, let every token routed to it
 compute, move on. Each needed expert is loaded at most once per layer per chunk either way, so a
 512-token chunk of Qwen3-30B-A3B moves <= 128 experts per layer instead of 512 x 8.
+
+Prefetch (`prefetch.py`, `transfer.py`): the model hands the provider the residual stream entering
+each MoE layer (`observe`); once layer l's experts are resident and before they compute, the
+predictor names the experts of layers l+1..l+depth, and those not in a slot are claimed (LOADING) and
+queued on the transfer engine. A prefetch never evicts an expert of the current layer or another
+predicted one, never takes a slot that is loading, and at most `prefetch_budget` are issued per
+predicted layer per step. When a layer asks for an expert that is still loading it waits for that load
+only (the wait is stall time); a hit is a request whose expert was in a slot or on its way, a miss a
+load the forward pass had to issue itself (a demand miss). Only the forward thread changes the slot
+pool and the policy; a transfer job only writes the bytes of a slot it was given.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +33,14 @@ import torch
 
 from ..moe import ExpertBatch
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
+from .prefetch import Predictor, check_prefetch
 from .slots import SlotPool
 from .stats import CacheSnapshot, CacheStats
 from .store import DiskStore, RamCache, RamStore, RepackedStore
 from .trace import TraceRecorder
+from .transfer import DONE, InlineTransfer, Job, make_transfer
+
+Key = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,17 @@ class CacheConfig:
     ram_cache_bytes: int | None = None  # None: every expert in RAM; else a bounded RAM cache over disk
     record_trace: bool = False
     repack_dir: str | None = None  # read the disk tier from a repacked per-expert file kept here
+    prefetch: str = "off"  # one of prefetch.PREFETCH_MODES
+    prefetch_depth: int = 1  # predict this many MoE layers ahead
+    prefetch_budget: int | None = None  # prefetches per predicted layer per step; None: top-k
+    transfer: str = "thread"  # "thread": loads overlap compute; "inline": on the forward thread
+    warm_start: bool = False  # fill the slots from the saved routing profile at load
+    profile_dir: str | None = None  # where routing profiles live (default: XDG cache dir)
+
+    def __post_init__(self):
+        check_prefetch(self.prefetch, self.prefetch_depth)
+        if self.prefetch_budget is not None and self.prefetch_budget < 1:
+            raise ValueError(f"prefetch budget must be at least 1, got {self.prefetch_budget}")
 
 
 def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.device,
@@ -59,11 +86,14 @@ def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.dev
     slots = max(1, min(slots, len(layers) * E))
     pool = SlotPool(slots, args.num_hidden_layers, E, disk.shapes, device)
     recorder = TraceRecorder(args.num_hidden_layers, E, args.top_k) if config.record_trace else None
-    return CachedProvider(pool, store, make_policy(config.policy, capacity=slots), recorder)
+    provider = CachedProvider(pool, store, make_policy(config.policy, capacity=slots), recorder,
+                              transfer=make_transfer(config.transfer, device))
+    provider.set_prefetch(config.prefetch, config.prefetch_depth, config.prefetch_budget)
+    return provider
 
 
 class CachedProvider:
-    def __init__(self, pool: SlotPool, store, policy: EvictionPolicy, recorder=None):
+    def __init__(self, pool: SlotPool, store, policy: EvictionPolicy, recorder=None, *, transfer=None):
         self.pool = pool
         self.store = store
         self.policy = policy
@@ -72,6 +102,35 @@ class CachedProvider:
         self.num_experts = pool.num_experts
         self.stats = CacheStats(pool.num_layers)
         self.frequency = np.zeros((pool.num_layers, pool.num_experts), dtype=np.int64)  # requests since start
+        self.transfer = transfer if transfer is not None else InlineTransfer(pool.device)
+        self.store_lock = threading.Lock()  # the store (RAM cache policy, staging buffers) is one-thread-at-a-time
+        self.predictor: Predictor | None = None
+        self.prefetch_mode = "off"
+        self.prefetch_depth = 1
+        self.prefetch_budget: int | None = None
+        self.inflight: dict[Key, Job] = {}  # claimed slots whose bytes a transfer job is writing
+        self.prefetched: set[Key] = set()  # loaded ahead of need and not used since
+        self.warm_loaded = 0
+        self._hidden: tuple[int, torch.Tensor] | None = None  # (layer, residual stream at its MoE)
+        self._predicted: dict[int, set[int]] = {}  # layer -> the experts last predicted for it
+
+    # -- prefetch setup --------------------------------------------------------------------------------
+    def set_predictor(self, predictor: Predictor | None) -> None:
+        self.predictor = predictor
+
+    def set_prefetch(self, mode: str, depth: int | None = None, budget: int | None = None) -> None:
+        """Change prediction at a safe point (between tokens): in-flight loads finish first."""
+        depth = self.prefetch_depth if depth is None else depth
+        check_prefetch(mode, depth)
+        self.quiesce()
+        self.prefetch_mode, self.prefetch_depth = mode, depth
+        if budget is not None:
+            self.prefetch_budget = budget
+        self._predicted.clear()
+
+    @property
+    def prefetching(self) -> bool:
+        return self.prefetch_mode != "off" and self.predictor is not None
 
     # -- the ExpertProvider protocol ---------------------------------------------------------------
     def prepare(self, layer: int, topk_ids: torch.Tensor) -> ExpertBatch:
@@ -82,6 +141,11 @@ class CachedProvider:
                                "iterate CachedProvider.batches() instead")
         return batches[0]
 
+    def observe(self, layer: int, hidden_states: torch.Tensor) -> None:
+        """The residual stream [T, H] entering `layer`'s MoE, before `batches(layer, ...)`: prefetch input."""
+        if self.prefetching:
+            self._hidden = (layer, hidden_states)
+
     def batches(self, layer: int, topk_ids: torch.Tensor) -> Iterator[ExpertBatch]:
         ids = topk_ids.cpu() if topk_ids.device.type != "cpu" else topk_ids  # [T, K] host copy: the one sync
         T = ids.shape[0]
@@ -90,11 +154,19 @@ class CachedProvider:
             self.recorder.record(layer, ids_np, 0 if T > 1 else 1)
         experts = list(dict.fromkeys(ids_np.reshape(-1).tolist()))  # unique, in first-use order
         np.add.at(self.frequency[layer], ids_np.reshape(-1), 1)
+        if self.inflight:
+            self._reap()
+        if self.prefetching:
+            self._score_prediction(layer, experts)
+            self.predictor.observe_routing(layer, ids_np[-1].tolist())
         C = self.pool.num_slots
         if len(experts) <= C:
             self._make_resident(layer, experts, prefill=T > 1)
+            if self._hidden is not None:
+                self._prefetch_after(layer, experts)
             yield self._batch(layer, topk_ids, ids, None)
             return
+        self._hidden = None  # a chunk that overflows the pool has no slots to spare for prefetching
         # Expert-major groups: resident experts first (no load), then the rest, C at a time.
         host_map = self.pool.host_map[layer]
         experts.sort(key=lambda e: host_map[e] < 0)
@@ -120,43 +192,198 @@ class CachedProvider:
         """Count, pick victims outside `experts`, and load every missing expert of the step."""
         stats = self.stats.layers[layer]
         pool = self.pool
-        protected = [(layer, e) for e in experts]
+        protected = {(layer, e) for e in experts}
+        stall = 0.0
+        for key in protected & self.inflight.keys():  # on their way: wait for exactly these
+            stall += self._complete(key, needed=True)
         misses = []
-        for key in protected:
+        for e in experts:
+            key = (layer, e)
             self.policy.access(key)
             if pool.host_map[key] >= 0:
                 stats.hits += 1
+                if key in self.prefetched:
+                    self.prefetched.discard(key)
+                    stats.prefetch_used += 1
             else:
                 stats.misses += 1
                 misses.append(key)
         if not misses:
+            stats.stall_seconds += stall
             return
         t0 = time.perf_counter()
         for key in misses:
-            if pool.has_free():
-                slot = pool.begin_load(*key)
-            else:
-                victim = self.policy.victim(protected)
-                slot = pool.slot_of(*victim)
-                pool.release(slot)
-                self.policy.evict(victim)
-                slot = pool.begin_load(*key, slot=slot)
-            tier, nbytes = self.store.read_into(key[0], key[1], pool.views(slot))
+            slot = self._claim(key, protected, allow_cancel=True)
+            with self.store_lock:
+                tier, nbytes = self.store.read_into(key[0], key[1], pool.views(slot))
             pool.finish_load(slot)
             self.policy.admit(key)
-            if tier == "ram":
-                stats.bytes_from_ram += nbytes
-            else:
-                stats.bytes_from_disk += nbytes
+            self._count_bytes(stats, tier, nbytes)
             if prefill:
                 stats.expert_loads_prefill += 1
             else:
                 stats.expert_loads_decode += 1
-        stats.load_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        stats.load_seconds += dt
+        stats.stall_seconds += dt + stall
+
+    @staticmethod
+    def _count_bytes(stats, tier: str, nbytes: int) -> None:
+        if tier == "ram":
+            stats.bytes_from_ram += nbytes
+        else:
+            stats.bytes_from_disk += nbytes
+
+    def _claim(self, key: Key, protected: set[Key], *, allow_cancel: bool) -> int | None:
+        """A slot for `key` (state LOADING): a free one, else the policy's victim outside `protected` and
+        outside loads in flight. A demand load (`allow_cancel`) cancels prefetches rather than fail; a
+        prefetch gets None when there is nothing it may evict."""
+        pool = self.pool
+        while not pool.has_free():
+            try:
+                victim = self.policy.victim(protected | self.inflight.keys() if self.inflight else protected)
+            except RuntimeError:
+                if not (allow_cancel and self.inflight):
+                    if allow_cancel:
+                        raise
+                    return None
+                self._cancel_inflight()
+                continue
+            slot = pool.slot_of(*victim)
+            pool.release(slot)
+            self.policy.evict(victim)
+            if victim in self.prefetched:
+                self.prefetched.discard(victim)
+                self.stats.layers[victim[0]].prefetch_wasted += 1
+            return pool.begin_load(*key, slot=slot)
+        return pool.begin_load(*key)
+
+    # -- prefetch ----------------------------------------------------------------------------------------
+    def _score_prediction(self, layer: int, experts: list[int]) -> None:
+        predicted = self._predicted.pop(layer, None)
+        if predicted is None:
+            return
+        s = self.stats.layers[layer]
+        s.predicted += len(predicted)
+        s.predicted_correct += len(predicted.intersection(experts))
+        s.routed += len(experts)
+
+    def _prefetch_after(self, layer: int, experts: list[int]) -> None:
+        """Layer `layer`'s experts are resident: queue the predicted misses of the next layers."""
+        source, hidden = self._hidden
+        self._hidden = None
+        if source != layer:
+            return
+        predictor = self.predictor
+        budget = self.prefetch_budget or predictor.top_k
+        if hidden.shape[0] > 1:  # a prefill chunk will load most of its experts anyway: predict them all
+            budget *= hidden.shape[0]
+        protected = {(layer, e) for e in experts}
+        plan = []
+        for target in predictor.targets(layer, self.prefetch_depth):
+            predicted = predictor.predict(self.prefetch_mode, target, hidden, budget)
+            self._predicted[target] = set(predicted)
+            protected.update((target, e) for e in predicted)
+            plan.extend((target, e) for e in predicted)
+        host_map = self.pool.host_map
+        for key in plan:
+            if host_map[key] >= 0 or key in self.inflight:
+                continue
+            slot = self._claim(key, protected, allow_cancel=False)
+            if slot is None:
+                return  # every slot is needed now or already loading: prefetch no further
+            self.policy.admit(key)
+            self.prefetched.add(key)
+            self.stats.layers[key[0]].prefetch_issued += 1
+            job = Job(key, slot, partial(self._load_bytes, key, slot))
+            self.inflight[key] = job
+            self.transfer.submit(job)
+
+    def _load_bytes(self, key: Key, slot: int) -> tuple[str, int]:
+        """A transfer job's work (any thread): the expert's bytes into the slot's views."""
+        with self.store_lock:
+            return self.store.read_into(key[0], key[1], self.pool.views(slot))
+
+    def _complete(self, key: Key, *, needed: bool = False) -> float:
+        """Wait for the load of `key` and publish its slot (or free it if the job never ran or failed)."""
+        job = self.inflight.pop(key)
+        late = not job.done()
+        waited = job.wait()
+        if needed and late:
+            self.stats.layers[key[0]].prefetch_late += 1
+        self._settle(job)
+        return waited
+
+    def _settle(self, job: Job) -> None:
+        key = job.key
+        if job.state == DONE:
+            job.wait_device()
+            self.pool.finish_load(job.slot)
+            tier, nbytes = job.result
+            self._count_bytes(self.stats.layers[key[0]], tier, nbytes)
+            return
+        # Cancelled, or failed (a read error): the slot is given back; a demand load re-reads and reports.
+        self.pool.release(job.slot)
+        self.policy.evict(key)
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.stats.layers[key[0]].prefetch_wasted += 1
+
+    def _reap(self) -> None:
+        """Publish prefetches that have finished (no waiting)."""
+        for key, job in list(self.inflight.items()):
+            if job.done():
+                del self.inflight[key]
+                self._settle(job)
+
+    def _cancel_inflight(self) -> None:
+        for job in list(self.inflight.values()):
+            job.cancel()
+        for key in list(self.inflight):
+            self._complete(key)
+
+    def quiesce(self) -> None:
+        """Stop prefetching: cancel queued loads, wait for the running one, stop the worker, settle slots.
+
+        Called when generation ends or is cancelled and before any retuning: afterwards no thread works
+        on the cache and every slot is FREE or READY.
+        """
+        self.transfer.quiesce()
+        for key in list(self.inflight):
+            self._complete(key)
+        self._hidden = None
+
+    def close(self) -> None:
+        self.quiesce()
+        self.transfer.close()
+
+    # -- warm start ----------------------------------------------------------------------------------
+    def warm(self, counts: np.ndarray) -> int:
+        """Fill free slots with the most used experts of a saved profile [L, E]; returns how many loaded."""
+        pool = self.pool
+        flat = np.asarray(counts, dtype=np.float64).reshape(-1)
+        order = np.argsort(-flat, kind="stable")
+        free = pool.num_slots - pool.used
+        keys = []
+        for idx in order[: min(len(order), free + pool.used)]:
+            if flat[idx] <= 0 or len(keys) >= free:
+                break
+            key = (int(idx) // pool.num_experts, int(idx) % pool.num_experts)
+            if pool.host_map[key] < 0 and key not in self.inflight:
+                keys.append(key)
+        for key in reversed(keys):  # least used first, so recency-based policies rank the most used highest
+            slot = pool.begin_load(*key)
+            with self.store_lock:
+                self.store.read_into(key[0], key[1], pool.views(slot))
+            pool.finish_load(slot)
+            self.policy.admit(key)
+        self.warm_loaded += len(keys)
+        return len(keys)
 
     # -- live retuning (between tokens, from the thread that drives generation) ------------------------
     def resize(self, num_slots: int) -> None:
         """A new pool of num_slots slots; the experts the policy ranks highest are carried over."""
+        self.quiesce()
         pool = self.pool
         num_slots = max(1, min(num_slots, pool.num_layers * pool.num_experts))
         if num_slots == pool.num_slots:
@@ -170,9 +397,11 @@ class CachedProvider:
                 view.copy_(pool.buffers[name][pool.slot_of(*key)])
             new.finish_load(slot)
         self.pool = new
+        self.prefetched.intersection_update(keep)
         self._reset_policy(self.policy.name, keep)
 
     def set_policy(self, name: str) -> None:
+        self.quiesce()
         if name != self.policy.name:
             self._reset_policy(name, self._ranked_resident())
 
@@ -193,6 +422,7 @@ class CachedProvider:
     # -- for the UI and the CLI ------------------------------------------------------------------
     def snapshot(self) -> CacheSnapshot:
         total = self.stats.total()
+        layers = self.stats.layers
         host_map = self.pool.host_map.copy()
         return CacheSnapshot(
             num_slots=self.pool.num_slots,
@@ -210,4 +440,15 @@ class CachedProvider:
             expert_loads_decode=total.expert_loads_decode,
             ram_cache_bytes=getattr(self.store, "budget_bytes", 0),
             ram_cache_used_bytes=getattr(self.store, "used_bytes", 0),
+            prefetch=self.prefetch_mode if self.predictor is not None else "off",
+            prefetch_depth=self.prefetch_depth,
+            stall_seconds=total.stall_seconds,
+            prefetch_issued=tuple(s.prefetch_issued for s in layers),
+            prefetch_used=tuple(s.prefetch_used for s in layers),
+            prefetch_late=tuple(s.prefetch_late for s in layers),
+            prefetch_wasted=tuple(s.prefetch_wasted for s in layers),
+            predicted=tuple(s.predicted for s in layers),
+            predicted_correct=tuple(s.predicted_correct for s in layers),
+            routed=tuple(s.routed for s in layers),
+            warm_loaded=self.warm_loaded,
         )

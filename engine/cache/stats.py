@@ -18,9 +18,17 @@ class LayerStats:
     misses: int = 0
     bytes_from_ram: int = 0
     bytes_from_disk: int = 0
-    load_seconds: float = 0.0  # time the forward pass waited on expert loads
+    load_seconds: float = 0.0  # time the forward pass spent on its own (demand) expert loads
+    stall_seconds: float = 0.0  # all time the forward pass waited for expert bytes: demand loads + late prefetches
     expert_loads_prefill: int = 0
     expert_loads_decode: int = 0
+    prefetch_issued: int = 0  # loads started ahead of need for this layer
+    prefetch_used: int = 0  # requests served by a prefetched expert (its first use)
+    prefetch_late: int = 0  # of those, still loading when needed (the wait is in stall_seconds)
+    prefetch_wasted: int = 0  # prefetched experts evicted or cancelled before any use
+    predicted: int = 0  # experts the predictor named for this layer
+    predicted_correct: int = 0  # of those, experts the layer then used
+    routed: int = 0  # distinct experts the layer used in steps that had a prediction
 
 
 @dataclass
@@ -67,6 +75,17 @@ class CacheSnapshot:
     expert_loads_decode: int
     ram_cache_bytes: int  # budget of the RAM tier (0: every expert is in RAM)
     ram_cache_used_bytes: int
+    prefetch: str = "off"
+    prefetch_depth: int = 0
+    stall_seconds: float = 0.0
+    prefetch_issued: tuple[int, ...] = ()  # per layer, like hits
+    prefetch_used: tuple[int, ...] = ()
+    prefetch_late: tuple[int, ...] = ()
+    prefetch_wasted: tuple[int, ...] = ()
+    predicted: tuple[int, ...] = ()
+    predicted_correct: tuple[int, ...] = ()
+    routed: tuple[int, ...] = ()
+    warm_loaded: int = 0  # experts loaded at start from the saved routing profile
 
     @property
     def hit_rate(self) -> float:
@@ -77,7 +96,34 @@ class CacheSnapshot:
     def layer_hit_rates(self) -> tuple[float, ...]:
         return tuple(h / (h + m) if h + m else float("nan") for h, m in zip(self.hits, self.misses, strict=True))
 
+    @property
+    def demand_misses(self) -> int:
+        """Requests that found their expert neither in a slot nor on its way: loads the forward pass issued."""
+        return sum(self.misses)
+
+    @property
+    def prefetch_precision(self) -> float:
+        """Share of predicted experts the layer then used (NaN before any prediction)."""
+        p = sum(self.predicted)
+        return sum(self.predicted_correct) / p if p else float("nan")
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Share of used experts the predictor had named (NaN before any prediction)."""
+        r = sum(self.routed)
+        return sum(self.predicted_correct) / r if r else float("nan")
+
     def to_json(self) -> dict:
+        def rate(x: float):
+            return None if np.isnan(x) else round(x, 6)
+
+        layers = [{"hits": h, "misses": m} for h, m in zip(self.hits, self.misses, strict=True)]
+        if self.prefetch_issued:
+            for i, layer in enumerate(layers):
+                layer.update(prefetch_issued=self.prefetch_issued[i], prefetch_used=self.prefetch_used[i],
+                             prefetch_late=self.prefetch_late[i], prefetch_wasted=self.prefetch_wasted[i],
+                             precision=_ratio(self.predicted_correct[i], self.predicted[i]),
+                             recall=_ratio(self.predicted_correct[i], self.routed[i]))
         return {
             "slots": self.num_slots,
             "slots_used": self.slots_used,
@@ -92,5 +138,20 @@ class CacheSnapshot:
             "expert_loads_decode": self.expert_loads_decode,
             "ram_cache_bytes": self.ram_cache_bytes,
             "ram_cache_used_bytes": self.ram_cache_used_bytes,
-            "layers": [{"hits": h, "misses": m} for h, m in zip(self.hits, self.misses, strict=True)],
+            "prefetch": self.prefetch,
+            "prefetch_depth": self.prefetch_depth,
+            "stall_seconds": round(self.stall_seconds, 6),
+            "demand_misses": self.demand_misses,
+            "prefetch_issued": sum(self.prefetch_issued),
+            "prefetch_used": sum(self.prefetch_used),
+            "prefetch_late": sum(self.prefetch_late),
+            "prefetch_wasted": sum(self.prefetch_wasted),
+            "prefetch_precision": rate(self.prefetch_precision),
+            "prefetch_recall": rate(self.prefetch_recall),
+            "warm_loaded": self.warm_loaded,
+            "layers": layers,
         }
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return round(a / b, 6) if b else None

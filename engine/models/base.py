@@ -304,6 +304,7 @@ class SparseMoeBlock(nn.Module):
         """residual + MoE(x) [T, H]."""
         router_logits = F.linear(x, self.gate_weight)  # [T, E]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)  # [T, K], [T, K]
+        provider.observe(self.layer, residual)  # the residual stream here predicts the next layers' routing
         for batch in provider.batches(self.layer, topk_ids):  # one batch unless the slots are too few
             residual = expert_compute(x, topk_weights, batch, residual=residual)
         return residual

@@ -1,0 +1,157 @@
+"""What to load before it is asked for: cross-layer prediction, temporal reuse, routing profiles.
+
+While layer l's experts compute, the provider asks a predictor which experts layers l+1..l+depth
+will want and starts loading the ones that are not in a slot (`transfer.py` runs the loads):
+
+* `next-layer` applies layer j's own router to the residual stream *entering layer l's MoE* (after
+  l's attention), normed with layer j's post-attention norm: the residual stream changes slowly from
+  layer to layer, so this is close to what layer j's router will see (the cross-layer gate of FATE
+  and tinyserve; Pre-gated MoE trains for it, we use the model as it is). Costs one [T, H] x [H, E]
+  matmul per predicted layer.
+* `previous-token` predicts that layer j uses the experts the previous token used there (temporal
+  reuse); free, and useful when the cache is too small to keep them.
+* `both` takes the union, router predictions first.
+
+The prediction never changes what is computed: a predicted expert only lands in a slot earlier, so
+output is identical with prefetch on or off (tested on every architecture).
+
+Routing profiles (warm start): per model, how often each (layer, expert) was used, saved at exit under
+the XDG cache dir and used at the next start to fill the slots with the most used experts before the
+first token, so a second run does not start cold. Pure numpy; a damaged profile is ignored, never fatal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..models.base import rms_norm
+
+PREFETCH_MODES = ("off", "next-layer", "previous-token", "both")
+DEFAULT_PREFETCH = "next-layer"
+MAX_PREFETCH_DEPTH = 4
+
+
+def check_prefetch(mode: str, depth: int) -> None:
+    if mode not in PREFETCH_MODES:
+        raise ValueError(f"unknown prefetch mode {mode!r}: choose one of {', '.join(PREFETCH_MODES)}")
+    if not 1 <= depth <= MAX_PREFETCH_DEPTH:
+        raise ValueError(f"prefetch depth must be 1..{MAX_PREFETCH_DEPTH}, got {depth}")
+
+
+@dataclass(frozen=True)
+class RouterWeights:
+    """What predicting a layer's routing needs: its post-attention norm and router weights."""
+
+    norm: torch.Tensor  # [H]
+    gate: torch.Tensor  # [E, H]
+    eps: float
+
+
+class Predictor:
+    """Names the experts layers after l will use, from the residual stream at layer l's MoE."""
+
+    def __init__(self, routers: dict[int, RouterWeights], top_k: int, num_layers: int):
+        self.routers = routers  # MoE layer -> weights
+        self.moe_layers = sorted(routers)
+        self.top_k = top_k
+        self.num_layers = num_layers
+        self.last_ids: dict[int, list[int]] = {}  # layer -> experts the previous step used there
+
+    @classmethod
+    def from_model(cls, model) -> Predictor:
+        """Read the routers and norms of a finalized `MoEForCausalLM` (no copies)."""
+        routers = {}
+        for i, layer in enumerate(model.layer_list):
+            if layer.is_moe:
+                routers[i] = RouterWeights(layer.w_post, layer.ffn.gate_weight, layer.eps)
+        return cls(routers, model.args.top_k, model.args.num_hidden_layers)
+
+    def targets(self, layer: int, depth: int) -> list[int]:
+        """The next `depth` MoE layers after `layer`."""
+        out = [j for j in self.moe_layers if j > layer]
+        return out[:depth]
+
+    def predict(self, mode: str, target: int, hidden_states: torch.Tensor, budget: int) -> list[int]:
+        """At most `budget` experts of layer `target`, most likely first.
+
+        hidden_states [T, H] is the residual stream entering the current layer's MoE. For T > 1 (a
+        prefill chunk) experts are ranked by how many of the T tokens would pick them.
+        """
+        out: list[int] = []
+        if mode in ("next-layer", "both"):
+            r = self.routers[target]
+            h = rms_norm(hidden_states, r.norm, r.eps)  # [T, H], as layer `target` will norm its input
+            logits = h @ r.gate.t()  # [T, E]
+            ids = torch.topk(logits.float(), self.top_k, dim=-1).indices  # [T, K]
+            if ids.shape[0] == 1:
+                out = ids[0].tolist()
+            else:
+                votes = torch.bincount(ids.reshape(-1), minlength=logits.shape[-1])  # [E]
+                order = torch.argsort(votes, descending=True, stable=True)
+                out = [int(e) for e in order[: int((votes > 0).sum())].tolist()]
+        if mode in ("previous-token", "both"):
+            for e in self.last_ids.get(target, ()):
+                if e not in out:
+                    out.append(e)
+        return out[:budget]
+
+    def observe_routing(self, layer: int, experts: list[int]) -> None:
+        """The experts `layer` used in this step (for previous-token prediction)."""
+        self.last_ids[layer] = experts
+
+
+# -- routing profiles --------------------------------------------------------------------------------
+
+
+def profile_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moechat" / "profiles"
+
+
+def profile_key(model_dir: str | os.PathLike) -> str:
+    """A model's profile name: its resolved path and config.json bytes (a changed model gets a new one)."""
+    model_dir = Path(model_dir).resolve()
+    h = hashlib.sha256(str(model_dir).encode())
+    try:
+        h.update((model_dir / "config.json").read_bytes())
+    except OSError:
+        pass
+    return h.hexdigest()[:24]
+
+
+def profile_path(model_dir: str | os.PathLike, directory: str | os.PathLike | None = None) -> Path:
+    return Path(directory or profile_dir()) / f"{profile_key(model_dir)}.json"
+
+
+def load_profile(path: Path, num_layers: int, num_experts: int) -> np.ndarray | None:
+    """Saved usage counts [L, E], or None when there is none or it does not match the model."""
+    try:
+        data = json.loads(path.read_text())
+        counts = np.asarray(data["counts"], dtype=np.float64)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if counts.shape != (num_layers, num_experts) or not np.isfinite(counts).all() or (counts < 0).any():
+        return None
+    return counts
+
+
+def save_profile(path: Path, counts: np.ndarray, *, decay: float = 0.5) -> None:
+    """Merge this run's usage counts into the saved profile (older runs weigh `decay` each run).
+
+    Written to a temporary file and renamed, so a crash mid-write leaves the previous profile.
+    """
+    counts = counts.astype(np.float64)
+    old = load_profile(path, *counts.shape)
+    if old is not None:
+        counts = counts + decay * old
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"format": 1, "counts": np.round(counts, 3).tolist()}))
+    os.replace(tmp, path)

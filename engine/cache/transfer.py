@@ -1,0 +1,195 @@
+"""The transfer engine: expert loads that run while the forward pass computes.
+
+A prefetch is a *job*: copy one expert from the store into a slot the provider has already claimed
+(state LOADING, so nothing evicts or reads it). The provider is the only one that changes the slot
+pool; a job only writes the slot's bytes and then says it is done. Two engines behind one interface:
+
+* `InlineTransfer` runs a job where it is submitted, on the forward thread: no overlap, but the
+  same scheduling, counting and prediction, so it is the slow obvious baseline of the threaded one.
+* `ThreadTransfer` runs jobs on one worker thread, in submission order. Disk reads (`os.preadv`) and
+  tensor copies release the GIL, so the read of layer l+1's experts overlaps layer l's compute. On
+  CUDA the worker issues the copies on a dedicated copy stream, after waiting (on the device, not the
+  host) for the compute work enqueued before the job was submitted, since the slot it writes may
+  have been read by that work; it then records an event the compute stream waits on before it uses
+  the slot (`Job.wait_device`), so the host never blocks on a copy it does not need yet.
+
+Jobs can be cancelled before they start; a job that started runs to completion (a half-written slot
+is never published: the provider releases the slot of a cancelled or failed job). `quiesce()` cancels
+what is queued, waits for what runs, and joins the worker: after it no thread touches the store or
+the slots, which is what the provider does when generation stops.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+PENDING, RUNNING, DONE, CANCELLED, FAILED = "pending", "running", "done", "cancelled", "failed"
+
+
+class Job:
+    """One expert load: `fn()` writes the bytes; the job records how it ended."""
+
+    __slots__ = ("key", "slot", "fn", "state", "error", "result", "submitted", "_done", "_lock", "_ready_event",
+                 "_copy_event")
+
+    def __init__(self, key: tuple[int, int], slot: int, fn: Callable[[], None]):
+        self.key = key
+        self.slot = slot
+        self.fn = fn
+        self.state = PENDING
+        self.error: BaseException | None = None
+        self.result = None  # what fn returned
+        self.submitted = time.perf_counter()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._ready_event = None  # CUDA: compute work the copy must wait for
+        self._copy_event = None  # CUDA: recorded on the copy stream after the copy
+
+    def cancel(self) -> bool:
+        """Cancel if it has not started; True if it will never run."""
+        with self._lock:
+            if self.state == PENDING:
+                self.state = CANCELLED
+                self._done.set()
+                return True
+            return self.state == CANCELLED
+
+    def _start(self) -> bool:
+        with self._lock:
+            if self.state != PENDING:
+                return False
+            self.state = RUNNING
+            return True
+
+    def _finish(self, error: BaseException | None, result=None) -> None:
+        with self._lock:
+            self.result = result
+            self.error = error
+            self.state = FAILED if error is not None else DONE
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> float:
+        """Block until the job ended (done, failed or cancelled); returns the seconds waited."""
+        if self._done.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._done.wait()
+        return time.perf_counter() - t0
+
+    def wait_device(self) -> None:
+        """CUDA: make the current stream wait for the copy (no host sync). No-op on CPU."""
+        if self._copy_event is not None:
+            torch.cuda.current_stream().wait_event(self._copy_event)
+
+
+class InlineTransfer:
+    """Runs each job at submission, on the caller's thread."""
+
+    name = "inline"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def submit(self, job: Job) -> Job:
+        if job._start():
+            try:
+                result = job.fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the provider, which re-raises on use
+                job._finish(e)
+            else:
+                job._finish(None, result)
+        return job
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def quiesce(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadTransfer:
+    """One worker thread running jobs in order; on CUDA, copies go on a dedicated copy stream."""
+
+    name = "thread"
+
+    def __init__(self, device: torch.device, thread_name: str = "moechat-prefetch"):
+        self.device = device
+        self.thread_name = thread_name
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._jobs: list[Job] = []  # submitted and not yet known to have ended
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def submit(self, job: Job) -> Job:
+        if self._stream is not None:
+            job._ready_event = torch.cuda.Event()
+            job._ready_event.record(torch.cuda.current_stream(self.device))
+            job._copy_event = torch.cuda.Event()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+            self._thread.start()
+        self._jobs = [j for j in self._jobs if not j.done()]
+        self._jobs.append(job)
+        self._queue.put(job)
+        return job
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if not job._start():
+                continue  # cancelled while queued
+            try:
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(job._ready_event)
+                        result = job.fn()
+                        job._copy_event.record(self._stream)
+                else:
+                    result = job.fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the provider, which re-raises on use
+                job._finish(e)
+            else:
+                job._finish(None, result)
+
+    @property
+    def busy(self) -> bool:
+        """A job is queued or running."""
+        return any(not j.done() for j in self._jobs)
+
+    def quiesce(self) -> None:
+        """Cancel queued jobs, wait for the running one, and stop the worker thread."""
+        for job in self._jobs:
+            job.cancel()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join()
+        self._thread = None
+        for job in self._jobs:
+            job.wait()
+        self._jobs = []
+
+    def close(self) -> None:
+        self.quiesce()
+
+
+def make_transfer(kind: str, device: torch.device):
+    if kind == "inline":
+        return InlineTransfer(device)
+    if kind == "thread":
+        return ThreadTransfer(device)
+    raise ValueError(f"unknown transfer engine {kind!r}: choose inline or thread")
