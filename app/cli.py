@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="generate a reply from a local model directory",
                          description="Generate from a local Hugging Face MoE model directory (safetensors).")
-    run.add_argument("model_dir", metavar="MODEL_DIR", help="directory with config.json and *.safetensors")
+    run.add_argument("model_dir", metavar="MODEL_DIR", help="directory with config.json and *.safetensors, or a Hub "
+                     "repo id downloaded with moechat pull")
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the user message (the chat template is applied unless --raw)")
     src.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="token ids, e.g. 1,2,3 (no template)")
@@ -79,9 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "(a routing profile saved at exit under $XDG_CACHE_HOME/moechat; default: on)")
     from moechat.app.fit import add_fit_parser  # no torch, no engine
     from moechat.app.launch import add_chat_parser
+    from moechat.app.pull import add_pull_parser
 
     add_fit_parser(sub)
     add_chat_parser(sub)
+    add_pull_parser(sub)
     return parser
 
 
@@ -106,6 +109,10 @@ def _default_policy() -> str:
 
 def _run(args: argparse.Namespace) -> int:
     import threading
+
+    from moechat.app.pull import resolve_model_arg
+
+    args.model_dir = resolve_model_arg(args.model_dir)  # a Hub repo id: its downloaded snapshot, no network
 
     import torch
 
@@ -219,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_fit(args)
         if args.command == "chat":
             return args.handler(args)
+        if args.command == "pull":
+            from moechat.app.pull import run_pull
+
+            return run_pull(args)
         return _run(args)
     except MoechatError as e:
         print(f"moechat: error: {e}", file=sys.stderr)

@@ -1,8 +1,9 @@
 """`moechat fit MODEL`: will this model run here, with what settings, and how fast, in numbers.
 
 MODEL is a local model directory (complete weights: exact sizes from the safetensors headers; only
-config.json, perhaps with the index: estimates from the config), or a Hub repo id whose config.json
-is already in the local Hugging Face cache. `--vram-gb`, `--ram-gb`, `--disk-gb`, `--link-gbps` and
+config.json, perhaps with the index: estimates from the config), or a Hub repo id: its downloaded snapshot,
+else config.json and the safetensors headers read from the Hub (a ranged read per shard, no weights; with
+HF_HUB_OFFLINE, the config.json in the local cache). `--vram-gb`, `--ram-gb`, `--disk-gb`, `--link-gbps` and
 `--context` ask "what if" without that hardware. Exit status: 0 when it fits, 3 when the plan refuses
 (the message names the shortfall and the cheapest fix), 1 on an error such as a missing config.
 
@@ -31,7 +32,7 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
                     "RAM and disk tiers, predicted decode tok/s and its bound, each with its reason. Exits 3 when it "
                     "does not fit. Memory sizes are GiB, bandwidths GB/s.")
     fit.add_argument("model", metavar="MODEL", help="model directory (config.json alone is enough) or a Hub repo id "
-                     "already in the local Hugging Face cache")
+                     "(org/name: read from the Hub's metadata, without downloading the weights)")
     fit.add_argument("--json", action="store_true", help="print the plan, model spec and hardware as one JSON object")
     fit.add_argument("--context", type=_positive_int, metavar="N", help="tokens of KV cache to plan for (default: "
                      "4096, lowered if needed; with --prefer context, the model's maximum)")
@@ -80,12 +81,16 @@ def _load_curve(path: str | None, num_experts: int):
 
 def run_fit(args: argparse.Namespace) -> int:
     from moechat.engine.hardware import probe
-    from moechat.engine.plan import FLOAT_SIZES, Preferences, make_plan, read_model_spec
+    from moechat.engine.hub import default_cache_dir
+    from moechat.engine.plan import FLOAT_SIZES, Preferences, make_plan
 
-    spec = read_model_spec(args.model)
+    from .pull import fit_spec
+
+    spec = fit_spec(args.model)
     if args.dtype:
         spec = spec.in_dtype(FLOAT_SIZES[args.dtype], args.dtype)
-    hw = probe(spec.path or args.model).with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb,
+    where = spec.path or (args.model if Path(args.model).expanduser().exists() else default_cache_dir())
+    hw = probe(where).with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb,
                                                        disk_gb=args.disk_gb, link_gbps=args.link_gbps)
     if args.margin >= 1:
         from moechat.engine.errors import ConfigError

@@ -32,8 +32,8 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     """Add `moechat chat MODEL` to a subparsers object; its options mirror `moechat run`'s."""
     chat = subparsers.add_parser(
         "chat", help="chat with a model in the terminal app, with the live expert-cache panel",
-        description="Open the chat app on a local Hugging Face MoE model directory (or a Hub repo id already "
-                    "in the local cache). The experts are kept in a slot cache so the panel can show it; "
+        description="Open the chat app on a local Hugging Face MoE model directory (or a Hub repo id downloaded "
+                    "with moechat pull). The experts are kept in a slot cache so the panel can show it; "
                     "retune it live from the panel.")
     chat.add_argument("model", metavar="MODEL", help="directory with config.json and *.safetensors, or a "
                       "downloaded Hub repo id")
@@ -73,6 +73,10 @@ def run_chat(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     if Path(model).expanduser().is_dir():
         model = str(Path(model).expanduser().resolve())
+    else:
+        from .pull import resolve_model_arg
+
+        model = resolve_model_arg(model)  # the complete cached snapshot, or an error naming `moechat pull`
     from .app import make_app
 
     return _run(make_app(model, options=options_from_args(args)))

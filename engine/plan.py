@@ -626,14 +626,16 @@ def _resolve_model_dir(model: str | os.PathLike) -> Path:
         try:
             from huggingface_hub import try_to_load_from_cache  # reads the local cache only, no network
 
-            cached = try_to_load_from_cache(text, "config.json")
+            from .hub import default_cache_dir  # HF_HOME / HF_HUB_CACHE now (huggingface_hub read them at import)
+
+            cached = try_to_load_from_cache(text, "config.json", cache_dir=default_cache_dir())
         except Exception:  # noqa: BLE001 - a broken cache is the same as no cache here
             cached = None
         if isinstance(cached, str):
             return Path(cached).parent
         raise ConfigError(f"{text}: not a local directory, and its config.json is not in the Hugging Face cache; "
-                          "moechat cannot fetch Hub metadata yet: download it first (huggingface-cli download "
-                          f"{text} config.json model.safetensors.index.json --local-dir DIR) and run moechat fit DIR")
+                          f"moechat fit {text} reads it from the Hub when HF_HUB_OFFLINE is not set, and moechat pull "
+                          f"{text} downloads the model")
     raise ConfigError(f"{model}: no such model directory")
 
 

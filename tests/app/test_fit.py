@@ -86,9 +86,11 @@ def test_config_only_directory_and_a_disk_what_if(capsys, tmp_path):
     assert code == 3 and "GiB of disk" in out and "free " in out and "4-bit variant" in out
 
 
-def test_errors_are_one_line(capsys, tmp_path):
+def test_errors_are_one_line(capsys, tmp_path, monkeypatch):
     code, out, err = _fit(capsys, str(tmp_path / "missing"))
     assert code == 1 and out == "" and err.count("\n") == 1 and "no such model directory" in err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a repo id not in the cache, and the Hub off limits
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     code, _, err = _fit(capsys, "no-such-org-moechat-test/no-such-model")
     assert code == 1 and err.startswith("moechat: error:") and "Hugging Face cache" in err
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,142 @@
+"""`moechat pull REPO`: download a model from the Hugging Face Hub into the standard cache, pinned to its commit.
+
+Says first what it will do (files already cached, partial files it resumes, what is left), then a progress bar
+on stderr; the snapshot's path goes to stdout (or one JSON object with `--json`). Ctrl-C keeps what arrived:
+the next pull resumes it. HF_TOKEN, HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE are honoured. Also here:
+`resolve_model_arg`, which turns the MODEL of `run`, `chat` and `fit` into a local folder when it is a repo id.
+No torch at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+EXIT_INTERRUPTED = 130
+
+
+def add_pull_parser(subparsers) -> argparse.ArgumentParser:
+    pull = subparsers.add_parser(
+        "pull", help="download a model from the Hugging Face Hub (safetensors, config and tokenizer files only)",
+        description="Download a Hub model into the Hugging Face cache (HF_HOME), pinned to the commit of REVISION: "
+                    "safetensors weights, JSON and tokenizer files, never pickle weights. Checks free disk first, "
+                    "verifies every file's checksum, resumes interrupted downloads. Gated models need HF_TOKEN.")
+    pull.add_argument("repo", metavar="REPO", help="Hub repo id, e.g. allenai/OLMoE-1B-7B-0125-Instruct")
+    pull.add_argument("--revision", metavar="REV", help="branch, tag or commit (default: main)")
+    pull.add_argument("--json", action="store_true", help="print one JSON object at the end (path, revision, "
+                      "bytes) instead of the path")
+    return pull
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class ProgressBar:
+    """The progress sink of `moechat pull`: the plan, then one line redrawn in place (a tty) or a line per file."""
+
+    def __init__(self, stream=None, *, show_plan: bool = True):
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.show_plan = show_plan
+        self.last = 0.0
+        self.drawn = False
+        self.files_done = -1
+        self.plan = None
+        self.transferred_rate = 0.0
+
+    def __call__(self, e) -> None:
+        if e.plan is not None:
+            self.plan = e.plan
+            if self.show_plan:
+                for line in e.plan.describe():
+                    self._line(line)
+        if e.note:
+            self._line(e.note)
+        self.transferred_rate = e.bytes_per_s
+        now = time.monotonic()
+        if self.tty:
+            if now - self.last >= 0.1 or e.stage == "done":
+                self.last = now
+                name = (e.file or "")[-40:]
+                self.stream.write(f"\r\x1b[2K{e.fraction:6.1%}  {_size(e.done)} / {_size(e.total)}  "
+                                  f"{e.bytes_per_s / 1e6:6.1f} MB/s  {e.files_done}/{e.files_total} files  {name}")
+                self.stream.flush()
+                self.drawn = True
+        elif e.files_done != self.files_done and e.stage != "plan":
+            self.files_done = e.files_done
+            self._line(f"{e.files_done}/{e.files_total} files, {_size(e.done)} / {_size(e.total)}")
+
+    def _line(self, text: str) -> None:
+        if self.drawn:
+            self.stream.write("\r\x1b[2K")
+            self.drawn = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from moechat.engine.errors import ConfigError
+    from moechat.engine.hub import Hub, looks_like_repo_id
+
+    if not looks_like_repo_id(args.repo):
+        raise ConfigError(f"{args.repo}: not a Hub repo id; pass org/name, e.g. allenai/OLMoE-1B-7B-0125-Instruct")
+    hub = Hub()
+    bar = ProgressBar()  # on stderr: stdout keeps the path (or the JSON) alone
+    cancel = threading.Event()
+    start = time.monotonic()
+    try:
+        path = hub.download(args.repo, args.revision, progress=bar, cancel=cancel)
+    except KeyboardInterrupt:
+        cancel.set()
+        bar.finish()
+        print(f"moechat: stopped; what arrived is kept: moechat pull {args.repo} resumes it", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        bar.finish()
+    if args.json:
+        plan = bar.plan.to_json() if bar.plan is not None else None  # None: HF_HUB_OFFLINE and already cached
+        print(json.dumps({"repo_id": args.repo, "revision": path.name, "path": str(path),
+                          "seconds": round(time.monotonic() - start, 3), "plan": plan}))
+    else:
+        print(path)
+    return 0
+
+
+def resolve_model_arg(model: str) -> str:
+    """MODEL as `run`, `chat` and `fit` take it: a local folder as is, a Hub repo id as its complete cached
+    snapshot (no network; a missing or partial download is a NotDownloadedError naming `moechat pull`)."""
+    from moechat.engine.hub import Hub, looks_like_repo_id
+
+    if Path(model).expanduser().exists() or not looks_like_repo_id(model):
+        return model
+    return str(Hub().resolve(model))
+
+
+def fit_spec(model: str):
+    """The ModelSpec `moechat fit` plans: a folder's own files; for a repo id the complete cached snapshot, else
+    config.json + safetensors headers from the Hub (no weight bytes), else (offline) the cached config.json."""
+    from dataclasses import replace
+
+    from moechat.engine.hub import Hub, is_offline, looks_like_repo_id
+    from moechat.engine.plan import read_model_spec
+
+    if Path(model).expanduser().exists() or not looks_like_repo_id(model):
+        return read_model_spec(model)
+    hub = Hub()
+    local = hub.local_snapshot(model)
+    if local is not None:
+        return replace(read_model_spec(local), name=model)
+    if is_offline():
+        return read_model_spec(model)  # config.json from the cache: estimates, or a ConfigError saying what to do
+    return hub.remote_spec(model)
