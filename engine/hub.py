@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -456,7 +456,6 @@ class Hub:
     token: str | bool | None = None
     cache_dir: str | os.PathLike | None = None
     free_space: Callable[[str], int] | None = None
-    _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     # -- basics ------------------------------------------------------------------------------------------
     @property
@@ -893,10 +892,9 @@ class _Transfer:
 
     def _check_cancel(self, f: RepoFile, have: int) -> None:
         if self.cancel is not None and self.cancel.is_set():
-            kept = self.plan.kept_bytes + have if have else self.plan.kept_bytes
             raise DownloadCancelled(f"download of {self.listing.repo_id} cancelled during {f.path}; "
-                                    f"{_fmt(self.done + have)} of {_fmt(self.plan.total_bytes)} kept in the cache "
-                                    f"({_fmt(kept)} partial): moechat pull {self.listing.repo_id} resumes it",
+                                    f"{_fmt(self.done + have)} of {_fmt(self.plan.total_bytes)} kept in the cache: "
+                                    f"moechat pull {self.listing.repo_id} resumes it",
                                     repo_id=self.listing.repo_id)
 
     # -- one file --------------------------------------------------------------------------------------------
