@@ -27,11 +27,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from ..models.base import rms_norm
+if TYPE_CHECKING:
+    import torch
+
+# No torch at import: the CLI reads PREFETCH_MODES at start-up (torch is imported where a prediction runs).
 
 PREFETCH_MODES = ("off", "next-layer", "previous-token", "both")
 DEFAULT_PREFETCH = "next-layer"
@@ -84,6 +87,10 @@ class Predictor:
         hidden_states [T, H] is the residual stream entering the current layer's MoE. For T > 1 (a
         prefill chunk) experts are ranked by how many of the T tokens would pick them.
         """
+        import torch
+
+        from ..models.base import rms_norm
+
         out: list[int] = []
         if mode in ("next-layer", "both"):
             r = self.routers[target]
