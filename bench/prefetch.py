@@ -71,15 +71,15 @@ def prompt_ids(engine) -> list[int]:
     return engine.encode(text)
 
 
-def run_once(model: Path, slots: int, new: int, cfg, cold_reads: bool) -> dict:
+def run_once(model: Path, slots: int, new: int, cfg, cold_reads: bool, device: str = "cpu", tier: str = "disk") -> dict:
     from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.generate import Engine
 
     label, policy, prefetch, depth, transfer = cfg
-    config = CacheConfig(expert_slots=slots, policy=policy, ram_cache_bytes=0, prefetch=prefetch,
-                         prefetch_depth=depth, transfer=transfer, warm_start=False)
-    engine = Engine.load(model, cache=config)
-    if cold_reads:
+    config = CacheConfig(expert_slots=slots, policy=policy, ram_cache_bytes=0 if tier == "disk" else None,
+                         prefetch=prefetch, prefetch_depth=depth, transfer=transfer, warm_start=False)
+    engine = Engine.load(model, cache=config, device=device)
+    if cold_reads and tier == "disk":
         make_reads_cold(engine.provider.store.disk)
     ids = prompt_ids(engine)
     sampling = engine.sampling(temperature=0.0, do_sample=False, repetition_penalty=1.0)
@@ -127,14 +127,16 @@ def live(args) -> None:
     for r in range(args.runs):
         order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
         for cfg in order:
-            results[cfg[0]].append(run_once(model, args.slots, args.new, cfg, args.cold_reads))
+            results[cfg[0]].append(run_once(model, args.slots, args.new, cfg, args.cold_reads, args.device,
+                                            args.tier))
     ref = results[CONFIGS[0][0]][0]["tokens"]
     for label, runs in results.items():
         for res in runs:
             if res["tokens"] != ref:
                 sys.exit(f"{label}: greedy tokens differ from the first configuration's")
-    print(f"\nmodel {model}, {args.slots} slots, no RAM tier, {args.new} new tokens, "
-          f"{'cold reads (pages dropped after each read)' if args.cold_reads else 'page cache dropped per run'}, "
+    where = ("every expert in (pinned) RAM" if args.tier == "ram" else "no RAM tier, "
+             + ("cold reads (pages dropped after each read)" if args.cold_reads else "page cache dropped per run"))
+    print(f"\nmodel {model} on {args.device}, {args.slots} slots, {where}, {args.new} new tokens, "
           f"medians of {args.runs} runs, torch threads {torch.get_num_threads()}; greedy output identical in all runs")
     base = statistics.median(r["misses_per_tok"] for r in results[CONFIGS[0][0]])
     base_tps = statistics.median(r["decode_tok_s"] for r in results[CONFIGS[0][0]])
@@ -224,6 +226,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--cold-reads", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tier", choices=["disk", "ram"], default="disk",
+                    help="where missed experts come from: the shards on disk (default) or all experts in RAM")
     ap.add_argument("--traces", help="also replay the .npz routing traces under this directory")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
     ap.add_argument("--skip-live", action="store_true")

@@ -281,6 +281,7 @@ class RamCache:
         self.entry: dict[tuple[int, int], int] = {}
         self.owner: list[tuple[int, int] | None] = [None] * self.capacity
         self.policy = make_policy(policy, capacity=max(self.capacity, 1))
+        self._copies: dict[int, torch.cuda.Event] = {}  # CUDA: slab entry -> its last async copy to the device
 
     @property
     def used_bytes(self) -> int:
@@ -301,6 +302,9 @@ class RamCache:
                 victim = self.policy.victim(())
                 idx = self.entry.pop(victim)
                 self.policy.evict(victim)
+            pending = self._copies.pop(idx, None)
+            if pending is not None:
+                pending.synchronize()  # an async copy out of this entry may still be reading it
             self.disk.read_into(layer, expert, {name: t[idx] for name, t in self.slab.items()})
             self.entry[key] = idx
             self.owner[idx] = key
@@ -308,4 +312,8 @@ class RamCache:
             assert self.used_bytes <= self.budget_bytes
         for name, out in dst.items():
             out.copy_(self.slab[name][idx], non_blocking=True)
+        if out.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(out.device))
+            self._copies[idx] = event
         return tier, self.expert_bytes

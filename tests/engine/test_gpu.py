@@ -46,3 +46,28 @@ def test_cuda_cached_matches_resident(tiny_models):
         got = [t for c in cached.generate(ids, sampling=GREEDY, max_tokens=16) for t in c.token_ids]
         assert got == want, (slots, budget)
         assert cached.provider.pool.buffers["w13"].is_cuda
+
+
+@pytest.mark.parametrize("mode,depth", [("next-layer", 1), ("both", 2)])
+def test_cuda_prefetch_on_the_copy_stream_matches_resident(tiny_models, mode, depth):
+    """Prefetches run on the transfer thread's copy stream; the compute stream waits on per-slot events."""
+    import threading
+
+    from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.cache.transfer import ThreadTransfer
+
+    path, _ = tiny_models["mixtral"]
+    ids = list(range(3, 30))
+    resident = Engine.load(path, dtype="float32", device="cuda")
+    want = [t for c in resident.generate(ids, sampling=GREEDY, max_tokens=24) for t in c.token_ids]
+    for slots, budget in [(3, None), (6, None), (6, 2 * 3 * 48 * 64 * 4)]:
+        cached = Engine.load(path, dtype="float32", device="cuda",
+                             cache=CacheConfig(expert_slots=slots, ram_cache_bytes=budget, prefetch=mode,
+                                               prefetch_depth=depth))
+        assert isinstance(cached.provider.transfer, ThreadTransfer) and cached.provider.transfer._stream is not None
+        got = [t for c in cached.generate(ids, sampling=GREEDY, max_tokens=24) for t in c.token_ids]
+        assert got == want, (slots, budget)
+        snap = cached.cache_snapshot()
+        assert sum(snap.prefetch_issued) > 0
+        assert not cached.provider.inflight
+        assert not [t for t in threading.enumerate() if t.name.startswith("moechat-prefetch")]
