@@ -70,6 +70,9 @@ class LoadOptions:
     policy: str | None = None
     ram_cache_mb: int | None = None
     resident: bool = False  # every expert on the device, no cache (the heatmap stays empty)
+    prefetch: str | None = None  # None: the engine's default when experts are cached
+    prefetch_depth: int = 1
+    warm_start: bool = True  # fill the slots from the model's saved routing profile
 
 
 # (model dir or repo id, options, progress callback) -> engine
@@ -126,8 +129,11 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
         # fit on the device; else every expert gets a slot (and the panel shows them filling up).
         progress("planning memory")
         slots, ram_cache_bytes = _cache_defaults(path, device, options, progress)
+        from moechat.engine.cache.prefetch import DEFAULT_PREFETCH
+
         cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
-                            ram_cache_bytes=ram_cache_bytes)
+                            ram_cache_bytes=ram_cache_bytes, prefetch=options.prefetch or DEFAULT_PREFETCH,
+                            prefetch_depth=options.prefetch_depth, warm_start=options.warm_start)
     progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
     return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache)
 
@@ -201,6 +207,15 @@ def describe(engine, model: str) -> ModelInfo:
     )
 
 
+def _close_engine(engine) -> None:
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - saving a profile is best effort; never fail an exit or a switch
+            pass
+
+
 class EngineBridge(Widget):
     """Owns the engine; every method returns at once and answers with messages (see messages.py)."""
 
@@ -226,6 +241,15 @@ class EngineBridge(Widget):
     def ready(self) -> bool:
         return self._engine is not None
 
+    def on_unmount(self) -> None:
+        """App exit: stop the reply, then let the engine stop its loads and save its routing profile."""
+        self.stop()
+        if self._lock.acquire(timeout=5):
+            try:
+                _close_engine(self._engine)
+            finally:
+                self._lock.release()
+
     # -- loading --------------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="engine-load", exit_on_error=False)
     def load(self, model: str) -> None:
@@ -235,6 +259,7 @@ class EngineBridge(Widget):
             self.post_message(LoadProgress(stage, time.monotonic() - t0))
 
         with self._lock:
+            _close_engine(self._engine)  # the routing profile of the model being replaced is saved
             self._engine = self._conversation = None
             try:
                 engine = self.factory(model, self.options, progress)

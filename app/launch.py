@@ -51,13 +51,23 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
                        "experts beyond it stream from disk (default: every expert in RAM)")
     cache.add_argument("--resident", action="store_true", help="no cache: every expert on the device (the "
                        "heatmap stays empty until slots are set in the panel)")
+    from moechat.engine.cache.prefetch import MAX_PREFETCH_DEPTH, PREFETCH_MODES  # pure Python: no torch
+
+    cache.add_argument("--prefetch", choices=list(PREFETCH_MODES), default=None,
+                       help="load the experts later layers will want while this layer computes (default: "
+                       "next-layer)")
+    cache.add_argument("--prefetch-depth", type=int, choices=range(1, MAX_PREFETCH_DEPTH + 1), default=1,
+                       metavar="N", help=f"predict N MoE layers ahead (1-{MAX_PREFETCH_DEPTH}, default 1)")
+    cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                       help="fill the slots at start from this model's saved routing profile (default: on)")
     chat.set_defaults(handler=run_chat)
     return chat
 
 
 def options_from_args(args: argparse.Namespace) -> LoadOptions:
     return LoadOptions(dtype=args.dtype, device=args.device, context=args.context, expert_slots=args.expert_slots,
-                       policy=args.policy, ram_cache_mb=args.ram_cache_mb, resident=args.resident)
+                       policy=args.policy, ram_cache_mb=args.ram_cache_mb, resident=args.resident,
+                       prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, warm_start=args.warm_start)
 
 
 def _run(app) -> int:
