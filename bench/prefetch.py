@@ -30,14 +30,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CONFIGS = [  # (label, policy, prefetch, depth, transfer)
-    ("lru, no prefetch", "lru", "off", 1, "thread"),
-    ("lrfu-layered, no prefetch", "lrfu-layered", "off", 1, "thread"),
-    ("next-layer, inline", "lrfu-layered", "next-layer", 1, "inline"),
-    ("next-layer", "lrfu-layered", "next-layer", 1, "thread"),
-    ("next-layer, depth 2", "lrfu-layered", "next-layer", 2, "thread"),
-    ("both (+previous token)", "lrfu-layered", "both", 1, "thread"),
-    ("lru + next-layer", "lru", "next-layer", 1, "thread"),
+CONFIGS = [  # (label, policy, prefetch, depth, transfer, budget per predicted layer; None = top-k)
+    ("lru, no prefetch", "lru", "off", 1, "thread", None),
+    ("lrfu-layered, no prefetch", "lrfu-layered", "off", 1, "thread", None),
+    ("next-layer, inline", "lrfu-layered", "next-layer", 1, "inline", None),
+    ("next-layer", "lrfu-layered", "next-layer", 1, "thread", None),
+    ("next-layer, budget 2K", "lrfu-layered", "next-layer", 1, "thread", "2k"),
+    ("next-layer, depth 2", "lrfu-layered", "next-layer", 2, "thread", None),
+    ("both (+previous token)", "lrfu-layered", "both", 1, "thread", None),
+    ("lru + next-layer", "lru", "next-layer", 1, "thread", None),
 ]
 
 
@@ -75,9 +76,14 @@ def run_once(model: Path, slots: int, new: int, cfg, cold_reads: bool, device: s
     from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.generate import Engine
 
-    label, policy, prefetch, depth, transfer = cfg
+    label, policy, prefetch, depth, transfer, budget = cfg
+    if budget == "2k":
+        from moechat.engine.loader import read_model_config
+
+        budget = 2 * read_model_config(model)[1].top_k
     config = CacheConfig(expert_slots=slots, policy=policy, ram_cache_bytes=0 if tier == "disk" else None,
-                         prefetch=prefetch, prefetch_depth=depth, transfer=transfer, warm_start=False)
+                         prefetch=prefetch, prefetch_depth=depth, transfer=transfer, warm_start=False,
+                         prefetch_budget=budget)
     engine = Engine.load(model, cache=config, device=device)
     if cold_reads and tier == "disk":
         make_reads_cold(engine.provider.store.disk)

@@ -92,14 +92,17 @@ class Predictor:
         from ..models.base import rms_norm
 
         out: list[int] = []
+        runners_up: list[int] = []
         if mode in ("next-layer", "both"):
             r = self.routers[target]
             h = rms_norm(hidden_states, r.norm, r.eps)  # [T, H], as layer `target` will norm its input
             logits = h @ r.gate.t()  # [T, E]
-            ids = torch.topk(logits.float(), self.top_k, dim=-1).indices  # [T, K]
-            if ids.shape[0] == 1:
-                out = ids[0].tolist()
+            if logits.shape[0] == 1:  # a decode step: its top-k, then the runners-up if the budget allows more
+                n = min(logits.shape[-1], max(budget, self.top_k))
+                ranked = torch.topk(logits[0].float(), n).indices.tolist()
+                out, runners_up = ranked[: self.top_k], ranked[self.top_k :]
             else:
+                ids = torch.topk(logits.float(), self.top_k, dim=-1).indices  # [T, K]
                 votes = torch.bincount(ids.reshape(-1), minlength=logits.shape[-1])  # [E]
                 order = torch.argsort(votes, descending=True, stable=True)
                 out = [int(e) for e in order[: int((votes > 0).sum())].tolist()]
@@ -107,6 +110,7 @@ class Predictor:
             for e in self.last_ids.get(target, ()):
                 if e not in out:
                     out.append(e)
+        out.extend(e for e in runners_up if e not in out)  # the router's next choices last
         return out[:budget]
 
     def observe_routing(self, layer: int, experts: list[int]) -> None:

@@ -298,6 +298,8 @@ def test_predictor_previous_token_and_budget():
     nxt = p.predict("next-layer", 1, h, budget=2)
     expected = torch.topk(torch.nn.functional.rms_norm(h, (H,), eps=1e-6) @ routers[1].gate.t(), 2).indices
     assert nxt == expected[0].tolist()
+    wide = torch.topk(torch.nn.functional.rms_norm(h, (H,), eps=1e-6) @ routers[1].gate.t(), 4).indices[0].tolist()
+    assert p.predict("next-layer", 1, h, budget=4) == wide  # a budget above K adds the router's runners-up
     assert p.predict("previous-token", 1, h, budget=4) == []
     p.observe_routing(1, [5, 4])
     assert p.predict("previous-token", 1, h, budget=4) == [5, 4]
