@@ -96,20 +96,17 @@ def looks_like_repo_id(model: str) -> bool:
 
 
 def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
-    """A local model dir, or a Hub repo id already in the local Hugging Face cache (default: HF_HUB_CACHE)."""
+    """A local model dir, or a Hub repo id's complete snapshot in the Hugging Face cache (default: HF_HUB_CACHE);
+    a partial download is a NotDownloadedError naming `moechat pull`, never half a model."""
     from moechat.engine.errors import ConfigError
 
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if looks_like_repo_id(model):
-        try:
-            from huggingface_hub import snapshot_download
+        from moechat.engine.hub import Hub
 
-            return Path(snapshot_download(repo_id=model, local_files_only=True, cache_dir=cache_dir))
-        except Exception:
-            raise ConfigError(f"{model}: not a local directory, and not in the Hugging Face cache; download it "
-                              f"first (hf download {model}) or pass the model's directory") from None
+        return Hub(cache_dir=cache_dir).resolve(model)
     raise ConfigError(f"{model}: no such model directory; pass a directory with config.json and *.safetensors")
 
 

@@ -6,21 +6,24 @@ import pytest
 
 from moechat.app.bridge import cache_state, describe, describe_error, resolve_model
 from moechat.app.sysmon import MemoryProbe
-from moechat.engine.errors import ConfigError, PromptTooLongError
+from moechat.engine.errors import ConfigError, NotDownloadedError, PromptTooLongError
 
 
 def test_resolve_model_dir_and_cached_hub_repo(tmp_path, monkeypatch):
     assert resolve_model(str(tmp_path)) == tmp_path
-    # huggingface_hub reads HF_HUB_CACHE once at import, which another test may already have done: pass it.
     hub = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match="not in the Hugging Face cache; download it first"):
+    with pytest.raises(NotDownloadedError, match=r"someone/tiny-moe is not downloaded .*run moechat pull "):
         resolve_model("someone/tiny-moe", cache_dir=hub)
     snapshot = tmp_path / "hub" / "models--someone--tiny-moe" / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
     (tmp_path / "hub" / "models--someone--tiny-moe" / "refs").mkdir()
     (tmp_path / "hub" / "models--someone--tiny-moe" / "refs" / "main").write_text("a" * 40)
+    # config.json without weights (an interrupted download): refused, never loaded as half a model
+    with pytest.raises(NotDownloadedError, match=r"only partly downloaded \(no \*\.safetensors weights\)"):
+        resolve_model("someone/tiny-moe", cache_dir=hub)
+    (snapshot / "model.safetensors").write_bytes(b"weights")
     assert resolve_model("someone/tiny-moe", cache_dir=hub) == snapshot
     with pytest.raises(ConfigError, match="no such model directory"):
         resolve_model(str(tmp_path / "missing" / "deeper"))
