@@ -138,10 +138,11 @@ class RefreshGovernor:
     """Spaces out the UI's optional redraws so the UI thread stays under `budget` of a core.
 
     The generating thread needs the GIL between its torch calls, and every redraw the UI does (a
-    Markdown append re-lays out the screen: ~10 ms on a slow CPU) holds it. So the streamed text and
-    the panel are redrawn every `interval` seconds, which grows x1.5 while the UI thread's CPU time
+    Markdown append re-lays out the screen: ~10 ms on a slow CPU) holds it. So the streamed text is
+    redrawn every `interval` seconds, which grows x1.5 while the UI thread's CPU time
     (time.thread_time) exceeds `budget` of the wall time since the last call and shrinks back when it
     is under half of it, between `fastest` and `slowest`. Call `interval()` from the UI thread only.
+    (The live panel keeps its own 4 Hz: it repaints only what changed, with no layout pass.)
     """
 
     def __init__(self, budget: float = 0.05, fastest: float = 0.1, slowest: float = 1.0,

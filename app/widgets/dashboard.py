@@ -16,12 +16,13 @@ import math
 
 from textual import work
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Label, Sparkline
+from textual.widgets import Label
 
 from ..livestats import DashboardStats, fmt_bytes, fmt_pct, fmt_rate
 from ..messages import MemorySampled, ModelInfo
 from ..sysmon import MemoryReading
 from .heatmap import CacheHeatmap, HeatmapLegend
+from .sparkline import FastSparkline
 from .tuning import TuningPanel
 
 MEMORY_INTERVAL_S = 1.0
@@ -52,7 +53,7 @@ class Dashboard(Vertical):
 
     def compose(self):
         yield _row("tok/s", ("prefill-tps", "prefill –"), ("decode-tps", "decode –"))
-        yield Sparkline([], id="decode-spark", summary_function=max)
+        yield FastSparkline(id="decode-spark")
         yield _row("cache", ("hit-rate", "–"), ("hit-counts", ""))
         yield _row("slots", ("slots-used", "–"))
         yield _row("moved", ("bytes-ram", "RAM –"), ("bytes-disk", "disk –"))
@@ -111,10 +112,7 @@ class Dashboard(Vertical):
         self._set("prefill-tps", f"prefill {fmt_rate(s.prefill_tps)}")
         self._set("decode-tps", f"decode {fmt_rate(s.decode_tps)}")
         history = list(s.decode_history[-SPARK_POINTS:])
-        spark = q("#decode-spark", Sparkline)
-        data = [0.0] * (SPARK_POINTS - len(history)) + history if history else []
-        if list(spark.data or []) != data:
-            spark.data = data
+        q("#decode-spark", FastSparkline).set_data([0.0] * (SPARK_POINTS - len(history)) + history if history else [])
         self._set("hit-rate", fmt_pct(s.hit_rate))
         self._set("hit-counts", f"{s.hits:,} hits · {s.misses:,} misses" if s.has_cache else "no cache")
         if s.has_cache:

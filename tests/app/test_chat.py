@@ -197,7 +197,9 @@ async def test_tuning_mid_generation_applies_at_the_next_token(build_app, fakes)
         engine.release(2)
         await fakes.wait_for(pilot, lambda: _done(screen))
         assert len(engine.retunes) == 1
-        assert screen.dashboard.stats.num_slots == 8 and screen.dashboard.stats.policy == "lfu"
+        await fakes.wait_for(pilot, lambda: screen.dashboard.stats.num_slots == 8,
+                             what="the panel's next (throttled) redraw")
+        assert screen.dashboard.stats.policy == "lfu"
 
 
 async def test_tuning_while_idle_applies_at_once(build_app, fakes):
