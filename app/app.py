@@ -4,7 +4,9 @@
     app = make_app(model, engine_factory=fake)      # tests: any object with the engine's methods
 
 The app holds what every screen shares (settings, the chat store, the engine factory and load
-options, the memory probe) and picks the first screen: the chat on a model, or the welcome screen.
+options, the memory probe, where the Hub is) and picks the first screen: the chat on a model, or the
+welcome screen. The setup wizard (`open_setup`, F5 in the chat and on the welcome screen) downloads a
+model from the Hub and opens the chat on it.
 Importing this module imports neither torch nor the engine (tests/app/test_imports.py).
 """
 
@@ -17,11 +19,16 @@ from pathlib import Path
 from textual.app import App
 
 from .bridge import EngineFactory, LoadOptions, load_engine
+from .launch import DEMO_MODEL
 from .screens.chat import ChatScreen
+from .screens.setup import HubOptions, SetupScreen
 from .screens.welcome import NO_MODEL, WelcomeScreen
 from .settings import Settings
 from .store import ChatStore
 from .sysmon import MemoryProbe
+
+DEMO_NOTICE = ("This is the bundled 10 M-parameter demo model. F5 opens the model setup: MoE models with a verdict "
+               "and a predicted speed for this machine, then the download, straight into the chat.")
 
 
 class MoechatApp(App):
@@ -31,7 +38,7 @@ class MoechatApp(App):
 
     def __init__(self, model: str | None, *, engine_factory: EngineFactory, options: LoadOptions,
                  settings: Settings, store: ChatStore, memory_probe, export_dir: Path,
-                 welcome_reason: str = NO_MODEL, notices: tuple[str, ...] = ()):
+                 welcome_reason: str = NO_MODEL, notices: tuple[str, ...] = (), hub: HubOptions | None = None):
         super().__init__()
         self.model = model
         self.engine_factory = engine_factory
@@ -41,6 +48,7 @@ class MoechatApp(App):
         self.memory_probe = memory_probe
         self.export_dir = export_dir
         self.welcome_reason = welcome_reason
+        self.hub = hub or HubOptions()
         self.startup_notices = [n for n in (*notices, settings.problem) if n]
 
     def on_mount(self) -> None:
@@ -48,15 +56,30 @@ class MoechatApp(App):
             self.theme = self.settings.theme
         if self.model:
             self.push_screen(ChatScreen(self.model))
+            if Path(self.model) == DEMO_MODEL:  # first start: say where real models come from
+                self.notify(DEMO_NOTICE, title="Demo model", timeout=12)
         else:
             self.push_screen(WelcomeScreen(self.settings.recent_models, self.welcome_reason))
         for notice in self.startup_notices:
             self.notify(notice, severity="warning", timeout=10)
 
     def open_model(self, model: str) -> None:
-        """From the welcome screen: replace it with a chat on `model`."""
+        """Chat on `model`: the chat screen on top reloads; any other (the welcome screen) is replaced by a chat."""
         self.model = model
-        self.switch_screen(ChatScreen(model))
+        screen = self.screen
+        if isinstance(screen, ChatScreen):
+            screen.call_later(screen._reload, model)
+        else:
+            self.switch_screen(ChatScreen(model))
+
+    def open_setup(self) -> None:
+        """The setup wizard; the model it downloads (or picks from the cache) opens in the chat."""
+
+        def done(model: str | None) -> None:
+            if model:
+                self.open_model(model)
+
+        self.push_screen(SetupScreen(self.hub), done)
 
     def on_unmount(self) -> None:
         self.store.close()
@@ -65,11 +88,12 @@ class MoechatApp(App):
 def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFactory | None = None,
              options: LoadOptions | None = None, settings: Settings | None = None,
              store: ChatStore | None = None, memory_probe=None, export_dir: str | os.PathLike | None = None,
-             welcome_reason: str = NO_MODEL) -> MoechatApp:
+             welcome_reason: str = NO_MODEL, hub: HubOptions | None = None) -> MoechatApp:
     """The app on `model` (a directory or cached Hub repo id), or the welcome screen when None.
 
     Defaults: settings from the XDG config dir, chats in the XDG data dir, the real engine, psutil (+
-    NVML when present) for memory, exports to the current directory.
+    NVML when present) for memory, exports to the current directory, the Hub and cache of the environment
+    (`hub`: another endpoint, cache, catalog or what-if hardware for the setup wizard).
     """
     notices = []
     settings = settings if settings is not None else Settings.load()
@@ -83,4 +107,4 @@ def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFa
                       options=options or LoadOptions(), settings=settings, store=store,
                       memory_probe=memory_probe if memory_probe is not None else MemoryProbe(),
                       export_dir=Path(export_dir) if export_dir is not None else Path.cwd(),
-                      welcome_reason=welcome_reason, notices=tuple(notices))
+                      welcome_reason=welcome_reason, notices=tuple(notices), hub=hub)

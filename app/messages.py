@@ -115,3 +115,62 @@ class CacheRetuned(Message):
 @dataclass
 class RetuneFailed(Message):
     error: str
+
+# -- the setup wizard (screens/setup.py) -----------------------------------------------------------------
+# The values are the engine's frozen dataclasses (Hardware, CatalogStatus, SearchHit, FitVerdict, DownloadPlan,
+# DownloadProgress), typed loosely so that importing this module does not import the engine.
+@dataclass
+class HardwareProbed(Message):
+    hardware: object  # engine.hardware.Hardware
+
+
+@dataclass
+class CatalogRowChecked(Message):
+    """One row's live state: commit, size, gating and its verdict on this machine (config.json only)."""
+
+    listing_id: int  # which fill of the table it belongs to (a newer search makes it stale)
+    status: object  # engine.hub.CatalogStatus
+
+
+@dataclass
+class SearchFinished(Message):
+    listing_id: int
+    query: str
+    hits: list  # [engine.hub.SearchHit]
+
+
+@dataclass
+class PlanReady(Message):
+    """The chosen model's exact verdict (safetensors headers) and what its download would do."""
+
+    repo_id: str
+    verdict: object  # engine.hub.FitVerdict
+    download: object | None  # engine.hub.DownloadPlan; None when it is downloaded and the Hub is not needed
+    local: str | None  # the complete snapshot already in the cache
+
+
+@dataclass
+class DownloadProgressed(Message):
+    progress: object  # engine.hub.DownloadProgress
+
+    def can_replace(self, message: Message) -> bool:
+        # a byte count replaces an older byte count; the plan and notes (resume, retry) are never dropped
+        return (isinstance(message, DownloadProgressed) and message.progress.note is None
+                and message.progress.plan is None)
+
+
+@dataclass
+class DownloadFinished(Message):
+    repo_id: str
+    path: str
+
+
+@dataclass
+class SetupFailed(Message):
+    """A wizard step failed: `what` is "hardware", "search", "plan" or "download"; `error` the engine's message."""
+
+    what: str
+    repo_id: str | None
+    title: str
+    error: str
+    cancelled: bool = False

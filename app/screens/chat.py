@@ -65,6 +65,7 @@ class ChatScreen(Screen):
         Binding("f3", "sampling", "Sampling"),
         Binding("f4", "toggle_dashboard", "Panel"),
         Binding("ctrl+l", "open_model", "Open model", show=False),
+        Binding("f5", "setup", "Get models", show=False),
     ]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-normal"), (170, "-wide")]
 
@@ -358,6 +359,10 @@ class ChatScreen(Screen):
                 self.call_later(self._reload, model)
 
         self.app.push_screen(OpenModelScreen(self.app.settings.recent_models), done)
+
+    def action_setup(self) -> None:
+        """The setup wizard: catalog, verdicts for this machine, download; its model replaces this one."""
+        self.app.open_setup()
 
     async def _reload(self, model: str) -> None:
         await self.action_stop()

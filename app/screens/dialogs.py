@@ -131,6 +131,7 @@ class ModelPicker(Vertical):
         if self.recent:
             yield Label("Recent:", classes="hint")
             yield OptionList(*self.recent, id="recent-models")
+        yield Button("Get a model from the Hub… (F5)", id="open-setup")
 
 
 class OpenModelScreen(ModalScreen[str | None]):
@@ -153,6 +154,11 @@ class OpenModelScreen(ModalScreen[str | None]):
     @on(OptionList.OptionSelected, "#recent-models")
     def _recent(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self.recent[event.option_index])
+
+    @on(Button.Pressed, "#open-setup")
+    def _setup(self) -> None:
+        self.dismiss(None)
+        self.app.open_setup()
 
     def action_cancel(self) -> None:
         self.dismiss(None)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from textual import on
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Markdown, OptionList
+from textual.widgets import Button, Footer, Header, Input, Markdown, OptionList
 
 from .dialogs import ModelPicker
 
@@ -25,6 +26,10 @@ moechat chat ~/models/Qwen3-30B-A3B --expert-slots 512 --ram-cache-mb 16000
 ```
 
 or type its path below. `moechat chat --help` lists the options.
+
+No model yet? **F5** (or the button below) opens the model setup: the catalog of MoE models with a
+verdict and a predicted speed for this machine, Hub search, the plan for the one you pick, then the
+download, straight into the chat.
 """
 
 NO_MODEL = ("There is no model to open yet: the bundled demo model (`assets/demo-moe`) is not there and no "
@@ -32,6 +37,8 @@ NO_MODEL = ("There is no model to open yet: the bundled demo model (`assets/demo
 
 
 class WelcomeScreen(Screen):
+    BINDINGS = [Binding("f5", "setup", "Get models")]
+
     def __init__(self, recent: list[str], reason: str = NO_MODEL):
         super().__init__()
         self.recent = recent
@@ -56,3 +63,7 @@ class WelcomeScreen(Screen):
     @on(OptionList.OptionSelected, "#recent-models")
     def _recent(self, event: OptionList.OptionSelected) -> None:
         self.app.open_model(self.recent[event.option_index])
+
+    @on(Button.Pressed, "#open-setup")
+    def action_setup(self) -> None:
+        self.app.open_setup()

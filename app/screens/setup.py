@@ -1,0 +1,627 @@
+"""The setup wizard: pick a model from the Hub, know before the download whether and how fast it runs here,
+download it with progress and cancel, and land in the chat on it.
+
+    this machine   GPU, free VRAM, link, RAM, disk             engine.hardware.probe (a worker)
+    catalog        engine/catalog.py's MoE models, one row each; each row's verdict and predicted tok/s from
+                   config.json and the index alone (Hub.catalog, 4 rows at a time, filled in as they come)
+    search         Hub search (Enter in the search box); supported families get the same verdicts
+    plan           Enter on a row: the exact verdict from the safetensors headers (a ranged read of each shard's
+                   first 100 kB, never a weight body), the memory plan's decisions with their reasons, and what
+                   the download will do (cached files, partial files resumed, bytes to fetch)
+    download       Hub.download with a progress sink and a cancel Event: the bar, the rate, the file; Escape or
+                   the Cancel button stop it within one chunk (what arrived is kept and resumed next time)
+    done           the screen dismisses with the snapshot's path; the app opens the chat on it
+
+Every Hub call blocks, so each runs in a thread worker and answers with the messages in messages.py; the engine
+(huggingface_hub, the planner) is imported inside the workers, so opening the app stays torch-free. A verdict
+for a 60 GB model reads about 2 MB. Errors are the engine's typed messages (gated, not found, no space, offline,
+bad token), shown as notices and kept beside the row.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from textual import on, work
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Button, DataTable, Footer, Header, Input, Label, ProgressBar, Static
+from textual.worker import get_current_worker
+
+from moechat.engine.catalog import CATALOG, MISSING_FEATURES, CatalogEntry
+
+from ..messages import (
+    CatalogRowChecked,
+    DownloadFinished,
+    DownloadProgressed,
+    HardwareProbed,
+    PlanReady,
+    SearchFinished,
+    SetupFailed,
+)
+
+CHECK_WORKERS = 4  # rows checked at once: each is 2-3 small requests (listing, config.json, index)
+SEARCH_LIMIT = 20
+PICK_HINT = ("Enter on a model: its exact plan for this machine, read from the safetensors headers (no weights "
+             "are downloaded). Then D, or the button, downloads it and opens the chat.")
+
+# The engine's error class -> the notice's title (by name: the engine is not imported at start-up).
+ERROR_TITLES = {
+    "RepoGatedError": "Gated model",
+    "RepoNotFoundError": "Not found",
+    "HubAuthError": "Token rejected",
+    "HubOfflineError": "Offline",
+    "NetworkError": "Network problem",
+    "DiskSpaceError": "Not enough disk",
+    "DownloadIntegrityError": "Download discarded",
+    "DownloadBusyError": "Already downloading",
+    "DownloadCancelled": "Download cancelled",
+    "UnsupportedModelError": "Not supported",
+}
+
+
+@dataclass(frozen=True)
+class HubOptions:
+    """The wizard's Hub and what it lists. The defaults follow huggingface_hub's environment (HF_ENDPOINT,
+    HF_TOKEN, HF_HOME, HF_HUB_OFFLINE); tests point `endpoint` and `cache_dir` at a local Hub."""
+
+    endpoint: str | None = None
+    token: str | bool | None = None
+    cache_dir: str | os.PathLike | None = None
+    free_space: Callable[[str], int] | None = None  # bytes free at a path (tests: a small disk)
+    entries: tuple[CatalogEntry, ...] = CATALOG
+    hardware: object | None = None  # engine.hardware.Hardware (what-ifs); None: probe this machine
+    prefs: object | None = None  # engine.plan.Preferences; None: the planner's defaults
+
+    def client(self):
+        from moechat.engine.hub import Hub
+
+        return Hub(self.endpoint, self.token, self.cache_dir, self.free_space)
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "?"
+    if n >= 1 << 40:
+        return f"{n / (1 << 40):.2f} TiB"
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _params(entry: CatalogEntry) -> str:
+    if not entry.total_params_b:
+        return "?"
+    total = f"{entry.total_params_b:g}B"
+    return f"{total} ({entry.active_params_b:g}B active)" if entry.active_params_b else total
+
+
+def _tok_s(verdict) -> str:
+    speed = verdict.decode_tok_s if verdict is not None else None
+    return "" if speed is None else f"{speed[0]:.1f}-{speed[1]:.1f} tok/s"
+
+
+def _short(text: str, repo_id: str = "", limit: int = 60) -> str:
+    """An error or reason cut for a table cell: without the repo id it starts with, up to the first ';'."""
+    if repo_id and text.startswith(repo_id):
+        text = text[len(repo_id):].lstrip(":").strip()
+    text = text.split(";")[0]
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def error_title(e: BaseException, default: str) -> str:
+    return ERROR_TITLES.get(type(e).__name__, default)
+
+
+def hardware_summary(hw) -> str:
+    """Three lines: the GPU (free VRAM, link), RAM, disk; what-ifs marked."""
+    gpu = hw.best_gpu()
+    if gpu is not None:
+        link = "link unknown" if gpu.link_gbps is None else f"link {gpu.link_gbps:.1f} GB/s"
+        if gpu.pcie_gen and gpu.pcie_width:
+            link += f" (PCIe {gpu.pcie_gen}.0 x{gpu.pcie_width})"
+        others = sum(1 for g in hw.gpus if g.usable) - 1
+        gpu_line = (f"GPU   {gpu.name} ({gpu.label}): {_size(gpu.free_bytes)} free VRAM of {_size(gpu.total_bytes)}"
+                    f", {link}" + (f"; {others} more GPU(s)" if others > 0 else ""))
+    else:
+        gpu_line = "GPU   none usable: the CPU computes from RAM"
+    ram = hw.ram
+    ram_line = f"RAM   {_size(ram.available_bytes)} available" + (
+        f" of {_size(ram.total_bytes)}" if ram.total_bytes and ram.total_bytes != ram.available_bytes else "")
+    disk = hw.disk
+    disk_line = "disk  unknown" if disk is None else f"disk  {_size(disk.free_bytes)} free on {disk.path}"
+    lines = [gpu_line, ram_line, disk_line]
+    if hw.what_if:
+        lines.append("what-if: " + ", ".join(hw.what_if))
+    return "\n".join(lines)
+
+
+@dataclass
+class _Row:
+    entry: CatalogEntry
+    status: object | None = None  # CatalogStatus once checked
+    search_note: str | None = None  # why a search hit is not checked (an unsupported family)
+
+
+def entry_for_hit(hit) -> CatalogEntry:
+    """A search hit as a catalog row: the curated entry when there is one, else what the Hub says."""
+    from moechat.engine.catalog import find
+
+    curated = find(hit.repo_id)
+    if curated is not None:
+        return curated
+    return CatalogEntry(hit.repo_id, hit.model_type or "?", (hit.params or 0) / 1e9, 0.0, "?",
+                        gated=bool(hit.gated), note="from Hub search")
+
+
+class SetupScreen(Screen[str | None]):
+    """The setup wizard; dismisses with the downloaded snapshot's path (None: closed without a model)."""
+
+    BINDINGS = [
+        Binding("escape", "back", "Back / cancel download"),
+        Binding("slash", "focus_search", "Search"),
+        Binding("d", "download", "Download"),
+        Binding("r", "refresh", "Refresh"),
+    ]
+
+    def __init__(self, options: HubOptions | None = None):
+        super().__init__()
+        self.options = options or HubOptions()
+        self.hardware = None  # engine Hardware, once probed
+        self._hw_lock = threading.Lock()
+        self.rows: dict[str, _Row] = {}
+        self.listing_id = 0  # bumped at each fill of the table: late answers for an older one are dropped
+        self.query_text = ""
+        self.chosen: str | None = None  # the repo whose exact plan is shown
+        self.verdict = None  # its FitVerdict
+        self.local: str | None = None  # its complete snapshot, when downloaded
+        self.cancel_event: threading.Event | None = None  # set while a download runs
+        self.downloading: str | None = None
+        self.last_progress = None  # the latest DownloadProgress
+
+    # -- layout ---------------------------------------------------------------------------------------
+    def compose(self):
+        yield Header(icon="◆")
+        with Vertical(id="setup"):
+            yield Static("Probing this machine…", id="setup-hardware", markup=False)
+            yield Input(placeholder="Search the Hub for MoE models (Enter); empty: the catalog", id="setup-search")
+            with Horizontal(id="setup-body"):
+                yield DataTable(id="setup-models", cursor_type="row", zebra_stripes=True)
+                with VerticalScroll(id="setup-detail"):
+                    yield Static(PICK_HINT, id="setup-summary", markup=False)
+                    yield DataTable(id="setup-decisions", cursor_type="none", show_cursor=False)
+                    yield Static("", id="setup-download-plan", markup=False)
+            with Horizontal(id="setup-actions"):
+                yield Button("Download and chat", id="setup-download", variant="primary", disabled=True)
+                yield Button("Cancel download", id="setup-cancel", variant="error")
+                with Vertical(id="setup-progress-box"):
+                    yield ProgressBar(id="setup-progress", show_eta=True)
+                    yield Label("", id="setup-progress-label", markup=False)
+        yield Footer()
+
+    @property
+    def table(self) -> DataTable:
+        return self.query_one("#setup-models", DataTable)
+
+    def on_mount(self) -> None:
+        self.sub_title = "model setup"
+        self.query_one("#setup-hardware", Static).border_title = "This machine"
+        table = self.table
+        for label, key in (("Model", "model"), ("Family", "family"), ("Parameters", "params"),
+                           ("Verdict", "verdict"), ("Predicted", "speed"), ("Download", "download"),
+                           ("Note", "note")):
+            table.add_column(label, key=key)
+        decisions = self.query_one("#setup-decisions", DataTable)
+        for label in ("item", "size", "where", "why"):
+            decisions.add_column(label, key=label)
+        decisions.display = False
+        self.query_one("#setup-cancel", Button).display = False
+        self.query_one("#setup-progress-box").display = False
+        if self.options.hardware is not None:
+            self._show_hardware(self.options.hardware)
+        self.show_catalog()
+        table.focus()
+
+    # -- the rows -------------------------------------------------------------------------------------
+    def _fill(self, rows: list[_Row], listing_id: int | None = None) -> int:
+        self.listing_id = self.listing_id + 1 if listing_id is None else listing_id
+        self.rows = {r.entry.repo_id: r for r in rows}
+        table = self.table
+        table.clear()
+        for r in rows:
+            table.add_row(*self._cells(r), key=r.entry.repo_id)
+        self._clear_plan()
+        return self.listing_id
+
+    def _cells(self, r: _Row) -> tuple[str, ...]:
+        e, s = r.entry, r.status
+        verdict = s.verdict if s is not None else None
+        if verdict is not None:
+            word = verdict.verdict
+        elif r.search_note is not None or (s is not None and not e.supported):
+            word = "unsupported"
+        elif s is None:
+            word = "checking…"
+        elif s.gated and s.error:
+            word = "gated"
+        else:
+            word = "unknown"
+        if s is not None and s.downloaded:
+            download = "downloaded"
+        elif verdict is not None:
+            download = _size(verdict.download_bytes - verdict.cached_bytes)
+        elif s is not None and s.download_bytes:
+            download = _size(s.download_bytes)
+        else:
+            download = ""
+        if not e.supported:
+            note = _short(e.why_unsupported or r.search_note or "")
+        elif s is not None and s.error and verdict is None:
+            note = _short(s.error, e.repo_id)
+        else:
+            note = e.note
+        return (e.repo_id, e.family, _params(e), word, _tok_s(verdict), download, note)
+
+    def _update_row(self, repo_id: str) -> None:
+        r = self.rows.get(repo_id)
+        if r is None:
+            return
+        table = self.table
+        for key, value in zip(("model", "family", "params", "verdict", "speed", "download", "note"), self._cells(r),
+                              strict=True):
+            table.update_cell(repo_id, key, value)
+
+    def show_catalog(self) -> None:
+        self.query_text = ""
+        entries = list(self.options.entries)
+        listing_id = self._fill([_Row(e) for e in entries])
+        self._check(listing_id, entries)
+
+    def cell(self, repo_id: str, column: str) -> str:
+        """What the table shows for a row (tests and the detail pane read it)."""
+        return str(self.table.get_cell(repo_id, column))
+
+    # -- workers --------------------------------------------------------------------------------------
+    def _machine(self):
+        """The hardware the verdicts are for: the given what-if, else probed once (in a worker)."""
+        with self._hw_lock:
+            if self.hardware is None:
+                hw = self.options.hardware
+                if hw is None:
+                    from moechat.engine.hardware import probe
+
+                    hw = probe(self.options.client().cache)
+                self.hardware = hw
+                self.post_message(HardwareProbed(hw))
+            return self.hardware
+
+    def _check_entries(self, listing_id: int, entries: list[CatalogEntry]) -> None:
+        """Each entry's live state and verdict (config.json only), posted row by row as they come."""
+        worker = get_current_worker()
+        hw = self._machine()
+        hub = self.options.client()
+
+        def one(entry: CatalogEntry) -> None:
+            if worker.is_cancelled:
+                return
+            (status,) = hub.catalog(hw, self.options.prefs, entries=[entry], workers=1)  # never raises
+            self.post_message(CatalogRowChecked(listing_id, status))
+
+        with ThreadPoolExecutor(max_workers=CHECK_WORKERS, thread_name_prefix="moechat-catalog") as pool:
+            list(pool.map(one, entries))
+
+    @work(thread=True, exclusive=True, group="setup-rows", exit_on_error=False)
+    def _check(self, listing_id: int, entries: list[CatalogEntry]) -> None:
+        self._check_entries(listing_id, entries)
+
+    @work(thread=True, exclusive=True, group="setup-rows", exit_on_error=False)
+    def _search(self, listing_id: int, query: str) -> None:
+        from moechat.engine.errors import MoechatError
+
+        self._machine()
+        try:
+            hits = self.options.client().search(query, limit=SEARCH_LIMIT, supported_only=False)
+        except MoechatError as e:
+            self.post_message(SetupFailed("search", None, error_title(e, "Search failed"), str(e)))
+            return
+        self.post_message(SearchFinished(listing_id, query, hits))
+        self._check_entries(listing_id, [entry_for_hit(h) for h in hits if h.supported])
+
+    @work(thread=True, exclusive=True, group="setup-plan", exit_on_error=False)
+    def _plan(self, repo_id: str) -> None:
+        from moechat.engine.errors import MoechatError
+        from moechat.engine.hub import is_offline
+
+        from ..bridge import describe_error
+
+        hw = self._machine()
+        hub = self.options.client()
+        try:
+            verdict = hub.fit(repo_id, hw, self.options.prefs)  # the local snapshot, else the Hub's headers
+            local = hub.local_snapshot(repo_id)
+            download = None if local is not None and is_offline() else hub.plan_download(repo_id)
+        except MoechatError as e:
+            self.post_message(SetupFailed("plan", repo_id, error_title(e, "No plan"), str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - a notice, never a traceback in the TUI
+            self.post_message(SetupFailed("plan", repo_id, "No plan", describe_error(e)))
+            return
+        self.post_message(PlanReady(repo_id, verdict, download, None if local is None else str(local)))
+
+    @work(thread=True, exclusive=True, group="setup-download", exit_on_error=False)
+    def _download(self, repo_id: str, cancel: threading.Event) -> None:
+        from moechat.engine.errors import DownloadCancelled, MoechatError
+
+        from ..bridge import describe_error
+
+        try:
+            path = self.options.client().download(repo_id, progress=lambda p: self.post_message(DownloadProgressed(p)),
+                                                  cancel=cancel)
+        except MoechatError as e:
+            self.post_message(SetupFailed("download", repo_id, error_title(e, "Download failed"), str(e),
+                                          cancelled=isinstance(e, DownloadCancelled)))
+            return
+        except Exception as e:  # noqa: BLE001 - a notice, never a traceback in the TUI
+            self.post_message(SetupFailed("download", repo_id, "Download failed", describe_error(e)))
+            return
+        self.post_message(DownloadFinished(repo_id, str(path)))
+
+    # -- messages from the workers ----------------------------------------------------------------------
+    def _show_hardware(self, hw) -> None:
+        self.query_one("#setup-hardware", Static).update(hardware_summary(hw))
+
+    def on_hardware_probed(self, message: HardwareProbed) -> None:
+        self._show_hardware(message.hardware)
+
+    def on_catalog_row_checked(self, message: CatalogRowChecked) -> None:
+        status = message.status
+        r = self.rows.get(status.entry.repo_id)
+        if message.listing_id != self.listing_id or r is None:
+            return
+        r.status = status
+        self._update_row(status.entry.repo_id)
+        if self.chosen is None and self._highlighted() == status.entry.repo_id:
+            self._show_brief(r)
+
+    def on_search_finished(self, message: SearchFinished) -> None:
+        if message.listing_id != self.listing_id:
+            return
+        self.table.loading = False
+        rows = [_Row(entry_for_hit(h), search_note=None if h.supported else h.why_unsupported) for h in message.hits]
+        self._fill(rows, message.listing_id)  # the worker's checks of these rows carry the same id
+        if not rows:
+            self.query_one("#setup-summary", Static).update(
+                f"No MoE model on the Hub matches {message.query!r}. Empty the search box for the catalog.")
+
+    def on_plan_ready(self, message: PlanReady) -> None:
+        if message.repo_id != self.chosen:
+            return
+        self.verdict, self.local = message.verdict, message.local
+        self._show_plan(message.verdict, message.download, message.local)
+        button = self.query_one("#setup-download", Button)
+        button.label = "Open in chat" if message.local else "Download and chat"
+        button.disabled = not message.verdict.supported or self.downloading is not None
+        r = self.rows.get(message.repo_id)
+        if r is not None and r.status is not None:  # the exact verdict replaces the estimate in the row
+            from dataclasses import replace
+
+            r.status = replace(r.status, verdict=message.verdict, downloaded=message.local is not None)
+            self._update_row(message.repo_id)
+
+    def on_download_progressed(self, message: DownloadProgressed) -> None:
+        p = message.progress
+        if p.repo_id != self.downloading:
+            return
+        self.last_progress = p
+        if p.plan is not None:
+            self.query_one("#setup-download-plan", Static).update("\n".join(p.plan.describe()))
+        if p.note:
+            self.notify(p.note, title="Download", timeout=6)
+        self.query_one("#setup-progress", ProgressBar).update(total=max(1, p.total), progress=p.done)
+        rate = f"{p.bytes_per_s / 1e6:.1f} MB/s" if p.bytes_per_s else ""
+        where = f"{p.files_done}/{p.files_total} files" + (f" · {p.file}" if p.file and p.stage != "done" else "")
+        self.query_one("#setup-progress-label", Label).update(
+            " · ".join(x for x in (f"{_size(p.done)} / {_size(p.total)}", rate, where) if x))
+
+    def on_download_finished(self, message: DownloadFinished) -> None:
+        self._download_ended()
+        self.notify(f"{message.repo_id} is ready: opening the chat on it.", title="Downloaded", timeout=6)
+        self.dismiss(message.path)
+
+    def on_setup_failed(self, message: SetupFailed) -> None:
+        if message.what == "download":
+            self._download_ended()
+            label = self.query_one("#setup-progress-label", Label)
+            label.update(("Cancelled: " if message.cancelled else "Failed: ") + message.error)
+        elif message.what == "search":
+            self.table.loading = False
+        elif message.what == "plan" and message.repo_id == self.chosen:
+            self.query_one("#setup-summary", Static).update(f"{message.repo_id}: {message.error}")
+        self.notify(message.error, title=message.title, severity="warning" if message.cancelled else "error",
+                    timeout=12)
+
+    # -- the detail pane ------------------------------------------------------------------------------
+    def _highlighted(self) -> str | None:
+        table = self.table
+        if not table.row_count:
+            return None
+        try:
+            key = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key
+        except Exception:  # noqa: BLE001 - an empty or shrinking table
+            return None
+        return key.value
+
+    def _clear_plan(self) -> None:
+        self.chosen = self.verdict = self.local = None
+        decisions = self.query_one("#setup-decisions", DataTable)
+        decisions.clear()
+        decisions.display = False
+        self.query_one("#setup-download-plan", Static).update("")
+        if self.downloading is None:
+            self.query_one("#setup-download", Button).disabled = True
+
+    def _show_brief(self, r: _Row) -> None:
+        """What the row knows without another request: the catalog entry and its estimated verdict."""
+        e, s = r.entry, r.status
+        lines = [e.repo_id, f"{e.family} · {_params(e)} parameters" + (f" · experts in {e.format}"
+                                                                        if e.format != "?" else "")]
+        if e.features:
+            lines.append("needs: " + ", ".join(e.features))
+        if not e.supported:
+            why = e.why_unsupported or r.search_note or MISSING_FEATURES.get(e.family, "")
+            lines.append(f"not supported yet: {why}")
+        if s is None:
+            lines.append("checking the Hub…" if r.search_note is None else "")
+        elif s.verdict is not None:
+            lines.append(f"on this machine: {s.verdict.summary()} (estimate from config.json)")
+        elif s.error:
+            lines.append(s.error)
+        if e.note:
+            lines.append(e.note)
+        lines += ["", PICK_HINT]
+        self.query_one("#setup-summary", Static).update("\n".join(x for x in lines if x is not None))
+
+    def _show_plan(self, verdict, download, local: str | None) -> None:
+        spec, plan = verdict.spec, verdict.plan
+        head = {"fits": "FITS", "does not fit": "DOES NOT FIT", "unsupported": "NOT SUPPORTED YET"}[verdict.verdict]
+        lines = [f"{verdict.repo_id}" + (f" at {verdict.sha[:12]}" if verdict.sha else "") + f" ({spec.model_type})"
+                 f": {head} on this machine"]
+        if not verdict.supported:
+            lines.append(f"moechat cannot run it yet: {verdict.why_unsupported}")
+        d = plan.decode
+        if d is not None:
+            lines.append(f"predicted decode {d.low:.1f}-{d.high:.1f} tok/s (bound {d.bound:.1f} tok/s, set by "
+                         f"{d.bound_by})")
+        if plan.refusal is not None:
+            lines.append(f"does not fit: {plan.refusal.message}")
+        lines.append(f"{spec.num_layers} layers, {spec.num_moe_layers} MoE x {spec.num_experts} experts, top-"
+                     f"{spec.top_k}; {spec.total_experts:,} experts x {_size(spec.expert_bytes)} ({spec.expert_format})"
+                     f"; dense {_size(spec.dense_bytes)}")
+        lines.append(f"sizes from {verdict.source}" + (" (estimates)" if spec.estimated else " (exact)")
+                     + f"; plan: {plan.expert_slots} of {plan.total_experts} experts in device slots, "
+                     f"{plan.host_tier}, context {plan.context:,}")
+        lines.append("why, item by item:")
+        self.query_one("#setup-summary", Static).update("\n".join(lines))
+        decisions = self.query_one("#setup-decisions", DataTable)
+        decisions.clear()
+        for item in plan.decisions:
+            decisions.add_row(item.item, "" if item.bytes is None else _size(item.bytes), item.where, item.reason)
+        decisions.display = bool(plan.decisions)
+        if local is not None:
+            tail = [f"downloaded: {local}", "Open in chat loads it."]
+        elif download is not None:
+            tail = download.describe()
+        else:
+            tail = []
+        self.query_one("#setup-download-plan", Static).update("\n".join(tail))
+
+    # -- user actions -----------------------------------------------------------------------------------
+    @on(DataTable.RowHighlighted, "#setup-models")
+    def _highlight(self, event: DataTable.RowHighlighted) -> None:
+        if self.downloading is not None:
+            return
+        repo_id = event.row_key.value
+        if repo_id == self.chosen:
+            return
+        self._clear_plan()
+        r = self.rows.get(repo_id)
+        if r is not None:
+            self._show_brief(r)
+
+    @on(DataTable.RowSelected, "#setup-models")
+    def _select(self, event: DataTable.RowSelected) -> None:
+        self.pick(event.row_key.value)
+
+    def pick(self, repo_id: str) -> None:
+        """Show `repo_id`'s exact plan (a worker reads config.json and the safetensors headers)."""
+        if self.downloading is not None:
+            return
+        self._clear_plan()
+        self.chosen = repo_id
+        self.query_one("#setup-summary", Static).update(
+            f"{repo_id}: reading config.json and the safetensors headers from the Hub (no weights)…")
+        self._plan(repo_id)
+
+    @on(Input.Submitted, "#setup-search")
+    def _search_submitted(self, event: Input.Submitted) -> None:
+        query = event.value.strip()
+        if not query:
+            if self.query_text:
+                self.show_catalog()
+            self.table.focus()
+            return
+        self.query_text = query
+        self.listing_id += 1
+        self.table.loading = True
+        self._search(self.listing_id, query)
+        self.table.focus()
+
+    @on(Button.Pressed, "#setup-download")
+    def action_download(self) -> None:
+        if self.downloading is not None:
+            return
+        repo_id, verdict = self.chosen, self.verdict
+        if repo_id is None or verdict is None:
+            self.notify("Pick a model first (Enter on its row): its plan comes before the download.",
+                        severity="warning")
+            return
+        if not verdict.supported:
+            self.notify(f"{repo_id} is not supported yet: {verdict.why_unsupported}", severity="warning")
+            return
+        if self.local is not None:
+            self.dismiss(self.local)
+            return
+        self.downloading = repo_id
+        self.last_progress = None
+        self.cancel_event = threading.Event()
+        self.query_one("#setup-download", Button).disabled = True
+        self.query_one("#setup-cancel", Button).display = True
+        self.query_one("#setup-progress-box").display = True
+        self.query_one("#setup-progress", ProgressBar).update(total=None, progress=0)
+        self.query_one("#setup-progress-label", Label).update(f"starting the download of {repo_id}…")
+        self.table.disabled = True
+        self.query_one("#setup-search", Input).disabled = True
+        self.query_one("#setup-cancel", Button).focus()
+        self._download(repo_id, self.cancel_event)
+
+    def _download_ended(self) -> None:
+        self.downloading = None
+        self.cancel_event = None
+        self.query_one("#setup-cancel", Button).display = False
+        self.table.disabled = False
+        self.query_one("#setup-search", Input).disabled = False
+        self.query_one("#setup-download", Button).disabled = self.verdict is None or not self.verdict.supported
+        self.table.focus()
+
+    @on(Button.Pressed, "#setup-cancel")
+    def cancel_download(self) -> None:
+        if self.cancel_event is not None:
+            self.cancel_event.set()  # the worker stops within one chunk and answers with DownloadCancelled
+            self.query_one("#setup-progress-label", Label).update("cancelling… (what arrived is kept)")
+
+    def action_back(self) -> None:
+        if self.downloading is not None:
+            self.cancel_download()
+            return
+        self.dismiss(None)
+
+    def action_focus_search(self) -> None:
+        self.query_one("#setup-search", Input).focus()
+
+    def action_refresh(self) -> None:
+        if self.downloading is not None:
+            return
+        if self.query_text:
+            self.listing_id += 1
+            self._search(self.listing_id, self.query_text)
+        else:
+            self.show_catalog()
+
+    def on_unmount(self) -> None:
+        if self.cancel_event is not None:
+            self.cancel_event.set()  # leaving mid-download: stop it, keep the bytes

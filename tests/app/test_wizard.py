@@ -1,0 +1,224 @@
+"""Pilot tests of the setup wizard against the local Hub (tests/hubserver.py) and the real engine: pick a model,
+see its verdict (from headers alone), download it, cancel mid-way, resume, and land in the chat on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.widgets import DataTable, Label, Static
+
+from moechat.app.app import make_app
+from moechat.app.bridge import LoadOptions
+from moechat.app.screens.chat import ChatScreen
+from moechat.app.screens.setup import HubOptions, SetupScreen
+from moechat.app.screens.welcome import WelcomeScreen
+from moechat.app.settings import Settings
+from moechat.app.store import ChatStore
+from moechat.engine.catalog import CatalogEntry
+from moechat.engine.errors import NotDownloadedError
+from moechat.engine.hardware import probe
+
+pytestmark = pytest.mark.anyio
+SIZE = (150, 45)
+DEMO = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
+WEIGHTS = (".safetensors", ".bin")
+MISSING = "nobody/nothing"
+
+
+def _app(hub, app_env, fakes, model=None, **hub_options):
+    # A what-if machine (no GPU, 16 GiB RAM, 100 GiB disk), so the verdicts do not depend on the test machine.
+    hardware = probe(app_env, nvml=None, cuda=None).with_overrides(vram_gb=0, ram_gb=16, disk_gb=100)
+    entries = (CatalogEntry(hub.repo, "qwen3_moe", 0.0003, 0.0001, "fp32", ("softmax top-k routing",)),
+               CatalogEntry(hub.gated, "qwen3_moe", 0.0003, 0.0001, "fp32", gated=True),
+               CatalogEntry(MISSING, "gpt_oss", 20.9, 3.6, "mxfp4"))
+    options = HubOptions(endpoint=hub.server.url, cache_dir=hub.cache, entries=entries, hardware=hardware,
+                         **hub_options)
+    settings = Settings(path=app_env / "settings.toml")
+    app = make_app(model, options=LoadOptions(device="cpu"), settings=settings,
+                   store=ChatStore(app_env / "chats.sqlite3"), memory_probe=fakes.Memory(),
+                   export_dir=app_env / "exports", hub=options)
+    return app, settings
+
+
+def _notices(app) -> list[tuple[str, str]]:
+    return [(n.title, n.message) for n in app._notifications]
+
+
+def _text(screen, selector: str) -> str:
+    return str(screen.query_one(selector, Static).content)
+
+
+def _weight_requests(hub) -> list:
+    return [r for r in list(hub.server.requests) if r.file and r.file.endswith(WEIGHTS)]
+
+
+async def _open_wizard(pilot, fakes) -> SetupScreen:
+    await pilot.press("f5")
+    await fakes.wait_for(pilot, lambda: isinstance(pilot.app.screen, SetupScreen), what="the wizard")
+    setup = pilot.app.screen
+    await fakes.wait_for(pilot, lambda: all(r.status is not None for r in setup.rows.values()), what="the verdicts")
+    return setup
+
+
+async def _pick(pilot, fakes, setup: SetupScreen, repo_id: str) -> None:
+    table = setup.query_one("#setup-models", DataTable)
+    table.focus()
+    table.move_cursor(row=table.get_row_index(repo_id))
+    await pilot.press("enter")
+    await fakes.wait_for(pilot, lambda: setup.verdict is not None and setup.verdict.repo_id == repo_id,
+                         what=f"the plan of {repo_id}")
+
+
+async def test_from_the_chat_pick_see_the_verdict_download_and_chat_on_it(hub, app_env, fakes):
+    app, settings = _app(hub, app_env, fakes, model=DEMO)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.screen
+        assert isinstance(chat, ChatScreen)
+        await fakes.wait_for(pilot, lambda: chat.info is not None, what="the demo model")
+        assert any(title == "Demo model" and "F5 opens the model setup" in m for title, m in _notices(app))
+        setup = await _open_wizard(pilot, fakes)
+        # this machine, then each catalog row's verdict and predicted speed
+        hardware = _text(setup, "#setup-hardware")
+        assert "GPU   none usable" in hardware and "RAM   16.00 GiB available" in hardware
+        assert "disk  100.00 GiB free" in hardware and "what-if: no GPU" in hardware
+        assert setup.cell(hub.repo, "verdict") == "fits"
+        assert setup.cell(hub.repo, "speed").endswith(" tok/s") and setup.cell(hub.repo, "download") == "0.9 MiB"
+        assert setup.cell(hub.gated, "verdict") == "gated"
+        assert setup.cell(hub.gated, "note").startswith("is gated (401): accept its conditions")
+        assert setup.cell(MISSING, "verdict") == "unsupported" and "MXFP4" in setup.cell(MISSING, "note")
+        # the catalog's verdicts came from config.json and the index alone: not one weight file was requested
+        assert hub.server.requests and not _weight_requests(hub)
+
+        await _pick(pilot, fakes, setup, hub.repo)
+        summary = _text(setup, "#setup-summary")
+        assert f"{hub.repo} at {hub.server.repos[hub.repo].sha[:12]} (qwen3_moe): FITS on this machine" in summary
+        assert "predicted decode" in summary and "sizes from Hub safetensors headers (exact)" in summary
+        decisions = setup.query_one("#setup-decisions", DataTable)
+        assert decisions.display and decisions.row_count >= 3
+        reasons = [str(decisions.get_row_at(i)[3]) for i in range(decisions.row_count)]
+        assert all(reasons), reasons
+        assert _text(setup, "#setup-download-plan").endswith("to download: 0.9 MiB")
+        # the exact verdict read the safetensors headers: ranged reads of each shard's first 100 kB, no weight body
+        weights = _weight_requests(hub)
+        assert weights and all(r.method == "HEAD" or (r.range == "bytes=0-100000" and r.body_bytes <= 100_001)
+                               for r in weights), weights
+        assert not hub.server.file_requests("pytorch_model.bin")
+
+        await pilot.press("d")
+        await fakes.wait_for(pilot, lambda: app.screen is chat, timeout=30, what="back in the chat")
+        snapshot = hub.client.resolve(hub.repo)  # complete and verified
+        await fakes.wait_for(pilot, lambda: chat.info is not None and chat.info.path == str(snapshot), timeout=30,
+                             what="the downloaded model loaded")
+        assert chat.info.model_type == "qwen3_moe" and chat.info.num_experts == 8
+        assert settings.recent_models[0] == str(snapshot)
+        assert ("Downloaded", f"{hub.repo} is ready: opening the chat on it.") in _notices(app)
+        full = [r for r in _weight_requests(hub) if r.method == "GET" and r.range is None]
+        assert {r.file for r in full} == {p.name for p in snapshot.glob("*.safetensors")}
+
+
+async def test_first_start_cancel_mid_way_then_resume_and_land_in_the_chat(hub, app_env, fakes):
+    app, _ = _app(hub, app_env, fakes)
+    async with app.run_test(size=SIZE) as pilot:
+        assert isinstance(app.screen, WelcomeScreen)
+        setup = await _open_wizard(pilot, fakes)
+        await _pick(pilot, fakes, setup, hub.repo)
+        hub.server.faults.slow_s = 0.05  # 16 KiB every 50 ms: the weights take seconds
+
+        await pilot.press("d")
+        await fakes.wait_for(pilot, lambda: setup.last_progress is not None and setup.last_progress.file
+                             and setup.last_progress.file.endswith(".safetensors")
+                             and setup.last_progress.file_done >= 32 * 1024, what="a weight file half-way")
+        assert setup.query_one("#setup-cancel").display and "files" in str(
+            setup.query_one("#setup-progress-label", Label).content)
+        shard = setup.last_progress.file
+        await pilot.press("escape")  # cancels the download; the wizard stays
+        await fakes.wait_for(pilot, lambda: setup.downloading is None, what="the cancel")
+        assert app.screen is setup
+        (title, message), = [n for n in _notices(app) if n[0] == "Download cancelled"]
+        assert message.startswith(f"download of {hub.repo} cancelled during {shard}") and "kept in the cache" in message
+        assert str(setup.query_one("#setup-progress-label", Label).content).startswith("Cancelled: download of")
+        assert not setup.query_one("#setup-cancel").display
+        with pytest.raises(NotDownloadedError, match="only partly downloaded"):
+            hub.client.resolve(hub.repo)
+        kept = hub.client.plan_download(hub.repo).kept_bytes
+        assert kept >= 32 * 1024
+
+        hub.server.faults.slow_s = 0.0
+        await pilot.press("d")  # again: it resumes where the cancel left it
+        await fakes.wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), timeout=30, what="the chat")
+        chat = app.screen
+        snapshot = hub.client.resolve(hub.repo)
+        await fakes.wait_for(pilot, lambda: chat.info is not None, timeout=30, what="the model loaded")
+        assert chat.info.path == str(snapshot)
+        assert not any(isinstance(s, (WelcomeScreen, SetupScreen)) for s in app.screen_stack)
+        resumed = [r for r in hub.server.file_requests(shard, "GET") if r.range and r.range != "bytes=0-100000"]
+        assert resumed and resumed[-1].range.startswith("bytes=") and int(resumed[-1].range[6:-1]) >= kept
+
+
+async def test_search_and_the_errors_say_what_to_do(hub, app_env, fakes, monkeypatch):
+    app, _ = _app(hub, app_env, fakes, free_space=lambda path: 1 << 20)  # a disk with 1 MiB free
+    async with app.run_test(size=SIZE) as pilot:
+        setup = await _open_wizard(pilot, fakes)
+        # search: supported families get verdicts, the others say why they do not run yet
+        await pilot.press("slash")
+        await pilot.press(*"tiny", "enter")
+        expected = {hub.repo, hub.gated, "other-org/gpt-oss-tiny", "other-org/mixtral-moe-tiny"}
+        await fakes.wait_for(pilot, lambda: set(setup.rows) == expected, what="the search hits")
+        await fakes.wait_for(pilot, lambda: setup.cell(hub.repo, "verdict") == "fits", what="a hit's verdict")
+        assert setup.cell("other-org/gpt-oss-tiny", "verdict") == "unsupported"
+        assert "MXFP4" in setup.cell("other-org/gpt-oss-tiny", "note")
+        await fakes.wait_for(pilot, lambda: setup.cell("other-org/mixtral-moe-tiny", "verdict") == "unknown",
+                             what="a broken repo's row")
+
+        # gated: the engine's message, with the action to take
+        setup.query_one("#setup-models", DataTable).focus()
+        table = setup.query_one("#setup-models", DataTable)
+        table.move_cursor(row=table.get_row_index(hub.gated))
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: any(t == "Gated model" for t, _ in _notices(app)), what="gated")
+        (message,) = [m for t, m in _notices(app) if t == "Gated model"]
+        assert message.startswith(f"{hub.gated} is gated (401): accept its conditions on the model page")
+        assert "set HF_TOKEN" in message and _text(setup, "#setup-summary").startswith(f"{hub.gated}: ")
+        assert setup.query_one("#setup-download").disabled
+
+        # no space: refused before the first byte
+        await _pick(pilot, fakes, setup, hub.repo)
+        requests_before = len(hub.server.requests)
+        await pilot.press("d")
+        await fakes.wait_for(pilot, lambda: any(t == "Not enough disk" for t, _ in _notices(app)), what="no space")
+        (message,) = [m for t, m in _notices(app) if t == "Not enough disk"]
+        assert message.startswith(f"{hub.repo} needs 0.9 MiB more on disk")
+        assert "set HF_HOME to a bigger disk" in message
+        assert not [r for r in hub.server.requests[requests_before:] if r.method == "GET" and r.file
+                    and r.file.endswith(".safetensors")]
+
+        # offline: nothing downloaded, so no plan; the notice says how to get online
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        table.move_cursor(row=table.get_row_index(hub.gated))
+        await pilot.pause()
+        table.move_cursor(row=table.get_row_index(hub.repo))
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: any(t == "Offline" for t, _ in _notices(app)), what="offline")
+        (message,) = [m for t, m in _notices(app) if t == "Offline"]
+        assert message == (f"{hub.repo}: HF_HUB_OFFLINE is set and this needs the Hub: unset HF_HUB_OFFLINE, or "
+                           "use a model that is already downloaded")
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+
+        # not found, through search of a name that matches nothing; then back to the catalog and out
+        await pilot.press("slash")
+        search = setup.query_one("#setup-search")
+        search.value = "no-such-model-anywhere"
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: not setup.rows, what="an empty search")
+        assert "No MoE model on the Hub matches 'no-such-model-anywhere'" in _text(setup, "#setup-summary")
+        await pilot.press("slash")
+        search.value = ""
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: set(setup.rows) == {hub.repo, hub.gated, MISSING}, what="the catalog")
+        assert setup.cell(MISSING, "verdict") == "unsupported" and "MXFP4" in setup.cell(MISSING, "note")
+        table.move_cursor(row=table.get_row_index(MISSING))  # its brief says the Hub does not know it
+        await fakes.wait_for(pilot, lambda: f"{MISSING}: no such model on {hub.server.url} (404)"
+                             in _text(setup, "#setup-summary"), what="the brief of a missing repo")
+        await pilot.press("escape")
+        await fakes.wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen), what="back to the welcome screen")
