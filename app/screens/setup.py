@@ -45,6 +45,8 @@ from ..messages import (
     SetupFailed,
 )
 
+COLUMNS = (("Model", "model"), ("Verdict", "verdict"), ("Predicted", "speed"), ("Download", "download"),
+           ("Family", "family"), ("Params / active", "params"), ("Note", "note"))
 CHECK_WORKERS = 4  # rows checked at once: each is 2-3 small requests (listing, config.json, index)
 SEARCH_LIMIT = 20
 PICK_HINT = ("Enter on a model: its exact plan for this machine, read from the safetensors headers (no weights "
@@ -91,19 +93,29 @@ def _size(n: float | None) -> str:
         return f"{n / (1 << 40):.2f} TiB"
     if n >= 1 << 30:
         return f"{n / (1 << 30):.2f} GiB"
-    return f"{n / (1 << 20):.1f} MiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
 
 
 def _params(entry: CatalogEntry) -> str:
+    """Total / active parameters per token, in billions ("30.5B / 3.3B")."""
     if not entry.total_params_b:
         return "?"
-    total = f"{entry.total_params_b:g}B"
-    return f"{total} ({entry.active_params_b:g}B active)" if entry.active_params_b else total
+    total = f"{entry.total_params_b:.3g}B"
+    return f"{total} / {entry.active_params_b:.3g}B" if entry.active_params_b else total
+
+
+def _rate(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
 
 
 def _tok_s(verdict) -> str:
     speed = verdict.decode_tok_s if verdict is not None else None
-    return "" if speed is None else f"{speed[0]:.1f}-{speed[1]:.1f} tok/s"
+    if speed is None:
+        return ""
+    low, high = (_rate(x) for x in speed)
+    return f"{low} tok/s" if low == high else f"{low}-{high} tok/s"
 
 
 def _short(text: str, repo_id: str = "", limit: int = 60) -> str:
@@ -194,7 +206,7 @@ class SetupScreen(Screen[str | None]):
                 yield DataTable(id="setup-models", cursor_type="row", zebra_stripes=True)
                 with VerticalScroll(id="setup-detail"):
                     yield Static(PICK_HINT, id="setup-summary", markup=False)
-                    yield DataTable(id="setup-decisions", cursor_type="none", show_cursor=False)
+                    yield Static("", id="setup-decisions", markup=False)
                     yield Static("", id="setup-download-plan", markup=False)
             with Horizontal(id="setup-actions"):
                 yield Button("Download and chat", id="setup-download", variant="primary", disabled=True)
@@ -212,14 +224,8 @@ class SetupScreen(Screen[str | None]):
         self.sub_title = "model setup"
         self.query_one("#setup-hardware", Static).border_title = "This machine"
         table = self.table
-        for label, key in (("Model", "model"), ("Family", "family"), ("Parameters", "params"),
-                           ("Verdict", "verdict"), ("Predicted", "speed"), ("Download", "download"),
-                           ("Note", "note")):
+        for label, key in COLUMNS:
             table.add_column(label, key=key)
-        decisions = self.query_one("#setup-decisions", DataTable)
-        for label in ("item", "size", "where", "why"):
-            decisions.add_column(label, key=label)
-        decisions.display = False
         self.query_one("#setup-cancel", Button).display = False
         self.query_one("#setup-progress-box").display = False
         if self.options.hardware is not None:
@@ -265,16 +271,17 @@ class SetupScreen(Screen[str | None]):
             note = _short(s.error, e.repo_id)
         else:
             note = e.note
-        return (e.repo_id, e.family, _params(e), word, _tok_s(verdict), download, note)
+        cells = {"model": e.repo_id, "verdict": word, "speed": _tok_s(verdict), "download": download,
+                 "family": e.family, "params": _params(e), "note": note}
+        return tuple(cells[key] for _, key in COLUMNS)
 
     def _update_row(self, repo_id: str) -> None:
         r = self.rows.get(repo_id)
         if r is None:
             return
         table = self.table
-        for key, value in zip(("model", "family", "params", "verdict", "speed", "download", "note"), self._cells(r),
-                              strict=True):
-            table.update_cell(repo_id, key, value)
+        for (_, key), value in zip(COLUMNS, self._cells(r), strict=True):
+            table.update_cell(repo_id, key, value, update_width=True)
 
     def show_catalog(self) -> None:
         self.query_text = ""
@@ -437,7 +444,8 @@ class SetupScreen(Screen[str | None]):
         if message.what == "download":
             self._download_ended()
             label = self.query_one("#setup-progress-label", Label)
-            label.update(("Cancelled: " if message.cancelled else "Failed: ") + message.error)
+            label.update(f"Cancelled: {message.error}. D resumes it here." if message.cancelled
+                         else f"Failed: {message.error}")
         elif message.what == "search":
             self.table.loading = False
         elif message.what == "plan" and message.repo_id == self.chosen:
@@ -458,9 +466,7 @@ class SetupScreen(Screen[str | None]):
 
     def _clear_plan(self) -> None:
         self.chosen = self.verdict = self.local = None
-        decisions = self.query_one("#setup-decisions", DataTable)
-        decisions.clear()
-        decisions.display = False
+        self.query_one("#setup-decisions", Static).update("")
         self.query_one("#setup-download-plan", Static).update("")
         if self.downloading is None:
             self.query_one("#setup-download", Button).disabled = True
@@ -505,13 +511,11 @@ class SetupScreen(Screen[str | None]):
         lines.append(f"sizes from {verdict.source}" + (" (estimates)" if spec.estimated else " (exact)")
                      + f"; plan: {plan.expert_slots} of {plan.total_experts} experts in device slots, "
                      f"{plan.host_tier}, context {plan.context:,}")
-        lines.append("why, item by item:")
         self.query_one("#setup-summary", Static).update("\n".join(lines))
-        decisions = self.query_one("#setup-decisions", DataTable)
-        decisions.clear()
-        for item in plan.decisions:
-            decisions.add_row(item.item, "" if item.bytes is None else _size(item.bytes), item.where, item.reason)
-        decisions.display = bool(plan.decisions)
+        self.query_one("#setup-decisions", Static).update("\n".join(
+            f"• {d.item}" + ("" if d.bytes is None else f" {_size(d.bytes)}") + ("" if d.where in ("", "-") else
+                                                                                  f" on {d.where}") + f": {d.reason}"
+            for d in plan.decisions))
         if local is not None:
             tail = [f"downloaded: {local}", "Open in chat loads it."]
         elif download is not None:

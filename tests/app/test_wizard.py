@@ -18,6 +18,7 @@ from moechat.app.store import ChatStore
 from moechat.engine.catalog import CatalogEntry
 from moechat.engine.errors import NotDownloadedError
 from moechat.engine.hardware import probe
+from moechat.engine.hub import INDEX_FILE, wanted_file
 
 pytestmark = pytest.mark.anyio
 SIZE = (150, 45)
@@ -83,7 +84,11 @@ async def test_from_the_chat_pick_see_the_verdict_download_and_chat_on_it(hub, a
         assert "GPU   none usable" in hardware and "RAM   16.00 GiB available" in hardware
         assert "disk  100.00 GiB free" in hardware and "what-if: no GPU" in hardware
         assert setup.cell(hub.repo, "verdict") == "fits"
-        assert setup.cell(hub.repo, "speed").endswith(" tok/s") and setup.cell(hub.repo, "download") == "0.9 MiB"
+        assert setup.cell(hub.repo, "speed").endswith(" tok/s")
+        # what is left to fetch: every file moechat takes, less config.json and the index the verdict read
+        files = hub.server.repos[hub.repo].files
+        left = sum(len(b) for f, b in files.items() if wanted_file(f) and f not in ("config.json", INDEX_FILE))
+        assert setup.cell(hub.repo, "download") == f"{left / 1024:.1f} KiB"
         assert setup.cell(hub.gated, "verdict") == "gated"
         assert setup.cell(hub.gated, "note").startswith("is gated (401): accept its conditions")
         assert setup.cell(MISSING, "verdict") == "unsupported" and "MXFP4" in setup.cell(MISSING, "note")
@@ -94,10 +99,9 @@ async def test_from_the_chat_pick_see_the_verdict_download_and_chat_on_it(hub, a
         summary = _text(setup, "#setup-summary")
         assert f"{hub.repo} at {hub.server.repos[hub.repo].sha[:12]} (qwen3_moe): FITS on this machine" in summary
         assert "predicted decode" in summary and "sizes from Hub safetensors headers (exact)" in summary
-        decisions = setup.query_one("#setup-decisions", DataTable)
-        assert decisions.display and decisions.row_count >= 3
-        reasons = [str(decisions.get_row_at(i)[3]) for i in range(decisions.row_count)]
-        assert all(reasons), reasons
+        decisions = _text(setup, "#setup-decisions").splitlines()  # each decision of the plan with its reason
+        assert len(decisions) >= 3 and all(d.startswith("• ") and d.split(": ", 1)[1] for d in decisions)
+        assert any(d.startswith("• dense weights ") for d in decisions)
         assert _text(setup, "#setup-download-plan").endswith("to download: 0.9 MiB")
         # the exact verdict read the safetensors headers: ranged reads of each shard's first 100 kB, no weight body
         weights = _weight_requests(hub)
