@@ -48,6 +48,7 @@ from .messages import (
     EngineReady,
     GenerationFailed,
     GenerationFinished,
+    HitCurveReady,
     LoadProgress,
     ModelInfo,
     RetuneFailed,
@@ -56,6 +57,7 @@ from .messages import (
 )
 
 STATS_INTERVAL_S = 0.25  # cache snapshots for the live panel: 4 a second
+BUNDLED_TRACE = "routing_trace.npz"  # a model dir's recorded routing (assets/demo-moe has one)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -128,9 +130,11 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
         slots, ram_cache_bytes = _cache_defaults(path, device, options, progress)
         from moechat.engine.cache.prefetch import DEFAULT_PREFETCH
 
+        # record_trace: the session's routing feeds the tuning panel's predicted hit rate (11 + 2K bytes a
+        # layer per token, a copy of [T, K] ids per layer call).
         cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
                             ram_cache_bytes=ram_cache_bytes, prefetch=options.prefetch or DEFAULT_PREFETCH,
-                            prefetch_depth=options.prefetch_depth, warm_start=options.warm_start)
+                            prefetch_depth=options.prefetch_depth, warm_start=options.warm_start, record_trace=True)
     progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
     return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache)
 
@@ -233,6 +237,7 @@ class EngineBridge(Widget):
         self._outbox: list[tuple[int, str, tuple[int, ...]]] = []  # (gen_id, text, token ids) not yet taken
         self._rung = False  # a TokensArrived is on its way and the UI has not taken the outbox since
         self._outbox_lock = threading.Lock()
+        self._curve_rows = -1  # trace rows the last posted hit curve was computed from
 
     @property
     def ready(self) -> bool:
@@ -268,8 +273,11 @@ class EngineBridge(Widget):
                 return
             self._engine = engine
             self._tracker = StatsTracker()
+            self._curve_rows = -1
             self.post_message(EngineReady(info, time.monotonic() - t0))
             self._post_stats(engine)
+        if info.cache is not None:  # workers start from the UI thread; call_later posts a message (thread-safe)
+            self.call_later(self.update_hit_curve, Path(info.path) / BUNDLED_TRACE)
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, history: list[dict], text: str, sampling: dict | None = None,
@@ -355,6 +363,35 @@ class EngineBridge(Widget):
                                                      last.decode_tokens_per_s))
             else:
                 self.post_message(GenerationFinished(gen_id, "stop", 0, 0, 0.0, 0.0))
+        self.call_later(self.update_hit_curve)
+
+    # -- predicted hit rate ---------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="engine-curve", exit_on_error=False)
+    def update_hit_curve(self, bundled: Path | None = None) -> None:
+        """Post a `HitCurveReady`: LRU's curve on this session's routing, else on the model's bundled trace.
+
+        The recorder is copied under the engine lock (between replies, or it waits for the reply to end);
+        the stack-distance pass runs outside it, mostly in numpy sorts that release the GIL.
+        """
+        from moechat.engine.cache.mrc import lru_hit_curve
+        from moechat.engine.cache.trace import RoutingTrace
+
+        trace = None
+        with self._lock:
+            recorder = getattr(getattr(self._engine, "provider", None), "recorder", None)
+            rows = len(recorder) if recorder is not None else 0
+            if rows and rows != self._curve_rows:
+                trace, source, self._curve_rows = recorder.to_trace(), "this session's routing", rows
+        if trace is None and bundled is not None and bundled.is_file():
+            try:
+                trace, source = RoutingTrace.load(bundled), "the model's bundled routing trace"
+            except (OSError, ValueError):
+                return  # a damaged bundled trace only means no prediction until this session has routing
+        if trace is None:
+            return
+        curve = lru_hit_curve(trace, source=source)
+        if curve.requests:
+            self.post_message(HitCurveReady(curve))
 
     # -- tuning ---------------------------------------------------------------------------------------
     def retune(self, *, expert_slots: int | None = None, policy: str | None = None,

@@ -11,11 +11,15 @@ backlog of stale numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from textual.message import Message
 
 from .livestats import DashboardStats
 from .sysmon import MemoryReading
+
+if TYPE_CHECKING:  # the engine is imported by the load worker, never at start-up
+    from moechat.engine.cache.mrc import HitCurve
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,16 @@ class MemorySampled(Message):
 
 
 @dataclass
+class HitCurveReady(Message):
+    """LRU's predicted hit rate at every slot count, from the routing seen so far (engine/cache/mrc.py)."""
+
+    curve: HitCurve  # frozen, its array read-only
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, HitCurveReady)
+
+
+@dataclass
 class CacheRetuned(Message):
     state: CacheState
     at_token: int | None  # tokens generated in the running reply when it applied; None when idle
@@ -115,6 +129,7 @@ class CacheRetuned(Message):
 @dataclass
 class RetuneFailed(Message):
     error: str
+
 
 # -- the setup wizard (screens/setup.py) -----------------------------------------------------------------
 # The values are the engine's frozen dataclasses (Hardware, CatalogStatus, SearchHit, FitVerdict, DownloadPlan,

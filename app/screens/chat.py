@@ -32,6 +32,7 @@ from ..messages import (
     EngineReady,
     GenerationFailed,
     GenerationFinished,
+    HitCurveReady,
     LoadProgress,
     ModelInfo,
     RetuneFailed,
@@ -193,6 +194,9 @@ class ChatScreen(Screen):
         if self.dashboard.display and self.last_stats is not None:
             self.dashboard.show_stats(self.last_stats)
         self._stats_due = time.monotonic() + STATS_MIN_INTERVAL_S
+
+    def on_hit_curve_ready(self, message: HitCurveReady) -> None:
+        self.query_one(TuningPanel).show_curve(message.curve)
 
     def on_cache_retuned(self, message: CacheRetuned) -> None:
         self.query_one(TuningPanel).show_state(message.state)

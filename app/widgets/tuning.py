@@ -4,11 +4,17 @@ Textual has no slider, so each knob is an integer `Input` (Enter or leaving the 
 Up/Down step it by a sixteenth of the range, like a slider's arrow keys) and the policy a `Select`.
 A change is posted as `TuningPanel.Changed`; the bridge applies it between two tokens, and the line
 under the knobs shows the *effective* configuration the engine reports back, not what was typed.
+
+Under the slots knob, the hit rate LRU would reach at the slot count shown, read off a `HitCurve` (one
+stack-distance pass over the routing seen so far, computed by the bridge off the UI thread; see
+engine/cache/mrc.py): it follows the knob as it is stepped or typed, before anything is applied, so
+the knob can be set by the curve. Hidden until a curve has arrived.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from textual import on
 from textual.containers import Horizontal, Vertical
@@ -18,6 +24,9 @@ from textual.widgets import Input, Label, Select
 
 from ..livestats import fmt_bytes
 from ..messages import CacheState
+
+if TYPE_CHECKING:
+    from moechat.engine.cache.mrc import HitCurve
 
 
 class StepInput(Input):
@@ -54,6 +63,14 @@ def describe_state(state: CacheState | None) -> str:
     return f"now: {state.slots}/{state.max_slots} slots{pct} · {state.policy} · {ram}"
 
 
+def describe_prediction(curve: HitCurve, slots: int | None) -> str:
+    """'predicted decode hit ~87% at 24 slots' and, on a second line, where the curve comes from."""
+    what = "decode hit" if curve.phase == "decode" else "hit"
+    rate = curve.hit_rate(slots) if slots is not None and slots >= 1 else None
+    head = f"predicted {what} –" if rate is None else f"predicted {what} ~{rate:.0%} at {slots} slots"
+    return f"{head}\n  ({curve.policy.upper()} on {curve.source or 'recorded routing'}, {curve.tokens:,} tokens)"
+
+
 class TuningPanel(Vertical):
     @dataclass
     class Changed(Message):
@@ -65,12 +82,14 @@ class TuningPanel(Vertical):
         super().__init__(**kwargs)
         self.policies = policies
         self.state: CacheState | None = None
+        self.curve: HitCurve | None = None
 
     def compose(self):
         with Horizontal(classes="knob"):
             yield Label("slots", classes="knob-label")
             yield StepInput(id="slots", minimum=1, validators=[Integer(minimum=1)], valid_empty=False)
             yield Label("", id="slots-of", classes="knob-note")
+        yield Label("", id="predicted", markup=False)
         with Horizontal(classes="knob"):
             yield Label("RAM MB", classes="knob-label")
             yield StepInput(id="ram-mb", minimum=0, placeholder="all", validators=[Integer(minimum=0)],
@@ -84,6 +103,28 @@ class TuningPanel(Vertical):
 
     def on_mount(self) -> None:
         self.disabled = True  # until a model with a cache is loaded
+        self.query_one("#predicted", Label).display = False
+
+    def show_curve(self, curve: HitCurve) -> None:
+        """A new hit-rate curve: predict at the slot count the knob shows now."""
+        self.curve = curve
+        self._show_prediction()
+
+    def _show_prediction(self) -> None:
+        label = self.query_one("#predicted", Label)
+        if self.curve is None:
+            return
+        try:
+            slots = int(self.query_one("#slots", StepInput).value)
+        except ValueError:
+            slots = None
+        label.update(describe_prediction(self.curve, slots))
+        label.display = True
+
+    @on(Input.Changed, "#slots")
+    def _slots_moved(self, event: Input.Changed) -> None:
+        event.stop()
+        self._show_prediction()
 
     def show_state(self, state: CacheState | None) -> None:
         """Show what the engine runs with (after load or a retune); does not post Changed."""
@@ -98,6 +139,7 @@ class TuningPanel(Vertical):
             return
         slots.maximum = state.max_slots
         slots.value = str(state.slots)
+        self._show_prediction()
         self.query_one("#slots-of", Label).update(f"of {state.max_slots}")
         if state.all_experts_bytes:
             ram.maximum = -(-state.all_experts_bytes // (1 << 20))

@@ -51,3 +51,6 @@ async def test_real_engine_streams_and_fills_the_panel(tiny_chat_model, app_env,
                                  what=f"{field} to become a number")
         heatmap = screen.query_one("#heatmap")
         assert heatmap.resident.shape == (3, 8) and heatmap.resident.sum() == 6
+        # The engine recorded this reply's routing; the tuning panel predicts LRU's hit rate from it.
+        await fakes.wait_for(pilot, lambda: "this session's routing" in value("#predicted"), what="a prediction")
+        assert re.match(r"predicted (decode )?hit ~\d+% at 6 slots", value("#predicted"))
