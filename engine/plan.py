@@ -1076,8 +1076,9 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     rest = dense - sum(b for _, b in big)
     shown = " + ".join(f"{w} {b / GiB:.2f}" for w, b in big) + (f" + other {rest / GiB:.2f}" if rest >= 0.005 * GiB
                                                                    else "")
+    shown = f"{shown} GiB" if shown else f"{gib(dense)} in all, each part under 0.01 GiB"
     decisions.append(Decision("dense weights", dense, dev_label,
-                              f"{shown} GiB ({spec.float_dtype}); every token reads "
+                              f"{shown} ({spec.float_dtype}); every token reads "
                               f"{gib(spec.dense_read_bytes)} of it"))
     kvpt = spec.kv_bytes_per_token()
     decisions.append(Decision(f"KV cache, {context:,} tokens", kv, dev_label,

@@ -424,3 +424,11 @@ def test_a_better_curve_predicts_more_tokens_per_second():
     c = traced.expert_slots / traced.total_experts
     assert traced.decode.hit_rate_low == pytest.approx(curve.hit_at(c)) and traced.decode.hit_source == "test trace"
     assert traced.decode.low > default.decode.low
+
+
+def test_dense_reason_names_the_total_when_every_part_is_small():
+    """The bundled model's dense parts are each a few MiB: the reason still says how much, not ' GiB'."""
+    s = read_model_spec(ROOT / "assets" / "demo-moe")
+    plan = make_plan(s, machine(None, 16))
+    reason = next(d.reason for d in plan.decisions if d.item == "dense weights")
+    assert reason.split()[0][0].isdigit() and "MiB in all" in reason, reason
