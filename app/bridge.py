@@ -87,6 +87,12 @@ def policy_names() -> tuple[str, ...]:
     return POLICIES
 
 
+def prefetch_modes() -> tuple[str, ...]:
+    from moechat.engine.cache.prefetch import PREFETCH_MODES  # pure Python: no torch
+
+    return PREFETCH_MODES
+
+
 def default_policy() -> str:
     from moechat.engine.cache.policy import DEFAULT_POLICY
 
@@ -181,7 +187,8 @@ def cache_state(engine, snap) -> CacheState | None:
     store = getattr(getattr(engine, "provider", None), "store", None)
     expert_bytes = getattr(store, "expert_bytes", None)
     return CacheState(snap.num_slots, max_slots, snap.policy, snap.ram_cache_bytes, snap.ram_cache_used_bytes,
-                      expert_bytes * max_slots if expert_bytes else None)
+                      expert_bytes * max_slots if expert_bytes else None, getattr(snap, "prefetch", "off"),
+                      getattr(snap, "prefetch_depth", 0))
 
 
 def describe(engine, model: str) -> ModelInfo:
@@ -395,10 +402,10 @@ class EngineBridge(Widget):
 
     # -- tuning ---------------------------------------------------------------------------------------
     def retune(self, *, expert_slots: int | None = None, policy: str | None = None,
-               ram_cache_bytes: int | None = None) -> None:
+               ram_cache_bytes: int | None = None, prefetch: str | None = None) -> None:
         """Queue a cache change (ram_cache_bytes=0: every expert in RAM); applied at the next safe point."""
         changes = {k: v for k, v in (("expert_slots", expert_slots), ("policy", policy),
-                                     ("ram_cache_bytes", ram_cache_bytes)) if v is not None}
+                                     ("ram_cache_bytes", ram_cache_bytes), ("prefetch", prefetch)) if v is not None}
         if not changes:
             return
         with self._pending_lock:

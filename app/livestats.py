@@ -42,6 +42,11 @@ class DashboardStats:
     policy: str = ""
     ram_cache_bytes: int = 0  # 0: every expert in RAM
     ram_cache_used_bytes: int = 0
+    prefetch: str = "off"  # the engine's cross-layer prefetch mode
+    prefetch_issued: int = 0  # since load
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    stall_ms_per_token: float | None = None  # the forward pass waiting for expert bytes, last window
     resident: np.ndarray | None = field(default=None, compare=False)  # [L, E] bool
     recent: np.ndarray | None = field(default=None, compare=False)  # [L, E] float in [0, 1]
 
@@ -70,6 +75,7 @@ class StatsTracker:
         self._prev_tokens = 0
         self._recent: np.ndarray | None = None  # [L, E] decayed request counts
         self._per_token: tuple[float | None, float | None] = (None, None)
+        self._stall_per_token: float | None = None
         self._cache_stats: dict = {}
 
     # -- inputs ---------------------------------------------------------------------------------------
@@ -110,6 +116,8 @@ class StatsTracker:
         if prev is not None and dt > 0:
             self._per_token = (max(snap.bytes_from_ram - prev.bytes_from_ram, 0) / dt,
                                max(snap.bytes_from_disk - prev.bytes_from_disk, 0) / dt)
+            stall, prev_stall = getattr(snap, "stall_seconds", 0.0), getattr(prev, "stall_seconds", 0.0)
+            self._stall_per_token = max(stall - prev_stall, 0.0) * 1000 / dt
         self._prev, self._prev_tokens = snap, self.tokens
         hits, misses = sum(snap.hits), sum(snap.misses)
         self._cache_stats = dict(
@@ -119,6 +127,9 @@ class StatsTracker:
             hits=hits, misses=misses, bytes_from_ram=snap.bytes_from_ram, bytes_from_disk=snap.bytes_from_disk,
             num_slots=snap.num_slots, slots_used=snap.slots_used, policy=snap.policy,
             ram_cache_bytes=snap.ram_cache_bytes, ram_cache_used_bytes=snap.ram_cache_used_bytes,
+            prefetch=getattr(snap, "prefetch", "off"), prefetch_issued=sum(getattr(snap, "prefetch_issued", ())),
+            prefetch_used=sum(getattr(snap, "prefetch_used", ())),
+            prefetch_wasted=sum(getattr(snap, "prefetch_wasted", ())),
             resident=np.asarray(snap.resident, dtype=bool).copy())
 
     # -- output ---------------------------------------------------------------------------------------
@@ -131,7 +142,8 @@ class StatsTracker:
         return DashboardStats(
             prefill_tps=self.prefill_tps, decode_tps=self.decode_tps, decode_history=tuple(self.history),
             prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
-            bytes_per_token_ram=ram, bytes_per_token_disk=disk, recent=recent, **self._cache_stats)
+            bytes_per_token_ram=ram, bytes_per_token_disk=disk, stall_ms_per_token=self._stall_per_token,
+            recent=recent, **self._cache_stats)
 
 
 class RefreshGovernor:

@@ -32,6 +32,8 @@ class CacheState:
     ram_budget_bytes: int  # 0: every expert in RAM
     ram_used_bytes: int
     all_experts_bytes: int | None = None  # the size of every expert: the RAM tier's "all in RAM" point
+    prefetch: str = "off"  # cross-layer prefetch mode (engine/cache/prefetch.py PREFETCH_MODES)
+    prefetch_depth: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header
 
-from ..bridge import EngineBridge, policy_names
+from ..bridge import EngineBridge, policy_names, prefetch_modes
 from ..livestats import RefreshGovernor, fmt_rate
 from ..messages import (
     CacheRetuned,
@@ -92,7 +92,8 @@ class ChatScreen(Screen):
                 yield LoadingPanel(id="loading")
                 yield Transcript(id="transcript")
                 yield PromptInput(id="prompt")
-            yield Dashboard(policy_names(), memory_probe=self.app.memory_probe, id="dashboard")
+            yield Dashboard(policy_names(), memory_probe=self.app.memory_probe, prefetch_modes=prefetch_modes(),
+                            id="dashboard")
         yield Footer()
         yield self.bridge
 
@@ -212,7 +213,7 @@ class ChatScreen(Screen):
         if self.info is None:
             return
         self.bridge.retune(expert_slots=message.expert_slots, policy=message.policy,
-                           ram_cache_bytes=message.ram_cache_bytes)
+                           ram_cache_bytes=message.ram_cache_bytes, prefetch=message.prefetch)
 
     # -- sending and replies --------------------------------------------------------------------------
     @on(PromptInput.Submitted)

@@ -36,6 +36,13 @@ def _row(key: str, *values: tuple[str, str]) -> Horizontal:
                       classes="stat-row")
 
 
+def prefetch_text(s: DashboardStats) -> str:
+    """'312/400 used': prefetched experts that were then used, of those issued, since load."""
+    if s.prefetch == "off" and not s.prefetch_issued:
+        return "off"
+    return f"{s.prefetch_used:,}/{s.prefetch_issued:,} used"
+
+
 def _used_free(used: int, free: int) -> str:
     """'12.0 GiB used · 20.0 free' (the unit once when both share it)."""
     a, b = fmt_bytes(used), fmt_bytes(free)
@@ -44,9 +51,10 @@ def _used_free(used: int, free: int) -> str:
 
 
 class Dashboard(Vertical):
-    def __init__(self, policies: tuple[str, ...], memory_probe=None, **kwargs):
+    def __init__(self, policies: tuple[str, ...], memory_probe=None, prefetch_modes: tuple[str, ...] = (), **kwargs):
         super().__init__(**kwargs)
         self.policies = policies
+        self.prefetch_modes = prefetch_modes
         self.memory_probe = memory_probe
         self.stats = DashboardStats()
         self._shown: dict[str, str] = {}  # label id -> text on screen
@@ -57,11 +65,12 @@ class Dashboard(Vertical):
         yield _row("cache", ("hit-rate", "–"), ("hit-counts", ""))
         yield _row("slots", ("slots-used", "–"))
         yield _row("moved", ("bytes-ram", "RAM –"), ("bytes-disk", "disk –"))
+        yield _row("fetch", ("prefetch-used", "–"), ("stall", ""))
         yield _row("RAM", ("ram", "–"), ("ram-app", ""))
         yield _row("VRAM", ("vram", "–"))
         yield CacheHeatmap(id="heatmap")
         yield HeatmapLegend(id="legend")
-        yield TuningPanel(self.policies, id="tuning")
+        yield TuningPanel(self.policies, self.prefetch_modes, id="tuning")
 
     def on_mount(self) -> None:
         if self.memory_probe is not None:
@@ -119,6 +128,9 @@ class Dashboard(Vertical):
             self._set("slots-used", f"{s.slots_used}/{s.num_slots} used · {s.policy}")
         self._set("bytes-ram", f"RAM {fmt_bytes(s.bytes_per_token_ram)}/tok")
         self._set("bytes-disk", f"disk {fmt_bytes(s.bytes_per_token_disk)}/tok")
+        if s.has_cache:
+            self._set("prefetch-used", prefetch_text(s))
+            self._set("stall", "" if s.stall_ms_per_token is None else f"stall {s.stall_ms_per_token:.2f} ms/tok")
         heatmap = q(CacheHeatmap)
         if s.has_cache and s.resident is not None and s.resident.size:
             rates = s.layer_hit_rates or tuple(math.nan for _ in range(s.resident.shape[0]))

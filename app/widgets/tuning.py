@@ -1,7 +1,8 @@
-"""The tuning panel: expert slots, the RAM tier's size and the eviction policy, changed live.
+"""The tuning panel: expert slots, the RAM tier's size, the eviction policy and prefetch, changed live.
 
 Textual has no slider, so each knob is an integer `Input` (Enter or leaving the field applies it;
-Up/Down step it by a sixteenth of the range, like a slider's arrow keys) and the policy a `Select`.
+Up/Down step it by a sixteenth of the range, like a slider's arrow keys); the policy and the cross-layer
+prefetch mode are `Select`s.
 A change is posted as `TuningPanel.Changed`; the bridge applies it between two tokens, and the line
 under the knobs shows the *effective* configuration the engine reports back, not what was typed.
 
@@ -60,7 +61,8 @@ def describe_state(state: CacheState | None) -> str:
         ram = f"RAM tier {fmt_bytes(state.ram_used_bytes)}/{fmt_bytes(state.ram_budget_bytes)}"
     else:
         ram = "all in RAM"
-    return f"now: {state.slots}/{state.max_slots} slots{pct} · {state.policy} · {ram}"
+    fetch = f" · prefetch {state.prefetch}" if state.prefetch != "off" else ""
+    return f"now: {state.slots}/{state.max_slots} slots{pct} · {state.policy} · {ram}{fetch}"
 
 
 def describe_prediction(curve: HitCurve, slots: int | None) -> str:
@@ -77,10 +79,12 @@ class TuningPanel(Vertical):
         expert_slots: int | None = None
         policy: str | None = None
         ram_cache_bytes: int | None = None  # 0: every expert in RAM
+        prefetch: str | None = None
 
-    def __init__(self, policies: tuple[str, ...], **kwargs):
+    def __init__(self, policies: tuple[str, ...], prefetch_modes: tuple[str, ...] = (), **kwargs):
         super().__init__(**kwargs)
         self.policies = policies
+        self.prefetch_modes = prefetch_modes
         self.state: CacheState | None = None
         self.curve: HitCurve | None = None
 
@@ -99,6 +103,11 @@ class TuningPanel(Vertical):
             yield Label("policy", classes="knob-label")
             yield Select([(p, p) for p in self.policies], id="policy", allow_blank=True, compact=True,
                          prompt="–")
+        if self.prefetch_modes:
+            with Horizontal(classes="knob"):
+                yield Label("fetch", classes="knob-label")
+                yield Select([(m, m) for m in self.prefetch_modes], id="prefetch", allow_blank=True, compact=True,
+                             prompt="–")
         yield Label("now: waiting for the model…", id="effective")
 
     def on_mount(self) -> None:
@@ -147,6 +156,9 @@ class TuningPanel(Vertical):
         ram.value = str(state.ram_budget_bytes >> 20) if state.ram_budget_bytes else ""
         with policy.prevent(Select.Changed):
             policy.value = state.policy if state.policy in self.policies else Select.BLANK
+        for prefetch in self.query("#prefetch").results(Select):
+            with prefetch.prevent(Select.Changed):
+                prefetch.value = state.prefetch if state.prefetch in self.prefetch_modes else Select.BLANK
 
     @on(Input.Submitted, "#slots")
     def _slots(self, event: Input.Submitted) -> None:
@@ -173,6 +185,12 @@ class TuningPanel(Vertical):
         event.stop()
         if event.value is not Select.BLANK and (self.state is None or event.value != self.state.policy):
             self.post_message(self.Changed(policy=str(event.value)))
+
+    @on(Select.Changed, "#prefetch")
+    def _prefetch(self, event: Select.Changed) -> None:
+        event.stop()
+        if event.value is not Select.BLANK and (self.state is None or event.value != self.state.prefetch):
+            self.post_message(self.Changed(prefetch=str(event.value)))
 
     @on(Input.Blurred)
     def _blurred(self, event: Input.Blurred) -> None:
