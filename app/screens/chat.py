@@ -15,7 +15,6 @@ last fraction of a second, which never reached the screen either.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from textual import on
@@ -79,8 +78,7 @@ class ChatScreen(Screen):
         self._flush_timer = None
         self.last_stats = None
         self.governor = RefreshGovernor()  # paces the streamed text (see livestats.py)
-        self._stats_due = 0.0  # monotonic time the panel may be redrawn next
-        self._stats_timer = None
+        self._stats_pending = False  # last_stats not drawn yet
         self.bridge = EngineBridge(self.app.engine_factory, self.app.load_options)
         self.session = ChatSession(self.app.store, model, self.app.settings.system_prompt)
 
@@ -106,6 +104,8 @@ class ChatScreen(Screen):
         return self.query_one(Dashboard)
 
     def on_mount(self) -> None:
+        # One interval timer draws the newest stats: a Timer per StatsUpdated cost an asyncio task each.
+        self.set_interval(STATS_MIN_INTERVAL_S, self._show_stats)
         self.sub_title = f"{Path(self.model).name} · loading"
         self.dashboard.display = self.app.settings.show_dashboard
         self.query_one(PromptInput).focus()
@@ -185,16 +185,12 @@ class ChatScreen(Screen):
 
     def on_stats_updated(self, message: StatsUpdated) -> None:
         self.last_stats = message.stats
-        if not self.dashboard.display or self._stats_timer is not None:  # hidden, or a redraw is due already
-            return
-        delay = max(self._stats_due - time.monotonic(), 0.01)  # Textual timers divide by their delay
-        self._stats_timer = self.set_timer(delay, self._show_stats)
+        self._stats_pending = True
 
     def _show_stats(self) -> None:
-        self._stats_timer = None
-        if self.dashboard.display and self.last_stats is not None:
+        if self._stats_pending and self.dashboard.display and self.last_stats is not None:
+            self._stats_pending = False
             self.dashboard.show_stats(self.last_stats)
-        self._stats_due = time.monotonic() + STATS_MIN_INTERVAL_S
 
     def on_hit_curve_ready(self, message: HitCurveReady) -> None:
         self.query_one(TuningPanel).show_curve(message.curve)
@@ -356,6 +352,7 @@ class ChatScreen(Screen):
         self.app.settings.show_dashboard = dashboard.display
         self.app.settings.save()
         if dashboard.display and self.last_stats is not None:
+            self._stats_pending = False
             dashboard.show_stats(self.last_stats)
 
     def action_open_model(self) -> None:

@@ -45,7 +45,7 @@ def _scenario(fakes, L: int, E: int, slots: int):
         prompt.load_text("How does the expert cache work?")
         await pilot.press("enter")
         await fakes.wait_for(pilot, lambda: screen.gen_id is None and len(screen.session.turns) == 2)
-        await fakes.wait_for(pilot, lambda: screen._stats_timer is None)  # the engine's last stats are drawn
+        await fakes.wait_for(pilot, lambda: not screen._stats_pending)  # the engine's last stats are drawn
         screen.last_stats = fixed_stats(L, E, slots)
         screen.dashboard.show_stats(screen.last_stats)
         prompt.cursor_blink = False
