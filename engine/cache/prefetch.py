@@ -66,6 +66,7 @@ class Predictor:
         self.top_k = top_k
         self.num_layers = num_layers
         self.last_ids: dict[int, list[int]] = {}  # layer -> experts the previous step used there
+        self._folded: dict[int, torch.Tensor] = {}  # layer -> (gate * norm)^T [H, E]
 
     @classmethod
     def from_model(cls, model) -> Predictor:
@@ -89,14 +90,16 @@ class Predictor:
         """
         import torch
 
-        from ..models.base import rms_norm
-
         out: list[int] = []
         runners_up: list[int] = []
         if mode in ("next-layer", "both"):
-            r = self.routers[target]
-            h = rms_norm(hidden_states, r.norm, r.eps)  # [T, H], as layer `target` will norm its input
-            logits = h @ r.gate.t()  # [T, E]
+            # Layer `target` computes gate @ (norm * x / rms(x)). 1/rms(x) is one positive number per token, so
+            # it never changes a token's ranking of experts: one matmul with the norm folded into the gate.
+            folded = self._folded.get(target)
+            if folded is None:
+                r = self.routers[target]
+                folded = self._folded[target] = (r.gate * r.norm[None, :]).t().contiguous()  # [H, E]
+            logits = hidden_states @ folded  # [T, E], each row a positive multiple of layer target's logits
             if logits.shape[0] == 1:  # a decode step: its top-k, then the runners-up if the budget allows more
                 n = min(logits.shape[-1], max(budget, self.top_k))
                 ranked = torch.topk(logits[0].float(), n).indices.tolist()

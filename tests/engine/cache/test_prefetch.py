@@ -291,14 +291,15 @@ def test_predictor_previous_token_and_budget():
     from moechat.engine.cache.prefetch import RouterWeights
 
     for layer in range(3):
-        routers[layer] = RouterWeights(torch.ones(H), torch.randn(E, H), 1e-6)
+        routers[layer] = RouterWeights(torch.randn(H), torch.randn(E, H), 1e-6)  # norm weights of both signs
     p = Predictor(routers, top_k=2, num_layers=3)
     assert p.targets(0, 1) == [1] and p.targets(0, 4) == [1, 2] and p.targets(2, 1) == []
     h = torch.randn(1, H)
     nxt = p.predict("next-layer", 1, h, budget=2)
-    expected = torch.topk(torch.nn.functional.rms_norm(h, (H,), eps=1e-6) @ routers[1].gate.t(), 2).indices
+    as_layer_1 = torch.nn.functional.rms_norm(h, (H,), routers[1].norm, eps=1e-6) @ routers[1].gate.t()  # [1, E]
+    expected = torch.topk(as_layer_1, 2).indices
     assert nxt == expected[0].tolist()
-    wide = torch.topk(torch.nn.functional.rms_norm(h, (H,), eps=1e-6) @ routers[1].gate.t(), 4).indices[0].tolist()
+    wide = torch.topk(as_layer_1, 4).indices[0].tolist()
     assert p.predict("next-layer", 1, h, budget=4) == wide  # a budget above K adds the router's runners-up
     assert p.predict("previous-token", 1, h, budget=4) == []
     p.observe_routing(1, [5, 4])
