@@ -29,6 +29,7 @@ fake): `conversation()`, `sampling()`, `default_max_tokens()`, `cache_snapshot()
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import threading
 import time
@@ -123,6 +124,7 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
     progress("importing torch")
     import torch
 
+    leave_a_core_for_the_ui(torch)
     from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.generate import Engine
 
@@ -143,6 +145,25 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
                             prefetch_depth=options.prefetch_depth, warm_start=options.warm_start, record_trace=True)
     progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
     return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache)
+
+
+def leave_a_core_for_the_ui(torch) -> int:
+    """Give torch's CPU thread pool every core but one; returns the pool's size.
+
+    torch runs an op on one thread per core, and an OpenMP op waits at its barrier for its slowest
+    thread: when the UI thread takes a core, a descheduled worker stalls the whole op. On a 2-core
+    machine that made the shown panel cost 11% of decode speed where one torch thread lost 2%
+    (bench/tui_overhead.py). An explicit OMP_NUM_THREADS / MKL_NUM_THREADS is left alone.
+    """
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if cores > 1 and torch.get_num_threads() >= cores:
+        torch.set_num_threads(cores - 1)
+    return torch.get_num_threads()
 
 
 def _cache_defaults(path: Path, device: str, options: LoadOptions, progress) -> tuple[int | None, int | None]:
