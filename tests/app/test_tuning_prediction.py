@@ -72,3 +72,25 @@ async def test_moving_the_slots_knob_moves_the_predicted_hit_rate(build_app, fak
         rates = [seen[s] for s in sorted(seen)]
         assert rates == sorted(rates)  # monotone non-decreasing in slots
         assert rates[0] < rates[-1]  # and the knob does move it
+
+
+async def test_the_demo_model_predicts_from_its_bundled_trace_before_any_reply(app_env, fakes):
+    from pathlib import Path
+
+    from moechat.app.app import make_app
+    from moechat.app.bridge import LoadOptions
+    from moechat.app.settings import Settings
+    from moechat.app.store import ChatStore
+    from moechat.engine.cache.trace import RoutingTrace
+
+    demo = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
+    app = make_app(demo, options=LoadOptions(dtype="float32", expert_slots=24, device="cpu"),
+                   settings=Settings(path=app_env / "settings.toml"), store=ChatStore(":memory:"),
+                   memory_probe=fakes.Memory(), export_dir=app_env)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+        await fakes.wait_for(pilot, lambda: _predicted(screen) is not None, timeout=120, what="the prediction")
+        label = str(screen.query_one("#predicted", Label).content)
+        assert "LRU on the model's bundled routing trace" in label
+        curve = lru_hit_curve(RoutingTrace.load(demo / "routing_trace.npz"))
+        assert _predicted(screen) == (24, round(100 * curve.hit_rate(24)))
