@@ -119,6 +119,9 @@ def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
     raise ConfigError(f"{model}: no such model directory; pass a directory with config.json and *.safetensors")
 
 
+TRACE_ROWS = 250_000  # routing rows the session keeps for the predicted hit rate (the curve reads 200k)
+
+
 def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None]):
     """The real engine factory; runs in the load worker, where torch gets imported."""
     progress("importing torch")
@@ -142,7 +145,8 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
         # layer per token, a copy of [T, K] ids per layer call).
         cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
                             ram_cache_bytes=ram_cache_bytes, prefetch=options.prefetch or DEFAULT_PREFETCH,
-                            prefetch_depth=options.prefetch_depth, warm_start=options.warm_start, record_trace=True)
+                            prefetch_depth=options.prefetch_depth, warm_start=options.warm_start, record_trace=True,
+                            trace_max_rows=TRACE_ROWS)
     progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
     return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache)
 

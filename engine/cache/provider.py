@@ -56,6 +56,7 @@ class CacheConfig:
     prefetch_depth: int = 1  # predict this many MoE layers ahead
     prefetch_budget: int | None = None  # prefetches per predicted layer per step; None: top-k
     transfer: str = "thread"  # "thread": loads overlap compute; "inline": on the forward thread
+    trace_max_rows: int | None = None  # with record_trace: keep only about the latest N routing rows
     warm_start: bool = False  # fill the slots from the saved routing profile at load
     profile_dir: str | None = None  # where routing profiles live (default: XDG cache dir)
 
@@ -85,7 +86,8 @@ def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.dev
         slots = 2 * args.top_k * len(layers) if bounded_cpu else len(layers) * E
     slots = max(1, min(slots, len(layers) * E))
     pool = SlotPool(slots, args.num_hidden_layers, E, disk.shapes, device)
-    recorder = TraceRecorder(args.num_hidden_layers, E, args.top_k) if config.record_trace else None
+    recorder = (TraceRecorder(args.num_hidden_layers, E, args.top_k, max_rows=config.trace_max_rows)
+                if config.record_trace else None)
     provider = CachedProvider(pool, store, make_policy(config.policy, capacity=slots), recorder,
                               transfer=make_transfer(config.transfer, device))
     provider.set_prefetch(config.prefetch, config.prefetch_depth, config.prefetch_budget)

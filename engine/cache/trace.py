@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,11 +182,13 @@ class TraceRecorder:
 
     `record` is one small int16 copy per call (the caller may reuse its buffer). Token positions count
     per layer from the last `new_sequence()`: a [T, K] record at a layer takes the next T positions.
+    With `max_rows`, the oldest records are dropped once that many newer rows are kept.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, top_k: int, model: str = ""):
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, model: str = "", max_rows: int | None = None):
         self.num_layers, self.num_experts, self.top_k, self.model = num_layers, num_experts, top_k, model
-        self._chunks: list[tuple[int, np.ndarray, int, int, int]] = []  # (layer, ids [T,K], phase, token0, seq)
+        self.max_rows = max_rows  # keep only about the latest max_rows rows (a long chat's memory stays bounded)
+        self._chunks: deque[tuple[int, np.ndarray, int, int, int]] = deque()  # (layer, ids [T,K], phase, token0, seq)
         self._next_token = [0] * num_layers
         self._sequence = 0
         self._rows = 0
@@ -196,6 +199,9 @@ class TraceRecorder:
         self._chunks.append((layer, ids, phase, self._next_token[layer], self._sequence))
         self._next_token[layer] += len(ids)
         self._rows += len(ids)
+        if self.max_rows is not None:
+            while len(self._chunks) > 1 and self._rows - len(self._chunks[0][1]) >= self.max_rows:
+                self._rows -= len(self._chunks.popleft()[1])
 
     def new_sequence(self) -> None:
         """The following records belong to a new prompt / generation (positions restart at 0)."""

@@ -154,3 +154,17 @@ def test_mixtral_decode_trace():
         top2.append(c[-2:].sum() / c.sum())
     assert np.mean(shared) == pytest.approx(0.752, abs=5e-4)
     assert np.mean(top2) == pytest.approx(0.318, abs=5e-4)
+
+
+def test_recorder_keeps_only_the_latest_rows_when_bounded():
+    from moechat.engine.cache.trace import TraceRecorder
+
+    rec = TraceRecorder(num_layers=2, num_experts=4, top_k=2, max_rows=10)
+    for step in range(20):
+        rec.record(step % 2, [[step % 4, (step + 1) % 4]], 1)
+    trace = rec.to_trace()
+    assert len(rec) == len(trace) == 10
+    assert trace.topk_ids[-1].tolist() == [19 % 4, 20 % 4] and trace.topk_ids[0].tolist() == [10 % 4, 11 % 4]
+    big = TraceRecorder(num_layers=1, num_experts=4, top_k=1, max_rows=3)
+    big.record(0, [[1]] * 8, 0)  # a single record larger than the bound is kept whole
+    assert len(big) == 8
