@@ -139,12 +139,13 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
         # fit on the device; else every expert gets a slot (and the panel shows them filling up).
         progress("planning memory")
         slots, ram_cache_bytes = _cache_defaults(path, device, options, progress)
-        from moechat.engine.cache.prefetch import DEFAULT_PREFETCH
+        from moechat.engine.cache.prefetch import default_prefetch
 
         # record_trace: the session's routing feeds the tuning panel's predicted hit rate (11 + 2K bytes a
         # layer per token, a copy of [T, K] ids per layer call).
+        prefetch = options.prefetch or default_prefetch(device, ram_cache_bytes)
         cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
-                            ram_cache_bytes=ram_cache_bytes, prefetch=options.prefetch or DEFAULT_PREFETCH,
+                            ram_cache_bytes=ram_cache_bytes, prefetch=prefetch,
                             prefetch_depth=options.prefetch_depth, warm_start=options.warm_start, record_trace=True,
                             trace_max_rows=TRACE_ROWS)
     progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")

@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(one read per expert; written on first use, needs as much disk as the experts)")
     cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
                        help="load the experts later layers will want while this layer computes: next-layer "
-                       "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or "
-                       "off (default: next-layer when experts are cached)")
+                       "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or off "
+                       "(default: next-layer; off on a CPU with every expert in RAM, where a miss is a memcpy)")
     cache.add_argument("--prefetch-depth", type=_positive_int, default=1, metavar="N",
                        help="predict N MoE layers ahead (1-4, default 1)")
     cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
@@ -127,9 +127,9 @@ def _run(args: argparse.Namespace) -> int:
                                             expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn)
     cache = None
     if slots or ram_cache_bytes is not None or args.record_trace or args.repack_dir:
-        from moechat.engine.cache.prefetch import DEFAULT_PREFETCH, check_prefetch
+        from moechat.engine.cache.prefetch import check_prefetch, default_prefetch
 
-        prefetch = args.prefetch or DEFAULT_PREFETCH
+        prefetch = args.prefetch or default_prefetch(device, ram_cache_bytes)
         try:
             check_prefetch(prefetch, args.prefetch_depth)
         except ValueError as e:

@@ -329,3 +329,17 @@ def test_cli_prefetch_flags_and_json(tiny_models, capsys):
     assert json.loads(capsys.readouterr().out)["cache"]["warm_loaded"] == 0
     assert main(argv[:-2] + ["--prefetch-depth", "9"]) == 1
     assert "prefetch depth must be 1..4" in capsys.readouterr().err
+
+
+def test_default_mode_is_off_only_where_a_miss_is_a_memcpy(tiny_models, capsys):
+    from moechat.engine.cache.prefetch import default_prefetch
+
+    assert default_prefetch("cpu", None) == "off"  # every expert in RAM on a CPU
+    assert default_prefetch("cpu", 1 << 20) == "next-layer"  # misses read the disk
+    assert default_prefetch("cuda:0", None) == "next-layer"  # misses cross PCIe
+    path, _ = tiny_models["qwen3_moe"]
+    argv = ["run", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "3", "--json", "--expert-slots", "6"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["cache"]["prefetch"] == "off"
+    assert main(argv + ["--ram-cache-mb", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["cache"]["prefetch"] == "next-layer"
