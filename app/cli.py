@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
                        help="load the experts later layers will want while this layer computes: next-layer "
                        "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or off "
-                       "(default: next-layer; off on a CPU with every expert in RAM, where a miss is a memcpy)")
+                       "(default: next-layer; on a CPU, off unless experts stream from disk and torch leaves a "
+                       "core free)")
     cache.add_argument("--prefetch-depth", type=_positive_int, default=1, metavar="N",
                        help="predict N MoE layers ahead (1-4, default 1)")
     cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
@@ -107,6 +108,17 @@ def _default_policy() -> str:
 
 
 
+def _spare_core(torch) -> bool:
+    """torch's CPU pool leaves a core free (for the prefetch thread)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
+
+
 def _run(args: argparse.Namespace) -> int:
     import threading
 
@@ -129,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
     if slots or ram_cache_bytes is not None or args.record_trace or args.repack_dir:
         from moechat.engine.cache.prefetch import check_prefetch, default_prefetch
 
-        prefetch = args.prefetch or default_prefetch(device, ram_cache_bytes)
+        prefetch = args.prefetch or default_prefetch(device, ram_cache_bytes, spare_core=_spare_core(torch))
         try:
             check_prefetch(prefetch, args.prefetch_depth)
         except ValueError as e:

@@ -41,16 +41,20 @@ DEFAULT_PREFETCH = "next-layer"
 MAX_PREFETCH_DEPTH = 4
 
 
-def default_prefetch(device: str, ram_cache_bytes: int | None) -> str:
-    """The mode a user gets without --prefetch.
+def default_prefetch(device: str, ram_cache_bytes: int | None, *, spare_core: bool = True) -> str:
+    """The mode a user gets without --prefetch: what `bench/prefetch.py` measured to be faster.
 
-    next-layer whenever a miss crosses a link (RAM -> GPU) or reads the disk. On a CPU with every expert
-    in RAM a miss is a ~0.05 ms memcpy: `bench/prefetch.py --tier ram` measured prefetch there at
-    0.82-0.91x the decode speed of no prefetch (the prediction and scheduling cost more than they save),
-    so it is off.
+    next-layer whenever a miss crosses a link (RAM -> GPU: the copy engine does the work). On a CPU the
+    loads cost CPU time, so: with every expert in RAM a miss is a ~0.05 ms memcpy and prefetch measured
+    0.82-0.91x the decode speed of none (prediction and scheduling cost more than they save): off. With
+    the disk tier it measured 1.04x when torch leaves a core to the transfer thread (`spare_core`) and
+    0.94x when torch's OpenMP pool takes every core (a descheduled OpenMP thread stalls its whole op):
+    next-layer only with a spare core.
     """
     on_cpu = str(device).split(":")[0] == "cpu"
-    return "off" if on_cpu and ram_cache_bytes is None else DEFAULT_PREFETCH
+    if on_cpu and (ram_cache_bytes is None or not spare_core):
+        return "off"
+    return DEFAULT_PREFETCH
 
 
 def check_prefetch(mode: str, depth: int) -> None:
