@@ -7,6 +7,13 @@ Writes (into --model unless --out is given):
   analysis.json           every number quoted in README.md
 and prints a Markdown summary to stdout.
 
+  python analyze.py --token-control-only
+
+recomputes only the token-controlled domain dependence of routing (analysis.json's
+"token_controlled": I(domain; expert | token) and the same-token JS divergence between
+domains, each with a within-token label-shuffle noise floor) and merges it into the
+existing analysis.json, leaving every other number and file as it is.
+
 Everything is compared with a random-weight model of the same config
 (Qwen3MoeForCausalLM(config) under torch.manual_seed(--seed), i.e. the
 training script's initialisation).
@@ -122,7 +129,7 @@ def routing_stats(idx_by_dom, n_exp, k):
     off = mat[np.triu_indices(len(doms), 1)]
     res["js_mean_offdiag_bits"] = float(off.mean())
     # temporal locality: token t reuses >=1 of token t-1's experts at the same layer
-    reuse, overlap, per_layer = [], [], []
+    reuse, overlap = [], []
     for dom, layers in idx_by_dom.items():
         for li, t in enumerate(layers):
             a, b = t[:, 1:, :], t[:, :-1, :]
@@ -137,7 +144,7 @@ def routing_stats(idx_by_dom, n_exp, k):
     res["lru_hit_rate"] = {}
     for cap in (4, 8):
         hits = tot = 0
-        for dom, layers in idx_by_dom.items():
+        for layers in idx_by_dom.values():
             for t in layers:
                 for seq in t.tolist():
                     cache = []
@@ -157,8 +164,158 @@ def routing_stats(idx_by_dom, n_exp, k):
     return res
 
 
+def _entropy_bits(c, axis=-1):
+    """Plug-in entropy (bits) of count arrays along axis; zero-count rows give 0."""
+    n = c.sum(axis=axis, keepdims=True)
+    p = np.divide(c, n, out=np.zeros(c.shape), where=n > 0)
+    logp = np.log2(np.where(p > 0, p, 1.0))
+    return -(p * logp).sum(axis=axis)
+
+
+def _js_rows(p, q):
+    """Jensen-Shannon divergence (bits) between matching rows of p and q (probabilities)."""
+    m = 0.5 * (p + q)
+    def kl(a, b):
+        r = np.divide(a, b, out=np.ones(a.shape), where=(a > 0) & (b > 0))
+        return (a * np.log2(r)).sum(-1)
+    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+
+
+def _tc_layer_stats(C, pairs):
+    """Statistics of one layer from counts C[token, domain, expert] (expert slots, k per occurrence).
+
+    Returns plug-in I(domain; expert | token) and I(domain; expert) in bits (occurrence-weighted over
+    the selected tokens), H(expert | token), and the count-weighted JS divergence between the
+    per-domain expert distributions of the same token, overall and per domain pair."""
+    n_td = C.sum(-1)                              # [T, D] expert slots
+    n_t = n_td.sum(-1)                            # [T]
+    N = n_t.sum()
+    h_e_t = _entropy_bits(C.sum(1))               # H(E | T=t)
+    h_e_td = _entropy_bits(C)                     # H(E | T=t, D=d)
+    p_d_t = n_td / n_t[:, None]
+    cmi_t = h_e_t - (p_d_t * h_e_td).sum(-1)
+    cmi = float((n_t * cmi_t).sum() / N)
+    h_e_given_t = float((n_t * h_e_t).sum() / N)
+    CD = C.sum(0)                                 # [D, E]: same occurrences, token ignored
+    mi = float(_entropy_bits(CD.sum(0)) - (CD.sum(-1) / N * _entropy_bits(CD)).sum())
+    P = C / np.maximum(n_td, 1)[..., None]
+    js_num = js_den = 0.0
+    per_pair = {}
+    for a, b, toks in pairs:
+        w = n_td[toks, a] + n_td[toks, b]
+        j = _js_rows(P[toks, a], P[toks, b])
+        per_pair[(a, b)] = float((w * j).sum() / w.sum())
+        js_num += float((w * j).sum())
+        js_den += float(w.sum())
+    return {"cmi": cmi, "mi": mi, "h_e_given_t": h_e_given_t, "js": js_num / js_den, "js_pair": per_pair}
+
+
+def token_controlled(x, idx_by_dom, n_exp, min_count=10, n_shuffle=100, seed=0, sweep=(5, 20)):
+    """Domain dependence of routing with token identity held fixed.
+
+    x[dom]: LongTensor [n_seq, seq+1] held-out windows; idx_by_dom[dom][layer]: [n_seq, seq, k] expert
+    indices of the input positions x[:, :-1]. A (token id, domain) cell is used when the token occurs
+    at least `min_count` times in that domain; a token is used when it has >= 2 such domains (only its
+    occurrences in those domains count). Each occurrence contributes its k selected experts as k
+    expert slots (the same unit as the usage distributions).
+
+    Plug-in estimators are biased upwards on finite counts, so each statistic is also computed
+    `n_shuffle` times with the domain labels permuted among the occurrences of the same token id
+    (the same permutation for every layer: an occurrence keeps its routing at all layers). Under
+    that null, routing does not depend on the domain beyond the token, so the shuffled values are the
+    noise floor; "excess" = observed - mean(shuffled)."""
+    doms = list(idx_by_dom)
+    D = len(doms)
+    L = len(next(iter(idx_by_dom.values())))
+    tok = np.concatenate([x[d][:, :-1].reshape(-1).numpy() for d in doms])
+    dom = np.concatenate([np.full(x[d][:, :-1].numel(), i) for i, d in enumerate(doms)])
+    exp = [np.concatenate([idx_by_dom[d][li].reshape(-1, idx_by_dom[d][li].shape[-1]).numpy() for d in doms])
+           for li in range(L)]
+    k = exp[0].shape[1]
+    V = int(tok.max()) + 1
+    occ = np.zeros((V, D), dtype=np.int64)
+    np.add.at(occ, (tok, dom), 1)
+
+    def select(mc):
+        ok = occ >= mc                                   # eligible (token, domain) cells
+        tok_ok = ok.sum(1) >= 2
+        keep = tok_ok[tok] & ok[tok, dom]
+        return ok, tok_ok, keep
+
+    def run(mc, shuffles, want_pairs):
+        ok, tok_ok, keep = select(mc)
+        t_ids = np.flatnonzero(tok_ok)
+        remap = np.full(V, -1)
+        remap[t_ids] = np.arange(len(t_ids))
+        t = remap[tok[keep]]
+        d = dom[keep]
+        ex = [e[keep] for e in exp]
+        T = len(t_ids)
+        pairs = [(a, b, np.flatnonzero(ok[t_ids, a] & ok[t_ids, b])) for a in range(D) for b in range(a + 1, D)]
+        pairs = [p for p in pairs if len(p[2])]
+
+        def stats(dd):
+            out = []
+            for li in range(L):
+                key = ((t[:, None] * D + dd[:, None]) * n_exp + ex[li]).reshape(-1)
+                C = np.bincount(key, minlength=T * D * n_exp).reshape(T, D, n_exp).astype(np.float64)
+                out.append(_tc_layer_stats(C, pairs))
+            return out
+
+        obs = stats(d)
+        rng = np.random.default_rng(seed)
+        order = np.argsort(t, kind="stable")             # occurrences grouped by token
+        null = []
+        for _ in range(shuffles):
+            perm = order[np.lexsort((rng.random(len(t)), t[order]))]   # random order within each token
+            dd = np.empty_like(d)
+            dd[order] = d[perm]
+            null.append(stats(dd))
+        res = {"min_count": mc, "tokens": int(T), "occurrences": int(keep.sum()),
+               "occurrence_share": float(keep.mean()),
+               "occurrences_per_domain": {doms[i]: int((d == i).sum()) for i in range(D)},
+               "tokens_per_domain_pair": {f"{doms[a]}-{doms[b]}": int(len(tt)) for a, b, tt in pairs}}
+        for key in ("cmi", "js", "mi", "h_e_given_t"):
+            o = np.array([s[key] for s in obs])
+            res[key] = {"observed_per_layer": np.round(o, 5).tolist(), "observed_mean": float(o.mean())}
+            if shuffles and key in ("cmi", "js"):
+                nl = np.array([[s[key] for s in ns] for ns in null])        # [R, L]
+                nm = nl.mean(1)
+                res[key].update({
+                    "shuffled_mean_per_layer": np.round(nl.mean(0), 5).tolist(),
+                    "shuffled_sd_per_layer": np.round(nl.std(0), 5).tolist(),
+                    "shuffled_mean": float(nm.mean()), "shuffled_sd": float(nm.std()),
+                    "excess_per_layer": np.round(o - nl.mean(0), 5).tolist(),
+                    "excess_mean": float(o.mean() - nm.mean()),
+                    # one-sided permutation p-value of the layer mean (resolution 1/(R+1))
+                    "p_value": float((1 + (nm >= o.mean()).sum()) / (shuffles + 1)),
+                })
+        if want_pairs:
+            mat = {}
+            for a, b, _ in pairs:
+                o = float(np.mean([s["js_pair"][(a, b)] for s in obs]))
+                nm = float(np.mean([[s["js_pair"][(a, b)] for s in ns] for ns in null])) if shuffles else float("nan")
+                mat[f"{doms[a]}-{doms[b]}"] = {"observed": o, "shuffled": nm, "excess": o - nm}
+            res["js_per_domain_pair"] = mat
+        return res
+
+    main = run(min_count, n_shuffle, True)
+    main["sensitivity"] = {}
+    for mc in sweep:
+        r = run(mc, max(10, n_shuffle // 5), False)
+        main["sensitivity"][str(mc)] = {"tokens": r["tokens"], "occurrence_share": r["occurrence_share"],
+                                        "cmi_excess_mean": r["cmi"]["excess_mean"],
+                                        "cmi_shuffled_mean": r["cmi"]["shuffled_mean"],
+                                        "js_excess_mean": r["js"]["excess_mean"],
+                                        "js_shuffled_mean": r["js"]["shuffled_mean"]}
+    main["slots_per_occurrence"] = k
+    main["n_shuffle"] = n_shuffle
+    return main
+
+
 def plot_loss(csv_path: Path, png: Path):
     import csv
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -211,6 +368,55 @@ def plot_usage(result, png: Path):
     fig.savefig(png)
 
 
+@torch.no_grad()
+def layer0_mix(model, x, n=8):
+    """RMS of layer 0's attention output over the RMS of the token embedding it is added to, on the first
+    n windows of each domain: how much of the first router's input is not the token's own embedding."""
+    caught = []
+    h = model.model.layers[0].self_attn.register_forward_hook(lambda mod, inp, outp: caught.append(outp[0]))
+    emb = attn = 0.0
+    try:
+        for dom in DOMAINS:
+            xb = x[dom][:n, :-1]
+            caught.clear()
+            model(input_ids=xb)
+            emb += model.model.embed_tokens(xb).pow(2).mean().item()
+            attn += caught[0].pow(2).mean().item()
+    finally:
+        h.remove()
+    return float(np.sqrt(attn / emb))
+
+
+def tc_settings(args):
+    return {"windows_per_domain": args.max_seqs, "seq": args.seq, "min_count": args.min_count,
+            "shuffles": args.shuffles, "seed": args.seed, "unit": "expert slot (k per token occurrence)",
+            "shuffle": "domain labels permuted among occurrences of the same token id, same permutation "
+                       "for all layers"}
+
+
+def token_control_only(args, result):
+    """Routing of both models on the held-out windows -> result["token_controlled"] (nothing else changes).
+
+    Checks first that the routing is the one the stored numbers came from (same JS divergence)."""
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    cfg = model.config
+    torch.manual_seed(args.seed)
+    rand = Qwen3MoeForCausalLM(cfg).float().eval()
+    x = load_heldout(Path(args.data), args.seq, args.max_seqs)
+    tc = {"settings": tc_settings(args)}
+    for name, m in [("trained", model), ("random", rand)]:
+        idx = {dom: run_domain(m, x[dom], cfg.num_hidden_layers)[1] for dom in DOMAINS}
+        js_now = routing_stats(idx, cfg.num_experts, cfg.num_experts_per_tok)["js_mean_offdiag_bits"]
+        js_stored = result.get(name, {}).get("routing", {}).get("js_mean_offdiag_bits")
+        print(f"{name}: domain JS {js_now:.4f} bits (stored: {js_stored})", file=sys.stderr, flush=True)
+        if js_stored is not None and abs(js_now - js_stored) > 1e-3:
+            print(f"warning: {name} routing differs from the one analysis.json was written from",
+                  file=sys.stderr)
+        tc[name] = token_controlled(x, idx, cfg.num_experts, args.min_count, args.shuffles, args.seed)
+        tc[name]["layer0_attn_over_embedding_rms"] = layer0_mix(m, x)
+    result["token_controlled"] = tc
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(HERE.parent.parent / "assets" / "demo-moe"))
@@ -222,10 +428,23 @@ def main():
     ap.add_argument("--max-seqs", type=int, default=48, help="held-out sequences per domain")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-random", action="store_true")
+    ap.add_argument("--min-count", type=int, default=10,
+                    help="token-controlled routing: occurrences a token needs in a domain for that domain to count")
+    ap.add_argument("--shuffles", type=int, default=100,
+                    help="token-controlled routing: label shuffles for the noise floor")
+    ap.add_argument("--token-control-only", action="store_true",
+                    help="only (re)compute the token-controlled domain dependence of routing and merge it into "
+                         "an existing analysis.json; leaves every other number and file alone")
     args = ap.parse_args()
     out = Path(args.out or args.model)
     out.mkdir(parents=True, exist_ok=True)
     result = {}
+    if args.token_control_only:
+        result = json.loads((out / "analysis.json").read_text())
+        token_control_only(args, result)
+        (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(markdown_token_controlled(result["token_controlled"]))
+        return
 
     if Path(args.log).exists():
         result["train"] = plot_loss(Path(args.log), out / "loss_curve.png")
@@ -238,6 +457,7 @@ def main():
 
     x = load_heldout(Path(args.data), args.seq, args.max_seqs)
     result["heldout_tokens"] = {d: int(t[:, 1:].numel()) for d, t in x.items()}
+    tc = {"settings": tc_settings(args)}
     for name, m in [("trained", model), ("random", rand)]:
         if name == "random" and args.skip_random:
             continue
@@ -247,6 +467,9 @@ def main():
             ppl[dom] = float(np.exp(nll))
             print(f"{name} {dom}: ppl {ppl[dom]:.2f}", file=sys.stderr, flush=True)
         result[name] = {"perplexity": ppl, "routing": routing_stats(idx, cfg.num_experts, cfg.num_experts_per_tok)}
+        tc[name] = token_controlled(x, idx, cfg.num_experts, args.min_count, args.shuffles, args.seed)
+        tc[name]["layer0_attn_over_embedding_rms"] = layer0_mix(m, x)
+    result["token_controlled"] = tc
 
     # greedy chat transcripts
     train_q = {}
@@ -296,6 +519,54 @@ def main():
     (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
 
     print(markdown(result))
+    print(markdown_token_controlled(result["token_controlled"]))
+
+
+def markdown_token_controlled(tc):
+    """Markdown tables of the token-controlled domain dependence (trained vs random-weight)."""
+    T, R = tc["trained"], tc.get("random")
+    def pair(f, fmt="{:.3f}"):
+        return f"{fmt.format(f(T))} | " + (fmt.format(f(R)) if R else "-")
+    def floor(key):
+        return lambda r: f"{r[key]['shuffled_mean']:.3f} ± {r[key]['shuffled_sd']:.4f}"
+    lines = ["#### Domain dependence with the token held fixed", "",
+             f"Tokens occurring >= {T['min_count']} times in at least two domains: {T['tokens']} token ids, "
+             f"{T['occurrences']:,} occurrences ({100 * T['occurrence_share']:.1f} % of the held-out positions); "
+             f"noise floor from {T['n_shuffle']} within-token label shuffles.", "",
+             "| statistic (bits, mean over 6 layers) | trained | random-weight |", "| --- | ---: | ---: |",
+             "| I(domain; expert \\| token), observed | " + pair(lambda r: r["cmi"]["observed_mean"]) + " |",
+             "| same, domain labels shuffled within each token (mean ± sd) | " + pair(floor("cmi"), "{}") + " |",
+             "| **excess over the shuffled floor** | " + pair(lambda r: r["cmi"]["excess_mean"], "**{:.3f}**") + " |",
+             "| JS between domains of the same token's expert distribution, observed | "
+             + pair(lambda r: r["js"]["observed_mean"]) + " |",
+             "| same, domain labels shuffled within each token (mean ± sd) | " + pair(floor("js"), "{}") + " |",
+             "| **excess over the shuffled floor** | " + pair(lambda r: r["js"]["excess_mean"], "**{:.3f}**") + " |",
+             "| H(expert \\| token): routing entropy left once the token is known (of 4) | "
+             + pair(lambda r: r["h_e_given_t"]["observed_mean"], "{:.2f}") + " |",
+             "| excess I(domain; expert \\| token) / H(expert \\| token) | "
+             + pair(lambda r: 100 * r["cmi"]["excess_mean"] / r["h_e_given_t"]["observed_mean"], "{:.1f} %") + " |",
+             "| I(domain; expert), same occurrences, token ignored (plug-in) | "
+             + pair(lambda r: r["mi"]["observed_mean"]) + " |"]
+    for mc, v in T["sensitivity"].items():
+        rv = R["sensitivity"][mc] if R else None
+        lines.append(f"| excess I(domain; expert \\| token) with threshold {mc} ({v['tokens']} tokens, "
+                     f"{100 * v['occurrence_share']:.0f} % of positions) | {v['cmi_excess_mean']:.3f} | "
+                     + (f"{rv['cmi_excess_mean']:.3f}" if rv else "-") + " |")
+    lines += ["", "| layer | excess I(domain; expert \\| token) (trained / random) "
+              "| excess same-token JS (trained / random) | H(expert \\| token) (trained / random) |",
+              "| ---: | ---: | ---: | ---: |"]
+    for li in range(len(T["cmi"]["excess_per_layer"])):
+        def lp(key, sub, fmt="{:.3f}", li=li):
+            a = T[key][sub][li]
+            return fmt.format(a) + " / " + (fmt.format(R[key][sub][li]) if R else "-")
+        lines.append(f"| {li} | {lp('cmi', 'excess_per_layer')} | {lp('js', 'excess_per_layer')} "
+                     f"| {lp('h_e_given_t', 'observed_per_layer', '{:.2f}')} |")
+    lines += ["", "| domain pair | shared tokens | excess same-token JS, trained | random-weight |",
+              "| --- | ---: | ---: | ---: |"]
+    for k, v in T["js_per_domain_pair"].items():
+        rv = R["js_per_domain_pair"][k]["excess"] if R else float("nan")
+        lines.append(f"| {k} | {T['tokens_per_domain_pair'][k]} | {v['excess']:.3f} | {rv:.3f} |")
+    return "\n".join(lines)
 
 
 def markdown(result):
@@ -314,18 +585,22 @@ def markdown(result):
               "| P(reuse >=1 of previous token's experts) (trained / random) |",
               "| ---: | ---: | ---: | ---: |"]
     for li in range(L):
-        def pair(key):
+        def pair(key, li=li):
             a = tr[key][li]
             b = rr[key][li] if rr else float("nan")
             return f"{a:.3f} / {b:.3f}"
-        lines.append(f"| {li} | {pair('top_expert_share')} | {pair('usage_entropy_bits')} | {pair('reuse_any_per_layer')} |")
+        lines.append(f"| {li} | {pair('top_expert_share')} | {pair('usage_entropy_bits')} "
+                     f"| {pair('reuse_any_per_layer')} |")
     def row(name, f):
         return f"| {name} | {f(tr)} | {f(rr) if rr else '-'} |"
     lines += ["", "#### Summary", "", "| statistic | trained | random-weight |", "| --- | ---: | ---: |",
-              row("mean top-1 expert share per layer (uniform = 0.0625)", lambda r: f"{np.mean(r['top_expert_share']):.3f}"),
-              row("mean usage entropy per layer, bits (uniform = 4)", lambda r: f"{np.mean(r['usage_entropy_bits']):.2f}"),
+              row("mean top-1 expert share per layer (uniform = 0.0625)",
+                  lambda r: f"{np.mean(r['top_expert_share']):.3f}"),
+              row("mean usage entropy per layer, bits (uniform = 4)",
+                  lambda r: f"{np.mean(r['usage_entropy_bits']):.2f}"),
               row("mean Jensen-Shannon divergence between domains, bits", lambda r: f"{r['js_mean_offdiag_bits']:.3f}"),
-              row("P(token reuses >=1 of previous token's experts), same layer", lambda r: f"{r['reuse_any_mean']:.3f}"),
+              row("P(token reuses >=1 of previous token's experts), same layer",
+                  lambda r: f"{r['reuse_any_mean']:.3f}"),
               row("mean overlap fraction with previous token's experts", lambda r: f"{r['overlap_frac_mean']:.3f}"),
               row("LRU hit rate, 4 of 16 experts cached per layer", lambda r: f"{r['lru_hit_rate']['4']:.3f}"),
               row("LRU hit rate, 8 of 16 experts cached per layer", lambda r: f"{r['lru_hit_rate']['8']:.3f}"),
@@ -338,13 +613,15 @@ def markdown(result):
                   "| | " + " | ".join(doms) + " |", "| --- |" + " ---: |" * len(doms)]
         for i, d in enumerate(doms):
             lines.append(f"| {d} | " + " | ".join(f"{v:.3f}" for v in m[i]) + " |")
-    lines += ["", "#### Per-domain concentration (trained / random): mean over layers of the top-1 and top-4 expert shares", "",
+    lines += ["", "#### Per-domain concentration (trained / random): "
+              "mean over layers of the top-1 and top-4 expert shares", "",
               "| domain | top-1 share | top-4 share | reuse prob. |", "| --- | ---: | ---: | ---: |"]
     for d in DOMAINS:
         lines.append(f"| {d} | {tr['per_domain_top1_share'][d]:.3f} / {rr['per_domain_top1_share'][d]:.3f} | "
                      f"{tr['per_domain_top4_share'][d]:.3f} / {rr['per_domain_top4_share'][d]:.3f} | "
                      f"{tr['reuse_any_per_domain'][d]:.3f} / {rr['reuse_any_per_domain'][d]:.3f} |" if rr else
-                     f"| {d} | {tr['per_domain_top1_share'][d]:.3f} | {tr['per_domain_top4_share'][d]:.3f} | {tr['reuse_any_per_domain'][d]:.3f} |")
+                     f"| {d} | {tr['per_domain_top1_share'][d]:.3f} | {tr['per_domain_top4_share'][d]:.3f} "
+                     f"| {tr['reuse_any_per_domain'][d]:.3f} |")
     lines += ["", "#### Greedy transcripts", ""]
     for t in result["transcripts"]:
         lines += ["```", f"user: {t['user']}", f"assistant: {t['assistant']}", "```",
