@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -73,6 +74,21 @@ class Job:
             self.state = FAILED if error is not None else DONE
             self._done.set()
 
+    def run(self, after: Callable[[], None] | None = None) -> bool:
+        """Run fn here unless cancelled, then `after` (before anyone sees the job done); its result or error
+        is kept for the provider. True if fn ran."""
+        if not self._start():
+            return False
+        try:
+            result = self.fn()
+            if after is not None:
+                after()
+        except BaseException as e:  # noqa: BLE001 - handed to the provider, which re-raises on use
+            self._finish(e)
+        else:
+            self._finish(None, result)
+        return True
+
     def done(self) -> bool:
         return self._done.is_set()
 
@@ -99,13 +115,7 @@ class InlineTransfer:
         self.device = device
 
     def submit(self, job: Job) -> Job:
-        if job._start():
-            try:
-                result = job.fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the provider, which re-raises on use
-                job._finish(e)
-            else:
-                job._finish(None, result)
+        job.run()
         return job
 
     @property
@@ -150,20 +160,13 @@ class ThreadTransfer:
             job = self._queue.get()
             if job is None:
                 return
-            if not job._start():
-                continue  # cancelled while queued
-            try:
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        self._stream.wait_event(job._ready_event)
-                        result = job.fn()
-                        job._copy_event.record(self._stream)
-                else:
-                    result = job.fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the provider, which re-raises on use
-                job._finish(e)
-            else:
-                job._finish(None, result)
+            if self._stream is None:
+                job.run()  # a job cancelled while queued does nothing
+                continue
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(job._ready_event)
+                # The copy event is recorded before the job reads as done: whoever sees it done can wait on it.
+                job.run(after=partial(job._copy_event.record, self._stream))
 
     @property
     def busy(self) -> bool:
