@@ -351,3 +351,15 @@ def test_default_mode_is_off_only_where_a_miss_is_a_memcpy(tiny_models, capsys):
         assert json.loads(capsys.readouterr().out)["cache"]["prefetch"] == want
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_job_reads_as_done_only_after_its_after_step():
+    """On CUDA the copy event is recorded in `after`: a job seen done must already have it."""
+    seen = []
+    job = Job((0, 0), 0, lambda: "bytes")
+    assert job.run(after=lambda: seen.append(job.done())) and seen == [False]
+    assert job.done() and job.state == DONE and job.result == "bytes"
+    cancelled = Job((0, 1), 1, lambda: seen.append("ran"))
+    assert cancelled.cancel() and not cancelled.run() and seen == [False]
+    failed = Job((0, 2), 2, lambda: 1 / 0)
+    assert failed.run() and failed.state == "failed" and isinstance(failed.error, ZeroDivisionError)
