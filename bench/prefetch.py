@@ -201,8 +201,9 @@ def replay(trace_path: Path, capacity_fraction: float, mode: str) -> dict:
             pass
     N = len(np.unique(np.stack([trace.sequence, trace.token]), axis=1).T)
     snap = provider.snapshot()
+    per_layer = [(c / p if p else float("nan")) for c, p in zip(snap.predicted_correct, snap.predicted, strict=True)]
     return {"misses_per_tok": sum(snap.misses) / N, "precision": snap.prefetch_precision,
-            "recall": snap.prefetch_recall, "C": C, "N": N}
+            "recall": snap.prefetch_recall, "C": C, "N": N, "per_layer": per_layer, "layers": layers}
 
 
 def traces(args) -> None:
@@ -215,13 +216,19 @@ def traces(args) -> None:
     print("| trace | tokens | slots (share of all experts) | demand misses/tok, off | previous-token | ratio | "
           "precision | recall |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    per_layer = {}
     for f in files:
         for frac in args.fractions:
             off = replay(f, frac, "off")
             on = replay(f, frac, "previous-token")
+            per_layer[f.parent.name] = on
             print(f"| {f.parent.name}/{f.name} | {off['N']} | {off['C']} ({frac:.0%}) | {off['misses_per_tok']:.2f} | "
                   f"{on['misses_per_tok']:.2f} | {on['misses_per_tok'] / off['misses_per_tok']:.2f} | "
                   f"{fmt(on['precision'])} | {fmt(on['recall'])} |")
+    print("\nPrevious-token precision per MoE layer (= recall: K predicted, K used):\n")
+    for name, on in per_layer.items():
+        cells = " ".join(f"{layer}:{fmt(on['per_layer'][layer])}" for layer in on["layers"])
+        print(f"- {name}: {cells}")
 
 
 def main() -> None:
