@@ -201,7 +201,9 @@ def test_quiesce_cancels_queued_loads_and_finishes_the_running_one(tiny_models):
         job = Job(key, slot, lambda key=key, slot=slot: provider._load_bytes(key, slot))
         provider.inflight[key] = job
         jobs.append(transfer.submit(job))
-    time.sleep(0.05)  # the worker picks up job 0 and blocks on the gate
+    deadline = time.monotonic() + 10
+    while jobs[0].state != "running" and time.monotonic() < deadline:  # the worker picks up job 0, blocks on the gate
+        time.sleep(0.01)
     assert [j.state for j in jobs] == ["running", "pending", "pending"]
     assert all(provider.pool.state[j.slot] == LOADING for j in jobs)
     threading.Timer(0.1, gate.set).start()
