@@ -226,11 +226,18 @@ class Engine:
             t_first = time.perf_counter()
             prefill_rate = len(prompt_ids) / max(t_first - t0, 1e-9)
             generated: list[int] = []
+            if penalise:  # the ids seen so far, in one buffer filled as tokens come (no per-token copy of history)
+                seen = torch.empty(len(history) + min(max_tokens, seq.kv.free) + 1, dtype=torch.long,
+                                   device=self.loaded.device)  # [N]
+                seen[: len(history)] = torch.tensor(history, dtype=torch.long)
+            n_seen = len(history)
             while True:
-                penalty_ids = torch.tensor(history, device=self.loaded.device) if penalise else None
-                token = int(sampler(logits, penalty_ids))  # the one host sync per token
+                token = int(sampler(logits, seen[:n_seen] if penalise else None))  # the one host sync per token
                 generated.append(token)
                 history.append(token)
+                if penalise:
+                    seen[n_seen] = token
+                n_seen += 1
                 finish = None
                 if token in stop_ids:
                     finish = "stop"

@@ -118,3 +118,17 @@ def test_sampling_is_reproducible_with_a_seed(tiny_models):
     b = _tokens(engine.generate([3, 1, 4], sampling=params, max_tokens=20))
     assert a == b
     assert torch.tensor(a).unique().numel() > 1
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_greedy_with_repetition_penalty_matches_transformers(tiny_models, penalty):
+    """The penalty sees the prompt and every generated token, as transformers' processor does."""
+    path, hf = tiny_models["qwen3_moe"]
+    engine = Engine.load(path, dtype="float32")
+    prompt = [5, 9, 5, 17, 9, 5]
+    ours = _tokens(engine.generate(prompt, sampling=SamplingParams(do_sample=False, repetition_penalty=penalty),
+                                   max_tokens=24, stop_on_eos=False))
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt]), do_sample=False, repetition_penalty=penalty, max_new_tokens=24,
+                          min_new_tokens=24)[0, len(prompt):].tolist()
+    assert ours == ref
