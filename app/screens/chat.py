@@ -65,7 +65,7 @@ class ChatScreen(Screen):
         Binding("f3", "sampling", "Sampling"),
         Binding("f4", "toggle_dashboard", "Panel"),
         Binding("ctrl+l", "open_model", "Open model", show=False),
-        Binding("f5", "setup", "Get models", show=False),
+        Binding("f5", "setup", "Get models"),
     ]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-normal"), (170, "-wide")]
 
