@@ -158,6 +158,7 @@ class CachedProvider:
         np.add.at(self.frequency[layer], ids_np.reshape(-1), 1)
         if self.inflight:
             self._reap()
+            self._drop_superseded(layer, experts)
         if self.prefetching:
             self._score_prediction(layer, experts)
             self.predictor.observe_routing(layer, ids_np[-1].tolist())
@@ -335,6 +336,15 @@ class CachedProvider:
         """Publish prefetches that have finished (no waiting)."""
         for key, job in list(self.inflight.items()):
             if job.done():
+                del self.inflight[key]
+                self._settle(job)
+
+    def _drop_superseded(self, layer: int, experts: list[int]) -> None:
+        """`layer` has routed without these queued prefetches: cancel the ones that have not started (their
+        slots go back; they count as wasted) so the worker moves on to what the next layers need."""
+        needed = set(experts)
+        for key, job in list(self.inflight.items()):
+            if key[0] == layer and key[1] not in needed and job.cancel():
                 del self.inflight[key]
                 self._settle(job)
 

@@ -365,3 +365,30 @@ def test_a_job_reads_as_done_only_after_its_after_step():
     assert cancelled.cancel() and not cancelled.run() and seen == [False]
     failed = Job((0, 2), 2, lambda: 1 / 0)
     assert failed.run() and failed.state == "failed" and isinstance(failed.error, ZeroDivisionError)
+
+
+def test_prefetches_a_layer_routed_without_are_superseded(tiny_models):
+    """Queued loads for a layer that has already routed elsewhere are cancelled when it runs."""
+    path, _ = tiny_models["qwen3_moe"]
+    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=24))
+    provider = engine.provider
+    gate = threading.Event()
+    provider.store = SlowStore(provider.store, delay=0.0, gate=gate)
+    jobs = {}
+    for key in [(1, 0), (2, 3), (2, 5)]:  # (1, 0) holds the worker; the other two wait in the queue
+        slot = provider.pool.begin_load(*key)
+        provider.policy.admit(key)
+        provider.prefetched.add(key)
+        jobs[key] = provider.inflight[key] = Job(key, slot, lambda key=key, slot=slot: provider._load_bytes(key, slot))
+        provider.transfer.submit(jobs[key])
+    deadline = time.monotonic() + 10
+    while jobs[(1, 0)].state != "running" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threading.Timer(0.2, gate.set).start()
+    with torch.inference_mode():
+        list(provider.batches(2, torch.tensor([[4, 6]])))
+    assert jobs[(2, 3)].state == jobs[(2, 5)].state == CANCELLED
+    assert provider.stats.layers[2].prefetch_wasted == 2 and provider.stats.layers[2].misses == 2
+    provider.quiesce()
+    assert jobs[(1, 0)].state == DONE and provider.pool.host_map[1, 0] >= 0
+    _check_pool(provider)
