@@ -36,7 +36,7 @@ class Job:
     """One expert load: `fn()` writes the bytes; the job records how it ended."""
 
     __slots__ = ("key", "slot", "fn", "state", "error", "result", "submitted", "_done", "_lock", "_ready_event",
-                 "_copy_event")
+                 "_copy_event", "_device")
 
     def __init__(self, key: tuple[int, int], slot: int, fn: Callable[[], None]):
         self.key = key
@@ -50,6 +50,7 @@ class Job:
         self._lock = threading.Lock()
         self._ready_event = None  # CUDA: compute work the copy must wait for
         self._copy_event = None  # CUDA: recorded on the copy stream after the copy
+        self._device = None  # CUDA: the device whose compute stream uses the slot
 
     def cancel(self) -> bool:
         """Cancel if it has not started; True if it will never run."""
@@ -103,7 +104,7 @@ class Job:
     def wait_device(self) -> None:
         """CUDA: make the current stream wait for the copy (no host sync). No-op on CPU."""
         if self._copy_event is not None:
-            torch.cuda.current_stream().wait_event(self._copy_event)
+            torch.cuda.current_stream(self._device).wait_event(self._copy_event)  # that device's, not the default
 
 
 class InlineTransfer:
@@ -147,6 +148,7 @@ class ThreadTransfer:
             job._ready_event = torch.cuda.Event()
             job._ready_event.record(torch.cuda.current_stream(self.device))
             job._copy_event = torch.cuda.Event()
+            job._device = self.device
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
             self._thread.start()
