@@ -149,6 +149,27 @@ def _worker_running(provider) -> bool:
     return thread is not None and thread.is_alive()
 
 
+def _held_worker(tiny_models, keys):
+    """A provider whose transfer worker is held inside the load of keys[0] (until the returned gate is set)
+    while the other keys' prefetch jobs wait in its queue; returns (provider, gate, jobs by key)."""
+    path, _ = tiny_models["qwen3_moe"]
+    provider = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=24)).provider
+    assert isinstance(provider.transfer, ThreadTransfer)
+    gate = threading.Event()
+    provider.store = SlowStore(provider.store, delay=0.0, gate=gate)
+    jobs = {}
+    for key in keys:
+        slot = provider.pool.begin_load(*key)
+        provider.policy.admit(key)
+        provider.prefetched.add(key)
+        jobs[key] = provider.inflight[key] = Job(key, slot, lambda key=key, slot=slot: provider._load_bytes(key, slot))
+        provider.transfer.submit(jobs[key])
+    deadline = time.monotonic() + 10
+    while jobs[keys[0]].state != "running" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return provider, gate, jobs
+
+
 def test_cancel_with_loads_in_flight_stops_every_thread_and_keeps_the_cache_consistent(tiny_models, resident):
     path, _ = tiny_models["mixtral"]
     engine = Engine.load(path, dtype="float32", prefill_chunk=8,
@@ -193,25 +214,8 @@ def test_abandoned_generation_stops_loads_too(tiny_models):
 
 def test_quiesce_cancels_queued_loads_and_finishes_the_running_one(tiny_models):
     """Deterministic: the worker is held inside one load while two more wait in the queue."""
-    path, _ = tiny_models["qwen3_moe"]
-    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=24))
-    provider = engine.provider
-    gate = threading.Event()
-    provider.store = SlowStore(provider.store, delay=0.0, gate=gate)
-    transfer = provider.transfer
-    assert isinstance(transfer, ThreadTransfer)
-    jobs = []
-    for expert in range(3):
-        key = (1, expert)
-        slot = provider.pool.begin_load(*key)
-        provider.policy.admit(key)
-        provider.prefetched.add(key)
-        job = Job(key, slot, lambda key=key, slot=slot: provider._load_bytes(key, slot))
-        provider.inflight[key] = job
-        jobs.append(transfer.submit(job))
-    deadline = time.monotonic() + 10
-    while jobs[0].state != "running" and time.monotonic() < deadline:  # the worker picks up job 0, blocks on the gate
-        time.sleep(0.01)
+    provider, gate, by_key = _held_worker(tiny_models, [(1, 0), (1, 1), (1, 2)])
+    jobs = list(by_key.values())
     assert [j.state for j in jobs] == ["running", "pending", "pending"]
     assert all(provider.pool.state[j.slot] == LOADING for j in jobs)
     threading.Timer(0.1, gate.set).start()
@@ -377,21 +381,7 @@ def test_a_job_reads_as_done_only_after_its_after_step():
 
 def test_prefetches_a_layer_routed_without_are_superseded(tiny_models):
     """Queued loads for a layer that has already routed elsewhere are cancelled when it runs."""
-    path, _ = tiny_models["qwen3_moe"]
-    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=24))
-    provider = engine.provider
-    gate = threading.Event()
-    provider.store = SlowStore(provider.store, delay=0.0, gate=gate)
-    jobs = {}
-    for key in [(1, 0), (2, 3), (2, 5)]:  # (1, 0) holds the worker; the other two wait in the queue
-        slot = provider.pool.begin_load(*key)
-        provider.policy.admit(key)
-        provider.prefetched.add(key)
-        jobs[key] = provider.inflight[key] = Job(key, slot, lambda key=key, slot=slot: provider._load_bytes(key, slot))
-        provider.transfer.submit(jobs[key])
-    deadline = time.monotonic() + 10
-    while jobs[(1, 0)].state != "running" and time.monotonic() < deadline:
-        time.sleep(0.01)
+    provider, gate, jobs = _held_worker(tiny_models, [(1, 0), (2, 3), (2, 5)])  # (1, 0) holds the worker
     threading.Timer(0.2, gate.set).start()
     with torch.inference_mode():
         list(provider.batches(2, torch.tensor([[4, 6]])))
