@@ -246,11 +246,11 @@ class CachedProvider:
             try:
                 victim = self.policy.victim(protected | self.inflight.keys() if self.inflight else protected)
             except RuntimeError:
-                if not (allow_cancel and self.inflight):
-                    if allow_cancel:
-                        raise
-                    return None
-                self._cancel_inflight()
+                if not allow_cancel:
+                    return None  # nothing a prefetch may evict
+                if not self.inflight:
+                    raise
+                self._cancel_inflight()  # loads in flight hold the slots this step needs: give them up
                 continue
             slot = pool.slot_of(*victim)
             pool.release(slot)
@@ -374,13 +374,12 @@ class CachedProvider:
         """Fill free slots with the most used experts of a saved profile [L, E]; returns how many loaded."""
         pool = self.pool
         flat = np.asarray(counts, dtype=np.float64).reshape(-1)
-        order = np.argsort(-flat, kind="stable")
         free = pool.num_slots - pool.used
-        keys = []
-        for idx in order[: min(len(order), free + pool.used)]:
+        keys: list[Key] = []
+        for idx in np.argsort(-flat, kind="stable"):  # most used first
             if flat[idx] <= 0 or len(keys) >= free:
                 break
-            key = (int(idx) // pool.num_experts, int(idx) % pool.num_experts)
+            key = divmod(int(idx), pool.num_experts)  # (layer, expert)
             if pool.host_map[key] < 0 and key not in self.inflight:
                 keys.append(key)
         for key in reversed(keys):  # least used first, so recency-based policies rank the most used highest
