@@ -35,17 +35,16 @@ PENDING, RUNNING, DONE, CANCELLED, FAILED = "pending", "running", "done", "cance
 class Job:
     """One expert load: `fn()` writes the bytes; the job records how it ended."""
 
-    __slots__ = ("key", "slot", "fn", "state", "error", "result", "submitted", "_done", "_lock", "_ready_event",
-                 "_copy_event", "_device")
+    __slots__ = ("key", "slot", "fn", "state", "error", "result", "_done", "_lock", "_ready_event", "_copy_event",
+                 "_device")
 
-    def __init__(self, key: tuple[int, int], slot: int, fn: Callable[[], None]):
+    def __init__(self, key: tuple[int, int], slot: int, fn: Callable[[], object]):
         self.key = key
         self.slot = slot
         self.fn = fn
         self.state = PENDING
         self.error: BaseException | None = None
         self.result = None  # what fn returned
-        self.submitted = time.perf_counter()
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._ready_event = None  # CUDA: compute work the copy must wait for
@@ -84,7 +83,7 @@ class Job:
             result = self.fn()
             if after is not None:
                 after()
-        except BaseException as e:  # noqa: BLE001 - handed to the provider, which re-raises on use
+        except BaseException as e:  # noqa: BLE001 - kept: the provider frees the slot; a demand load re-reads
             self._finish(e)
         else:
             self._finish(None, result)
@@ -118,10 +117,6 @@ class InlineTransfer:
     def submit(self, job: Job) -> Job:
         job.run()
         return job
-
-    @property
-    def busy(self) -> bool:
-        return False
 
     def quiesce(self) -> None:
         pass
@@ -169,11 +164,6 @@ class ThreadTransfer:
                 self._stream.wait_event(job._ready_event)
                 # The copy event is recorded before the job reads as done: whoever sees it done can wait on it.
                 job.run(after=partial(job._copy_event.record, self._stream))
-
-    @property
-    def busy(self) -> bool:
-        """A job is queued or running."""
-        return any(not j.done() for j in self._jobs)
 
     def quiesce(self) -> None:
         """Cancel queued jobs, wait for the running one, and stop the worker thread."""
