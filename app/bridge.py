@@ -143,7 +143,9 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
 
         # record_trace: the session's routing feeds the tuning panel's predicted hit rate (11 + 2K bytes a
         # layer per token, a copy of [T, K] ids per layer call).
-        spare = device != "cpu" or torch.get_num_threads() < (os.cpu_count() or 1)
+        from moechat.engine.hardware import usable_cores
+
+        spare = device != "cpu" or torch.get_num_threads() < usable_cores()
         prefetch = options.prefetch or default_prefetch(device, ram_cache_bytes, spare_core=spare)
         cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
                             ram_cache_bytes=ram_cache_bytes, prefetch=prefetch,
@@ -163,10 +165,9 @@ def leave_a_core_for_the_ui(torch) -> int:
     """
     if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
         return torch.get_num_threads()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    from moechat.engine.hardware import usable_cores
+
+    cores = usable_cores()
     if cores > 1 and torch.get_num_threads() >= cores:
         torch.set_num_threads(cores - 1)
     return torch.get_num_threads()

@@ -110,13 +110,9 @@ def _default_policy() -> str:
 
 def _spare_core(torch) -> bool:
     """torch's CPU pool leaves a core free (for the prefetch thread)."""
-    import os
+    from moechat.engine.hardware import usable_cores
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return torch.get_num_threads() < cores
+    return torch.get_num_threads() < usable_cores()
 
 
 def _run(args: argparse.Namespace) -> int:

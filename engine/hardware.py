@@ -45,6 +45,14 @@ ASSUMED_DISK_GBPS = 2.0  # an NVMe SSD reading MB-sized expert ranges with one r
 CGROUP_V1_UNLIMITED = 1 << 62
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def pcie_link_gbps(generation: int | None, width: int | None) -> float | None:
     """Usable host->device GB/s of a PCIe link, or None when either number is unknown."""
     if not generation or not width or generation not in PCIE_LANE_GBPS:
