@@ -48,6 +48,9 @@ PROMPTS = [
     ("What does str.split do?", "str.split", "doc"),
     ("What does os.path.join do?", "os.path.join", "doc"),
     ("What does collections.Counter do?", "collections.Counter", "doc"),
+    ("What does json.dumps do in Python?", "json.dumps", "doc"),
+    ("What does re.sub do in Python?", "re.sub", "doc"),
+    ("What does textwrap.shorten do?", "textwrap.shorten", "doc"),
     ("What is 12 + 7?", "12 + 7", "arith"),
     ("What is 45 * 3?", "45 * 3", "arith"),
     ("What does \"hacker\" mean in hacker jargon?", "hacker", "jargon"),
@@ -483,6 +486,7 @@ def main():
     sys.path.insert(0, str(HERE))
     import build_corpus
     docs = {q: a for q, _, a in build_corpus.docstring_pairs()}
+    docs.update(build_corpus.core_pairs())  # the core set's answers are shorter (CORE_MAX_CHARS)
     jargon = {t: build_corpus.first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", d.replace("\n", " ")), 300)
               for t, _, d in build_corpus.jargon_entries()}
     forms = {"doc": build_corpus.QUESTION_FORMS + build_corpus.MODULE_FORMS,
@@ -497,8 +501,9 @@ def main():
             reference[p] = jargon.get(subj)
         else:
             reference[p] = f"{subj} = {eval(subj)}"
+    core = set(build_corpus.CORE_NAMES)
     transcripts = []
-    for p, _, _ in PROMPTS:
+    for p, subj, _ in PROMPTS:
         msgs = [{"role": "user", "content": p}]
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         with torch.no_grad():
@@ -507,7 +512,7 @@ def main():
                                  pad_token_id=tok.pad_token_id)
         new = gen[0, ids["input_ids"].shape[1]:]
         text = tok.decode(new, skip_special_tokens=False)
-        transcripts.append({"user": p, "assistant": text,
+        transcripts.append({"user": p, "assistant": text, "core_name": subj in core,
                             "stopped_at_im_end": bool((new == tok.convert_tokens_to_ids("<|im_end|>")).any()),
                             "exact_question_in_train": p in train_q,
                             "same_subject_questions_in_train": subjects[p][:3],
@@ -515,11 +520,103 @@ def main():
                             "reference_from_source": reference[p]})
         print(f"USER: {p}\nASSISTANT: {text}\n", file=sys.stderr, flush=True)
     result["transcripts"] = transcripts
+    result["chat_eval"] = chat_eval(model, tok, Path(args.corpus), build_corpus)
     plot_usage(result, out / "routing_usage.png")
     (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
 
     print(markdown(result))
     print(markdown_token_controlled(result["token_controlled"]))
+    print(markdown_chat_eval(result["chat_eval"]))
+
+
+WORD = __import__("re").compile(r"[a-z0-9_]+")
+
+
+def word_f1(reply: str, ref: str) -> float:
+    """Bag-of-words F1 between a reply and a reference (lower-cased words)."""
+    from collections import Counter
+    a, b = Counter(WORD.findall(reply.lower())), Counter(WORD.findall(ref.lower()))
+    common = sum((a & b).values())
+    if not common:
+        return 0.0
+    prec, rec = common / sum(a.values()), common / sum(b.values())
+    return 2 * prec * rec / (prec + rec)
+
+
+@torch.no_grad()
+def greedy_replies(model, tok, questions, max_new=48, bs=32):
+    """Greedy replies (text up to <|im_end|>) to single-turn questions, batched with left padding."""
+    tok.padding_side = "left"
+    out = []
+    for i in range(0, len(questions), bs):
+        batch = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=False) for q in questions[i:i + bs]]
+        enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new, repetition_penalty=1.0, output_router_logits=False,
+                             eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
+        for row in gen[:, enc["input_ids"].shape[1]:]:
+            out.append(tok.decode(row, skip_special_tokens=False).split("<|im_end|>")[0].split("<|endoftext|>")[0])
+    return out
+
+
+def chat_eval(model, tok, corpus: Path, build_corpus):
+    """How often the model's answer to "What does X do?" is X's docstring answer, over whole sets of names.
+
+    Sets: the core names asked in a training wording and in the wording held back from training for
+    them; non-core names whose (only) question is in the training split; names whose question is only
+    in the held-out split. Scores: exact match with the source answer, and bag-of-words F1 against the
+    name's own answer vs against another name's answer of the same set (a fixed derangement): the gap
+    is how much of the reply is about *this* name rather than docstring boilerplate."""
+    import random
+    core = dict(build_corpus.core_pairs())
+    split_q = {"train": {}, "heldout": {}}
+    for split in split_q:
+        with open(corpus / f"{split}.jsonl") as f:
+            for line in f:
+                d = json.loads(line)
+                if d["domain"] != "chat" or d.get("core"):
+                    continue
+                for q in d.get("questions", []):
+                    split_q[split][q] = True
+    docs = {q: a for q, _, a in build_corpus.docstring_pairs()}
+    forms = build_corpus.QUESTION_FORMS
+
+    def subject(q):
+        for f in forms:
+            pre, post = f.split("{n}")
+            if q.startswith(pre) and q.endswith(post):
+                return q[len(pre):len(q) - len(post)]
+        return None
+
+    sets = {"core, training wording": [(forms[0].format(n=n), a) for n, a in core.items()],
+            "core, wording not trained for it": [(forms[-1].format(n=n), a) for n, a in core.items()]}
+    for split, label in (("train", "other names, question in training data"),
+                         ("heldout", "other names, question only in held-out data")):
+        items = sorted((q, docs[subject(q)]) for q in split_q[split] if subject(q) in docs)
+        random.Random(0).shuffle(items)
+        sets[label] = items[:120]
+    res = {}
+    for label, items in sets.items():
+        replies = greedy_replies(model, tok, [q for q, _ in items])
+        refs = [a for _, a in items]
+        shift = refs[1:] + refs[:1]
+        exact = [r.strip() == a.strip() for r, a in zip(replies, refs)]
+        own = [word_f1(r, a) for r, a in zip(replies, refs)]
+        other = [word_f1(r, a) for r, a in zip(replies, shift)]
+        res[label] = {"n": len(items), "exact_match": float(np.mean(exact)), "f1_own": float(np.mean(own)),
+                      "f1_other": float(np.mean(other)),
+                      "examples": [{"q": q, "reply": r, "source": a} for (q, a), r in list(zip(items, replies))[:5]]}
+        print(f"chat eval {label}: n={len(items)} exact {np.mean(exact):.3f} F1 own {np.mean(own):.3f} "
+              f"other {np.mean(other):.3f}", file=sys.stderr, flush=True)
+    return res
+
+
+def markdown_chat_eval(ce):
+    lines = ["| question set | names | exact match | word F1 vs own answer | word F1 vs another name's answer |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for label, r in ce.items():
+        lines.append(f"| {label} | {r['n']} | {r['exact_match']:.1%} | {r['f1_own']:.3f} | {r['f1_other']:.3f} |")
+    return "\n".join(lines)
 
 
 def markdown_token_controlled(tc):
@@ -626,7 +723,8 @@ def markdown(result):
     for t in result["transcripts"]:
         lines += ["```", f"user: {t['user']}", f"assistant: {t['assistant']}", "```",
                   f"Stopped with `<|im_end|>`: {t['stopped_at_im_end']}. Exact question in training data: "
-                  f"{t['exact_question_in_train']}. Training questions on the same subject: "
+                  f"{t['exact_question_in_train']}. Core name: {t.get('core_name', False)}. "
+                  f"Training questions on the same subject: "
                   f"{t['n_same_subject_questions_in_train']} {t['same_subject_questions_in_train']}. "
                   f"Source text: {t['reference_from_source']!r}", ""]
     return "\n".join(lines)

@@ -73,6 +73,7 @@ LICENSES = {
     "chat-docstrings": "PSF License 2.0 (answers copied from stdlib docstrings)",
     "chat-jargon": "public domain (answers copied from the Jargon File)",
     "chat-arith": "generated",
+    "chat-core": "PSF License 2.0 (answers copied from stdlib docstrings)",
 }
 
 
@@ -284,6 +285,49 @@ BUILTIN_TYPES = ["str", "bytes", "list", "dict", "set", "frozenset", "tuple", "i
 QUESTION_FORMS = ["What does {n} do?", "What is {n} for?", "Explain {n} briefly.",
                   "Can you tell me what {n} does?", "What does {n} do in Python?"]
 MODULE_FORMS = ["What is the {n} module?", "What is the {n} module for?", "Tell me about the {n} module."]
+# The "core" chat set: everyday standard-library names, each asked in every training wording and
+# repeated (CORE_REPEAT), so that a 10 M-parameter model can learn their answers. The last wording
+# of QUESTION_FORMS is never used for them in training: the card asks it to see whether the answer
+# carries over to a wording the model has not seen for that name.
+CORE_NAMES = """
+json.dumps json.loads json.dump json.load os.path.join os.path.exists os.path.basename os.path.dirname
+os.path.splitext os.path.isfile os.path.isdir os.path.abspath os.listdir os.makedirs os.remove os.getcwd
+os.getenv os.walk os.rename os.mkdir
+str.split str.join str.strip str.replace str.lower str.upper str.startswith str.endswith str.find
+str.format str.encode str.lstrip str.rstrip str.splitlines str.isdigit str.count str.title str.zfill
+str.partition list.append list.extend list.pop list.sort list.insert list.remove list.reverse list.index
+list.copy list.clear dict.get dict.items dict.keys dict.values dict.update dict.pop dict.setdefault
+dict.fromkeys set.add set.union set.intersection set.discard bytes.decode
+len print sorted enumerate zip range open isinstance map filter sum min max abs round input repr hash id
+getattr setattr hasattr any all iter next reversed divmod pow chr ord hex bin format vars dir callable
+collections.Counter collections.defaultdict collections.OrderedDict collections.deque
+collections.namedtuple collections.ChainMap
+itertools.chain itertools.product itertools.permutations itertools.combinations itertools.groupby
+itertools.islice itertools.cycle itertools.count itertools.repeat itertools.accumulate
+itertools.zip_longest functools.reduce functools.partial functools.lru_cache functools.wraps
+functools.cache functools.total_ordering
+math.sqrt math.floor math.ceil math.log math.gcd math.isclose math.pow math.exp math.sin
+random.random random.randint random.choice random.shuffle random.sample random.uniform random.seed
+re.compile re.match re.search re.sub re.findall re.split re.fullmatch re.escape re.finditer
+time.time time.sleep time.perf_counter time.monotonic time.strftime datetime.datetime datetime.date
+datetime.timedelta sys.exit shutil.copy shutil.rmtree shutil.move shutil.which shutil.copytree
+subprocess.run subprocess.Popen subprocess.check_output
+pathlib.Path pathlib.Path.exists pathlib.Path.read_text pathlib.Path.write_text pathlib.Path.mkdir
+pathlib.Path.glob pathlib.Path.iterdir copy.copy copy.deepcopy pickle.dumps pickle.loads pickle.dump
+pickle.load csv.reader csv.writer heapq.heappush heapq.heappop heapq.heapify
+heapq.nlargest heapq.nsmallest bisect.bisect_left bisect.insort hashlib.sha256 hashlib.md5
+base64.b64encode base64.b64decode uuid.uuid4 tempfile.mkdtemp tempfile.NamedTemporaryFile
+tempfile.TemporaryDirectory textwrap.dedent textwrap.wrap textwrap.fill glob.glob fnmatch.fnmatch
+statistics.mean statistics.median statistics.stdev argparse.ArgumentParser logging.getLogger
+logging.basicConfig threading.Thread threading.Lock queue.Queue dataclasses.dataclass dataclasses.field
+dataclasses.asdict enum.Enum contextlib.contextmanager contextlib.suppress typing.NamedTuple typing.cast
+operator.itemgetter operator.attrgetter struct.pack struct.unpack zlib.compress zlib.decompress gzip.open
+zipfile.ZipFile tarfile.open urllib.parse.urlparse urllib.parse.quote urllib.parse.urlencode
+socket.socket inspect.signature inspect.getsource traceback.print_exc warnings.warn
+string.Template difflib.unified_diff pprint.pprint shlex.split shlex.quote
+""".split()
+CORE_REPEAT = 3  # on top of train.py's --chat-repeat
+CORE_MAX_CHARS = 200
 JARGON_FORMS = ["What does \"{n}\" mean in hacker jargon?", "What is {n}?", "Define {n}."]
 ARITH_FORMS = ["What is {e}?", "Compute {e}.", "How much is {e}?"]
 
@@ -360,10 +404,38 @@ def docstring_pairs():
     return sorted((q, k, a) for q, (k, a) in pairs.items())
 
 
+def core_pairs():
+    """(name, answer) for CORE_NAMES: the first sentence(s) of each object's docstring."""
+    import pydoc
+    warnings.simplefilter("ignore")
+    out = []
+    for name in CORE_NAMES:
+        obj = pydoc.locate(name)
+        doc = getattr(obj, "__doc__", None)
+        ans = first_sentences(doc, CORE_MAX_CHARS) if isinstance(doc, str) else None
+        if not ans:
+            raise SystemExit(f"core name without a usable docstring: {name}")
+        out.append((name, ans))
+    return out
+
+
+def core_chat_docs():
+    """One single-turn conversation per core name and training wording; always in the train split."""
+    for name, ans in core_pairs():
+        for i, form in enumerate(QUESTION_FORMS[:-1]):
+            q = form.format(n=name)
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]
+            yield {"domain": "chat", "source": "chat-core", "id": f"chatcore:{name}:{i}", "text": render(msgs),
+                   "questions": [q], "repeat": CORE_REPEAT, "core": True}
+
+
 def chat_docs(jargon):
     rng = random.Random(SEED + 3)
     qa = []
+    core = set(CORE_NAMES)
     for qn, kind, ans in docstring_pairs():
+        if qn in core:
+            continue
         if kind == "module":
             q = rng.choice(MODULE_FORMS).format(n=qn)
         else:
@@ -391,6 +463,7 @@ def chat_docs(jargon):
             msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         yield {"domain": "chat", "source": grp[0][0], "id": "chat:" + "|".join(g[1] for g in grp),
                "text": render(msgs), "questions": [g[2] for g in grp]}
+    yield from core_chat_docs()
 
 
 # ---------------------------------------------------------------- main
@@ -433,7 +506,7 @@ def main():
     stats = defaultdict(lambda: Counter())
     with open(out / "train.jsonl", "w") as ft, open(out / "heldout.jsonl", "w") as fh:
         for d in all_docs:
-            split = "heldout" if is_heldout(d["id"]) else "train"
+            split = "heldout" if is_heldout(d["id"]) and not d.get("core") else "train"
             (fh if split == "heldout" else ft).write(json.dumps(d, ensure_ascii=False) + "\n")
             stats[f"{split}:{d['domain']}:{d['source']}"].update(docs=1, chars=len(d["text"]))
     meta = {"python": sys.version, "stdlib": str(stdlib_dir()), "seed": SEED,

@@ -17,6 +17,7 @@ from moechat.engine.generate import Engine
 from moechat.engine.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 96
 PROMPTS = [
     ("chat", "What does json.dumps do?"),
     ("code", "def read_config(path):\n    with open(path) as f:\n"),
@@ -28,7 +29,7 @@ PROMPTS = [
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "assets" / "demo-moe" / "routing_trace.npz"))
-    parser.add_argument("--new", type=int, default=96)
+    parser.add_argument("--new", type=int, default=NEW_TOKENS)
     opts = parser.parse_args()
     engine = Engine.load(ROOT / "assets" / "demo-moe", dtype="float32", cache=CacheConfig(record_trace=True))
     recorder = engine.provider.recorder

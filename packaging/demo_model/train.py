@@ -4,7 +4,10 @@
 
 * tokenizes the corpus once into /work/demo_build/data (uint16 .npy streams)
 * AdamW, linear warmup + cosine decay to 10 %, seeded, grad-clip 1.0
-* loss (LM + router_aux_loss_coef * load-balancing aux loss) logged to a CSV
+* loss (LM + --aux-coef * load-balancing loss) logged to a CSV; the balancing loss is computed per
+  layer and averaged (--balance per-layer, the default), or as transformers does it, over all layers'
+  router logits pooled into one set (--balance pooled), where expert e of every layer counts as one
+  expert and single layers may stay skewed or leave experts unused
 * checkpoints (model + optimizer + step) to --ckpt-dir every --ckpt-minutes;
   --resume continues from the last one
 * stops at --steps or when --minutes of wall clock have passed, whichever is
@@ -30,7 +33,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(1)
+_THREADS = int(os.environ.get("DEMO_TRAIN_THREADS", "1"))
+torch.set_num_threads(_THREADS)
 try:
     torch.set_num_interop_threads(1)
 except RuntimeError:
@@ -74,7 +78,8 @@ def model_config(vocab_size, eos_ids, pad_id, args):
 
 
 def tokenize_corpus(corpus: Path, tok_dir: Path, data: Path, chat_repeat: int, seed: int):
-    """Token streams: train.npy (shuffled docs, chat docs repeated), heldout_<domain>.npy."""
+    """Token streams: train.npy (shuffled docs; chat docs repeated chat_repeat times, times a document's
+    own "repeat" field where it has one), heldout_<domain>.npy."""
     data.mkdir(parents=True, exist_ok=True)
     stamp = data / "stamp.json"
     want = {"corpus_mtime": os.path.getmtime(corpus / "train.jsonl"),
@@ -93,7 +98,7 @@ def tokenize_corpus(corpus: Path, tok_dir: Path, data: Path, chat_repeat: int, s
     enc = tok.encode_batch([d["text"] for d in train])
     docs = []
     for d, e in zip(train, enc):
-        rep = chat_repeat if d["domain"] == "chat" else 1
+        rep = (chat_repeat if d["domain"] == "chat" else 1) * int(d.get("repeat", 1))
         docs += [e.ids + [eot]] * rep
     random.Random(seed).shuffle(docs)
     np.save(data / "train.npy", np.fromiter((t for d in docs for t in d), dtype=np.uint16))
@@ -103,6 +108,35 @@ def tokenize_corpus(corpus: Path, tok_dir: Path, data: Path, chat_repeat: int, s
         ids = [t for d, e in zip(held, enc) if d["domain"] == dom for t in e.ids + [eot]]
         np.save(data / f"heldout_{dom}.npy", np.array(ids, dtype=np.uint16))
     stamp.write_text(json.dumps(want))
+
+
+def balance_loss(router_logits, k: int):
+    """Load-balancing loss of each layer (E * sum_e f_e * P_e, as transformers defines it for one set of
+    logits: 2.0 at uniform top-2 routing), averaged over layers."""
+    losses = []
+    for g in router_logits:
+        probs = torch.softmax(g.float(), dim=-1)
+        top = torch.topk(probs, k, dim=-1).indices
+        frac = torch.nn.functional.one_hot(top, probs.shape[-1]).float().mean(0)  # [k, E]
+        losses.append(probs.shape[-1] * (frac * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+def sequence_mi(router_logits, batch: int):
+    """Mutual information between sequence and expert under the router's soft choices, per layer, averaged:
+    H(mean routing of the batch) - mean over sequences of H(mean routing of the sequence), in nats.
+
+    Maximising it (--mi-coef) asks each sequence to draw on few experts while the batch as a whole uses
+    them all (the mutual-information loss of Mod-Squad, Chen et al. 2023, with sequences as the tasks):
+    routing that stays with its experts along a document, and experts that differ between documents."""
+    def entropy(p):
+        return -(p * torch.log(p.clamp_min(1e-9))).sum(-1)
+    mis = []
+    for g in router_logits:
+        probs = torch.softmax(g.float(), dim=-1).view(batch, -1, g.shape[-1])
+        per_seq = probs.mean(1)
+        mis.append(entropy(per_seq.mean(0)) - entropy(per_seq).mean())
+    return torch.stack(mis).mean()
 
 
 def lr_at(step, args):
@@ -139,6 +173,7 @@ def save_final(model, tok_dir: Path, out: Path, eos_ids, pad_id, meta):
     out.mkdir(parents=True, exist_ok=True)
     m = model.to(torch.bfloat16)
     m.config.dtype = torch.bfloat16
+    m.config.output_router_logits = False  # training only: inference needs no router logits or aux loss
     m.generation_config = GenerationConfig(
         do_sample=True, temperature=0.7, top_p=0.9, top_k=40, repetition_penalty=1.05,
         max_new_tokens=128, eos_token_id=eos_ids, pad_token_id=pad_id, bos_token_id=None)
@@ -182,6 +217,10 @@ def main():
     ap.add_argument("--tie", action="store_true")
     ap.add_argument("--experts-impl", default="eager", help="transformers experts kernel: eager|batched_mm|grouped_mm")
     ap.add_argument("--aux-coef", type=float, default=0.01)
+    ap.add_argument("--mi-coef", type=float, default=0.0,
+                    help="weight of the sequence-expert mutual information bonus (see sequence_mi); 0 = off")
+    ap.add_argument("--balance", choices=["per-layer", "pooled"], default="per-layer",
+                    help="load-balancing loss per layer (averaged) or over all layers pooled (transformers)")
     ap.add_argument("--chat-repeat", type=int, default=3)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=250)
@@ -247,7 +286,7 @@ def main():
     logf = open(log_path, "w" if new_log else "a", newline="")
     logw = csv.writer(logf)
     if new_log:
-        logw.writerow(["step", "elapsed_s", "lr", "loss", "lm_loss", "aux_loss", "tokens_seen", "heldout"])
+        logw.writerow(["step", "elapsed_s", "lr", "loss", "lm_loss", "aux_loss", "tokens_seen", "heldout", "seq_mi"])
 
     def save_ckpt(meta=None):
         tmp = ckpt / "last.pt.tmp"
@@ -256,7 +295,7 @@ def main():
         os.replace(tmp, ckpt / "last.pt")
 
     last_ckpt = time.time()
-    acc = {"loss": 0.0, "lm": 0.0, "aux": 0.0, "n": 0}
+    acc = {"loss": 0.0, "lm": 0.0, "aux": 0.0, "mi": 0.0, "n": 0}
     t_loop = time.time()
     stop_reason = "steps"
     while step < args.steps:
@@ -273,13 +312,15 @@ def main():
         # next-token loss over the full window of seq+1 tokens (aux_loss comes from the router logits)
         lm = torch.nn.functional.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]),
                                                x[:, 1:].reshape(-1))
-        loss = lm + args.aux_coef * out.aux_loss
+        aux = out.aux_loss if args.balance == "pooled" else balance_loss(out.router_logits, args.topk)
+        mi = sequence_mi(out.router_logits, x.shape[0])
+        loss = lm + args.aux_coef * aux - args.mi_coef * mi
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        acc["loss"] += loss.item(); acc["lm"] += lm.item(); acc["aux"] += out.aux_loss.item(); acc["n"] += 1
+        acc["loss"] += loss.item(); acc["lm"] += lm.item(); acc["aux"] += aux.item(); acc["mi"] += mi.item(); acc["n"] += 1
         if args.bench and step >= args.bench:
             dt = (time.time() - t_loop) / step
             print(f"bench: {dt:.3f} s/step, {args.batch*args.seq/dt:.0f} tok/s", flush=True)
@@ -292,11 +333,12 @@ def main():
             n = max(1, acc["n"])
             logw.writerow([step, round(time.time() - t_start, 1), f"{lr_at(step - 1, args):.6g}",
                            round(acc["loss"] / n, 5), round(acc["lm"] / n, 5), round(acc["aux"] / n, 5),
-                           step * args.batch * args.seq, held])
+                           step * args.batch * args.seq, held, round(acc["mi"] / n, 5)])
             logf.flush()
             el = time.time() - t_start
-            print(f"step {step} loss {acc['lm']/n:.4f} aux {acc['aux']/n:.4f} {el/60:.1f} min {held}", flush=True)
-            acc = {"loss": 0.0, "lm": 0.0, "aux": 0.0, "n": 0}
+            print(f"step {step} loss {acc['lm']/n:.4f} aux {acc['aux']/n:.4f} mi {acc['mi']/n:.4f} {el/60:.1f} min {held}",
+                  flush=True)
+            acc = {"loss": 0.0, "lm": 0.0, "aux": 0.0, "mi": 0.0, "n": 0}
         if (time.time() - last_ckpt) / 60 > args.ckpt_minutes:
             save_ckpt()
             last_ckpt = time.time()
@@ -304,7 +346,7 @@ def main():
     meta = {"steps_done": step, "steps_planned": args.steps, "stop_reason": stop_reason,
             "tokens_seen": step * args.batch * args.seq, "train_tokens": int(len(train_ids)),
             "wall_minutes": round((time.time() - t_start) / 60, 1), "params": n_params,
-            "args": vars(args), "torch": torch.__version__}
+            "args": vars(args), "threads": _THREADS, "torch": torch.__version__}
     save_ckpt(meta)
     save_final(model, tok_dir, Path(args.out), eos_ids, pad_id, meta)
     print(f"saved to {args.out} after {step} steps ({stop_reason})", flush=True)
