@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,3 +54,42 @@ def test_demo_model_answers_in_chat_format():
     chunks = list(engine.conversation().send("What is 12 + 7?", sampling=GREEDY, max_tokens=40))
     text = "".join(c.text for c in chunks)
     assert chunks[-1].finish_reason == "stop" and "12 + 7" in text and "<|im_end|>" not in text
+
+
+def test_demo_model_answers_stdlib_questions_on_topic():
+    """The model card's claim, checked on every run: asked (in a training wording) what a few everyday
+    standard-library names do, moechat's greedy reply on the bundled model is about that name: it carries
+    the key term of the object's docstring. (The card also shows the questions it gets wrong, and the
+    rates over all 238 core names.)"""
+    engine = Engine.load(DEMO, dtype="float32")
+    expected = {"What does json.dumps do?": "JSON",  # Serialize ``obj`` to a JSON formatted ``str``.
+                "What does str.split do?": "substrings",  # Return a list of the substrings in the string, ...
+                "What does collections.Counter do?": "counting"}  # Dict subclass for counting hashable items.
+    for question, term in expected.items():
+        chunks = list(engine.conversation().send(question, sampling=GREEDY, max_tokens=48))
+        text = "".join(c.text for c in chunks)
+        assert chunks[-1].finish_reason == "stop" and term in text, (question, text)
+
+
+def test_bundled_routing_trace_is_the_shipped_models_routing():
+    """routing_trace.npz was recorded from these weights: re-recording its first sequence (the chat
+    prompt, prefill + greedy decode) gives the same expert ids row for row."""
+    import sys
+
+    from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.cache.trace import RoutingTrace
+
+    sys.path.insert(0, str(DEMO.parents[1] / "packaging" / "demo_model"))
+    from record_trace import NEW_TOKENS, PROMPTS
+
+    stored = RoutingTrace.load(DEMO / "routing_trace.npz")
+    first = stored.take(np.flatnonzero(stored.sequence == stored.sequence[0]))
+    engine = Engine.load(DEMO, dtype="float32", cache=CacheConfig(record_trace=True))
+    domain, text = PROMPTS[0]
+    assert domain == "chat"
+    ids = engine.encode_chat([{"role": "user", "content": text}])
+    list(engine.generate(ids, sampling=GREEDY, max_tokens=NEW_TOKENS, stop_on_eos=False))
+    now = engine.provider.recorder.to_trace()
+    assert len(now) == len(first)
+    np.testing.assert_array_equal(now.layer, first.layer)
+    np.testing.assert_array_equal(now.topk_ids, first.topk_ids)
