@@ -143,10 +143,7 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
 
         # record_trace: the session's routing feeds the tuning panel's predicted hit rate (11 + 2K bytes a
         # layer per token, a copy of [T, K] ids per layer call).
-        from moechat.engine.hardware import usable_cores
-
-        spare = device != "cpu" or torch.get_num_threads() < usable_cores()
-        prefetch = options.prefetch or default_prefetch(device, ram_cache_bytes, spare_core=spare)
+        prefetch = options.prefetch or default_prefetch(device)
         cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
                             ram_cache_bytes=ram_cache_bytes, prefetch=prefetch,
                             prefetch_depth=options.prefetch_depth, warm_start=options.warm_start, record_trace=True,

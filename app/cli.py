@@ -108,13 +108,6 @@ def _default_policy() -> str:
 
 
 
-def _spare_core(torch) -> bool:
-    """torch's CPU pool leaves a core free (for the prefetch thread)."""
-    from moechat.engine.hardware import usable_cores
-
-    return torch.get_num_threads() < usable_cores()
-
-
 def _run(args: argparse.Namespace) -> int:
     import threading
 
@@ -137,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
     if slots or ram_cache_bytes is not None or args.record_trace or args.repack_dir:
         from moechat.engine.cache.prefetch import check_prefetch, default_prefetch
 
-        prefetch = args.prefetch or default_prefetch(device, ram_cache_bytes, spare_core=_spare_core(torch))
+        prefetch = args.prefetch or default_prefetch(device)
         try:
             check_prefetch(prefetch, args.prefetch_depth)
         except ValueError as e:

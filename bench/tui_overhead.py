@@ -33,7 +33,9 @@ from moechat.app.bridge import LoadOptions
 from moechat.app.settings import Settings
 from moechat.app.store import ChatStore
 
-PROMPT = "Explain how apt works, step by step, in detail."  # greedy: 512 tokens from the demo model
+PROMPT = "Explain how apt works, step by step, in detail."
+# The demo model ends its turn after ~40 tokens, too short to time a panel that redraws 4 times a second.
+# Every run here decodes exactly --tokens: end-of-turn is switched off on the engine (no stop ids).
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo-moe"
 SHOWN, HIDDEN = "panel shown", "panel hidden"
 
@@ -64,6 +66,7 @@ async def app_runs(model: str, tokens: int, rounds: int, options: LoadOptions) -
         await _wait(lambda: screen.info is not None)
         if screen.info.cache is None:
             raise SystemExit("the model loaded without an expert cache: pass --expert-slots")
+        screen.bridge._engine.eos_token_ids = frozenset()  # fixed-length replies (see PROMPT)
         dashboard = screen.dashboard
         redraws = [0]
         show_stats = dashboard.show_stats
@@ -102,6 +105,7 @@ def engine_rates(model: str, tokens: int, rounds: int, options: LoadOptions) -> 
     from moechat.app.bridge import load_engine
 
     engine = load_engine(model, options, lambda stage: None)
+    engine.eos_token_ids = frozenset()  # fixed-length replies (see PROMPT)
     out = []
     for _ in range(rounds + 1):
         conversation = engine.conversation()

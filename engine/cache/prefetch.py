@@ -41,20 +41,16 @@ DEFAULT_PREFETCH = "next-layer"
 MAX_PREFETCH_DEPTH = 4
 
 
-def default_prefetch(device: str, ram_cache_bytes: int | None, *, spare_core: bool = True) -> str:
+def default_prefetch(device: str) -> str:
     """The mode a user gets without --prefetch: what `bench/prefetch.py` measured to be faster.
 
     next-layer whenever a miss crosses a link (RAM -> GPU: the copy engine does the work). On a CPU the
-    loads cost CPU time, so: with every expert in RAM a miss is a ~0.05 ms memcpy and prefetch measured
-    0.82-0.91x the decode speed of none (prediction and scheduling cost more than they save): off. With
-    the disk tier it measured 1.04x when torch leaves a core to the transfer thread (`spare_core`) and
-    0.94x when torch's OpenMP pool takes every core (a descheduled OpenMP thread stalls its whole op):
-    next-layer only with a spare core.
+    loads cost CPU time: on the bundled demo model (2 cores, 24 of 96 experts in slots) next-layer
+    prefetch over the lrfu-layered policy measured 0.72-0.97x the decode speed of that policy alone with
+    misses read from a cold disk (four sets of 5-9 interleaved runs, 1 and 2 torch threads) and 0.93x
+    with every expert in RAM, although it cut demand misses to 0.66x. So: off on a CPU.
     """
-    on_cpu = str(device).split(":")[0] == "cpu"
-    if on_cpu and (ram_cache_bytes is None or not spare_core):
-        return "off"
-    return DEFAULT_PREFETCH
+    return "off" if str(device).split(":")[0] == "cpu" else DEFAULT_PREFETCH
 
 
 def check_prefetch(mode: str, depth: int) -> None:

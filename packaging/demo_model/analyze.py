@@ -552,8 +552,8 @@ def greedy_replies(model, tok, questions, max_new=48, bs=32):
         batch = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                          tokenize=False) for q in questions[i:i + bs]]
         enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
-        gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new, repetition_penalty=1.0, output_router_logits=False,
-                             eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
+        gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new, repetition_penalty=1.0,
+                             output_router_logits=False, eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
         for row in gen[:, enc["input_ids"].shape[1]:]:
             out.append(tok.decode(row, skip_special_tokens=False).split("<|im_end|>")[0].split("<|endoftext|>")[0])
     return out
@@ -600,12 +600,12 @@ def chat_eval(model, tok, corpus: Path, build_corpus):
         replies = greedy_replies(model, tok, [q for q, _ in items])
         refs = [a for _, a in items]
         shift = refs[1:] + refs[:1]
-        exact = [r.strip() == a.strip() for r, a in zip(replies, refs)]
-        own = [word_f1(r, a) for r, a in zip(replies, refs)]
-        other = [word_f1(r, a) for r, a in zip(replies, shift)]
+        exact = [r.strip() == a.strip() for r, a in zip(replies, refs, strict=True)]
+        own = [word_f1(r, a) for r, a in zip(replies, refs, strict=True)]
+        other = [word_f1(r, a) for r, a in zip(replies, shift, strict=True)]
         res[label] = {"n": len(items), "exact_match": float(np.mean(exact)), "f1_own": float(np.mean(own)),
                       "f1_other": float(np.mean(other)),
-                      "examples": [{"q": q, "reply": r, "source": a} for (q, a), r in list(zip(items, replies))[:5]]}
+                      "examples": [{"q": q, "reply": r, "source": a} for (q, a), r in list(zip(items, replies, strict=True))[:5]]}
         print(f"chat eval {label}: n={len(items)} exact {np.mean(exact):.3f} F1 own {np.mean(own):.3f} "
               f"other {np.mean(other):.3f}", file=sys.stderr, flush=True)
     return res

@@ -320,7 +320,9 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        acc["loss"] += loss.item(); acc["lm"] += lm.item(); acc["aux"] += aux.item(); acc["mi"] += mi.item(); acc["n"] += 1
+        for key, value in (("loss", loss), ("lm", lm), ("aux", aux), ("mi", mi)):
+            acc[key] += value.item()
+        acc["n"] += 1
         if args.bench and step >= args.bench:
             dt = (time.time() - t_loop) / step
             print(f"bench: {dt:.3f} s/step, {args.batch*args.seq/dt:.0f} tok/s", flush=True)
@@ -336,8 +338,8 @@ def main():
                            step * args.batch * args.seq, held, round(acc["mi"] / n, 5)])
             logf.flush()
             el = time.time() - t_start
-            print(f"step {step} loss {acc['lm']/n:.4f} aux {acc['aux']/n:.4f} mi {acc['mi']/n:.4f} {el/60:.1f} min {held}",
-                  flush=True)
+            print(f"step {step} loss {acc['lm']/n:.4f} aux {acc['aux']/n:.4f} mi {acc['mi']/n:.4f} "
+                  f"{el/60:.1f} min {held}", flush=True)
             acc = {"loss": 0.0, "lm": 0.0, "aux": 0.0, "mi": 0.0, "n": 0}
         if (time.time() - last_ckpt) / 60 > args.ckpt_minutes:
             save_ckpt()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -346,25 +345,16 @@ def test_cli_prefetch_flags_and_json(tiny_models, capsys):
     assert "prefetch depth must be 1..4" in capsys.readouterr().err
 
 
-def test_default_mode_is_off_only_where_a_miss_is_a_memcpy(tiny_models, capsys):
+def test_default_mode_is_off_on_a_cpu_and_next_layer_across_a_link(tiny_models, capsys):
     from moechat.engine.cache.prefetch import default_prefetch
 
-    assert default_prefetch("cpu", None) == "off"  # every expert in RAM on a CPU
-    assert default_prefetch("cpu", 1 << 20) == "next-layer"  # misses read the disk, a core for the transfers
-    assert default_prefetch("cpu", 1 << 20, spare_core=False) == "off"  # torch's OpenMP pool takes every core
-    assert default_prefetch("cuda:0", None) == "next-layer"  # misses cross PCIe
+    assert default_prefetch("cpu") == "off"  # loads cost the CPU's own time
+    assert default_prefetch("cuda:0") == "next-layer"  # misses cross PCIe on the copy engine
     path, _ = tiny_models["qwen3_moe"]
     argv = ["run", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "3", "--json", "--expert-slots", "6"]
-    assert main(argv) == 0
-    assert json.loads(capsys.readouterr().out)["cache"]["prefetch"] == "off"
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)  # leaves a core on any machine with two
-        assert main(argv + ["--ram-cache-mb", "0"]) == 0
-        want = "next-layer" if (os.cpu_count() or 1) > 1 else "off"
-        assert json.loads(capsys.readouterr().out)["cache"]["prefetch"] == want
-    finally:
-        torch.set_num_threads(threads)
+    for extra in ([], ["--ram-cache-mb", "0"]):  # every expert in RAM; misses read the disk
+        assert main(argv + extra) == 0
+        assert json.loads(capsys.readouterr().out)["cache"]["prefetch"] == "off"
 
 
 def test_a_job_reads_as_done_only_after_its_after_step():
