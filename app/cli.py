@@ -107,7 +107,6 @@ def _default_policy() -> str:
     return DEFAULT_POLICY
 
 
-
 def _run(args: argparse.Namespace) -> int:
     import threading
 

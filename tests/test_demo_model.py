@@ -71,15 +71,13 @@ def test_demo_model_answers_stdlib_questions_on_topic():
         assert chunks[-1].finish_reason == "stop" and term in text, (question, text)
 
 
-def test_bundled_routing_trace_is_the_shipped_models_routing():
+def test_bundled_routing_trace_is_the_shipped_models_routing(monkeypatch):
     """routing_trace.npz was recorded from these weights: re-recording its first sequence (the chat
     prompt, prefill + greedy decode) gives the same expert ids row for row."""
-    import sys
-
     from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.cache.trace import RoutingTrace
 
-    sys.path.insert(0, str(DEMO.parents[1] / "packaging" / "demo_model"))
+    monkeypatch.syspath_prepend(str(DEMO.parents[1] / "packaging" / "demo_model"))
     from record_trace import NEW_TOKENS, PROMPTS
 
     stored = RoutingTrace.load(DEMO / "routing_trace.npz")
