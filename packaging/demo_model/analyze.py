@@ -553,7 +553,8 @@ def greedy_replies(model, tok, questions, max_new=48, bs=32):
                                          tokenize=False) for q in questions[i:i + bs]]
         enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
         gen = model.generate(**enc, do_sample=False, max_new_tokens=max_new, repetition_penalty=1.0,
-                             output_router_logits=False, eos_token_id=model.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
+                             output_router_logits=False, eos_token_id=model.generation_config.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
         for row in gen[:, enc["input_ids"].shape[1]:]:
             out.append(tok.decode(row, skip_special_tokens=False).split("<|im_end|>")[0].split("<|endoftext|>")[0])
     return out
@@ -605,7 +606,8 @@ def chat_eval(model, tok, corpus: Path, build_corpus):
         other = [word_f1(r, a) for r, a in zip(replies, shift, strict=True)]
         res[label] = {"n": len(items), "exact_match": float(np.mean(exact)), "f1_own": float(np.mean(own)),
                       "f1_other": float(np.mean(other)),
-                      "examples": [{"q": q, "reply": r, "source": a} for (q, a), r in list(zip(items, replies, strict=True))[:5]]}
+                      "examples": [{"q": q, "reply": r, "source": a}
+                                   for (q, a), r in list(zip(items, replies, strict=True))[:5]]}
         print(f"chat eval {label}: n={len(items)} exact {np.mean(exact):.3f} F1 own {np.mean(own):.3f} "
               f"other {np.mean(other):.3f}", file=sys.stderr, flush=True)
     return res

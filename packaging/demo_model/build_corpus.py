@@ -25,7 +25,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import os
 import random
 import re
 import sys
@@ -150,7 +149,8 @@ def clean_rst(text: str) -> str:
                                                                      ".. deprecated", ".. only::",
                                                                      ".. raw::", ".. include::"))):
             if s.startswith((".. versionadded", ".. versionchanged", ".. deprecated")):
-                out.append(re.sub(r"^\.\. (\w+)::", lambda m: m.group(1).replace("version", "Version ").capitalize() + ":", s))
+                out.append(re.sub(r"^\.\. (\w+)::",
+                                  lambda m: m.group(1).replace("version", "Version ").capitalize() + ":", s))
                 continue
             if s.startswith((".. toctree::", ".. index::", ".. |", ".. raw::", ".. only::")):
                 skip_block = True
@@ -355,6 +355,13 @@ def first_sentences(doc: str, max_chars=320):
     return out
 
 
+# modules an object may come from and still count as its documented module's own (C accelerators and the
+# like)
+OWNER_MODULES = ("posix", "posixpath", "_io", "_collections", "_functools", "_heapq", "_bisect", "_json",
+                 "_operator", "_random", "_struct", "_socket", "_sqlite3", "_ssl", "_datetime", "_decimal",
+                 "_pickle", "_csv", "_sha512", "_hashlib", "zlib", "math", "time")
+
+
 def docstring_pairs():
     warnings.simplefilter("ignore")
     pairs = {}
@@ -381,7 +388,8 @@ def docstring_pairs():
             if inspect.ismodule(obj):
                 continue
             owner = getattr(obj, "__module__", None)
-            if mname != "builtins" and owner and owner.split(".")[0] not in (mname.split(".")[0], "posixpath" if mname == "os.path" else "", "_" + mname.split(".")[0], "posix", "posixpath", "_io", "_collections", "_functools", "_heapq", "_bisect", "_json", "_operator", "_random", "_struct", "_socket", "_sqlite3", "_ssl", "_datetime", "_decimal", "_pickle", "_csv", "_sha512", "_hashlib", "zlib", "math", "time"):
+            top = mname.split(".")[0]
+            if mname != "builtins" and owner and owner.split(".")[0] not in (top, "_" + top, *OWNER_MODULES):
                 continue
             qn = n if mname == "builtins" else f"{mname}.{n}"
             if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj) or callable(obj):
@@ -441,7 +449,7 @@ def chat_docs(jargon):
         else:
             q = rng.choice(QUESTION_FORMS).format(n=qn)
         qa.append(("chat-docstrings", qn, q, ans))
-    for term, pos, defn in jargon:
+    for term, _pos, defn in jargon:
         ans = first_sentences(defn.replace("\n", " "), 300)
         if not ans or ans.startswith("["):
             # drop a leading etymology bracket

@@ -21,7 +21,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -97,7 +96,7 @@ def tokenize_corpus(corpus: Path, tok_dir: Path, data: Path, chat_repeat: int, s
     train = load("train")
     enc = tok.encode_batch([d["text"] for d in train])
     docs = []
-    for d, e in zip(train, enc):
+    for d, e in zip(train, enc, strict=True):
         rep = (chat_repeat if d["domain"] == "chat" else 1) * int(d.get("repeat", 1))
         docs += [e.ids + [eot]] * rep
     random.Random(seed).shuffle(docs)
@@ -105,7 +104,7 @@ def tokenize_corpus(corpus: Path, tok_dir: Path, data: Path, chat_repeat: int, s
     held = load("heldout")
     enc = tok.encode_batch([d["text"] for d in held])
     for dom in DOMAINS:
-        ids = [t for d, e in zip(held, enc) if d["domain"] == dom for t in e.ids + [eot]]
+        ids = [t for d, e in zip(held, enc, strict=True) if d["domain"] == dom for t in e.ids + [eot]]
         np.save(data / f"heldout_{dom}.npy", np.array(ids, dtype=np.uint16))
     stamp.write_text(json.dumps(want))
 

@@ -97,11 +97,11 @@ def main():
                 batch.append(json.loads(line))
                 if len(batch) == 512:
                     enc = tok.encode_batch([d["text"] for d in batch])
-                    for d, e in zip(batch, enc):
+                    for d, e in zip(batch, enc, strict=True):
                         stats[f"{split}:{d['domain']}:{d['source']}"] += len(e.ids) + 1
                     batch = []
             enc = tok.encode_batch([d["text"] for d in batch]) if batch else []
-            for d, e in zip(batch, enc):
+            for d, e in zip(batch, enc, strict=True):
                 stats[f"{split}:{d['domain']}:{d['source']}"] += len(e.ids) + 1
     (Path(args.corpus) / "token_stats.json").write_text(json.dumps(dict(sorted(stats.items())), indent=1))
     tot = sum(v for k, v in stats.items() if k.startswith("train:"))
