@@ -5,31 +5,23 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, parse, kind: str, minimum: float, inclusive: bool):
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+    if value < minimum or (value == minimum and not inclusive):
+        raise argparse.ArgumentTypeError(f"expected a number {'>=' if inclusive else '>'} {minimum:g}, got {value:g}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, "a whole number", 0, inclusive=False)
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+    return _number(text, int, "a whole number", 0, inclusive=True)
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value:g}")
-    return value
+    return _number(text, float, "a number", 0, inclusive=True)

@@ -17,12 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-from .argtypes import non_negative_float as _positive_float
+from .argtypes import non_negative_float as _non_negative_float
 from .argtypes import positive_int as _positive_int
 
 EXIT_REFUSED = 3
-
-
 
 
 def add_fit_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,17 +34,17 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
     fit.add_argument("--json", action="store_true", help="print the plan, model spec and hardware as one JSON object")
     fit.add_argument("--context", type=_positive_int, metavar="N", help="tokens of KV cache to plan for (default: "
                      "4096, lowered if needed; with --prefer context, the model's maximum)")
-    fit.add_argument("--vram-gb", type=_positive_float, metavar="GIB", help="what if the GPU had this much free "
+    fit.add_argument("--vram-gb", type=_non_negative_float, metavar="GIB", help="what if the GPU had this much free "
                      "memory (0: no GPU)")
-    fit.add_argument("--ram-gb", type=_positive_float, metavar="GIB", help="what if this much RAM were available")
-    fit.add_argument("--disk-gb", type=_positive_float, metavar="GIB", help="what if this much disk were free")
-    fit.add_argument("--link-gbps", type=_positive_float, metavar="GBPS", help="host->GPU link bandwidth, usable "
+    fit.add_argument("--ram-gb", type=_non_negative_float, metavar="GIB", help="what if this much RAM were available")
+    fit.add_argument("--disk-gb", type=_non_negative_float, metavar="GIB", help="what if this much disk were free")
+    fit.add_argument("--link-gbps", type=_non_negative_float, metavar="GBPS", help="host->GPU link bandwidth, usable "
                      "GB/s (PCIe 4.0 x16 ~ 25)")
-    fit.add_argument("--disk-read-gbps", type=_positive_float, metavar="GBPS", help="disk read bandwidth for "
+    fit.add_argument("--disk-read-gbps", type=_non_negative_float, metavar="GBPS", help="disk read bandwidth for "
                      "streamed experts (default: 2, an NVMe SSD)")
     fit.add_argument("--prefer", choices=["speed", "context"], default="speed", help="spare device memory goes to "
                      "expert slots (speed) or to a longer context (default: %(default)s)")
-    fit.add_argument("--margin", type=_positive_float, default=0.05, metavar="FRACTION", help="fraction of each "
+    fit.add_argument("--margin", type=_non_negative_float, default=0.05, metavar="FRACTION", help="fraction of each "
                      "memory total to leave free (default: %(default)s)")
     fit.add_argument("--device", help="plan for cpu, cuda or cuda:N (default: the GPU with the most free memory, "
                      "else the CPU)")
