@@ -61,6 +61,11 @@ class RepoNotFoundError(HubError):
     """404: no such repo or revision (or a private repo the token cannot see)."""
 
 
+class UnsafeHubResponseError(HubError):
+    """The server sent a name or size that cannot be used safely (a blob id that is a path, a 10 GB "JSON"):
+    refused before anything touches the file system."""
+
+
 class RepoGatedError(HubError):
     """401/403 on a gated repo: the licence must be accepted, with the account whose token is used."""
 

@@ -2,9 +2,8 @@
 survive the real world.
 
 Everything goes through huggingface_hub (`HfApi` for model info, search and safetensors headers,
-`hf_hub_download` for the small JSON files, `get_hf_file_metadata` for each file's ETag, size and CDN
-location, its HTTP session and its error types), into the standard cache (`$HF_HOME/hub`:
-`models--org--name/{blobs,snapshots/<commit>,refs}`), so other tools see what moechat pulled and the other
+`get_hf_file_metadata` for each file's ETag, size and CDN location, its HTTP session and its error
+types), into the standard cache (`$HF_HOME/hub`: `models--org--name/{blobs,snapshots/<commit>,refs}`), so other tools see what moechat pulled and the other
 way round. Reading the headers of a model costs one ranged request per shard (the first 100 kB), so a
 verdict for a 60 GB model moves about 2 MB.
 
@@ -22,6 +21,11 @@ HF_HOME / HF_HUB_CACHE and HF_HUB_OFFLINE are read when called (huggingface_hub 
 
 Everything here is safe to call from a worker thread; nothing imports torch except `fit` on a model that is
 already downloaded (its headers are then read locally).
+
+Every name that comes from a server is hostile until checked: a file name, blob id, sha256 or commit id
+becomes part of a path only after it matched its exact form (`RepoFile` cannot be built otherwise), and an
+ETag is only ever compared, never used as a path. `hf_hub_download` is not used at all: it names the blob
+after the server's ETag header, so a malicious endpoint could write outside the cache through it.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from .errors import (
     NotDownloadedError,
     RepoGatedError,
     RepoNotFoundError,
+    UnsafeHubResponseError,
     UnsupportedModelError,
 )
 
@@ -72,6 +77,9 @@ PROGRESS_EVERY_S = 0.1
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA1 = _COMMIT  # a git blob id
+MAX_JSON_BYTES = 64 * MiB  # config, index, tokenizer JSON read into memory (the largest tokenizer.json is ~30 MB)
 INDEX_FILE = "model.safetensors.index.json"
 # Non-JSON files a tokenizer or chat template may need. JSON files are all taken (config, generation config,
 # index, tokenizer, special tokens...). Never pickle: .bin, .pt, .pth, .ckpt, .pkl are skipped.
@@ -119,12 +127,48 @@ def _fmt(n: float) -> str:
 
 # -- what is on the Hub ------------------------------------------------------------------------------------
 
+def unsafe_file_name(path: object) -> str | None:
+    """Why a file name from the Hub cannot be a cache path (None when it can): one plain top-level name."""
+    if not isinstance(path, str) or not path:
+        return "not a non-empty string"
+    if path in (".", "..") or any(c in path for c in "/\\\0") or ":" in path:
+        return "holds a path separator, a drive or '.'/'..'"
+    if any(ord(c) < 32 for c in path):
+        return "holds a control character"
+    return None
+
+
+def safe_revision(revision: str) -> str:
+    """A branch, tag or commit the user named, checked before it names a file under refs/ (refs/pr/1 is fine)."""
+    parts = revision.split("/")
+    if (not revision or revision.startswith("/") or any(p in ("", ".", "..") for p in parts)
+            or any(c in revision for c in "\\\0") or any(ord(c) < 32 for c in revision)):
+        raise HubError(f"revision {revision!r} is not a branch, tag or commit name: no '..', empty parts or "
+                       "separators other than '/'")
+    return revision
+
+
 @dataclass(frozen=True)
 class RepoFile:
+    """A file of the listing. Built only from names that passed the checks, so `etag` is safe in a path."""
+
     path: str
     size: int
     sha256: str | None  # LFS files: the content's sha256 (also the blob's name in the cache)
     blob_id: str | None  # git blob sha1 (the blob's name for non-LFS files)
+
+    def __post_init__(self):
+        why = unsafe_file_name(self.path)
+        if why is not None:
+            raise ValueError(f"file name {self.path!r} {why}")
+        if self.sha256 is not None and not (isinstance(self.sha256, str) and _SHA256.match(self.sha256)):
+            raise ValueError(f"{self.path}: lfs.sha256 {str(self.sha256)[:80]!r} is not 64 lowercase hex digits")
+        if self.blob_id is not None and not (isinstance(self.blob_id, str) and _SHA1.match(self.blob_id)):
+            raise ValueError(f"{self.path}: blobId {str(self.blob_id)[:80]!r} is not 40 lowercase hex digits")
+        if self.sha256 is None and self.blob_id is None:
+            raise ValueError(f"{self.path}: neither a sha256 nor a blob id")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
+            raise ValueError(f"{self.path}: size {self.size!r} is not a byte count")
 
     @property
     def etag(self) -> str:
@@ -492,11 +536,14 @@ class Hub:
                                   "HF_HUB_OFFLINE, or use a model that is already downloaded", repo_id=ctx.repo_id)
 
     def storage(self, repo_id: str) -> Path:
+        if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id) or ".." in repo_id:
+            raise RepoNotFoundError(f"{repo_id!r} is not a Hub repo id (org/name, letters, digits, '-', '_', '.')",
+                                    repo_id=str(repo_id))
         return self.cache / _repo_folder(repo_id)
 
     # -- the local cache ---------------------------------------------------------------------------------
     def cached_sha(self, repo_id: str, revision: str | None = None) -> str | None:
-        rev = revision or "main"
+        rev = safe_revision(revision or "main")
         if _COMMIT.match(rev):
             return rev
         ref = self.storage(repo_id) / "refs" / rev
@@ -535,6 +582,9 @@ class Hub:
     # -- listing -----------------------------------------------------------------------------------------
     def listing(self, repo_id: str, revision: str | None = None) -> RepoListing:
         """The repo at `revision` (default main) resolved to its commit, with file sizes and checksums."""
+        self.storage(repo_id)  # checks the repo id
+        if revision is not None:
+            safe_revision(revision)
         ctx = _Ctx(self, repo_id, revision)
         self._check_online(ctx)
         with _hub_errors(ctx):
@@ -547,34 +597,71 @@ class Hub:
                 tree = self.api.list_repo_tree(repo_id, revision=info.sha, recursive=True)
                 siblings = [(t.path, t.size, t.lfs.sha256 if t.lfs else None, t.blob_id) for t in tree
                             if isinstance(t, HfRepoFile)]
-        if not info.sha or not _COMMIT.match(info.sha):
+        if not isinstance(info.sha, str) or not _COMMIT.match(info.sha):
             raise HubError(f"{repo_id}: the Hub did not say which commit {revision or 'main'} is", repo_id=repo_id)
         files, skipped = [], []
         for path, size, sha256, blob_id in siblings:
-            if wanted_file(path) and size is not None and (sha256 or blob_id):
-                files.append(RepoFile(path, int(size), sha256, blob_id))
+            if isinstance(path, str) and wanted_file(path) and size is not None and (sha256 or blob_id):
+                try:
+                    files.append(RepoFile(path, size, sha256, blob_id))
+                except ValueError as e:
+                    raise UnsafeHubResponseError(f"{repo_id}: the Hub's file listing is not usable ({e}); nothing "
+                                                 "was written: check HF_ENDPOINT points at the real Hub or a mirror "
+                                                 "you trust", repo_id=repo_id) from None
             else:
-                skipped.append(path)
+                skipped.append(str(path))
         config = info.config if isinstance(getattr(info, "config", None), dict) else {}
         return RepoListing(repo_id, info.sha, tuple(files), tuple(skipped), bool(info.gated),
                            config.get("model_type"))
 
-    def _fetch_json(self, repo_id: str, filename: str, sha: str) -> dict:
-        from huggingface_hub import hf_hub_download
+    def _fetch_json(self, repo_id: str, filename: str, listing: RepoListing) -> dict:
+        """A small JSON file of the listing, verified against its checksum and kept in the cache (as a pull
+        would), without huggingface_hub's download (which names the blob after the server's ETag)."""
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import get_session, hf_raise_for_status
 
-        ctx = _Ctx(self, repo_id, sha)
-        with _hub_errors(ctx):
-            path = hf_hub_download(repo_id, filename, revision=sha, cache_dir=self.cache, endpoint=self.endpoint_url,
-                                   token=self.token, library_name="moechat")
+        f = listing.file(filename)
+        if f is None:
+            raise ConfigError(f"{repo_id} has no {filename} at {listing.sha[:12]}")
+        if f.size > MAX_JSON_BYTES:
+            raise UnsafeHubResponseError(f"{repo_id}/{filename} is listed at {_fmt(f.size)}, more than a JSON file "
+                                         f"moechat reads ({_fmt(MAX_JSON_BYTES)})", repo_id=repo_id)
+        storage = self.storage(repo_id)
+        blob = storage / "blobs" / f.etag
+        if not _blob_ok(blob, f.size):
+            url = hf_hub_url(repo_id, filename, revision=listing.sha, endpoint=self.endpoint_url)
+            ctx = _Ctx(self, repo_id, listing.sha)
+            body = bytearray()
+            with _hub_errors(ctx), get_session().stream("GET", url, headers=self._auth_headers(),
+                                                         timeout=READ_TIMEOUT_S, follow_redirects=True) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    hf_raise_for_status(r)
+                for chunk in r.iter_bytes():
+                    body += chunk
+                    if len(body) > f.size:
+                        break
+            hasher = _Transfer._new_hasher(f)
+            hasher.update(bytes(body))
+            if len(body) != f.size or hasher.hexdigest() != f.etag:
+                raise DownloadIntegrityError(f"{repo_id}/{filename}: the server sent {len(body)} B that do not match "
+                                             f"the Hub's listing ({f.size} B, {f.etag[:16]}...); nothing was written: "
+                                             "run it again, and if it repeats a proxy or mirror is altering downloads",
+                                             repo_id=repo_id)
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            tmp = blob.with_name(f".{f.etag}.moechat-tmp")
+            tmp.write_bytes(bytes(body))
+            os.replace(tmp, blob)
+            _link(blob, storage / "snapshots" / listing.sha / f.path)
         try:
-            return json.loads(Path(path).read_text(encoding="utf-8"))
+            return json.loads(blob.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise ConfigError(f"{repo_id}/{filename}: not valid JSON ({e})") from None
 
     def headers(self, repo_id: str, listing: RepoListing, workers: int = 8) -> dict[str, _Tensor]:
         """Every tensor's dtype, shape and size from the safetensors headers (a ranged read per shard)."""
         if listing.file(INDEX_FILE) is not None:
-            index = self._fetch_json(repo_id, INDEX_FILE, listing.sha)
+            index = self._fetch_json(repo_id, INDEX_FILE, listing)
             shards = sorted({v for v in (index.get("weight_map") or {}).values() if isinstance(v, str)})
         else:
             shards = [f.path for f in listing.weight_files]
@@ -608,7 +695,7 @@ class Hub:
         from .plan import spec_from_config, spec_from_headers
 
         listing = listing or self.listing(repo_id, revision)
-        config = self._fetch_json(repo_id, "config.json", listing.sha)
+        config = self._fetch_json(repo_id, "config.json", listing)
         where = f"{repo_id}/config.json"
         present = self.cached_bytes(repo_id, listing)
         if exact:
@@ -616,7 +703,7 @@ class Hub:
             return replace(spec, source="safetensors headers (Hub)", weights_present=False, present_bytes=present,
                            checkpoint_bytes=listing.download_bytes, path=None,
                            notes=("sizes read from the safetensors headers on the Hub",) + spec.notes[1:])
-        index = self._fetch_json(repo_id, INDEX_FILE, listing.sha) if listing.file(INDEX_FILE) else None
+        index = self._fetch_json(repo_id, INDEX_FILE, listing) if listing.file(INDEX_FILE) else None
         spec = spec_from_config(config, name=repo_id, index=index, present_bytes=present, where=where)
         return replace(spec, checkpoint_bytes=max(spec.checkpoint_bytes, listing.download_bytes))
 
@@ -811,12 +898,13 @@ class Hub:
         snapshot.mkdir(parents=True, exist_ok=True)
         for f in order:
             _link(storage / "blobs" / f.etag, snapshot / f.path)
-        ref = revision or "main"
+        ref = safe_revision(revision or "main")
         if not _COMMIT.match(ref):
-            (storage / "refs").mkdir(parents=True, exist_ok=True)
-            tmp = storage / "refs" / f".{ref}.moechat-tmp"
+            target = storage / "refs" / ref  # refs/pr/1 nests, as huggingface_hub lays it out
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.moechat-tmp")
             tmp.write_text(listing.sha, encoding="utf-8")
-            os.replace(tmp, storage / "refs" / ref)
+            os.replace(tmp, target)
         return snapshot
 
 
@@ -902,6 +990,7 @@ class _Transfer:
         blob = self.blobs / f.etag
         if _blob_ok(blob, f.size):
             return  # counted as cached in the plan
+        url, auth = self._locate(f)  # the server's ETag and size checked before any file is touched
         self.blobs.mkdir(parents=True, exist_ok=True)
         partial = self.blobs / f"{f.etag}.incomplete"
         if blob.exists():
@@ -913,7 +1002,6 @@ class _Transfer:
             with partial.open("rb") as fh:
                 while chunk := fh.read(4 * MiB):
                     st.hasher.update(chunk)
-        url, auth = self._locate(f)
         failures, reason = 0, ""
         while True:
             self._check_cancel(f, st.have)

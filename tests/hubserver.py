@@ -81,6 +81,8 @@ class Faults:
     size_delta: dict[str, int] = field(default_factory=dict)  # serve this many bytes more (or fewer) than listed
     slow_s: float = 0.0  # sleep between 16 KiB pieces of LFS bodies
     slow_paths: tuple[str, ...] = LFS_SUFFIXES
+    listing_patch: dict[str, dict] = field(default_factory=dict)  # file -> fields replaced in its listing entry
+    etag: dict[str, str] = field(default_factory=dict)  # file -> the ETag headers a resolve answers with
 
 
 @dataclass
@@ -253,7 +255,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(404, None, f"no route {p}")
 
     def _info(self, repo: Repo, blobs: bool) -> dict:
-        siblings = [repo.entry(f) if blobs else {"rfilename": f} for f in repo.files]
+        patch = self.hub.faults.listing_patch
+        siblings = [{**repo.entry(f), **patch.get(f, {})} if blobs else {"rfilename": f} for f in repo.files]
         total = sum(len(d) for f, d in repo.files.items() if f.endswith(".safetensors")) // 4
         return {"id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha, "private": False,
                 "gated": "manual" if repo.gated else False, "disabled": False, "downloads": repo.downloads,
@@ -283,13 +286,14 @@ class _Handler(BaseHTTPRequestHandler):
             size = len(repo.files[file])
             self._status = 302
             self.send_response(302)
+            etag = self.hub.faults.etag.get(file, digest)
             for k, v in {**common, "Location": f"{self.hub.cdn_url}/blobs/{digest}?expires=never",
-                         "ETag": f'"{repo.blob_id(file)}"', "X-Linked-Etag": f'"{digest}"',
+                         "ETag": f'"{repo.blob_id(file)}"', "X-Linked-Etag": f'"{etag}"',
                          "X-Linked-Size": str(size), "Content-Length": "0", "Connection": "close"}.items():
                 self.send_header(k, v)
             self.end_headers()
             return
-        self._body(repo, file, {**common, "ETag": f'"{repo.blob_id(file)}"'})
+        self._body(repo, file, {**common, "ETag": f'"{self.hub.faults.etag.get(file, repo.blob_id(file))}"'})
 
     # -- the CDN ---------------------------------------------------------------------------------------------
     def _cdn(self):

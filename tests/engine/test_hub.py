@@ -313,7 +313,7 @@ def test_offline_uses_the_cache_and_never_the_network(hub, monkeypatch):
 
 
 def test_a_partial_snapshot_from_other_tools_is_not_complete(hub, tmp_path):
-    # what `fit` (config.json + index via hf_hub_download) or a crashed download leaves behind
+    # what `fit` (config.json + index, verified and cached) or a crashed download leaves behind
     hub.client.fit(hub.repo, hardware=_hardware(tmp_path))
     snapshot = hub.cache / "models--tiny-org--chat-moe" / "snapshots" / hub.server.repos[hub.repo].sha
     assert (snapshot / "config.json").is_file()
@@ -341,7 +341,7 @@ def test_fit_verdict_from_headers_alone_never_fetches_a_weight_file(hub, hub_rep
     repo = hub.server.repos[hub.repo]
     wanted = [f for f in repo.files if hubmod.wanted_file(f)]
     assert verdict.download_bytes == sum(len(repo.files[f]) for f in wanted)
-    # config.json and the index came through hf_hub_download into the cache; nothing else
+    # config.json and the index were verified into the cache; nothing else
     assert verdict.cached_bytes == len(repo.files["config.json"]) + len(repo.files["model.safetensors.index.json"])
     assert verdict.supported and verdict.fits and verdict.verdict == "fits" and verdict.decode_tok_s is not None
     assert "fits" in verdict.summary() and "to download" in verdict.summary()
