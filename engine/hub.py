@@ -4,8 +4,8 @@ survive the real world.
 Everything goes through huggingface_hub (`HfApi` for model info, search and safetensors headers,
 `get_hf_file_metadata` for each file's ETag, size and CDN location, its HTTP session and its error
 types), into the standard cache (`$HF_HOME/hub`: `models--org--name/{blobs,snapshots/<commit>,refs}`),
-so other tools see what moechat pulled and the other way round. Reading the headers of a model costs one ranged request per shard (the first 100 kB), so a
-verdict for a 60 GB model moves about 2 MB.
+so other tools see what moechat pulled and the other way round. Reading the headers of a model costs
+one ranged request per shard (the first 100 kB), so a verdict for a 60 GB model moves about 2 MB.
 
 The weight files are fetched by our own loop rather than `hf_hub_download` because huggingface_hub 2.x
 writes each attempt to a process-unique temporary file and deletes it on failure: nothing survives a crash
