@@ -228,11 +228,16 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
-                 prompt_ids: list[int] | None = None):
+                 prompt_ids: list[int] | None = None, keep: Iterable[str] = ()):
         """``prompt_ids`` (optional): its last tokens serve as context, so that the first generated token
-        decodes with the spacing it has after the prompt (Metaspace decoders strip the first space)."""
+        decodes with the spacing it has after the prompt (Metaspace decoders strip the first space).
+
+        ``keep``: special tokens to show even when the others are skipped, spelled as in the vocabulary
+        (harmony's ``<|channel|>``...: a reasoning parser must see them). The text then equals
+        ``decode`` of the ids with only the other special ids removed."""
         self._tok = tokenizer
-        self._skip = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        kept = {tokenizer.token_to_id(token) for token in keep}
+        self._skip = frozenset(tokenizer.all_special_ids - kept) if skip_special_tokens else frozenset()
         context = [int(t) for t in (prompt_ids or []) if int(t) not in self._skip][-_PROMPT_CONTEXT:]
         # Only ids[prefix:] are kept; ids[prefix:read] were already emitted and only serve as context.
         self._ids: list[int] = context

@@ -319,6 +319,21 @@ def test_stream_skips_special_tokens(pair):
     assert with_specials == tok.decode(ids) and tok.id_to_token(special[0]) in with_specials
 
 
+
+def test_stream_keeps_the_named_special_tokens(pair):
+    # A reasoning parser needs some special tokens (harmony's <|channel|>...) in the text; the rest stay out.
+    tok, _ = pair
+    special = sorted(tok.all_special_ids)
+    kept, dropped = special[0], special[-1]
+    words = tok.encode("hello world", add_special_tokens=False)
+    ids = [kept, *words, dropped, kept, *words, kept]
+    text = "".join(_stream(tok, ids, keep=[tok.id_to_token(kept), "<|not-in-vocab|>"]))
+    assert text == tok.decode([i for i in ids if i != dropped])
+    assert text.count(tok.id_to_token(kept)) == 3 and tok.id_to_token(dropped) not in text
+    # Kept tokens in the prompt are context like any other token.
+    after = "".join(_stream(tok, words, prompt_ids=[kept], keep=[tok.id_to_token(kept)]))
+    assert tok.decode([kept]) + after == tok.decode([kept, *words])
+
 def test_stream_after_prompt_keeps_leading_space(pair):
     tok, _ = pair
     rng = random.Random(0)
