@@ -11,6 +11,11 @@ Kernels see only slots: `ExpertBatch.tensors["w13"]` [C, 2I, H], `["w2"]` [C, H,
 
 Both read the slot ids on the host once (the one sync per layer the design allows) and are checked
 against `moe.moe_reference` in the tests.
+
+Any other expert (a packed format such as MXFP4, biases, GPT-OSS's clamped SwiGLU) takes the same two
+strategies through the format's `linear`, which computes from the packed slot tensors of one expert
+(on the CPU: dequantized one projection at a time into a reused scratch buffer), so no layer is ever
+expanded to full width.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .moe import ExpertBatch
+from .moe import SWIGLU, ExpertActivation, ExpertBatch
+from .quant.base import ExpertFormat
 
 # T = tokens, K = top-k, C = slots, H = hidden size, I = expert intermediate size
 
@@ -43,13 +49,74 @@ def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
     return F.linear(F.silu(gate) * up, w2)  # [n, H]
 
 
+_EXPERT_VIEWS: dict[int, tuple[torch.Tensor, list[dict[str, torch.Tensor]]]] = {}
+
+
+def _expert_views(tensors) -> list[dict[str, torch.Tensor]]:
+    """Per slot, that slot's stored tensors by name (views), cached per set of slot buffers."""
+    first = next(iter(tensors.values()))
+    entry = _EXPERT_VIEWS.get(id(first))
+    if entry is None or entry[0] is not first:
+        per_name = {name: t.unbind(0) for name, t in tensors.items()}
+        views = [{name: v[s] for name, v in per_name.items()} for s in range(first.shape[0])]
+        entry = _EXPERT_VIEWS[id(first)] = (first, views)
+    return entry[1]
+
+
+def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) -> torch.Tensor:
+    """One expert on x [n, H] from its stored tensors -> [n, H]."""
+    return fmt.linear(act(fmt.linear(x, tensors, "w13")), tensors, "w2")
+
+
+def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, act) -> torch.Tensor:
+    """Any format, biases, any activation: per used slot, its tokens through the format's linear."""
+    views = _expert_views(batch.tensors)
+    slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]
+    dtype = hidden_states.dtype
+    T, K = slot_ids.shape
+    if T == 1:
+        ks = range(K) if batch.pairs is None else batch.pairs.tolist()
+        slots = slot_ids[0].tolist()
+        out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
+        for k in ks:
+            y = _expert(hidden_states, batch.format, views[slots[k]], act)  # [1, H]
+            out = out + (y * topk_weights[:, k : k + 1]).to(dtype)
+        return out
+    flat = slot_ids.reshape(-1)  # [T*K]
+    idx = torch.arange(T * K) if batch.pairs is None else batch.pairs.cpu()  # [P] flat (t, k)
+    flat = flat.index_select(0, idx)
+    order = torch.argsort(flat, stable=True)
+    sorted_slots, idx = flat[order].tolist(), idx[order]
+    device_idx = idx.to(hidden_states.device)
+    token_idx = device_idx // K  # [P]
+    x_sorted = hidden_states.index_select(0, token_idx)  # [P, H]
+    w_sorted = topk_weights.reshape(-1).index_select(0, device_idx)  # [P]
+    y_sorted = torch.empty_like(x_sorted)  # [P, H]
+    start = 0
+    while start < len(sorted_slots):
+        s = sorted_slots[start]
+        end = start
+        while end < len(sorted_slots) and sorted_slots[end] == s:
+            end += 1
+        y_sorted[start:end] = _expert(x_sorted[start:end], batch.format, views[s], act)
+        start = end
+    out = residual.clone() if residual is not None else torch.zeros_like(hidden_states)  # [T, H]
+    out.index_add_(0, token_idx, (y_sorted * w_sorted[:, None]).to(dtype))
+    return out
+
+
 def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """[residual +] sum_k topk_weights[t, k] * SwiGLU_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype.
+                   residual: torch.Tensor | None = None, act: ExpertActivation = SWIGLU) -> torch.Tensor:
+    """[residual +] sum_k topk_weights[t, k] * Expert_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype.
 
     With `batch.pairs` set (an expert-major group of a chunk that needs more experts than slots), only
     those flat (t, k) pairs are computed; the others' slot ids are never read.
     """
+    if batch.format.packed or act.kind != "swiglu" or "w13_bias" in batch.tensors:
+        fused = getattr(batch.format, "fused_moe", None)
+        if fused is not None and hidden_states.is_cuda:
+            return fused(hidden_states, topk_weights, batch, residual, act)
+        return _general_compute(hidden_states, topk_weights, batch, residual, act)
     w13 = batch.tensors["w13"]  # [C, 2I, H]
     w2 = batch.tensors["w2"]  # [C, H, I]
     slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]

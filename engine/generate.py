@@ -6,7 +6,9 @@
 
 `generate` is a generator of frozen `GenerationChunk`s (text delta, token ids, finish reason,
 prefill/decode tok/s): the CLI prints them, the TUI posts them as messages, a server would send them
-as events. It knows nothing of any UI. Cancellation is a `threading.Event` checked between tokens, so
+as events. It knows nothing of any UI. Given a reasoning parser (`Engine.reasoning_parser`, from the
+chat template's format: gpt-oss's harmony channels or `<think>` tags), a chunk's `text` is the answer
+and its `thinking` the model's reasoning; a conversation records both. Cancellation is a `threading.Event` checked between tokens, so
 a stop takes effect within one decode step.
 
 A `Conversation` owns a KV cache and the token ids in it. Each turn renders the whole conversation
@@ -35,11 +37,14 @@ from .errors import ChatTemplateError, MoechatError, TokenizerError
 from .kv_cache import KVCache
 from .loader import LoadedModel, load_model
 from .moe import ExpertProvider
+from .reasoning import ReasoningDelta, ReasoningParser, make_parser, reasoning_format
 from .sampling import Sampler, SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 512
+# Prompt tokens decoded to tell where a reasoning parser starts: "<|start|>assistant" or "<think>\n" is 2-3.
+_PROMPT_TAIL_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class GenerationChunk:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     cache: CacheSnapshot | None = None  # on the last chunk, when the experts are cached
+    thinking: str = ""  # new reasoning text, split off `text` when generating with a reasoning parser
 
 
 @dataclass
@@ -107,7 +113,7 @@ class Engine:
         provider = None
         if cache is not None:
             provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
-                                             loaded.device, cache)
+                                             loaded.device, cache, loaded.expert_format)
         gen_path = model_dir / "generation_config.json"
         generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
         tokenizer = Tokenizer.from_model_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -164,6 +170,18 @@ class Engine:
         text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         return self._need_tokenizer().encode(text, add_special_tokens=False)
 
+    def reasoning_parser(self, prompt_ids: Sequence[int]) -> ReasoningParser | None:
+        """A parser splitting thinking from the answer for a reply to this chat prompt; None when the model's
+        template has no reasoning format (or there is no tokenizer to turn ids into text)."""
+        fmt = reasoning_format(self.chat_template.source if self.chat_template is not None else None)
+        if fmt is None or self.tokenizer is None:
+            return None
+        return make_parser(fmt, self.tokenizer.decode(list(prompt_ids)[-_PROMPT_TAIL_TOKENS:]))
+
+    def template_reads(self, variable: str) -> bool:
+        """Whether the chat template uses `variable` (e.g. reasoning_effort), so passing it changes the prompt."""
+        return self.chat_template is not None and variable in self.chat_template.variables
+
     def sampling(self, **overrides) -> SamplingParams:
         """The model's generation_config.json defaults with the given overrides."""
         return SamplingParams.from_generation_config(self.generation_config, **overrides)
@@ -189,8 +207,12 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], *, sampling: SamplingParams | None = None,
                  max_tokens: int | None = None, cancel: threading.Event | None = None,
-                 sequence: SequenceState | None = None, stop_on_eos: bool = True) -> Iterator[GenerationChunk]:
-        """Prefill prompt_ids (after whatever `sequence` already holds) and stream generated tokens."""
+                 sequence: SequenceState | None = None, stop_on_eos: bool = True,
+                 reasoning: ReasoningParser | None = None) -> Iterator[GenerationChunk]:
+        """Prefill prompt_ids (after whatever `sequence` already holds) and stream generated tokens.
+
+        With `reasoning` (see `reasoning_parser`), each chunk's text is split into `thinking` and `text`.
+        """
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise MoechatError("the prompt is empty: give at least one token")
@@ -202,14 +224,17 @@ class Engine:
         seq.kv.reserve(len(prompt_ids))
         sampling = sampling or self.sampling()
         max_tokens = self.default_max_tokens() if max_tokens is None else max_tokens
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids) if self.tokenizer else None
+        detok = None
+        if self.tokenizer is not None:
+            keep = reasoning.markers if reasoning is not None else ()
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids, keep=keep)
         stop_ids = self.eos_token_ids if stop_on_eos else frozenset()
         penalise = sampling.repetition_penalty != 1.0
         history = seq.tokens[:]
 
         try:
             yield from self._generate(seq, prompt_ids, sampling, max_tokens, cancel, detok, stop_ids, penalise,
-                                      history)
+                                      history, reasoning)
         finally:
             # Done, cancelled or abandoned: no expert load may outlive the request.
             quiesce = getattr(self.provider, "quiesce", None)
@@ -217,7 +242,7 @@ class Engine:
                 quiesce()
 
     def _generate(self, seq, prompt_ids, sampling, max_tokens, cancel, detok, stop_ids, penalise,
-                  history) -> Iterator[GenerationChunk]:
+                  history, reasoning) -> Iterator[GenerationChunk]:
         sampler = Sampler(sampling, device=self.loaded.device)
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -248,10 +273,17 @@ class Engine:
                 text = "" if detok is None or token in stop_ids else detok.add(token)
                 if finish is not None and detok is not None:
                     text += detok.flush()
+                thinking = ""
+                if reasoning is not None:
+                    delta = reasoning.feed(text)
+                    if finish is not None:
+                        rest = reasoning.flush()
+                        delta = ReasoningDelta(delta.thinking + rest.thinking, delta.answer + rest.answer)
+                    text, thinking = delta.answer, delta.thinking
                 now = time.perf_counter()
                 decode_rate = (len(generated) - 1) / (now - t_first) if len(generated) > 1 else 0.0
                 yield GenerationChunk(text, (token,), finish, len(prompt_ids), len(generated), prefill_rate,
-                                      decode_rate, self.cache_snapshot() if finish else None)
+                                      decode_rate, self.cache_snapshot() if finish else None, thinking)
                 if finish is not None:
                     return
                 if cancel is not None and cancel.is_set():
@@ -276,7 +308,7 @@ class Engine:
             config = CacheConfig(expert_slots=expert_slots, policy=policy or CacheConfig.policy,
                                  ram_cache_bytes=ram_cache_bytes)
             self.provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
-                                                  loaded.device, config)
+                                                  loaded.device, config, loaded.expert_format)
             self.provider.set_predictor(Predictor.from_model(loaded.model))
             self.profile_path = profile_path(loaded.model_dir)
             loaded.provider = None  # the resident experts are released
@@ -327,7 +359,11 @@ class Conversation:
 
     def send(self, content: str, *, sampling: SamplingParams | None = None, max_tokens: int | None = None,
              cancel: threading.Event | None = None, **template_kwargs) -> Iterator[GenerationChunk]:
-        """Add a user message, stream the assistant's reply, then record it in `messages`."""
+        """Add a user message, stream the assistant's reply, then record it in `messages`.
+
+        The reply is recorded as `content`, its reasoning (when the template has a format for it) as
+        `thinking`, which is where templates read it back from (gpt-oss refuses channel markers in content).
+        """
         self.messages.append({"role": "user", "content": content})
         try:
             ids = self.engine.encode_chat(self.messages, add_generation_prompt=True, **template_kwargs)
@@ -339,22 +375,31 @@ class Conversation:
         self.sequence.truncate(keep)
         self.last_prefill_tokens = len(ids) - keep
         reply: list[str] = []
+        thinking: list[str] = []
         started = False
+
+        def record() -> None:
+            message = {"role": "assistant", "content": "".join(reply)}
+            if any(thinking):
+                message["thinking"] = "".join(thinking)
+            self.messages.append(message)
+
         try:
             for chunk in self.engine.generate(ids[keep:], sampling=sampling, max_tokens=max_tokens, cancel=cancel,
-                                              sequence=self.sequence):
+                                              sequence=self.sequence, reasoning=self.engine.reasoning_parser(ids)):
                 started = True
                 reply.append(chunk.text)
+                thinking.append(chunk.thinking)
                 yield chunk
         except MoechatError:
             if not started:  # refused before any token (e.g. too long): the turn never happened
                 self.messages.pop()
                 raise
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            record()
             raise
         else:
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            record()
         finally:
             # A consumer that stops iterating early (GeneratorExit) keeps the partial reply: nothing is lost.
             if started and self.messages[-1]["role"] != "assistant":
-                self.messages.append({"role": "assistant", "content": "".join(reply)})
+                record()

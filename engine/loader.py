@@ -21,6 +21,8 @@ from .errors import ConfigError, UnsupportedModelError
 from .models import ARCHITECTURES, DENSE, PLANNED_MOE, MoEForCausalLM
 from .models.base import BaseModelArgs
 from .moe import ResidentProvider
+from .quant import ExpertFormat, detect_format, get_format
+from .quant.dense import DENSE as DENSE_FORMAT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,23 +73,18 @@ def expert_tensor_names(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Ch
 
 
 def validate(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
-    """Check every tensor the model needs; return the dense names and shapes."""
+    """Check every dense tensor the model needs; return their names and shapes. (The experts are checked
+    against their format's layout when their `DiskStore` is built.)"""
     dense = cls.dense_weight_names(args)
     for name, shape in dense.items():
         ckpt.check(name, shape)
-    E, I, H = args.num_experts, args.moe_intermediate, args.hidden_size
-    n = cls.expert_naming
-    for layer in cls.moe_layers(args):
-        fused = expert_tensor_names(cls, args, ckpt, layer)
-        if fused:
-            ckpt.check(fused[0], (E, 2 * I, H))
-            ckpt.check(fused[1], (E, H, I))
-            continue
-        for e in range(E):
-            ckpt.check(n.gate.format(layer=layer, expert=e), (I, H))
-            ckpt.check(n.up.format(layer=layer, expert=e), (I, H))
-            ckpt.check(n.down.format(layer=layer, expert=e), (H, I))
     return dense
+
+
+def expert_format(raw_config: dict, model_dir: Path | None = None) -> ExpertFormat:
+    """The format the checkpoint ships its experts in, from config.json's quantization_config."""
+    where = f"{model_dir / 'config.json'}" if model_dir is not None else "config.json"
+    return get_format(detect_format(raw_config, where))
 
 
 def read_expert(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint, layer: int,
@@ -114,6 +111,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     cls: type[MoEForCausalLM] | None = None
+    expert_format: ExpertFormat = DENSE_FORMAT
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device: str | torch.device = "cpu",
@@ -123,8 +121,12 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     cls, args, raw = read_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, args)
     device = torch.device(device)
+    fmt = expert_format(raw, model_dir)
     ckpt = Checkpoint.open(model_dir)
     dense = validate(cls, args, ckpt)
+    from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
+
+    disk = DiskStore(cls, args, ckpt, torch_dtype, fmt)  # checks every expert tensor before any weight is read
     with torch.device("meta"):
         model = cls(args)
     state = {name: ckpt.get(name).to(device=device, dtype=torch_dtype) for name in dense}
@@ -133,17 +135,16 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     model.finalize(min(max_positions or args.max_position_embeddings, args.max_position_embeddings))
     model.eval()
     if not resident_experts:
-        return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls)
-    from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
-
-    disk = DiskStore(cls, args, ckpt, torch_dtype)
-    E, I, H = args.num_experts, args.moe_intermediate, args.hidden_size
-    w13, w2 = {}, {}
+        disk.close()
+        return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls, fmt)
+    E = args.num_experts
+    tensors = {}
     for layer in cls.moe_layers(args):
-        w13[layer] = torch.empty(E, 2 * I, H, dtype=torch_dtype, device=device)  # [E, 2I, H]
-        w2[layer] = torch.empty(E, H, I, dtype=torch_dtype, device=device)  # [E, H, I]
+        # [E, ...] per stored tensor (w13 [E, 2I, H] at full width; packed formats stay packed)
+        tensors[layer] = {name: torch.empty((E, *shape), dtype=dt, device=device)
+                          for name, (shape, dt) in disk.shapes.items()}
         for e in range(E):
-            disk.read_into(layer, e, {"w13": w13[layer][e], "w2": w2[layer][e]})
+            disk.read_into(layer, e, {name: t[e] for name, t in tensors[layer].items()})
     disk.close()
-    provider = ResidentProvider(w13, w2, args.num_hidden_layers)
-    return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device, cls)
+    provider = ResidentProvider(tensors, args.num_hidden_layers, fmt)
+    return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device, cls, fmt)

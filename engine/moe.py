@@ -20,6 +20,9 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from .quant.base import ExpertFormat
+from .quant.dense import DENSE
+
 # T = tokens, E = experts, K = top-k, C = slots, H = hidden size, I = expert intermediate size
 
 
@@ -39,6 +42,32 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
 
 
 @dataclass(frozen=True)
+class ExpertActivation:
+    """How an expert combines its gate and up projections (`w13`'s rows) into the input of `w2`.
+
+    `swiglu`: gate rows then up rows, silu(gate) * up (Qwen3, Mixtral, OLMoE). `clamped_swiglu`: GPT-OSS's
+    interleaved rows (even gate, odd up), gate.clamp(max=limit), up.clamp(-limit, limit), then
+    (up + 1) * gate * sigmoid(alpha * gate).
+    """
+
+    kind: str = "swiglu"
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [n, 2I] -> [n, I]."""
+        if self.kind == "swiglu":
+            gate, up = gate_up.chunk(2, dim=-1)  # [n, I], [n, I]
+            return F.silu(gate) * up
+        gate = gate_up[..., ::2].clamp(max=self.limit)  # [n, I]
+        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)  # [n, I]
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SWIGLU = ExpertActivation()
+
+
+@dataclass(frozen=True)
 class ExpertBatch:
     """What expert compute needs for one layer: slot buffers by tensor name, and slot ids.
 
@@ -46,13 +75,15 @@ class ExpertBatch:
     is shaped like topk_ids ([T, K]) and never holds -1 for a pair that is computed. `slot_ids_cpu` is
     the host copy when the provider already read the ids (the one host sync a layer may make). `pairs`
     restricts the batch to some flat (t, k) pairs: one expert-major group of a chunk that needs more
-    experts than there are slots.
+    experts than there are slots. `format` says how the slot tensors store an expert (`w13_blocks`,
+    `w13_scales`, ... for MXFP4; `w13_bias`/`w2_bias` [C, 2I] / [C, H] when the model has biases).
     """
 
     tensors: Mapping[str, torch.Tensor]
     slot_ids: torch.Tensor  # [T, K]
     slot_ids_cpu: torch.Tensor | None = field(default=None)
     pairs: torch.Tensor | None = field(default=None)  # [P] flat (t, k) indices to compute; None = all
+    format: ExpertFormat = DENSE
 
 
 @runtime_checkable
@@ -81,16 +112,23 @@ class ExpertProvider(Protocol):
 class ResidentProvider:
     """Every expert of every MoE layer on the compute device; slot id == expert id, no copies."""
 
-    def __init__(self, w13: Mapping[int, torch.Tensor], w2: Mapping[int, torch.Tensor], num_layers: int):
-        # w13[layer] [E, 2I, H], w2[layer] [E, H, I], for the MoE layers only
+    def __init__(self, tensors: Mapping[int, Mapping[str, torch.Tensor]], num_layers: int,
+                 format: ExpertFormat = DENSE):
+        # tensors[layer][name] [E, ...] for the MoE layers only, as `format` stores them (w13 [E, 2I, H], ...)
         self.num_layers = num_layers
-        first = next(iter(w13.values()))
+        self.format = format
+        self._tensors = {layer: dict(ts) for layer, ts in tensors.items()}
+        first = next(iter(next(iter(self._tensors.values())).values()))
         self.num_experts = first.shape[0]
-        self._tensors = {layer: {"w13": w13[layer], "w2": w2[layer]} for layer in w13}
+
+    @classmethod
+    def dense(cls, w13: Mapping[int, torch.Tensor], w2: Mapping[int, torch.Tensor], num_layers: int):
+        """w13[layer] [E, 2I, H], w2[layer] [E, H, I]: full-precision experts without biases."""
+        return cls({layer: {"w13": w13[layer], "w2": w2[layer]} for layer in w13}, num_layers)
 
     def prepare(self, layer: int, topk_ids: torch.Tensor) -> ExpertBatch:
         slot_ids_cpu = topk_ids if topk_ids.device.type == "cpu" else None
-        return ExpertBatch(self._tensors[layer], topk_ids, slot_ids_cpu)
+        return ExpertBatch(self._tensors[layer], topk_ids, slot_ids_cpu, format=self.format)
 
     def batches(self, layer: int, topk_ids: torch.Tensor) -> Iterator[ExpertBatch]:
         yield self.prepare(layer, topk_ids)
@@ -111,21 +149,25 @@ class ResidentProvider:
 
 
 def moe_reference(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Slow obvious MoE: for every token, for every chosen expert, run its SwiGLU MLP and weight it.
+                  w13: torch.Tensor, w2: torch.Tensor, *, act: ExpertActivation = SWIGLU,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Slow obvious MoE: for every token, for every chosen expert, run its MLP and weight it.
 
-    hidden_states [T, H], topk_weights [T, K], topk_ids [T, K], w13 [E, 2I, H], w2 [E, H, I] -> [T, H].
-    Used only by tests, as the oracle for every fast path.
+    hidden_states [T, H], topk_weights [T, K], topk_ids [T, K], w13 [E, 2I, H], w2 [E, H, I] (dense; a packed
+    format's `weight()` gives them), optional biases [E, 2I] / [E, H] -> [T, H]. Used only by tests, as the
+    oracle for every fast path.
     """
     T, K = topk_ids.shape
-    inter = w2.shape[-1]
     out = torch.zeros_like(hidden_states, dtype=torch.float32)  # [T, H]
     for t in range(T):
         for k in range(K):
             e = int(topk_ids[t, k])
             x = hidden_states[t].float()
-            gate = w13[e, :inter].float() @ x  # [I]
-            up = w13[e, inter:].float() @ x  # [I]
-            y = w2[e].float() @ (F.silu(gate) * up)  # [H]
+            gate_up = w13[e].float() @ x  # [2I]
+            if w13_bias is not None:
+                gate_up = gate_up + w13_bias[e].float()
+            y = w2[e].float() @ act(gate_up[None])[0]  # [H]
+            if w2_bias is not None:
+                y = y + w2_bias[e].float()
             out[t] += topk_weights[t, k].float() * y
     return out.to(hidden_states.dtype)

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from ..moe import ExpertBatch
+from ..quant.base import ExpertFormat
+from ..quant.dense import DENSE
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .prefetch import Predictor, check_prefetch
 from .slots import SlotPool
@@ -67,9 +69,9 @@ class CacheConfig:
 
 
 def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.device,
-                          config: CacheConfig) -> CachedProvider:
-    """Slot pool + store + policy for a loaded model's experts, as `config` asks."""
-    disk = DiskStore(cls, args, ckpt, dtype)
+                          config: CacheConfig, fmt: ExpertFormat = DENSE) -> CachedProvider:
+    """Slot pool + store + policy for a loaded model's experts (stored as `fmt` in every tier), as `config` asks."""
+    disk = DiskStore(cls, args, ckpt, dtype, fmt)
     layers = cls.moe_layers(args)
     E = args.num_experts
     if config.repack_dir is not None:
@@ -98,6 +100,7 @@ class CachedProvider:
     def __init__(self, pool: SlotPool, store, policy: EvictionPolicy, recorder=None, *, transfer=None):
         self.pool = pool
         self.store = store
+        self.format = getattr(store, "format", DENSE)  # how the slots hold an expert (opaque to the cache)
         self.policy = policy
         self.recorder = recorder
         self.num_layers = pool.num_layers
@@ -189,7 +192,7 @@ class CachedProvider:
             slot_ids = self.pool.slot_map[layer][topk_ids]  # [T, K] gathered on the device, no sync
         if pairs is not None and self.pool.device.type != "cpu":
             pairs = pairs.to(self.pool.device)
-        return ExpertBatch(self.pool.buffers, slot_ids, host_slots, pairs)
+        return ExpertBatch(self.pool.buffers, slot_ids, host_slots, pairs, self.format)
 
     def _make_resident(self, layer: int, experts: list[int], *, prefill: bool) -> None:
         """Count, pick victims outside `experts`, and load every missing expert of the step."""

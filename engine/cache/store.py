@@ -1,7 +1,9 @@
 """Where experts live when they are not in a slot: the host tier (RAM) over the disk tier.
 
-An expert is a set of named tensors (`w13` [2I, H], `w2` [H, I]); a store copies one expert into the
-slot views it is given and says which tier the bytes came from. Three stores:
+An expert is a set of named tensors, as its format stores them (`w13` [2I, H], `w2` [H, I] at full
+width; `w13_blocks`, `w13_scales`, ... packed): a store copies one expert's stored bytes into the slot
+views it is given and says which tier the bytes came from. Packed experts stay packed in every tier.
+Three stores:
 
 * `DiskStore` reads an expert straight from the safetensors shards with `os.preadv` into the
   destination memory: no mmap, so streamed experts do not pile up in the process's RSS, and a
@@ -26,6 +28,8 @@ import torch
 from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import CheckpointError
 from ..models.base import MoEForCausalLM
+from ..quant.base import ExpertFormat, TensorSpec
+from ..quant.dense import DENSE
 from .policy import make_policy
 
 RAM, DISK = "ram", "disk"
@@ -41,60 +45,105 @@ class Segment:
     file: Path
     offset: int
     nbytes: int
+    stored: torch.dtype  # the dtype of the bytes in the shard (converted on the way when it is not the slot's)
 
 
-def expert_shapes(args, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    I, H = args.moe_intermediate, args.hidden_size
-    return {"w13": ((2 * I, H), dtype), "w2": ((H, I), dtype)}
+def expert_shapes(args, dtype: torch.dtype, fmt: ExpertFormat = DENSE) -> dict[str, TensorSpec]:
+    """The stored tensors of one expert of this model in this format (what every tier holds)."""
+    return fmt.layout(args.hidden_size, args.moe_intermediate, dtype, bias=args.expert_bias)
 
 
 class DiskStore:
-    """Experts read from the shards on every request (the page cache may still help; see bench)."""
+    """Experts read from the shards on every request (the page cache may still help; see bench).
+
+    Building one checks every expert tensor's name, shape and dtype against the format's layout (a typed
+    error naming the tensor), without reading any weight."""
 
     tier = DISK
 
-    def __init__(self, cls: type[MoEForCausalLM], args, ckpt: Checkpoint, dtype: torch.dtype):
+    def __init__(self, cls: type[MoEForCausalLM], args, ckpt: Checkpoint, dtype: torch.dtype,
+                 fmt: ExpertFormat = DENSE):
         self.args = args
         self.dtype = dtype
-        self.shapes = expert_shapes(args, dtype)
+        self.format = fmt
+        self.shapes = expert_shapes(args, dtype, fmt)
         self.expert_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in self.shapes.values())
         self._segments: dict[tuple[int, int], list[Segment]] = {}
-        self._stored_dtype: torch.dtype | None = None
-        from ..checkpoint import SAFETENSORS_DTYPES
+        E = args.num_experts
+        for layer in cls.moe_layers(args):
+            per_expert = self._layer_segments(cls, args, ckpt, layer)
+            for e in range(E):
+                self._segments[(layer, e)] = per_expert(e)
+        self._fds: dict[Path, int] = {}
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def _layer_segments(self, cls, args, ckpt: Checkpoint, layer: int):
+        """expert -> its segments, after checking this layer's expert tensors."""
         from ..loader import expert_tensor_names
 
         I, H, E = args.moe_intermediate, args.hidden_size, args.num_experts
         n = cls.expert_naming
-        for layer in cls.moe_layers(args):
-            fused = expert_tensor_names(cls, args, ckpt, layer)
-            for e in range(E):
-                if fused:
-                    gu, dn = ckpt.info(fused[0]), ckpt.info(fused[1])
-                    segs = [self._slice(gu, "w13", 0, 2 * I, e), self._slice(dn, "w2", 0, H, e)]
-                    infos = [gu, dn]
-                else:
-                    infos = [ckpt.info(name.format(layer=layer, expert=e)) for name in (n.gate, n.up, n.down)]
-                    segs = [self._whole(infos[0], "w13", 0, I), self._whole(infos[1], "w13", I, 2 * I),
-                            self._whole(infos[2], "w2", 0, H)]
-                for info in infos:
-                    stored = SAFETENSORS_DTYPES[info.dtype]
-                    if self._stored_dtype not in (None, stored):
-                        raise CheckpointError(f"{info.file}: experts are stored in mixed dtypes ({info.dtype} and "
-                                              f"{self._stored_dtype}); moechat streams one dtype", path=str(info.file),
-                                              tensor=info.name)
-                    self._stored_dtype = stored
-                self._segments[(layer, e)] = segs
-        self._fds: dict[Path, int] = {}
-        self._staging: dict[str, torch.Tensor] = {}
+        fmt = self.format
+        if fmt.packed or args.expert_bias:
+            names = n.packed.get(fmt.name)
+            if names is None:
+                raise CheckpointError(f"{ckpt.model_dir}: {args.model_type} experts cannot be read in the "
+                                      f"{fmt.name} format (moechat reads them as {', '.join(n.packed) or 'dense'})",
+                                      path=str(ckpt.model_dir))
+            infos = {}
+            for name, (shape, _) in self.shapes.items():
+                if name not in names:
+                    raise CheckpointError(f"{ckpt.model_dir}: no checkpoint tensor for expert {name}",
+                                          path=str(ckpt.model_dir))
+                info = ckpt.info(names[name].format(layer=layer))
+                self._check(info, name, (E, *shape))
+                infos[name] = info
+            return lambda e: [self._slice(info, name, 0, self.shapes[name][0][0], e) for name, info in infos.items()]
+        fused = expert_tensor_names(cls, args, ckpt, layer)
+        if fused:
+            gu, dn = ckpt.info(fused[0]), ckpt.info(fused[1])
+            self._check(gu, "w13", (E, 2 * I, H))
+            self._check(dn, "w2", (E, H, I))
+            return lambda e: [self._slice(gu, "w13", 0, 2 * I, e), self._slice(dn, "w2", 0, H, e)]
+
+        def per_expert(e: int) -> list[Segment]:
+            infos = [ckpt.info(name.format(layer=layer, expert=e)) for name in (n.gate, n.up, n.down)]
+            for info, name, shape in zip(infos, ("w13", "w13", "w2"), ((I, H), (I, H), (H, I)), strict=True):
+                self._check(info, name, shape)
+            return [self._whole(infos[0], "w13", 0, I), self._whole(infos[1], "w13", I, 2 * I),
+                    self._whole(infos[2], "w2", 0, H)]
+
+        return per_expert
+
+    def _check(self, info: TensorInfo, name: str, shape: tuple[int, ...]) -> None:
+        from ..checkpoint import FLOAT_DTAGS, SAFETENSORS_DTYPES
+
+        if info.shape != tuple(shape):
+            raise CheckpointError(f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the config and "
+                                  f"the {self.format.name} expert format imply {list(shape)}", path=str(info.file),
+                                  tensor=info.name)
+        want = self.shapes[name][1]
+        ok = info.dtype in FLOAT_DTAGS if want.is_floating_point else SAFETENSORS_DTYPES.get(info.dtype) == want
+        if not ok:
+            need = "F32, F16 or BF16" if want.is_floating_point else str(want).replace("torch.", "")
+            raise CheckpointError(f"{info.file}: tensor {info.name!r} is stored as {info.dtype}; the "
+                                  f"{self.format.name} expert format needs {need} here", path=str(info.file),
+                                  tensor=info.name)
 
     @staticmethod
-    def _whole(info: TensorInfo, name: str, r0: int, r1: int) -> Segment:
-        return Segment(name, r0, r1, info.file, info.start, info.nbytes)
+    def _stored(info: TensorInfo) -> torch.dtype:
+        from ..checkpoint import SAFETENSORS_DTYPES
 
-    @staticmethod
-    def _slice(info: TensorInfo, name: str, r0: int, r1: int, expert: int) -> Segment:
+        return SAFETENSORS_DTYPES[info.dtype]
+
+    @classmethod
+    def _whole(cls, info: TensorInfo, name: str, r0: int, r1: int) -> Segment:
+        return Segment(name, r0, r1, info.file, info.start, info.nbytes, cls._stored(info))
+
+    @classmethod
+    def _slice(cls, info: TensorInfo, name: str, r0: int, r1: int, expert: int) -> Segment:
         per = info.nbytes // info.shape[0]  # bytes of one expert in a fused [E, ...] tensor
-        return Segment(name, r0, r1, info.file, info.start + expert * per, per)
+        return Segment(name, r0, r1, info.file, info.start + expert * per, per, cls._stored(info))
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -106,13 +155,12 @@ class DiskStore:
         _read_exact(self._fd(seg.file), seg.file, out, seg.offset)
 
     def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
-        direct = self._stored_dtype == self.dtype
         for seg in self._segments[(layer, expert)]:
             target = dst[seg.name][seg.row_start : seg.row_end]
-            if direct and target.device.type == "cpu" and target.is_contiguous():
+            if seg.stored == target.dtype and target.device.type == "cpu" and target.is_contiguous():
                 self._pread(seg, target)
             else:  # convert dtype and/or cross to the device through a host staging buffer
-                staging = self._staging_for(seg.name, target.shape)[: seg.row_end - seg.row_start]
+                staging = self._staging_for(seg.name, seg.stored)[: seg.row_end - seg.row_start]
                 self._pread(seg, staging)
                 target.copy_(staging)
         return DISK, self.expert_bytes
@@ -122,11 +170,11 @@ class DiskStore:
         files = sorted({seg.file for segs in self._segments.values() for seg in segs})
         return [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]
 
-    def _staging_for(self, name: str, shape) -> torch.Tensor:
+    def _staging_for(self, name: str, stored: torch.dtype) -> torch.Tensor:
         full = self.shapes[name][0]
         buf = self._staging.get(name)
-        if buf is None:
-            buf = torch.empty(full, dtype=self._stored_dtype, pin_memory=torch.cuda.is_available())
+        if buf is None or buf.dtype != stored:
+            buf = torch.empty(full, dtype=stored, pin_memory=torch.cuda.is_available())
             self._staging[name] = buf
         return buf
 
@@ -167,12 +215,14 @@ class RepackedStore:
 
     def __init__(self, disk: DiskStore, layers: list[int], num_experts: int, directory: Path):
         self.disk = disk
+        self.format = disk.format
         self.shapes = disk.shapes
         self.expert_bytes = disk.expert_bytes
         keys = [(layer, e) for layer in layers for e in range(num_experts)]
         self.index = {key: i for i, key in enumerate(keys)}
         self.path = Path(directory) / "experts.bin"
-        meta = {"format": 1, "layers": layers, "num_experts": num_experts, "expert_bytes": self.expert_bytes,
+        meta = {"format": 2, "expert_format": disk.format.name, "layers": layers, "num_experts": num_experts,
+                "expert_bytes": self.expert_bytes,
                 "tensors": {name: [list(shape), str(dtype)] for name, (shape, dtype) in self.shapes.items()},
                 "source": disk.source_fingerprint()}
         sidecar = self.path.with_suffix(".json")
@@ -246,6 +296,7 @@ class RamStore:
     def __init__(self, disk: DiskStore, layers: list[int], num_experts: int):
         pin = torch.cuda.is_available()
         self.disk = disk
+        self.format = disk.format
         self.shapes = disk.shapes
         self.expert_bytes = disk.expert_bytes
         self.used_bytes = self.expert_bytes * len(layers) * num_experts
@@ -271,6 +322,7 @@ class RamCache:
 
     def __init__(self, disk: DiskStore, budget_bytes: int, policy: str = "lru"):
         self.disk = disk
+        self.format = disk.format
         self.shapes = disk.shapes
         self.expert_bytes = disk.expert_bytes
         self.budget_bytes = budget_bytes

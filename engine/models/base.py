@@ -15,7 +15,9 @@ K/V are never repeated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -25,7 +27,7 @@ from torch import nn
 from ..errors import ConfigError, UnsupportedModelError
 from ..experts import expert_compute
 from ..kv_cache import KVCache
-from ..moe import ExpertProvider, softmax_topk
+from ..moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
 
 # T = tokens, S = positions in the KV cache, H = hidden size, D = head dim, E = experts, K = top-k
 
@@ -82,14 +84,15 @@ class BaseModelArgs:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.hidden_act != "silu":
             raise UnsupportedModelError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)")
-        # transformers 5 writes rope_parameters; older configs have rope_theta / rope_scaling at the top.
-        rope = dict(self.rope_parameters or {})
-        scaling = self.rope_scaling or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
+        # transformers 5 writes rope_parameters; older configs (and the Hub's GPT-OSS) have rope_theta and
+        # rope_scaling at the top. Both end up in one dict: self.rope.
+        rope = {**(self.rope_scaling or {}), **(self.rope_parameters or {})}
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"config.json: RoPE scaling {rope_type!r} is not supported yet "
-                                        "(only the default RoPE)")
+                                        f"(moechat has {', '.join(ROPE_TYPES)})")
         self.rope_theta = float(rope.get("rope_theta", self.rope_theta if self.rope_theta is not None else 10000.0))
+        self.rope = {**rope, "rope_type": rope_type, "rope_theta": self.rope_theta}
 
     # Per-architecture answers, overridden by the model files.
     @property
@@ -112,6 +115,13 @@ class BaseModelArgs:
     def attention_window(self) -> int | None:
         return self.sliding_window
 
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of one layer (models that alternate sliding and full layers override it)."""
+        return self.attention_window
+
+    attention_sinks: ClassVar[bool] = False  # a learned per-head logit joined to the softmax (GPT-OSS)
+    expert_bias: ClassVar[bool] = False  # biases on both expert projections (GPT-OSS)
+
     def is_moe_layer(self, layer: int) -> bool:
         return True
 
@@ -126,19 +136,62 @@ class BaseModelArgs:
                               f"(found experts={E!r}, top-k={K!r}, expert size={I!r})")
 
 
+ROPE_TYPES = ("default", "yarn")
+
+
+def rope_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
+    """inv_freq [D/2] and the factor cos/sin are scaled by, as transformers computes them.
+
+    YaRN (GPT-OSS, DeepSeek-V3): frequencies below the correction range are interpolated by `factor`,
+    those above kept, a linear ramp between; the attention factor is 0.1 ln(factor) + 1 unless given.
+    """
+    D, base = head_dim, rope["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # [D/2]
+    if rope["rope_type"] == "default":
+        return inv_freq, 1.0
+    factor = float(rope["factor"])
+    original = rope["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return D * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [D/2]
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 @dataclass(frozen=True)
 class ExpertNaming:
     """Where a layer's routed experts are in the checkpoint.
 
     Per-expert: format strings with {layer} and {expert} for gate, up and down (HF's usual layout).
     Fused: one [E, 2I, H] gate_up and one [E, H, I] down tensor per layer (transformers 5's layout).
+    Packed: per expert format, each stored tensor of the format's layout (`w13_blocks`, `w13_bias`, ...)
+    from one fused [E, ...] checkpoint tensor per layer (GPT-OSS's MXFP4 `gate_up_proj_blocks`, ...).
     """
 
-    gate: str
-    up: str
-    down: str
-    fused_gate_up: str
-    fused_down: str
+    gate: str = ""
+    up: str = ""
+    down: str = ""
+    fused_gate_up: str = ""
+    fused_down: str = ""
+    packed: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 class RMSNorm(nn.Module):
@@ -175,7 +228,8 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm
         self.eps = args.rms_norm_eps
         self.scale = D**-0.5
-        self.window = args.attention_window
+        self.window = args.layer_window(layer)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if args.attention_sinks else None
         self.clip_qkv = getattr(args, "clip_qkv", None)
         self.q_proj = nn.Linear(H, self.n_heads * D, bias=args.attention_bias)
         self.k_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_bias)
@@ -208,6 +262,8 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             self.qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.n_heads, -1),
                                              self.k_norm.weight.expand(self.n_kv, -1)])  # [nH+nKV, D]
+        if self.sinks is not None:  # decode's scores are [nKV, G, S]: the sinks as [nKV, G, 1]
+            self.sink_logits = self.sinks.detach().view(self.n_kv, self.n_heads // self.n_kv, 1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int,
                 residual: torch.Tensor) -> torch.Tensor:
@@ -239,7 +295,12 @@ class Attention(nn.Module):
             # The G query heads sharing a KV head become G "query positions" of that head: no repeat of K/V.
             # Written out rather than SDPA: SDPA's CPU math path scales a copy of all S keys every step.
             scores = torch.matmul(qk[0, :nH].view(nKV, nH // nKV, D), kc[:, first:end].transpose(1, 2))  # [nKV, G, S]
-            out = torch.matmul(torch.softmax(scores * self.scale, dim=-1), vc[:, first:end])  # [nKV, G, D]
+            if self.sinks is None:
+                probs = torch.softmax(scores * self.scale, dim=-1)  # [nKV, G, S]
+            else:  # the sink joins the softmax as one more logit per head and is dropped after it
+                logits = torch.cat([scores * self.scale, self.sink_logits], dim=-1)  # [nKV, G, S+1]
+                probs = torch.softmax(logits, dim=-1)[..., :-1]  # [nKV, G, S]
+            out = torch.matmul(probs, vc[:, first:end])  # [nKV, G, D]
             return self._out(out.view(1, nH * D), residual)
         kc[:, start:end] = qk[:, nH:].transpose(0, 1)
         vc[:, start:end] = v.view(T, nKV, D).transpose(0, 1)
@@ -251,6 +312,8 @@ class Attention(nn.Module):
             keys = keys[:, None].expand(nKV, G, *keys.shape[1:]).reshape(nH, -1, D)  # [nH, S, D]
             values = values[:, None].expand(nKV, G, *values.shape[1:]).reshape(nH, -1, D)  # [nH, S, D]
         q = qk[:, :nH].transpose(0, 1)  # [nH, T, D]
+        if self.sinks is not None:
+            return self._out(self._prefill_with_sinks(q, keys, values, start, first, end), residual)
         if start == 0 and self.window is None:
             # 4-D ([1, nH, T, D]): CPU SDPA picks its flash kernel only for batched 4-D inputs.
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True)[0]
@@ -262,6 +325,27 @@ class Attention(nn.Module):
                 mask &= kpos > qpos - self.window
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
         return self._out(out.transpose(0, 1).reshape(T, nH * D), residual)  # [T, H]
+
+    def _prefill_with_sinks(self, q, keys, values, start: int, first: int, end: int) -> torch.Tensor:
+        """Attention with a sink logit per head through SDPA: the sink is one more key that every query sees,
+        with value 0 and a logit of exactly sinks[h], made by one extra dimension (1 in every query, 0 in
+        every key, sinks[h] / scale in the sink key). No [nH, T, S] score tensor is materialised."""
+        nH, T, D = q.shape
+        S = keys.shape[1]
+        dev, dt = q.device, q.dtype
+        q1 = torch.cat([q, q.new_ones(nH, T, 1)], dim=-1)  # [nH, T, D+1]
+        k1 = torch.cat([keys, keys.new_zeros(nH, S, 1)], dim=-1)  # [nH, S, D+1]
+        sink_key = torch.cat([keys.new_zeros(nH, 1, D), (self.sinks.to(dt) / self.scale)[:, None, None]], dim=-1)
+        k1 = torch.cat([sink_key, k1], dim=1)  # [nH, S+1, D+1]
+        v1 = torch.cat([values.new_zeros(nH, 1, D + 1), torch.cat([values, values.new_zeros(nH, S, 1)], -1)], 1)
+        qpos = torch.arange(start, end, device=dev)[:, None]  # [T, 1]
+        kpos = torch.arange(first, end, device=dev)[None, :]  # [1, S]
+        mask = kpos <= qpos  # [T, S]
+        if self.window is not None:
+            mask &= kpos > qpos - self.window
+        mask = torch.cat([mask.new_ones(T, 1), mask], dim=1)  # [T, S+1]: the sink is always seen
+        out = F.scaled_dot_product_attention(q1[None], k1[None], v1[None], attn_mask=mask, scale=self.scale)[0]
+        return out[..., :D].transpose(0, 1).reshape(T, nH * D)  # [T, nH*D]
 
     def _out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + o_proj(attn) as one GEMM-with-accumulate."""
@@ -283,35 +367,53 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """The gate: a [E, H] linear. Its weight name is `...gate.weight` in every supported checkpoint."""
+    """The gate: a [E, H] linear (with a bias in GPT-OSS)."""
 
-    def __init__(self, hidden: int, num_experts: int):
+    def __init__(self, hidden: int, num_experts: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts through the provider. Model files never import the cache."""
+    """Router + experts through the provider. Model files never import the cache.
+
+    The router's attribute name follows the checkpoint (`gate` in most, `router` in GPT-OSS)."""
+
+    router_attr: ClassVar[str] = "gate"
+    router_bias: ClassVar[bool] = False
+    activation: ClassVar[ExpertActivation] = SWIGLU
 
     def __init__(self, args: BaseModelArgs, layer: int):
         super().__init__()
-        self.gate = Router(args.hidden_size, args.num_experts)
+        setattr(self, self.router_attr, Router(args.hidden_size, args.num_experts, self.router_bias))
         self.layer = layer
         self.top_k = args.top_k
         self.renormalize = args.renormalize
+        self.act = self.activation_for(args)
+
+    @classmethod
+    def activation_for(cls, args: BaseModelArgs) -> ExpertActivation:
+        return cls.activation
+
+    def finalize(self) -> None:
+        router = getattr(self, self.router_attr)
+        self.gate_weight = router.weight.detach()
+        self.gate_bias = None if router.bias is None else router.bias.detach()
 
     def forward(self, x: torch.Tensor, provider: ExpertProvider, residual: torch.Tensor) -> torch.Tensor:
         """residual + MoE(x) [T, H]."""
-        router_logits = F.linear(x, self.gate_weight)  # [T, E]
+        router_logits = F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
         topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)  # [T, K], [T, K]
         provider.observe(self.layer, residual)  # the residual stream here predicts the next layers' routing
         for batch in provider.batches(self.layer, topk_ids):  # one batch unless the slots are too few
-            residual = expert_compute(x, topk_weights, batch, residual=residual)
+            residual = expert_compute(x, topk_weights, batch, residual=residual, act=self.act)
         return residual
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: BaseModelArgs, layer: int, moe_attr: str, qk_norm: str | None):
+    def __init__(self, args: BaseModelArgs, layer: int, moe_attr: str, qk_norm: str | None,
+                 moe_block: type[SparseMoeBlock] = SparseMoeBlock):
         super().__init__()
         self.self_attn = Attention(args, qk_norm, layer)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -319,7 +421,7 @@ class DecoderLayer(nn.Module):
         self.is_moe = args.is_moe_layer(layer)
         self.mlp_attr = moe_attr if self.is_moe else "mlp"
         if self.is_moe:
-            setattr(self, moe_attr, SparseMoeBlock(args, layer))
+            setattr(self, moe_attr, moe_block(args, layer))
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.eps = args.rms_norm_eps
@@ -331,7 +433,7 @@ class DecoderLayer(nn.Module):
         self.w_in = self.input_layernorm.weight.detach()
         self.w_post = self.post_attention_layernorm.weight.detach()
         if self.is_moe:
-            self.ffn.gate_weight = self.ffn.gate.weight.detach()
+            self.ffn.finalize()
 
     def forward(self, x, cos, sin, kv: KVCache, start: int, provider: ExpertProvider) -> torch.Tensor:
         # Sub-modules are called through .forward: nn.Module.__call__ costs microseconds per call, and a
@@ -342,10 +444,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, args: BaseModelArgs, moe_attr: str, qk_norm: str | None):
+    def __init__(self, args: BaseModelArgs, moe_attr: str, qk_norm: str | None,
+                 moe_block: type[SparseMoeBlock] = SparseMoeBlock):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, moe_attr, qk_norm) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, moe_attr, qk_norm, moe_block)
+                                    for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -355,12 +459,13 @@ class MoEForCausalLM(nn.Module):
     args_class: ClassVar[type[BaseModelArgs]] = BaseModelArgs
     moe_attr: ClassVar[str] = "mlp"
     qk_norm: ClassVar[str | None] = None
+    moe_block: ClassVar[type[SparseMoeBlock]] = SparseMoeBlock
     expert_naming: ClassVar[ExpertNaming]
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()
         self.args = args
-        self.model = DecoderBody(args, self.moe_attr, self.qk_norm)
+        self.model = DecoderBody(args, self.moe_attr, self.qk_norm, self.moe_block)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -378,13 +483,14 @@ class MoEForCausalLM(nn.Module):
         D = self.args.head_dim
         device = self.model.embed_tokens.weight.device
         dtype = self.model.embed_tokens.weight.dtype
-        inv_freq = 1.0 / (self.args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # [D/2]
+        inv_freq, attention_factor = rope_frequencies(self.args.rope, D)  # [D/2]
         pos = torch.arange(max_positions, dtype=torch.int64).float()  # [S]
         freqs = pos[:, None] * inv_freq[None, :]  # [S, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
         sign = torch.cat([-torch.ones(D // 2), torch.ones(D // 2)])  # [D]
-        self.rope_cos = emb.cos().to(dtype).to(device)[:, None, :]  # [S, 1, D]
-        self.rope_sin = (emb.sin().to(dtype) * sign.to(dtype)).to(device)[:, None, :]  # [S, 1, D]
+        cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor  # [S, D] (YaRN scales both)
+        self.rope_cos = cos.to(dtype).to(device)[:, None, :]  # [S, 1, D]
+        self.rope_sin = (sin.to(dtype) * sign.to(dtype)).to(device)[:, None, :]  # [S, 1, D]
         self.max_positions = max_positions
 
     def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:

@@ -34,7 +34,7 @@ def test_expert_compute_matches_reference(T, E, K, dtype, tol):
     g = torch.Generator().manual_seed(T * 100 + E)
     x = torch.randn(T, H, generator=g)
     weights, ids = softmax_topk(torch.randn(T, E, generator=g), K, renormalize=False)
-    provider = ResidentProvider({0: w13.to(dtype)}, {0: w2.to(dtype)}, num_layers=1)
+    provider = ResidentProvider.dense({0: w13.to(dtype)}, {0: w2.to(dtype)}, num_layers=1)
     assert isinstance(provider, ExpertProvider)
     out = expert_compute(x.to(dtype), weights, provider.prepare(0, ids))
     ref = moe_reference(x.to(dtype), weights, ids, w13.to(dtype), w2.to(dtype))
