@@ -8,6 +8,7 @@ gets a reason instead of "unknown model".
 from __future__ import annotations
 
 from .base import MoEForCausalLM
+from .gpt_oss import GptOssForCausalLM
 from .mixtral import MixtralForCausalLM
 from .olmoe import OlmoeForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
@@ -16,10 +17,11 @@ ARCHITECTURES: dict[str, type[MoEForCausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 # MoE families moechat knows of but does not implement yet.
-PLANNED_MOE = {"deepseek_v2", "deepseek_v3", "gpt_oss", "qwen2_moe", "glm4_moe", "phimoe", "granitemoe",
+PLANNED_MOE = {"deepseek_v2", "deepseek_v3", "qwen2_moe", "glm4_moe", "phimoe", "granitemoe",
                "jamba", "dbrx", "llama4", "qwen3_next", "ernie4_5_moe", "minimax", "hunyuan_v1_moe"}
 # Dense families: nothing to offload, so nothing for moechat to do.
 DENSE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3", "gpt2", "olmo",
