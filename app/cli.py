@@ -2,9 +2,11 @@
 
 `moechat run MODEL_DIR --prompt TEXT` streams a reply to stdout; `--json` prints one JSON object at the
 end instead. These flags are a contract other tools (benchmarks, scripts, the CI) rely on: keep them
-stable. Start-up imports neither torch nor the engine; they are imported when a command needs them,
-so `moechat --help` answers at once. Every error a user can cause is one line on stderr and a
-non-zero exit, never a traceback.
+stable. A reasoning model's thinking (gpt-oss's analysis channel, Qwen3's <think> block) is split off
+the answer: stdout and "text" hold only the answer, `--show-thinking` streams the thinking to stderr
+(dimmed on a terminal), and "thinking" holds it in the JSON. Start-up imports neither torch nor the
+engine; they are imported when a command needs them, so `moechat --help` answers at once. Every error
+a user can cause is one line on stderr and a non-zero exit, never a traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from .argtypes import positive_int as _positive_int
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's levels; its template reads `reasoning_effort`
+_DIM, _RESET = "\x1b[2m", "\x1b[0m"
 
 
 def _token_ids(text: str) -> list[int]:
@@ -44,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="token ids, e.g. 1,2,3 (no template)")
     run.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
     run.add_argument("--system", help="system prompt (chat template only)")
+    run.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, help="how hard a reasoning model thinks, "
+                     "passed to the chat template as reasoning_effort (gpt-oss; default: the template's own, "
+                     "medium for gpt-oss)")
+    run.add_argument("--show-thinking", action="store_true", help="stream the model's reasoning to stderr "
+                     "(dimmed on a terminal); by default only the answer is printed")
     run.add_argument("--max-tokens", type=_positive_int, metavar="N", help="tokens to generate at most "
                      "(default: the model's max_new_tokens, else 512)")
     run.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's "
@@ -140,34 +149,54 @@ def _run(args: argparse.Namespace) -> int:
     engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache)
     sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    reasoning = None
+    chat = args.prompt_ids is None and not args.raw
+    if args.reasoning_effort is not None and not (chat and engine.template_reads("reasoning_effort")):
+        where = "this model's chat template does not read it" if chat else "it applies to the chat template only"
+        print(f"moechat: warning: --reasoning-effort ignored: {where}", file=sys.stderr)
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
     elif args.raw:
         prompt_ids = engine.encode(args.prompt)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": args.prompt}])
+        # Only a given effort is passed: unset, the template keeps its own default (gpt-oss: "medium").
+        effort = {} if args.reasoning_effort is None else {"reasoning_effort": args.reasoning_effort}
+        prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": args.prompt}], **effort)
+        reasoning = engine.reasoning_parser(prompt_ids)
     cancel = threading.Event()
     token_ids: list[int] = []
     text: list[str] = []
+    thinking: list[str] = []
     last = None
-    stream = engine.generate(prompt_ids, sampling=sampling, max_tokens=args.max_tokens, cancel=cancel)
+    shown = _ThinkingPrinter(sys.stderr) if args.show_thinking and not args.json else None
+    stream = engine.generate(prompt_ids, sampling=sampling, max_tokens=args.max_tokens, cancel=cancel,
+                             reasoning=reasoning)
     try:
         for chunk in stream:
             token_ids.extend(chunk.token_ids)
             text.append(chunk.text)
+            thinking.append(chunk.thinking)
             last = chunk
+            if shown is not None and chunk.thinking:
+                shown.write(chunk.thinking)
             if not args.json and chunk.text:
+                if shown is not None:
+                    shown.close()
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
         cancel.set()
         stream.close()
         engine.close()
+        if shown is not None:
+            shown.close()
         if not args.json:
             sys.stdout.write("\n")
         print("moechat: stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if shown is not None:
+        shown.close()
     engine.close()  # in-flight loads stopped, routing profile saved for --warm-start
     snapshot = engine.cache_snapshot()
     if args.record_trace:
@@ -183,6 +212,7 @@ def _run(args: argparse.Namespace) -> int:
             "prompt_tokens": len(prompt_ids),
             "token_ids": token_ids,
             "text": "".join(text),
+            "thinking": "".join(thinking),
             "generated_tokens": len(token_ids),
             "finish_reason": last.finish_reason if last else None,
             "prefill_tokens_per_s": last.prefill_tokens_per_s if last else 0.0,
@@ -196,6 +226,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"[{len(prompt_ids)} prompt tokens, {last.prefill_tokens_per_s:.1f} tok/s prefill; "
                   f"{len(token_ids)} generated, {last.decode_tokens_per_s:.1f} tok/s decode; "
                   f"{last.finish_reason}]", file=sys.stderr)
+            hidden = len("".join(thinking)) if shown is None else 0
+            if hidden:
+                print(f"[thinking: {hidden} characters not shown; --show-thinking prints them]", file=sys.stderr)
             if snapshot is not None:
                 print(f"[cache: {snapshot.num_slots} slots, {snapshot.policy}, hit rate {snapshot.hit_rate:.1%}, "
                       f"{snapshot.bytes_from_ram / 2**20:.1f} MiB from RAM, {snapshot.bytes_from_disk / 2**20:.1f} MiB "
@@ -208,6 +241,29 @@ def _run(args: argparse.Namespace) -> int:
                           f"{snapshot.prefetch_recall:.0%}; {snapshot.warm_loaded} experts warm-started]",
                           file=sys.stderr)
     return 0
+
+
+class _ThinkingPrinter:
+    """Streams thinking to a stream (stderr), dimmed on a terminal, ended by a newline when the answer starts."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.dim = stream.isatty()
+        self.open = False
+
+    def write(self, text: str) -> None:
+        if not self.open:
+            self.open = True
+            if self.dim:
+                self.stream.write(_DIM)
+        self.stream.write(text)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.stream.write((_RESET if self.dim else "") + "\n")
+            self.stream.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

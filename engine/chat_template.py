@@ -18,6 +18,7 @@ Design:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError, UndefinedError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -349,6 +351,15 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self._origin!r}, {len(self.source)} chars, special_tokens={self.special_tokens!r})"
+
+    @functools.cached_property
+    def variables(self) -> frozenset[str]:
+        """Names the template reads without setting them first: what a caller's keyword can change.
+
+        A superset (a name set in one branch and read in another counts), so "not in variables" is certain:
+        e.g. ``reasoning_effort`` only changes gpt-oss's prompt, and a CLI can say it is ignored elsewhere.
+        """
+        return frozenset(jinja2.meta.find_undeclared_variables(_ENV.parse(self.source)))
 
     @classmethod
     def from_string(cls, source: str, special_tokens: dict[str, str] | None = None) -> ChatTemplate:

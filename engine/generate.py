@@ -8,8 +8,8 @@
 prefill/decode tok/s): the CLI prints them, the TUI posts them as messages, a server would send them
 as events. It knows nothing of any UI. Given a reasoning parser (`Engine.reasoning_parser`, from the
 chat template's format: gpt-oss's harmony channels or `<think>` tags), a chunk's `text` is the answer
-and its `thinking` the model's reasoning; a conversation records both. Cancellation is a `threading.Event` checked between tokens, so
-a stop takes effect within one decode step.
+and its `thinking` the model's reasoning; a conversation records both. Cancellation is a
+`threading.Event` checked between tokens, so a stop takes effect within one decode step.
 
 A `Conversation` owns a KV cache and the token ids in it. Each turn renders the whole conversation
 with the chat template, keeps the longest prefix that is already in the KV cache and prefills only the

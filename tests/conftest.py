@@ -99,6 +99,64 @@ def tiny_chat_model(tmp_path_factory):
     return path, model, fast
 
 
+# A harmony template cut down to what the engine relies on (the real one is tested in test_shared_templates.py):
+# reasoning_effort with its "medium" default, a final-channel history that refuses channel tags in content.
+HARMONY_TEMPLATE = (
+    '{{- "<|start|>system<|message|>Reasoning: " + (reasoning_effort if reasoning_effort is defined else "medium") '
+    '+ "<|end|>" -}}{%- for m in messages -%}{%- if m.role == "assistant" -%}'
+    '{%- if "<|channel|>" in m.content %}{{ raise_exception("channel tags in content") }}{% endif -%}'
+    '{{- "<|start|>assistant<|channel|>final<|message|>" + m.content + "<|end|>" -}}'
+    '{%- else -%}{{- "<|start|>" + m.role + "<|message|>" + m.content + "<|end|>" -}}{%- endif -%}{%- endfor -%}'
+    '{%- if add_generation_prompt %}<|start|>assistant{% endif -%}'
+)
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|call|>"]
+
+
+@pytest.fixture(scope="session")
+def tiny_harmony_model(tmp_path_factory):
+    """A tiny qwen3_moe speaking gpt-oss's chat format: harmony markers are special tokens, <|return|> and
+    <|call|> stop it. Random weights never write harmony, so tests script the sampled ids (see script_sampler)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("harmony_model")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=HARMONY_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["analysis final commentary assistant user system Reasoning: think answer"] * 50,
+                            trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|return|>",
+                                   pad_token="<|endoftext|>", chat_template=HARMONY_TEMPLATE)
+    fast.save_pretrained(path)
+    stops = [tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")]
+    overrides = dict(TINY_MODELS["qwen3_moe"][1], vocab_size=tok.get_vocab_size(), eos_token_id=stops)
+    build_tiny_model(path, "qwen3_moe", overrides, seed=7)
+    # After save_pretrained, which writes its own: gpt-oss stops on <|return|> and <|call|>.
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops, "do_sample": False}))
+    return path, fast
+
+
+@pytest.fixture
+def script_sampler(monkeypatch):
+    """script_sampler(ids): the engine samples exactly these ids, in order, whatever the logits say."""
+
+    def install(ids):
+        script = iter(list(ids))
+
+        class Scripted:
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def __call__(self, logits, seen=None):
+                return next(script)
+
+        monkeypatch.setattr("moechat.engine.generate.Sampler", Scripted)
+
+    return install
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA; bench/gpu_check.sh runs them on a machine that has it."""
     if torch.cuda.is_available():

@@ -86,3 +86,72 @@ def test_errors_are_one_line_without_traceback(tiny_models, tmp_path, args, mess
 def test_usage_errors_exit_2():
     result = _cli("run", "somewhere", "--prompt-ids", "1,x")
     assert result.returncode == 2 and "comma-separated token ids" in result.stderr
+
+
+# -- reasoning models: the thinking is split off the answer ---------------------------------------------------
+
+HARMONY_REPLY = ("<|channel|>analysis<|message|>They greet me. Greet back.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>Hello there!")
+
+
+def _harmony_script(fast) -> list[int]:
+    return fast.encode(HARMONY_REPLY, add_special_tokens=False) + [fast.convert_tokens_to_ids("<|return|>")]
+
+
+def test_json_reports_thinking_and_answer_apart(tiny_harmony_model, script_sampler, capsys):
+    path, fast = tiny_harmony_model
+    ids = _harmony_script(fast)
+    script_sampler(ids)
+    out = _json_run(capsys, str(path), "--prompt", "hi", "--max-tokens", "100")
+    assert out["text"] == "Hello there!" and out["thinking"] == "They greet me. Greet back."
+    assert out["token_ids"] == ids and out["finish_reason"] == "stop"
+
+
+def test_stdout_is_the_answer_and_thinking_is_behind_a_flag(tiny_harmony_model, script_sampler, capsys):
+    path, fast = tiny_harmony_model
+    script_sampler(_harmony_script(fast))
+    assert main(["run", str(path), "--prompt", "hi", "--max-tokens", "100"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "Hello there!\n"
+    assert "They greet me" not in captured.err
+    assert "[thinking: 26 characters not shown; --show-thinking prints them]" in captured.err
+    script_sampler(_harmony_script(fast))
+    assert main(["run", str(path), "--prompt", "hi", "--max-tokens", "100", "--show-thinking"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "Hello there!\n"
+    assert captured.err.startswith("They greet me. Greet back.\n")  # not a terminal: no colour codes
+    assert "not shown" not in captured.err
+
+
+def test_thinking_is_dimmed_on_a_terminal(tiny_harmony_model, script_sampler, capsys, monkeypatch):
+    path, fast = tiny_harmony_model
+    script_sampler(_harmony_script(fast))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["run", str(path), "--prompt", "hi", "--max-tokens", "100", "--show-thinking"]) == 0
+    assert capsys.readouterr().err.startswith("\x1b[2mThey greet me. Greet back.\x1b[0m\n")
+
+
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_reasoning_effort_reaches_the_template(tiny_harmony_model, script_sampler, capsys, effort):
+    path, fast = tiny_harmony_model
+    script_sampler(_harmony_script(fast))
+    out = _json_run(capsys, str(path), "--prompt", "hi", "--max-tokens", "100", "--reasoning-effort", effort)
+    expected = fast.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False, reasoning_effort=effort)
+    assert out["prompt_tokens"] == len(expected)
+    assert f"Reasoning: {effort}" in fast.decode(expected)
+
+
+def test_reasoning_effort_on_a_model_that_ignores_it_is_a_warning(tiny_chat_model, capsys):
+    path, _, _ = tiny_chat_model
+    assert main(["run", str(path), "--prompt", "hi", "--max-tokens", "2", "--reasoning-effort", "high",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["generated_tokens"] == 2 and out["thinking"] == ""
+    assert "moechat: warning: --reasoning-effort ignored: this model's chat template does not read it" in captured.err
+
+
+def test_reasoning_effort_choices_are_checked():
+    result = _cli("run", "somewhere", "--prompt", "hi", "--reasoning-effort", "max")
+    assert result.returncode == 2 and "invalid choice: 'max'" in result.stderr

@@ -1222,3 +1222,11 @@ def test_compiled_once_per_template(monkeypatch):
     outputs = {template.render(MULTI_TURN, enable_thinking=flag) for flag in (True, False, True)}
     assert calls == [QWEN3]
     assert len(outputs) == 2
+
+
+def test_variables_are_what_a_keyword_can_change():
+    assert {"messages", "tools", "enable_thinking", "add_generation_prompt"} <= ChatTemplate.from_string(QWEN3).variables
+    assert "reasoning_effort" not in ChatTemplate.from_string(QWEN3).variables
+    assert ChatTemplate.from_string(LLAMA32).variables >= {"date_string", "tools_in_user_message"}
+    # Set before it is read: not a variable the caller controls.
+    assert ChatTemplate.from_string("{% set x = 1 %}{{ x }}{{ y | tojson }}").variables == {"y"}

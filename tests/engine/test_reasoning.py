@@ -159,3 +159,93 @@ def test_reasoning_format_of_a_template(source, fmt):
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="unknown reasoning format"):
         make_parser("xml")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wired into the engine: a tiny model whose tokenizer has harmony's special tokens, sampling scripted ids.
+
+GREEDY = {"temperature": 0.0}
+QWEN3_LIKE = (  # enough of Qwen3's template for the engine: <think> in the template, reasoning_content read back
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{% if m.reasoning_content is defined %}"
+    "<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_engine(tiny_harmony_model):
+    from moechat.engine.generate import Engine
+
+    path, fast = tiny_harmony_model
+    return Engine.load(path, dtype="float32"), fast  # loading takes seconds: one engine for the module
+
+
+def _script(fast, text: str, stop: str = "<|return|>") -> list[int]:
+    return fast.encode(text, add_special_tokens=False) + [fast.convert_tokens_to_ids(stop)]
+
+
+def test_engine_splits_harmony_and_records_thinking(harmony_engine, script_sampler):
+    engine, fast = harmony_engine
+    generated = ("<|channel|>analysis<|message|>The user says hi. Be warm.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>Hello, friend!")
+    ids = _script(fast, generated)
+    assert fast.convert_tokens_to_ids("<|channel|>") in ids  # the markers are single special tokens
+    script_sampler(ids + _script(fast, "<|channel|>final<|message|>Again!"))
+    conversation = engine.conversation()
+    chunks = list(conversation.send("hi", sampling=engine.sampling(**GREEDY), max_tokens=100))
+    assert [t for c in chunks for t in c.token_ids] == ids and chunks[-1].finish_reason == "stop"
+    assert "".join(c.thinking for c in chunks) == "The user says hi. Be warm."
+    assert "".join(c.text for c in chunks) == "Hello, friend!"
+    # The answer streams token by token, not at the end; no chunk carries a marker.
+    assert sum(1 for c in chunks if c.text) > 3
+    assert not any("<|" in c.text + c.thinking for c in chunks)
+    assert conversation.messages[-1] == {"role": "assistant", "content": "Hello, friend!",
+                                         "thinking": "The user says hi. Be warm."}
+    # The next turn renders (the template refuses channel tags in content, so they must not be there).
+    second = list(conversation.send("again", sampling=engine.sampling(**GREEDY), max_tokens=100))
+    assert "".join(c.text for c in second) == "Again!" and not any(c.thinking for c in second)
+    assert conversation.messages[-1] == {"role": "assistant", "content": "Again!"}
+
+
+def test_engine_passes_reasoning_effort_and_knows_who_reads_it(harmony_engine):
+    engine, fast = harmony_engine
+    assert engine.template_reads("reasoning_effort") and not engine.template_reads("enable_thinking")
+    messages = [{"role": "user", "content": "hi"}]
+    high = engine.encode_chat(messages, reasoning_effort="high")
+    assert fast.decode(high).startswith("<|start|>system<|message|>Reasoning: high<|end|>")
+    # Not given: the template's own default, which for gpt-oss is "medium".
+    assert engine.encode_chat(messages) == engine.encode_chat(messages, reasoning_effort="medium")
+
+
+def test_engine_cut_off_while_thinking_keeps_the_thinking(harmony_engine, script_sampler):
+    engine, fast = harmony_engine
+    ids = fast.encode("<|channel|>analysis<|message|>Long thought that never ends", add_special_tokens=False)
+    script_sampler(ids)
+    prompt = engine.encode_chat([{"role": "user", "content": "hi"}])
+    chunks = list(engine.generate(prompt, sampling=engine.sampling(**GREEDY), max_tokens=len(ids),
+                                  reasoning=engine.reasoning_parser(prompt)))
+    assert chunks[-1].finish_reason == "length"
+    assert "".join(c.thinking for c in chunks) == "Long thought that never ends"
+    assert "".join(c.text for c in chunks) == ""
+
+
+def test_engine_without_a_parser_keeps_plain_text(harmony_engine, script_sampler):
+    engine, fast = harmony_engine
+    ids = _script(fast, "<|channel|>final<|message|>Hi")
+    script_sampler(ids)
+    chunks = list(engine.generate([1, 2, 3], sampling=engine.sampling(**GREEDY), max_tokens=50))
+    # A raw completion: special tokens skipped as always, nothing split off.
+    assert "".join(c.text for c in chunks) == fast.decode(ids[:-1], skip_special_tokens=True) == "finalHi"
+    assert not any(c.thinking for c in chunks)
+
+
+def test_engine_splits_think_tags(harmony_engine, script_sampler, monkeypatch):
+    from moechat.engine.chat_template import ChatTemplate
+    engine, fast = harmony_engine
+    engine.chat_template = ChatTemplate.from_string(QWEN3_LIKE)
+    script_sampler(_script(fast, "<think>\nHmm, a greeting.\n</think>\n\nHey!"))
+    conversation = engine.conversation()
+    chunks = list(conversation.send("hi", sampling=engine.sampling(**GREEDY), max_tokens=100))
+    assert "".join(c.thinking for c in chunks) == "Hmm, a greeting."
+    assert "".join(c.text for c in chunks) == "Hey!"
+    assert conversation.messages[-1] == {"role": "assistant", "content": "Hey!", "thinking": "Hmm, a greeting."}
