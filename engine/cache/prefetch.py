@@ -67,6 +67,7 @@ class RouterWeights:
     norm: torch.Tensor  # [H]
     gate: torch.Tensor  # [E, H]
     eps: float
+    bias: torch.Tensor | None = None  # [E] (GPT-OSS's router has one)
 
 
 class Predictor:
@@ -86,7 +87,7 @@ class Predictor:
         routers = {}
         for i, layer in enumerate(model.layer_list):
             if layer.is_moe:
-                routers[i] = RouterWeights(layer.w_post, layer.ffn.gate_weight, layer.eps)
+                routers[i] = RouterWeights(layer.w_post, layer.ffn.gate_weight, layer.eps, layer.ffn.gate_bias)
         return cls(routers, model.args.top_k, model.args.num_hidden_layers)
 
     def targets(self, layer: int, depth: int) -> list[int]:
@@ -107,11 +108,16 @@ class Predictor:
         if mode in ("next-layer", "both"):
             # Layer `target` computes gate @ (norm * x / rms(x)). 1/rms(x) is one positive number per token, so
             # it never changes a token's ranking of experts: one matmul with the norm folded into the gate.
+            r = self.routers[target]
             folded = self._folded.get(target)
             if folded is None:
-                r = self.routers[target]
-                folded = self._folded[target] = (r.gate * r.norm[None, :]).t().contiguous()  # [H, E]
+                folded = (r.gate * r.norm[None, :]).t().to(hidden_states.dtype).contiguous()  # [H, E]
+                self._folded[target] = folded
             logits = hidden_states @ folded  # [T, E], each row a positive multiple of layer target's logits
+            if r.bias is not None:  # a router bias does not scale with 1/rms(x): apply the norm's factor first
+                xf = hidden_states.float()
+                inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + r.eps)  # [T, 1]
+                logits = logits.float() * inv_rms + r.bias.float()  # [T, E] layer target's logits
             if logits.shape[0] == 1:  # a decode step: its top-k, then the runners-up if the budget allows more
                 n = min(logits.shape[-1], max(budget, self.top_k))
                 ranked = torch.topk(logits[0].float(), n).indices.tolist()

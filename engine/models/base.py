@@ -120,6 +120,7 @@ class BaseModelArgs:
         return self.attention_window
 
     attention_sinks: ClassVar[bool] = False  # a learned per-head logit joined to the softmax (GPT-OSS)
+    norm_in_fp32: ClassVar[bool] = False  # RMSNorm weights kept and applied in fp32 (GPT-OSS), one rounding
     expert_bias: ClassVar[bool] = False  # biases on both expert projections (GPT-OSS)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -210,6 +211,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else weight * y
+
+
+def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GPT-OSS's order: the weight (kept in fp32) multiplies the fp32 normalised input, then one cast."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 def _in_out(weight: torch.Tensor) -> torch.Tensor:
@@ -425,6 +432,7 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.eps = args.rms_norm_eps
+        self.norm_in_fp32 = args.norm_in_fp32
 
     def finalize(self) -> None:
         self.self_attn.finalize()
@@ -432,14 +440,17 @@ class DecoderLayer(nn.Module):
         self.attn = self.self_attn
         self.w_in = self.input_layernorm.weight.detach()
         self.w_post = self.post_attention_layernorm.weight.detach()
+        self.norm = rms_norm
+        if self.norm_in_fp32:
+            self.w_in, self.w_post, self.norm = self.w_in.float(), self.w_post.float(), rms_norm_fp32_weight
         if self.is_moe:
             self.ffn.finalize()
 
     def forward(self, x, cos, sin, kv: KVCache, start: int, provider: ExpertProvider) -> torch.Tensor:
         # Sub-modules are called through .forward: nn.Module.__call__ costs microseconds per call, and a
         # decode step makes hundreds of them.
-        x = self.attn.forward(rms_norm(x, self.w_in, self.eps), cos, sin, kv, start, x)
-        h = rms_norm(x, self.w_post, self.eps)
+        x = self.attn.forward(self.norm(x, self.w_in, self.eps), cos, sin, kv, start, x)
+        h = self.norm(x, self.w_post, self.eps)
         return self.ffn.forward(h, provider, x) if self.is_moe else x + self.ffn.forward(h)
 
 
@@ -476,6 +487,9 @@ class MoEForCausalLM(nn.Module):
         self.layer_list = list(self.model.layers)
         self.embed_weight = self.model.embed_tokens.weight.detach()
         self.norm_weight = self.model.norm.weight.detach()
+        self.final_norm = rms_norm
+        if self.args.norm_in_fp32:
+            self.norm_weight, self.final_norm = self.norm_weight.float(), rms_norm_fp32_weight
         lm_weight = (self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head).weight.detach()
         self.lm_weight_t = _in_out(lm_weight)  # [H, V] (a transposed copy on CPU, see Attention.finalize)
         if not self.args.tie_word_embeddings:  # the embedding table must stay [V, H] for lookups
@@ -503,7 +517,7 @@ class MoEForCausalLM(nn.Module):
         for layer in self.layer_list:
             x = layer.forward(x, cos, sin, kv, start, provider)
         kv.length = start + T
-        return rms_norm(x, self.norm_weight, self.args.rms_norm_eps)
+        return self.final_norm(x, self.norm_weight, self.args.rms_norm_eps)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return (hidden_states @ self.lm_weight_t).float()  # [T, V]

@@ -27,6 +27,7 @@ class GptOssArgs(BaseModelArgs):
                                          "experts_per_token": "num_experts_per_tok"}
     attention_sinks: ClassVar[bool] = True
     expert_bias: ClassVar[bool] = True
+    norm_in_fp32: ClassVar[bool] = True  # transformers keeps GPT-OSS's norms in fp32 (_keep_in_fp32_modules)
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
     intermediate_size: int = 0

@@ -232,3 +232,44 @@ def test_malformed_mxfp4_is_one_typed_error(tmp_path, edit, error, message):
     with pytest.raises(error, match=message) as info:
         Engine.load(path, dtype="float32")
     assert isinstance(info.value, MoechatError)
+
+
+def test_prefetch_on_gpt_oss_keeps_output_and_predicts_with_the_router_bias(gpt_oss):
+    from moechat.engine.cache.provider import CacheConfig
+
+    path, _, _ = gpt_oss
+    ids = _prompt(9, seed=8)
+    resident = _greedy(Engine.load(path, dtype="float32"), ids)
+    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=E, prefetch="next-layer"))
+    assert _greedy(engine, ids) == resident
+    snap = engine.provider.snapshot()
+    assert sum(snap.prefetch_issued) > 0 and sum(snap.predicted) > 0
+    engine.close()
+
+
+def test_bfloat16_runs_close_to_float32(gpt_oss):
+    path, _, _ = gpt_oss
+    ids = _prompt(12, seed=3)
+    f32, bf16 = Engine.load(path, dtype="float32"), Engine.load(path, dtype="bfloat16")
+    with torch.inference_mode():
+        a = f32._forward(f32.new_sequence(), ids)
+        b = bf16._forward(bf16.new_sequence(), ids)
+    assert torch.softmax(a, -1).sub(torch.softmax(b, -1)).abs().max().item() < 0.05
+
+
+def test_repacked_store_and_warm_start_hold_packed_experts(gpt_oss, tmp_path):
+    from moechat.engine.cache.provider import CacheConfig
+
+    path, _, _ = gpt_oss
+    ids = _prompt(7, seed=9)
+    resident = _greedy(Engine.load(path, dtype="float32"), ids)
+    config = CacheConfig(expert_slots=K, ram_cache_bytes=0, repack_dir=str(tmp_path / "repack"), warm_start=True)
+    first = Engine.load(path, dtype="float32", cache=config)
+    assert _greedy(first, ids) == resident
+    first.close()  # saves the routing profile the next start warms from
+    repacked = tmp_path / "repack" / "experts.bin"
+    assert repacked.stat().st_size == L * E * mxfp4.MXFP4.expert_bytes(H, I, torch.float32, bias=True)
+    second = Engine.load(path, dtype="float32", cache=config)
+    assert second.provider.warm_loaded == K
+    assert _greedy(second, ids) == resident
+    second.close()
