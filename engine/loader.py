@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Checkpoint, read_json
-from .errors import ConfigError, UnsupportedModelError
+from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .models import ARCHITECTURES, DENSE, PLANNED_MOE, MoEForCausalLM
 from .models.base import BaseModelArgs
 from .moe import ResidentProvider
-from .quant import ExpertFormat, detect_format, get_format
+from .quant import ExpertFormat, native_format
 from .quant.dense import DENSE as DENSE_FORMAT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,19 +72,41 @@ def expert_tensor_names(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Ch
     return ()
 
 
-def validate(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+def validate(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint,
+             fmt: ExpertFormat = DENSE_FORMAT) -> dict[str, tuple[int, ...]]:
     """Check every dense tensor the model needs; return their names and shapes. (The experts are checked
-    against their format's layout when their `DiskStore` is built.)"""
+    against their format's layout when their `DiskStore` is built.) In an FP8 checkpoint a dense weight may
+    be FP8 with its block scale beside it; it is dequantized at load."""
     dense = cls.dense_weight_names(args)
+    suffix = getattr(fmt, "scale_suffix", None)
     for name, shape in dense.items():
+        if suffix is not None and ckpt.info(name).dtype.startswith("F8"):
+            info = ckpt.check(name, shape, floating=False)
+            scale = ckpt.info(name + suffix)  # a missing scale is a typed error naming it
+            b0, b1 = fmt.block
+            want = (-(-shape[0] // b0), -(-shape[1] // b1))
+            if info.dtype != "F8_E4M3" or len(shape) != 2 or scale.shape != want:
+                raise CheckpointError(f"{info.file}: {name!r} is {info.dtype} with a scale of shape "
+                                      f"{list(scale.shape)}; FP8 weights must be F8_E4M3 with a {list(want)} block "
+                                      "scale", path=str(info.file), tensor=name)
+            continue
         ckpt.check(name, shape)
     return dense
+
+
+def _dense_tensor(ckpt: Checkpoint, name: str, fmt: ExpertFormat) -> torch.Tensor:
+    t = ckpt.get(name)
+    if t.dtype == torch.float8_e4m3fn:
+        from .quant.fp8 import dequantize_blocks
+
+        return dequantize_blocks(t, ckpt.get(name + fmt.scale_suffix), fmt.block)
+    return t
 
 
 def expert_format(raw_config: dict, model_dir: Path | None = None) -> ExpertFormat:
     """The format the checkpoint ships its experts in, from config.json's quantization_config."""
     where = f"{model_dir / 'config.json'}" if model_dir is not None else "config.json"
-    return get_format(detect_format(raw_config, where))
+    return native_format(raw_config, where)
 
 
 def read_expert(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint, layer: int,
@@ -123,13 +145,13 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     device = torch.device(device)
     fmt = expert_format(raw, model_dir)
     ckpt = Checkpoint.open(model_dir)
-    dense = validate(cls, args, ckpt)
+    dense = validate(cls, args, ckpt, fmt)
     from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
 
     disk = DiskStore(cls, args, ckpt, torch_dtype, fmt)  # checks every expert tensor before any weight is read
     with torch.device("meta"):
         model = cls(args)
-    state = {name: ckpt.get(name).to(device=device, dtype=torch_dtype) for name in dense}
+    state = {name: _dense_tensor(ckpt, name, fmt).to(device=device, dtype=torch_dtype) for name in dense}
     model.load_state_dict(state, assign=True, strict=True)
     # The RoPE table and any KV cache built on this model cover at most the model's own context.
     model.finalize(min(max_positions or args.max_position_embeddings, args.max_position_embeddings))

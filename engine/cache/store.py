@@ -84,6 +84,9 @@ class DiskStore:
         I, H, E = args.moe_intermediate, args.hidden_size, args.num_experts
         n = cls.expert_naming
         fmt = self.format
+        scale_suffix = getattr(fmt, "scale_suffix", None)
+        if scale_suffix is not None and fmt.name not in n.packed:
+            return self._scaled_per_expert(n, ckpt, layer, scale_suffix)
         if fmt.packed or args.expert_bias:
             names = n.packed.get(fmt.name)
             if names is None:
@@ -115,6 +118,27 @@ class DiskStore:
 
         return per_expert
 
+    def _scaled_per_expert(self, n, ckpt: Checkpoint, layer: int, suffix: str):
+        """Per-expert weights each with its own scale tensor (FP8: `gate_proj.weight` + `.weight_scale_inv`):
+        gate and up fill w13's rows and w13_scale's rows in turn, down fills w2 and w2_scale."""
+        (rows13, _), (srows13, _) = self.shapes["w13"][0], self.shapes["w13_scale"][0]
+        I, nb = rows13 // 2, srows13 // 2
+
+        def per_expert(e: int) -> list[Segment]:
+            segs = []
+            for template, target, r0, s0 in ((n.gate, "w13", 0, 0), (n.up, "w13", I, nb), (n.down, "w2", 0, 0)):
+                name = template.format(layer=layer, expert=e)
+                w, scale = ckpt.info(name), ckpt.info(name + suffix)
+                wshape = self.shapes[target][0]
+                sshape = self.shapes[target + "_scale"][0]
+                self._check(w, target, (I, wshape[1]) if target == "w13" else wshape)
+                self._check(scale, target + "_scale", (nb, sshape[1]) if target == "w13" else sshape)
+                segs.append(self._whole(w, target, r0, r0 + w.shape[0]))
+                segs.append(self._whole(scale, target + "_scale", s0, s0 + scale.shape[0]))
+            return segs
+
+        return per_expert
+
     def _check(self, info: TensorInfo, name: str, shape: tuple[int, ...]) -> None:
         from ..checkpoint import FLOAT_DTAGS, SAFETENSORS_DTYPES
 
@@ -123,9 +147,10 @@ class DiskStore:
                                   f"the {self.format.name} expert format imply {list(shape)}", path=str(info.file),
                                   tensor=info.name)
         want = self.shapes[name][1]
-        ok = info.dtype in FLOAT_DTAGS if want.is_floating_point else SAFETENSORS_DTYPES.get(info.dtype) == want
+        full_width = want.is_floating_point and want.itemsize >= 2  # the compute dtype: any float is converted
+        ok = info.dtype in FLOAT_DTAGS if full_width else SAFETENSORS_DTYPES.get(info.dtype) == want
         if not ok:
-            need = "F32, F16 or BF16" if want.is_floating_point else str(want).replace("torch.", "")
+            need = "F32, F16 or BF16" if full_width else str(want).replace("torch.", "")
             raise CheckpointError(f"{info.file}: tensor {info.name!r} is stored as {info.dtype}; the "
                                   f"{self.format.name} expert format needs {need} here", path=str(info.file),
                                   tensor=info.name)

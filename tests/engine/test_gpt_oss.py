@@ -223,7 +223,7 @@ P = "model.layers.1.mlp.experts."
     (lambda t, c: t.__setitem__(P + "down_proj_bias", t[P + "down_proj_bias"].to(torch.int32)),
      CheckpointError, "down_proj_bias' is stored as I32; the mxfp4 expert format needs F32, F16 or BF16"),
     (lambda t, c: c["quantization_config"].__setitem__("quant_method", "awq"), UnsupportedModelError,
-     "quant_method 'awq' is not supported"),
+     "quant_method 'awq': AWQ checkpoints are not supported"),
     (lambda t, c: c.__setitem__("quantization_config", "mxfp4"), ConfigError, "quantization_config must be an object"),
     (lambda t, c: c.pop("quantization_config"), CheckpointError, "gpt_oss experts cannot be read in the dense format"),
 ])
