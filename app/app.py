@@ -38,7 +38,8 @@ class MoechatApp(App):
 
     def __init__(self, model: str | None, *, engine_factory: EngineFactory, options: LoadOptions,
                  settings: Settings, store: ChatStore, memory_probe, export_dir: Path,
-                 welcome_reason: str = NO_MODEL, notices: tuple[str, ...] = (), hub: HubOptions | None = None):
+                 welcome_reason: str = NO_MODEL, notices: tuple[str, ...] = (), hub: HubOptions | None = None,
+                 reasoning_effort: str | None = None):
         super().__init__()
         self.model = model
         self.engine_factory = engine_factory
@@ -49,6 +50,8 @@ class MoechatApp(App):
         self.export_dir = export_dir
         self.welcome_reason = welcome_reason
         self.hub = hub or HubOptions()
+        # `moechat chat --reasoning-effort`: this session only, until a choice in the sampling dialog (saved)
+        self.reasoning_effort = reasoning_effort
         self.startup_notices = [n for n in (*notices, settings.problem) if n]
 
     def on_mount(self) -> None:
@@ -88,12 +91,14 @@ class MoechatApp(App):
 def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFactory | None = None,
              options: LoadOptions | None = None, settings: Settings | None = None,
              store: ChatStore | None = None, memory_probe=None, export_dir: str | os.PathLike | None = None,
-             welcome_reason: str = NO_MODEL, hub: HubOptions | None = None) -> MoechatApp:
+             welcome_reason: str = NO_MODEL, hub: HubOptions | None = None,
+             reasoning_effort: str | None = None) -> MoechatApp:
     """The app on `model` (a directory or cached Hub repo id), or the welcome screen when None.
 
     Defaults: settings from the XDG config dir, chats in the XDG data dir, the real engine, psutil (+
     NVML when present) for memory, exports to the current directory, the Hub and cache of the environment
-    (`hub`: another endpoint, cache, catalog or what-if hardware for the setup wizard).
+    (`hub`: another endpoint, cache, catalog or what-if hardware for the setup wizard), and the reasoning
+    effort saved in the settings (`reasoning_effort` overrides it for this session).
     """
     notices = []
     settings = settings if settings is not None else Settings.load()
@@ -107,4 +112,5 @@ def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFa
                       options=options or LoadOptions(), settings=settings, store=store,
                       memory_probe=memory_probe if memory_probe is not None else MemoryProbe(),
                       export_dir=Path(export_dir) if export_dir is not None else Path.cwd(),
-                      welcome_reason=welcome_reason, notices=tuple(notices), hub=hub)
+                      welcome_reason=welcome_reason, notices=tuple(notices), hub=hub,
+                      reasoning_effort=reasoning_effort)

@@ -2,7 +2,7 @@
 
     UI thread (Textual)                       worker threads (one holds the engine lock at a time)
     ChatScreen --load(model)--------------->  load: import torch + engine, Engine.load, describe
-               --generate(history, text)--->  generate: Conversation.send(...) -> chunks
+               --generate(history, text, ..)->  generate: Conversation.send(...) -> chunks
                <--TokensArrived (doorbell)--    each chunk queued in an outbox; a doorbell when the
                --take_tokens()------------->      UI has taken the last batch
                                                 between tokens: apply pending retunes, and every
@@ -22,8 +22,9 @@ Tokens go into an outbox (a list under a lock); the first one after the UI last 
 `TokensArrived` doorbell, and the UI takes the whole outbox when it draws. A token is never delayed
 by more than the UI's own pace, and the UI wakes per batch, not per token: at 300 tok/s per-token
 messages kept the UI thread 20% busy, GIL the generating thread needs. Stats go out at most every
-STATS_INTERVAL_S as replaceable messages. The engine object is duck-typed (the app's tests pass a
-fake): `conversation()`, `sampling()`, `default_max_tokens()`, `cache_snapshot()`, `retune_cache()`.
+STATS_INTERVAL_S as replaceable messages. A chunk's `thinking` (a reasoning model's) travels beside its
+text. The engine object is duck-typed (the app's tests pass a fake): `conversation()`, `sampling()`,
+`default_max_tokens()`, `cache_snapshot()`, `retune_cache()`, and optionally `template_reads()`.
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ class LoadOptions:
     prefetch: str | None = None  # None: the engine's default when experts are cached
     prefetch_depth: int = 1
     warm_start: bool = True  # fill the slots from the model's saved routing profile
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Generated text waiting for the UI: the answer's text and the thinking, of generation `gen_id`."""
+
+    gen_id: int
+    text: str
+    token_ids: tuple[int, ...]
+    thinking: str = ""
 
 
 # (model dir or repo id, options, progress callback) -> engine
@@ -236,8 +247,17 @@ def describe(engine, model: str) -> ModelInfo:
         generation_config=dict(getattr(engine, "generation_config", None) or {}),
         default_max_tokens=int(engine.default_max_tokens()),
         has_chat_template=getattr(engine, "chat_template", True) is not None,
+        reads_reasoning_effort=_template_reads(engine, "reasoning_effort"),
         cache=cache_state(engine, engine.cache_snapshot()),
     )
+
+
+def _template_reads(engine, variable: str) -> bool:
+    reads = getattr(engine, "template_reads", None)
+    try:
+        return bool(reads(variable)) if reads is not None else False
+    except Exception:  # noqa: BLE001 - a template the analysis cannot parse still chats; the option is hidden
+        return False
 
 
 def _close_engine(engine) -> None:
@@ -266,7 +286,7 @@ class EngineBridge(Widget):
         self._gen_id = 0
         self._pending: dict[str, Any] = {}  # retune changes not yet applied
         self._pending_lock = threading.Lock()
-        self._outbox: list[tuple[int, str, tuple[int, ...]]] = []  # (gen_id, text, token ids) not yet taken
+        self._outbox: list[Tokens] = []  # not yet taken by the UI
         self._rung = False  # a TokensArrived is on its way and the UI has not taken the outbox since
         self._outbox_lock = threading.Lock()
         self._curve_rows = -1  # trace rows the last posted hit curve was computed from
@@ -313,30 +333,35 @@ class EngineBridge(Widget):
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, history: list[dict], text: str, sampling: dict | None = None,
-                 max_tokens: int | None = None) -> int:
-        """Start a reply to `text` after `history` (system + earlier turns); returns its generation id."""
+                 max_tokens: int | None = None, template_kwargs: dict | None = None) -> int:
+        """Start a reply to `text` after `history` (system + earlier turns); returns its generation id.
+
+        `template_kwargs` become chat template variables (``reasoning_effort="high"``).
+        """
         self.stop()
         self._gen_id += 1
         self._cancel = threading.Event()
         self._generate(self._gen_id, [dict(m) for m in history], text, dict(sampling or {}), max_tokens,
-                       self._cancel)
+                       dict(template_kwargs or {}), self._cancel)
         return self._gen_id
 
-    def take_tokens(self) -> list[tuple[int, str, tuple[int, ...]]]:
-        """Every queued chunk, oldest first, merged per generation: [(gen_id, text, token ids)]. UI thread."""
+    def take_tokens(self) -> list[Tokens]:
+        """Every queued chunk, oldest first, merged per generation. UI thread."""
         with self._outbox_lock:
             items, self._outbox, self._rung = self._outbox, [], False
-        merged: list[tuple[int, str, tuple[int, ...]]] = []
-        for gen_id, text, ids in items:
-            if merged and merged[-1][0] == gen_id:
-                merged[-1] = (gen_id, merged[-1][1] + text, merged[-1][2] + ids)
+        merged: list[Tokens] = []
+        for item in items:
+            if merged and merged[-1].gen_id == item.gen_id:
+                last = merged[-1]
+                merged[-1] = Tokens(item.gen_id, last.text + item.text, last.token_ids + item.token_ids,
+                                    last.thinking + item.thinking)
             else:
-                merged.append((gen_id, text, ids))
+                merged.append(item)
         return merged
 
-    def _queue_tokens(self, gen_id: int, text: str, ids: tuple[int, ...]) -> None:
+    def _queue_tokens(self, gen_id: int, text: str, ids: tuple[int, ...], thinking: str = "") -> None:
         with self._outbox_lock:
-            self._outbox.append((gen_id, text, ids))
+            self._outbox.append(Tokens(gen_id, text, ids, thinking))
             ring, self._rung = not self._rung, True
         if ring:
             self.post_message(TokensArrived(gen_id))
@@ -348,7 +373,7 @@ class EngineBridge(Widget):
 
     @work(thread=True, exclusive=True, group="engine-generate", exit_on_error=False)
     def _generate(self, gen_id: int, history: list[dict], text: str, sampling: dict, max_tokens: int | None,
-                  cancel: threading.Event) -> None:
+                  template_kwargs: dict, cancel: threading.Event) -> None:
         with self._lock:
             engine = self._engine
             if engine is None:
@@ -367,10 +392,11 @@ class EngineBridge(Widget):
                 conversation.messages = history  # the UI's transcript is the truth; the KV prefix is reused
                 tracker.start_generation()
                 last_stats = 0.0
-                for chunk in conversation.send(text, sampling=params, max_tokens=max_tokens, cancel=cancel):
+                for chunk in conversation.send(text, sampling=params, max_tokens=max_tokens, cancel=cancel,
+                                               **template_kwargs):
                     last = chunk
-                    if chunk.text or chunk.token_ids:
-                        self._queue_tokens(gen_id, chunk.text, tuple(chunk.token_ids))
+                    if chunk.text or chunk.token_ids or chunk.thinking:
+                        self._queue_tokens(gen_id, chunk.text, tuple(chunk.token_ids), chunk.thinking)
                     tracker.observe_chunk(chunk.prompt_tokens, chunk.generated_tokens, chunk.prefill_tokens_per_s,
                                           chunk.decode_tokens_per_s)
                     if chunk.finish_reason is None:

@@ -15,13 +15,14 @@ import argparse
 import json
 import sys
 
+from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
+
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's levels; its template reads `reasoning_effort`
 _DIM, _RESET = "\x1b[2m", "\x1b[0m"
 
 

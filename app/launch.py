@@ -18,6 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
+
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
 from .bridge import LoadOptions, default_policy, looks_like_repo_id, policy_names
@@ -42,6 +44,9 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     chat.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
                       "cache for (default 4096, at most the model's)")
     chat.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    chat.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, help="how hard a reasoning model thinks "
+                      "in this session, passed to the chat template (gpt-oss; default: the one set in the app, "
+                      "else the template's own, medium for gpt-oss)")
     cache = chat.add_argument_group("expert cache", "N slots on the compute device over a RAM tier and the disk "
                                     "(default: a slot for every expert, every expert in RAM)")
     cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")
@@ -89,7 +94,7 @@ def run_chat(args: argparse.Namespace) -> int:
         model = resolve_model_arg(model)  # the complete cached snapshot, or an error naming `moechat pull`
     from .app import make_app
 
-    return _run(make_app(model, options=options_from_args(args)))
+    return _run(make_app(model, options=options_from_args(args), reasoning_effort=args.reasoning_effort))
 
 
 def default_model(demo: Path | None = None, settings=None) -> str | None:

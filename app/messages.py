@@ -50,6 +50,7 @@ class ModelInfo:
     generation_config: dict = field(default_factory=dict)  # the file itself: which defaults it sets
     default_max_tokens: int = 512
     has_chat_template: bool = True
+    reads_reasoning_effort: bool = False  # the chat template reads `reasoning_effort` (gpt-oss)
     cache: CacheState | None = None  # None: every expert resident (no cache)
 
 

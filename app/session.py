@@ -4,7 +4,9 @@ The session, not the engine, is the truth about the conversation: each reply is 
 `request()` (system + earlier turns + the last user message), so a stopped reply is continued from
 what the user saw, regenerate drops the last reply and asks again, and a reopened chat needs no engine
 state (the engine keeps its KV cache for the longest common prefix, so the usual next turn still
-prefills only its new tokens). Every change is written through to the store at once.
+prefills only its new tokens). Every change is written through to the store at once. A reasoning
+model's thinking is kept beside each reply's content and goes back to the engine with the history
+(as `thinking`, where templates read it; most drop it from earlier turns).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class Turn:
     status: str = "done"  # "streaming" | "done" | "stopped" | "error" | "interrupted"
     id: int | None = None  # row in the store
     stats: dict | None = None
+    thinking: str = ""  # a reasoning model's thinking before `content`
 
 
 class ChatSession:
@@ -37,7 +40,7 @@ class ChatSession:
         saved = store.load(conversation_id)
         if saved is None:
             return None
-        turns = [Turn(m.role, m.content, m.status, m.id, m.stats) for m in saved.messages]
+        turns = [Turn(m.role, m.content, m.status, m.id, m.stats, m.thinking) for m in saved.messages]
         return cls(store, model, saved.system, saved.id, turns)
 
     @property
@@ -67,9 +70,12 @@ class ChatSession:
             return None
         history = [{"role": "system", "content": self.system}] if self.system else []
         for t in self.turns[:-1]:
-            if t.role == "assistant" and not t.content:  # a reply that failed before any text
+            if t.role == "assistant" and not t.content:  # a reply that failed (or was stopped) before its answer
                 continue
-            history.append({"role": t.role, "content": t.content})
+            message = {"role": t.role, "content": t.content}
+            if t.thinking:
+                message["thinking"] = t.thinking
+            history.append(message)
         return history, self.turns[-1].content
 
     def start_reply(self) -> Turn:
@@ -78,11 +84,12 @@ class ChatSession:
         self.turns.append(turn)
         return turn
 
-    def append_reply(self, text: str) -> None:
+    def append_reply(self, text: str, thinking: str = "") -> None:
         turn = self.reply
-        if turn is not None and text:
+        if turn is not None and (text or thinking):
             turn.content += text
-            self.store.append(turn.id, text)
+            turn.thinking += thinking
+            self.store.append(turn.id, text, thinking)
 
     def finish_reply(self, status: str, stats: dict | None = None) -> None:
         turn = self.reply

@@ -4,8 +4,9 @@
     $XDG_DATA_HOME/moechat/                  (default ~/.local/share/moechat: chats.sqlite3, exports)
 
 The file holds what a user would expect to be remembered between runs: recent models, the system
-prompt, sampling overrides (absent keys mean "the model's generation_config.json default"), whether
-the dashboard is shown. A writer of ~40 lines covers the types used here (str, int, float, bool, lists
+prompt, sampling overrides (absent keys mean "the model's generation_config.json default"), the
+reasoning effort for models whose template reads one (absent: the template's default), whether the
+dashboard is shown. A writer of ~40 lines covers the types used here (str, int, float, bool, lists
 of str, one level of tables), so there is no TOML-writing dependency. A file that does not parse is
 not fatal: the defaults are used and `Settings.problem` says why, for a notice.
 """
@@ -17,6 +18,8 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 
 try:
     import tomllib
@@ -102,6 +105,7 @@ class Settings:
     system_prompt: str = ""
     sampling: dict[str, float | int] = field(default_factory=dict)  # overrides of the model's defaults
     max_tokens: int | None = None  # None: the model's max_new_tokens, else 512
+    reasoning_effort: str | None = None  # "low" | "medium" | "high"; None: the chat template's default
     show_dashboard: bool = True
     theme: str = "textual-dark"
     problem: str | None = None  # why the file could not be read, for a notice
@@ -129,6 +133,8 @@ class Settings:
             settings.system_prompt = chat["system_prompt"]
         if isinstance(chat.get("max_tokens"), int) and chat["max_tokens"] > 0:
             settings.max_tokens = chat["max_tokens"]
+        if chat.get("reasoning_effort") in REASONING_EFFORTS:
+            settings.reasoning_effort = chat["reasoning_effort"]
         for key, kind in SAMPLING_KEYS.items():
             value = data.get("sampling", {}).get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -149,7 +155,8 @@ class Settings:
     def to_dict(self) -> dict:
         return {
             "models": {"recent": self.recent_models},
-            "chat": {"system_prompt": self.system_prompt, "max_tokens": self.max_tokens},
+            "chat": {"system_prompt": self.system_prompt, "max_tokens": self.max_tokens,
+                     "reasoning_effort": self.reasoning_effort},
             "sampling": dict(self.sampling),
             "ui": {"show_dashboard": self.show_dashboard, "theme": self.theme},
         }

@@ -5,7 +5,9 @@ committing every token batch (a few per second) costs tens of microseconds, and 
 survives the app being killed (only an OS crash or power loss can drop the last commits). A reply is
 a row that grows: created as status "streaming", `append` adds each batch, `finish` sets "done",
 "stopped" or "error". A row still "streaming" when read back was cut off by a kill: `load` reports it
-as "interrupted". Each connection belongs to the thread that opened it (the UI thread).
+as "interrupted". A reasoning model's thinking grows beside the reply's content in its own column (added
+to version 1 files when they are opened). Each connection belongs to the thread that opened it (the UI
+thread).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: messages.thinking
 TITLE_CHARS = 60
 
 _SCHEMA = """
@@ -36,7 +38,8 @@ CREATE TABLE IF NOT EXISTS messages (
     content TEXT NOT NULL DEFAULT '',
     status TEXT NOT NULL DEFAULT 'done',
     created REAL NOT NULL,
-    stats TEXT
+    stats TEXT,
+    thinking TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
@@ -49,6 +52,7 @@ class SavedMessage:
     content: str
     status: str  # "done" | "stopped" | "error" | "interrupted"
     stats: dict | None = None
+    thinking: str = ""  # a reasoning model's thinking before the content
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ class ChatStore:
         self.db.execute("PRAGMA foreign_keys=ON")
         with self.db:
             self.db.executescript(_SCHEMA)
+            columns = {row["name"] for row in self.db.execute("PRAGMA table_info(messages)")}
+            if "thinking" not in columns:  # a version 1 file
+                self.db.execute("ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''")
             self.db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     def close(self) -> None:
@@ -120,12 +127,13 @@ class ChatStore:
                             (now, role, title_of(content), conversation_id))
         return int(cur.lastrowid)
 
-    def append(self, message_id: int, text: str) -> None:
-        """Add a token batch to a reply, committed at once."""
-        if not text:
+    def append(self, message_id: int, text: str, thinking: str = "") -> None:
+        """Add a token batch to a reply (its answer and its thinking), committed at once."""
+        if not text and not thinking:
             return
         with self.db:
-            self.db.execute("UPDATE messages SET content = content || ? WHERE id = ?", (text, message_id))
+            self.db.execute("UPDATE messages SET content = content || ?, thinking = thinking || ? WHERE id = ?",
+                            (text, thinking, message_id))
 
     def finish(self, message_id: int, status: str, stats: dict | None = None) -> None:
         with self.db:
@@ -164,7 +172,7 @@ class ChatStore:
                                (conversation_id,)).fetchall()
         messages = tuple(
             SavedMessage(r["id"], r["role"], r["content"], "interrupted" if r["status"] == "streaming" else r["status"],
-                         json.loads(r["stats"]) if r["stats"] else None)
+                         json.loads(r["stats"]) if r["stats"] else None, r["thinking"])
             for r in rows)
         return SavedConversation(c["id"], c["title"] or "(untitled)", c["model"], c["system"], c["created"],
                                  c["updated"], messages)
@@ -202,5 +210,8 @@ def to_markdown(conv: SavedConversation) -> str:
         heading = "You" if m.role == "user" else "Assistant"
         if m.status in ("stopped", "interrupted", "error"):
             heading += f" ({m.status})"
-        out += [f"## {heading}", "", m.content, ""]
+        out += [f"## {heading}", ""]
+        if m.thinking:  # folded, as in the app: GitHub and most viewers render <details> closed
+            out += ["<details><summary>Thinking</summary>", "", m.thinking, "", "</details>", ""]
+        out += [m.content, ""]
     return "\n".join(out).rstrip() + "\n"

@@ -26,11 +26,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["HARMONY", "THINK_TAGS", "HarmonyParser", "ReasoningDelta", "ReasoningParser", "ThinkTagParser",
-           "make_parser", "reasoning_format"]
+__all__ = ["HARMONY", "REASONING_EFFORTS", "THINK_TAGS", "HarmonyParser", "ReasoningDelta", "ReasoningParser",
+           "ThinkTagParser", "make_parser", "reasoning_format"]
 
 HARMONY = "harmony"
 THINK_TAGS = "think"
+# gpt-oss's reasoning levels: what its template's `reasoning_effort` takes ("medium" when it is not set).
+REASONING_EFFORTS = ("low", "medium", "high")
 
 _START, _END, _MESSAGE, _CHANNEL, _CONSTRAIN, _RETURN, _CALL = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")

@@ -160,10 +160,12 @@ class ChatScreen(Screen):
     async def flush_reply(self) -> None:
         """Take the waiting tokens, commit them to the store and draw them."""
         self._flush_timer = None
-        text = "".join(t for gen_id, t, _ in self.bridge.take_tokens() if gen_id == self.gen_id)
-        if text and self.reply is not None:
-            self.session.append_reply(text)
-            await self.reply.write(text)
+        batches = [t for t in self.bridge.take_tokens() if t.gen_id == self.gen_id]
+        text = "".join(t.text for t in batches)
+        thinking = "".join(t.thinking for t in batches)
+        if (text or thinking) and self.reply is not None:
+            self.session.append_reply(text, thinking)
+            await self.reply.write(text, thinking)
 
     async def on_generation_finished(self, message: GenerationFinished) -> None:
         if message.gen_id != self.gen_id:
@@ -235,7 +237,18 @@ class ChatScreen(Screen):
         self.reply = await self.transcript.add_assistant()
         self.transcript.scroll_end(animate=False)
         settings = self.app.settings
-        self.gen_id = self.bridge.generate(history, text, settings.sampling, settings.max_tokens)
+        self.gen_id = self.bridge.generate(history, text, settings.sampling, settings.max_tokens,
+                                           self.template_kwargs())
+
+    def template_kwargs(self) -> dict:
+        """Chat template variables for the next reply: the reasoning effort, when the template reads one.
+
+        Unset (no --reasoning-effort, none chosen in the sampling dialog), nothing is passed and the
+        template's own default applies (gpt-oss: "medium")."""
+        effort = self.app.reasoning_effort or self.app.settings.reasoning_effort
+        if effort and self.info is not None and self.info.reads_reasoning_effort:
+            return {"reasoning_effort": effort}
+        return {}
 
     async def _end_reply(self, status: str, footer: str = "", stats: dict | None = None) -> None:
         if self._flush_timer is not None:
@@ -288,7 +301,7 @@ class ChatScreen(Screen):
                 stats = turn.stats or {}
                 footer = (f"{stats['generated_tokens']} tokens · {fmt_rate(stats['decode_tps'])} tok/s"
                           if "generated_tokens" in stats else "")
-                await transcript.add_assistant(turn.content, turn.status, footer)
+                await transcript.add_assistant(turn.content, turn.status, footer, turn.thinking)
         transcript.scroll_end(animate=False)
         self.query_one(PromptInput).focus()
 
@@ -340,11 +353,17 @@ class ChatScreen(Screen):
         def done(result) -> None:
             if result is None:
                 return
-            settings.sampling, settings.max_tokens = result
+            settings.sampling, settings.max_tokens = result.sampling, result.max_tokens
+            if info.reads_reasoning_effort:
+                settings.reasoning_effort = result.reasoning_effort
+                self.app.reasoning_effort = None  # the choice made here replaces --reasoning-effort's
             settings.save()
 
-        self.app.push_screen(SamplingScreen(info.sampling_defaults, info.generation_config, settings.sampling,
-                                            settings.max_tokens, info.default_max_tokens), done)
+        effort = self.app.reasoning_effort or settings.reasoning_effort
+        dialog = SamplingScreen(info.sampling_defaults, info.generation_config, settings.sampling, settings.max_tokens,
+                                info.default_max_tokens, reasoning_effort=effort,
+                                reads_reasoning_effort=info.reads_reasoning_effort)
+        self.app.push_screen(dialog, done)
 
     def action_toggle_dashboard(self) -> None:
         dashboard = self.dashboard

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from textual import on
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, TextArea
+from textual.widgets import Button, Input, Label, OptionList, Select, TextArea
+
+from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 
 from ..settings import SAMPLING_KEYS
 
@@ -46,19 +50,31 @@ def _fmt_default(value) -> str:
     return str(value)
 
 
-class SamplingScreen(ModalScreen[tuple[dict, int | None] | None]):
-    """Overrides of the model's defaults; an empty field means "the model's default", shown beside it."""
+@dataclass(frozen=True)
+class SamplingChoice:
+    sampling: dict  # overrides of the model's defaults
+    max_tokens: int | None
+    reasoning_effort: str | None = None  # None: the chat template's default
+
+
+class SamplingScreen(ModalScreen[SamplingChoice | None]):
+    """Overrides of the model's defaults; an empty field means "the model's default", shown beside it.
+
+    For a model whose chat template reads `reasoning_effort` (gpt-oss), a last row picks it.
+    """
 
     BINDINGS = CANCEL
 
     def __init__(self, defaults: dict, generation_config: dict, overrides: dict, max_tokens: int | None,
-                 default_max_tokens: int):
+                 default_max_tokens: int, *, reasoning_effort: str | None = None, reads_reasoning_effort: bool = False):
         super().__init__(classes="dialog-screen")
         self.defaults = defaults
         self.generation_config = generation_config
         self.overrides = overrides
         self.max_tokens = max_tokens
         self.default_max_tokens = default_max_tokens
+        self.reasoning_effort = reasoning_effort
+        self.reads_reasoning_effort = reads_reasoning_effort
 
     def _source(self, key: str) -> str:
         return "generation_config.json" if key in self.generation_config else "built-in default"
@@ -81,6 +97,12 @@ class SamplingScreen(ModalScreen[tuple[dict, int | None] | None]):
                                 id=f"param-{key}", compact=True)
                     source = self._source("max_new_tokens" if key == "max_tokens" else key)
                     yield Label(f"{_fmt_default(default)}  ({source})", classes="param-default", markup=False)
+                if self.reads_reasoning_effort:
+                    yield Label("reasoning effort", classes="param")
+                    yield Select([(e, e) for e in REASONING_EFFORTS], id="param-reasoning_effort", prompt="–",
+                                 allow_blank=True, compact=True,
+                                 value=self.reasoning_effort if self.reasoning_effort else Select.NULL)
+                    yield Label("the chat template's  (gpt-oss: medium)", classes="param-default", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save", id="save", variant="primary")
                 yield Button("Model defaults", id="reset")
@@ -106,12 +128,18 @@ class SamplingScreen(ModalScreen[tuple[dict, int | None] | None]):
                 max_tokens = value
             else:
                 overrides[key] = value
-        self.dismiss((overrides, max_tokens))
+        effort = None
+        if self.reads_reasoning_effort:
+            value = self.query_one("#param-reasoning_effort", Select).value
+            effort = value if isinstance(value, str) else None
+        self.dismiss(SamplingChoice(overrides, max_tokens, effort))
 
     @on(Button.Pressed, "#reset")
     def reset(self) -> None:
         for field in self.query(Input):
             field.value = ""
+        for select in self.query(Select):
+            select.clear()
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:

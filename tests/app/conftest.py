@@ -1,9 +1,10 @@
 """A fake engine for the app's tests: scripted replies, deterministic routing, gated tokens.
 
 `FakeEngine` has the methods the bridge uses (conversation, sampling, default_max_tokens,
-cache_snapshot, retune_cache, and the args/loaded attributes `describe` reads) and returns the
-engine's real `CacheSnapshot`. With `gated=True` each token waits for `release()`, so a test can stop
-a reply, or change the cache, between two known tokens.
+cache_snapshot, retune_cache, template_reads, and the args/loaded attributes `describe` reads) and
+returns the engine's real `CacheSnapshot`. A `Reply` may script thinking, streamed before its tokens.
+With `gated=True` each token (and each piece of thinking) waits for `release()`, so a test can stop a
+reply, or change the cache, between two known tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class FakeChunk:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     cache: CacheSnapshot | None = None
+    thinking: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Reply:
     finish: str = "stop"
     fail_at: int | None = None  # raise MoechatError before this token
     error: str = "the KV cache is full: 4096 tokens; start a new chat or raise --context"
+    thinking: list[str] = field(default_factory=list)  # pieces of thinking, each a chunk before the tokens
 
 
 @dataclass
@@ -68,6 +71,7 @@ class SendCall:
     max_tokens: int | None
     cancel: threading.Event | None
     thread: int = 0
+    template_kwargs: dict = field(default_factory=dict)
 
 
 class FakeConversation:
@@ -75,24 +79,25 @@ class FakeConversation:
         self.engine = engine
         self.messages: list[dict] = []
 
-    def send(self, text, *, sampling=None, max_tokens=None, cancel=None):
+    def send(self, text, *, sampling=None, max_tokens=None, cancel=None, **template_kwargs):
         e = self.engine
         e.sends.append(SendCall([dict(m) for m in self.messages], text, sampling, max_tokens, cancel,
-                                threading.get_ident()))
+                                threading.get_ident(), template_kwargs))
         reply = e.replies.pop(0) if e.replies else Reply(["Hello", " there", "!"])
         e.yielded = 0
         prompt = 5 + len(text.split())
-        for i, piece in enumerate(reply.tokens):
+        pieces = [("", t) for t in reply.thinking] + [(t, "") for t in reply.tokens]
+        for i, (piece, thinking) in enumerate(pieces):
             if e.gate is not None and not e.gate.acquire(timeout=20):
                 raise RuntimeError("test gate never released")
             if reply.fail_at == i:
                 raise MoechatError(reply.error)
             e.route(i)
-            last = i == len(reply.tokens) - 1
+            last = i == len(pieces) - 1
             finish = reply.finish if last else ("cancelled" if cancel is not None and cancel.is_set() else None)
             e.yielded = i + 1
             yield FakeChunk(piece, (100 + i,), finish, prompt, i + 1, 500.0, 40.0 + i,
-                            e.cache_snapshot() if finish else None)
+                            e.cache_snapshot() if finish else None, thinking)
             if finish:
                 return
 
@@ -107,6 +112,7 @@ class FakeEngine:
     replies: list[Reply] = field(default_factory=list)
     gated: bool = False
     expert_bytes: int = 1 << 20
+    template_variables: frozenset = frozenset()  # what template_reads() answers yes to
 
     def __post_init__(self):
         L, E = self.num_layers, self.num_experts
@@ -140,6 +146,9 @@ class FakeEngine:
 
     def default_max_tokens(self):
         return 64
+
+    def template_reads(self, variable):
+        return variable in self.template_variables
 
     def cache_snapshot(self) -> CacheSnapshot:
         return CacheSnapshot(num_slots=self.slots, slots_used=len(self.order), policy=self.policy,

@@ -45,6 +45,17 @@ def test_run_chat_opens_the_model(captured, tmp_path):
     assert app.model == str(model.resolve()) and app.load_options.expert_slots == 8
 
 
+
+def test_run_chat_passes_the_reasoning_effort_for_the_session(captured, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    assert launch.run_chat(_parse("chat", str(model), "--reasoning-effort", "high")) == 0
+    assert launch.run_chat(_parse("chat", str(model))) == 0
+    assert [app.reasoning_effort for app in captured] == ["high", None]
+    assert captured[0].settings.reasoning_effort is None  # not written to the settings
+    with pytest.raises(SystemExit):
+        _parse("chat", "x", "--reasoning-effort", "extreme")
+
 def test_run_chat_on_a_missing_dir_is_one_line(captured, capsys):
     assert launch.run_chat(_parse("chat", "/no/such/dir")) == 1
     assert capsys.readouterr().err.strip() == ("moechat: error: /no/such/dir: no such model directory; pass a "

@@ -54,3 +54,16 @@ def test_xdg_dirs(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CONFIG_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert config_dir() == tmp_path / "home" / ".config" / "moechat"
+
+
+def test_reasoning_effort_round_trips_and_bad_values_are_dropped(app_env):
+    path = app_env / "settings.toml"
+    s = Settings(path=path, reasoning_effort="low")
+    assert s.save() is None
+    assert '[chat]' in path.read_text() and 'reasoning_effort = "low"' in path.read_text()
+    assert Settings.load(path).reasoning_effort == "low"
+    assert Settings(path=path).save() is None
+    assert Settings.load(path).reasoning_effort is None and "reasoning_effort" not in path.read_text()
+    for bad in ('"extreme"', "3", '["low"]'):
+        path.write_text(f"[chat]\nreasoning_effort = {bad}\n")
+        assert Settings.load(path).reasoning_effort is None and Settings.load(path).problem is None

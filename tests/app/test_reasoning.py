@@ -1,0 +1,188 @@
+"""A reasoning model in the app: thinking in a fold above the answer, saved beside it; the reasoning effort."""
+
+from __future__ import annotations
+
+import pytest
+from textual.widgets import Collapsible, Markdown, Select
+from textual.widgets._collapsible import CollapsibleTitle
+
+from moechat.app.screens.chat import ChatScreen
+from moechat.app.settings import Settings
+from moechat.app.widgets.prompt import PromptInput
+from moechat.app.widgets.transcript import AssistantMessage, ThinkingBlock
+
+pytestmark = pytest.mark.anyio
+SIZE = (120, 36)
+
+
+async def _ready(pilot) -> ChatScreen:
+    screen = pilot.app.screen
+    for _ in range(500):
+        if isinstance(screen, ChatScreen) and screen.info is not None:
+            return screen
+        await pilot.pause(0.02)
+    raise AssertionError("the model did not load")
+
+
+async def _send(pilot, text: str) -> None:
+    prompt = pilot.app.screen.query_one(PromptInput)
+    prompt.focus()
+    prompt.load_text(text)
+    await pilot.press("enter")
+
+
+def _done(screen: ChatScreen) -> bool:
+    return screen.gen_id is None and bool(screen.session.turns) and screen.session.turns[-1].status != "streaming"
+
+
+def _markdown_text(markdown: Markdown) -> str:
+    return markdown.source
+
+
+async def test_thinking_streams_open_then_folds_when_the_answer_starts(build_app, fakes):
+    reply = fakes.Reply(["The ", "answer."], thinking=["Let me ", "think it over."])
+    engine = fakes.Engine(gated=True, replies=[reply])
+    app, store = build_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot)
+        await _send(pilot, "question")
+        engine.release(1)
+        await fakes.wait_for(pilot, lambda: screen.reply is not None and screen.reply.thinking == "Let me ")
+        message = screen.reply
+        block = message.thinking_block
+        assert isinstance(block, ThinkingBlock)
+        assert not block.collapsed and block.title == "Thinking…" and message.text == ""
+        # The fold sits above the answer.
+        children = list(message.children)
+        assert children.index(block) < children.index(message.markdown)
+        engine.release(1)
+        await fakes.wait_for(pilot, lambda: message.thinking == "Let me think it over.")
+        assert not block.collapsed
+        # Committed as it streams, like the answer.
+        saved = store.load(screen.session.conversation_id).messages[-1]
+        assert (saved.thinking, saved.content) == ("Let me think it over.", "")
+        engine.release(1)
+        await fakes.wait_for(pilot, lambda: message.text == "The ")
+        assert block.collapsed  # the answer started: the thinking folds away
+        engine.release(1)
+        await fakes.wait_for(pilot, lambda: _done(screen))
+        assert (message.text, message.thinking, message.status) == ("The answer.", "Let me think it over.", "done")
+        assert block.title == "Thinking · 5 words"
+        assert _markdown_text(block.markdown) == "Let me think it over."
+        assert _markdown_text(message.markdown) == "The answer."
+        saved = store.load(screen.session.conversation_id).messages[-1]
+        assert (saved.content, saved.thinking, saved.status) == ("The answer.", "Let me think it over.", "done")
+        contents = block.query_one(Collapsible.Contents)
+        assert contents.styles.display == "none"
+        # A click on its title opens it again.
+        await pilot.click(block.query_one(CollapsibleTitle))
+        await pilot.pause()
+        assert not block.collapsed and contents.styles.display == "block"
+
+
+async def test_a_reply_without_thinking_has_no_fold(build_app, fakes):
+    app, _ = build_app(fakes.Engine(replies=[fakes.Reply(["Just ", "this."])]))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot)
+        await _send(pilot, "hi")
+        await fakes.wait_for(pilot, lambda: _done(screen))
+        (message,) = screen.query(AssistantMessage)
+        assert message.thinking_block is None and not screen.query(ThinkingBlock)
+
+
+async def test_thinking_goes_back_with_the_history_and_a_reopened_chat_shows_it_folded(build_app, fakes):
+    engine = fakes.Engine(replies=[fakes.Reply(["Four."], thinking=["2+2."]), fakes.Reply(["Twelve."])])
+    app, store = build_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot)
+        await _send(pilot, "2+2?")
+        await fakes.wait_for(pilot, lambda: _done(screen))
+        await _send(pilot, "times 3?")
+        await fakes.wait_for(pilot, lambda: _done(screen) and len(screen.session.turns) == 4)
+        assert engine.sends[1].history == [{"role": "user", "content": "2+2?"},
+                                           {"role": "assistant", "content": "Four.", "thinking": "2+2."}]
+        conversation = screen.session.conversation_id
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        await screen.open_conversation(conversation)
+        await pilot.pause()
+        first, second = screen.query(AssistantMessage)
+        assert first.thinking_block is not None and first.thinking_block.collapsed
+        assert _markdown_text(first.thinking_block.markdown) == "2+2." and first.text == "Four."
+        assert first.thinking_block.title == "Thinking · 1 word"
+        assert second.thinking_block is None
+        assert store.export_markdown(conversation).count("<details><summary>Thinking</summary>") == 1
+
+
+async def test_stopped_while_thinking_keeps_the_thinking_open(build_app, fakes):
+    engine = fakes.Engine(gated=True, replies=[fakes.Reply(["never"], thinking=["Hmm, ", "let me see", "..."])])
+    app, store = build_app(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot)
+        await _send(pilot, "hard one")
+        engine.release(2)
+        await fakes.wait_for(pilot, lambda: screen.reply is not None and screen.reply.thinking == "Hmm, let me see")
+        message = screen.reply
+        await pilot.press("escape")
+        assert message.status == "stopped" and not message.thinking_block.collapsed
+        engine.release(2)
+        saved = store.load(screen.session.conversation_id).messages[-1]
+        assert (saved.content, saved.thinking, saved.status) == ("", "Hmm, let me see", "stopped")
+        # A reply with no answer is not sent back as a turn.
+        engine.replies.append(fakes.Reply(["ok"]))
+        await _send(pilot, "try again")
+        await fakes.wait_for(pilot, lambda: len(engine.sends) == 2 and _done(screen))
+        assert engine.sends[1].history == [{"role": "user", "content": "hard one"}]
+
+
+async def test_reasoning_effort_from_the_command_line_then_the_dialog(build_app, fakes, app_env):
+    engine = fakes.Engine(template_variables=frozenset({"reasoning_effort"}),
+                          replies=[fakes.Reply(["a"]), fakes.Reply(["b"]), fakes.Reply(["c"])])
+    app, _ = build_app(engine, reasoning_effort="high")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot)
+        assert screen.info.reads_reasoning_effort
+        await _send(pilot, "one")
+        await fakes.wait_for(pilot, lambda: _done(screen))
+        assert engine.sends[0].template_kwargs == {"reasoning_effort": "high"}
+        assert app.settings.reasoning_effort is None  # --reasoning-effort is for this session only
+        await pilot.press("f3")
+        await pilot.pause()
+        effort = app.screen.query_one("#param-reasoning_effort", Select)
+        assert effort.value == "high"
+        effort.value = "low"
+        await pilot.click("#save")
+        await pilot.pause()
+        assert app.settings.reasoning_effort == "low" and app.reasoning_effort is None
+        assert Settings.load(app_env / "settings.toml").reasoning_effort == "low"
+        await _send(pilot, "two")
+        await fakes.wait_for(pilot, lambda: len(engine.sends) == 2 and _done(screen))
+        assert engine.sends[1].template_kwargs == {"reasoning_effort": "low"}
+        # "Model defaults" clears it: the template's own default applies, so nothing is passed.
+        await pilot.press("f3")
+        await pilot.pause()
+        await pilot.click("#reset")
+        await pilot.click("#save")
+        await pilot.pause()
+        assert app.settings.reasoning_effort is None
+        await _send(pilot, "three")
+        await fakes.wait_for(pilot, lambda: len(engine.sends) == 3 and _done(screen))
+        assert engine.sends[2].template_kwargs == {}
+
+
+async def test_reasoning_effort_is_not_offered_or_sent_to_a_template_without_it(build_app, fakes, app_env):
+    settings = Settings(path=app_env / "settings.toml", reasoning_effort="high")
+    engine = fakes.Engine(replies=[fakes.Reply(["a"])])
+    app, _ = build_app(engine, settings=settings)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot)
+        assert not screen.info.reads_reasoning_effort
+        await _send(pilot, "one")
+        await fakes.wait_for(pilot, lambda: _done(screen))
+        assert engine.sends[0].template_kwargs == {}
+        await pilot.press("f3")
+        await pilot.pause()
+        assert not app.screen.query("#param-reasoning_effort")
+        await pilot.click("#save")
+        await pilot.pause()
+        assert app.settings.reasoning_effort == "high"  # kept for the models that read it
