@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
                        "experts beyond it stream from disk (default: every expert in RAM)")
     cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
+    cache.add_argument("--expert-format", choices=["native", "int8", "int4"], default="native",
+                       help="how every tier holds the experts: native (as the checkpoint ships them: bf16, MXFP4 or "
+                       "FP8), int8 (per-channel, ~half of bf16) or int4 (groups of 32, ~0.3 of bf16); converted once "
+                       "into a repacked file (--repack-dir, default under $XDG_CACHE_HOME/moechat/repacked)")
     cache.add_argument("--repack-dir", metavar="DIR", help="stream experts from a repacked copy kept in DIR "
                        "(one read per expert; written on first use, needs as much disk as the experts)")
     cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
@@ -147,7 +151,8 @@ def _run(args: argparse.Namespace) -> int:
         cache = CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
                             record_trace=bool(args.record_trace), repack_dir=args.repack_dir, prefetch=prefetch,
                             prefetch_depth=args.prefetch_depth, warm_start=args.warm_start)
-    engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache)
+    engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
+                         expert_format=args.expert_format)
     sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     reasoning = None

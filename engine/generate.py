@@ -104,16 +104,18 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu",
              context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             cache: CacheConfig | None = None) -> Engine:
-        """Load a model directory. With `cache`, experts go to a slot pool over RAM/disk tiers."""
+             cache: CacheConfig | None = None, expert_format: str | None = None) -> Engine:
+        """Load a model directory. With `cache`, experts go to a slot pool over RAM/disk tiers; `expert_format`
+        int8/int4 holds them quantized in every tier (None or `native`: as the checkpoint ships them)."""
         model_dir = Path(model_dir)
         loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context or DEFAULT_CONTEXT,
-                            resident_experts=cache is None)
+                            resident_experts=cache is None, expert_format=expert_format,
+                            repack_dir=cache.repack_dir if cache is not None else None)
         context = loaded.model.max_positions  # clamped to the model's own maximum
         provider = None
         if cache is not None:
             provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
-                                             loaded.device, cache, loaded.expert_format)
+                                             loaded.device, cache, loaded.expert_format, loaded.native_format)
         gen_path = model_dir / "generation_config.json"
         generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
         tokenizer = Tokenizer.from_model_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -308,7 +310,8 @@ class Engine:
             config = CacheConfig(expert_slots=expert_slots, policy=policy or CacheConfig.policy,
                                  ram_cache_bytes=ram_cache_bytes)
             self.provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
-                                                  loaded.device, config, loaded.expert_format)
+                                                  loaded.device, config, loaded.expert_format,
+                                                  loaded.native_format)
             self.provider.set_predictor(Predictor.from_model(loaded.model))
             self.profile_path = profile_path(loaded.model_dir)
             loaded.provider = None  # the resident experts are released

@@ -22,6 +22,7 @@ from .models import ARCHITECTURES, DENSE, PLANNED_MOE, MoEForCausalLM
 from .models.base import BaseModelArgs
 from .moe import ResidentProvider
 from .quant import ExpertFormat, native_format
+from .quant.base import target_format
 from .quant.dense import DENSE as DENSE_FORMAT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,7 +104,7 @@ def _dense_tensor(ckpt: Checkpoint, name: str, fmt: ExpertFormat) -> torch.Tenso
     return t
 
 
-def expert_format(raw_config: dict, model_dir: Path | None = None) -> ExpertFormat:
+def checkpoint_format(raw_config: dict, model_dir: Path | None = None) -> ExpertFormat:
     """The format the checkpoint ships its experts in, from config.json's quantization_config."""
     where = f"{model_dir / 'config.json'}" if model_dir is not None else "config.json"
     return native_format(raw_config, where)
@@ -133,17 +134,23 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     cls: type[MoEForCausalLM] | None = None
-    expert_format: ExpertFormat = DENSE_FORMAT
+    expert_format: ExpertFormat = DENSE_FORMAT  # how the experts are held (every tier)
+    native_format: ExpertFormat | None = None  # how the checkpoint ships them (None: the same)
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device: str | torch.device = "cpu",
-               max_positions: int | None = None, resident_experts: bool = True) -> LoadedModel:
-    """Load and validate a model; with resident_experts=False the experts are left on disk for a cache."""
+               max_positions: int | None = None, resident_experts: bool = True, expert_format: str | None = None,
+               repack_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """Load and validate a model; with resident_experts=False the experts are left on disk for a cache.
+
+    `expert_format` int8/int4 holds the experts in that form (converted once into a repacked file in
+    `repack_dir`, default under $XDG_CACHE_HOME/moechat/repacked); None/`native` keeps the checkpoint's."""
     model_dir = Path(model_dir)
     cls, args, raw = read_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, args)
     device = torch.device(device)
-    fmt = expert_format(raw, model_dir)
+    fmt = checkpoint_format(raw, model_dir)
+    target = target_format(expert_format, fmt)
     ckpt = Checkpoint.open(model_dir)
     dense = validate(cls, args, ckpt, fmt)
     from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
@@ -158,8 +165,13 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     model.eval()
     if not resident_experts:
         disk.close()
-        return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls, fmt)
+        return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls, target, fmt)
     E = args.num_experts
+    if target is not fmt:
+        from .cache.store import RepackedStore, default_repack_dir
+
+        disk = RepackedStore(disk, cls.moe_layers(args), E, Path(repack_dir or default_repack_dir(model_dir,
+                                                                                                  target.name)), target)
     tensors = {}
     for layer in cls.moe_layers(args):
         # [E, ...] per stored tensor (w13 [E, 2I, H] at full width; packed formats stay packed)
@@ -168,5 +180,5 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
         for e in range(E):
             disk.read_into(layer, e, {name: t[e] for name, t in tensors[layer].items()})
     disk.close()
-    provider = ResidentProvider(tensors, args.num_hidden_layers, fmt)
-    return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device, cls, fmt)
+    provider = ResidentProvider(tensors, args.num_hidden_layers, target)
+    return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device, cls, target, fmt)

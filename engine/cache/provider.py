@@ -38,7 +38,7 @@ from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .prefetch import Predictor, check_prefetch
 from .slots import SlotPool
 from .stats import CacheSnapshot, CacheStats
-from .store import DiskStore, RamCache, RamStore, RepackedStore
+from .store import DiskStore, RamCache, RamStore, RepackedStore, default_repack_dir
 from .trace import TraceRecorder
 from .transfer import DONE, InlineTransfer, Job, make_transfer
 
@@ -69,12 +69,18 @@ class CacheConfig:
 
 
 def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.device,
-                          config: CacheConfig, fmt: ExpertFormat = DENSE) -> CachedProvider:
-    """Slot pool + store + policy for a loaded model's experts (stored as `fmt` in every tier), as `config` asks."""
-    disk = DiskStore(cls, args, ckpt, dtype, fmt)
+                          config: CacheConfig, fmt: ExpertFormat = DENSE,
+                          native: ExpertFormat | None = None) -> CachedProvider:
+    """Slot pool + store + policy for a loaded model's experts, as `config` asks. The checkpoint ships them
+    as `native` (default: `fmt`); every tier holds them as `fmt` (converted once into a repacked file)."""
+    native = native or fmt
+    disk = DiskStore(cls, args, ckpt, dtype, native)
     layers = cls.moe_layers(args)
     E = args.num_experts
-    if config.repack_dir is not None:
+    if fmt is not native:
+        directory = config.repack_dir or default_repack_dir(ckpt.model_dir, fmt.name)
+        disk = RepackedStore(disk, layers, E, Path(directory), fmt)
+    elif config.repack_dir is not None:
         disk = RepackedStore(disk, layers, E, Path(config.repack_dir))
     all_bytes = disk.expert_bytes * len(layers) * E
     if config.ram_cache_bytes is None or config.ram_cache_bytes >= all_bytes:

@@ -228,82 +228,155 @@ def _read_exact(fd: int, path: Path, out: torch.Tensor, offset: int) -> None:
 
 
 class RepackedStore:
-    """The disk tier from a repacked file: each expert's tensors back to back, in the compute dtype.
+    """The disk tier from a repacked file: each expert's stored tensors back to back.
 
     One read per expert instead of 2-3 scattered ranges of the shards, and no dtype conversion:
-    `bench/offload.py` measured 2,700 vs 1,770 MiB/s cold on the CI machine. It costs as much
-    disk as the experts, so it is opt-in (`--repack-dir`). Written once through a `.partial` file and
-    a sidecar JSON naming its source; a later run reuses it only when the sidecar matches.
+    `bench/offload.py` measured 2,700 vs 1,770 MiB/s cold on the CI machine. With a `target` format
+    (`--expert-format int8|int4`) the experts are quantized once, as the file is written, so every tier
+    holds the small form. Written once through a `.partial` file, then a sidecar JSON naming its source,
+    its format, the file's size, inode and mtime, and a CRC-32 per expert. A later run reuses it only when
+    the sidecar matches (a changed source, format or file is rebuilt); each expert's CRC is checked the
+    first time it is read, and a mismatch is a typed error that also invalidates the file for next start.
     """
 
     tier = DISK
 
-    def __init__(self, disk: DiskStore, layers: list[int], num_experts: int, directory: Path):
+    def __init__(self, disk: DiskStore, layers: list[int], num_experts: int, directory: Path,
+                 target: ExpertFormat | None = None):
         self.disk = disk
-        self.format = disk.format
-        self.shapes = disk.shapes
-        self.expert_bytes = disk.expert_bytes
+        self.format = target or disk.format
+        args = disk.args
+        self.shapes = disk.shapes if target is None else expert_shapes(args, disk.dtype, target)
+        self.expert_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in self.shapes.values())
         keys = [(layer, e) for layer in layers for e in range(num_experts)]
         self.index = {key: i for i, key in enumerate(keys)}
         self.path = Path(directory) / "experts.bin"
-        meta = {"format": 2, "expert_format": disk.format.name, "layers": layers, "num_experts": num_experts,
-                "expert_bytes": self.expert_bytes,
+        self.sidecar = self.path.with_suffix(".json")
+        meta = {"format": 3, "expert_format": self.format.name, "source_format": disk.format.name,
+                "layers": layers, "num_experts": num_experts, "expert_bytes": self.expert_bytes,
                 "tensors": {name: [list(shape), str(dtype)] for name, (shape, dtype) in self.shapes.items()},
                 "source": disk.source_fingerprint()}
-        sidecar = self.path.with_suffix(".json")
-        if not (self.path.exists() and sidecar.exists() and _json_or_none(sidecar) == meta
-                and self.path.stat().st_size == self.expert_bytes * len(keys)):
-            self._write(keys, meta, sidecar)
+        found = _json_or_none(self.sidecar)
+        self.crc: list[int] = []
+        if not (isinstance(found, dict) and found.get("meta") == meta and found.get("file") == self._file_id()
+                and isinstance(found.get("crc"), list) and len(found["crc"]) == len(keys)):
+            self._write(keys, meta)
+        else:
+            self.crc = found["crc"]
+        self._checked = bytearray(len(keys))  # experts whose CRC has been verified this run
         self._fd = os.open(self.path, os.O_RDONLY)
         self._staging: dict[str, torch.Tensor] = {}
 
-    def _write(self, keys, meta: dict, sidecar: Path) -> None:
+    def _file_id(self):
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return [st.st_size, st.st_ino, st.st_mtime_ns]
+
+    def _pack(self, layer: int, e: int, buf: dict[str, torch.Tensor], src: dict[str, torch.Tensor] | None) -> None:
+        """One expert into `buf` in the target format: read as stored, dequantized, quantized again."""
+        if src is None:
+            self.disk.read_into(layer, e, buf)
+            return
+        self.disk.read_into(layer, e, src)
+        native = self.disk.format
+        for which in ("w13", "w2"):
+            packed = self.format.quantize(native.weight(src, which, torch.float32))
+            for part, t in packed.items():
+                buf[f"{which}_{part}"].copy_(t)
+            if f"{which}_bias" in buf:
+                buf[f"{which}_bias"].copy_(src[f"{which}_bias"])
+
+    def _write(self, keys, meta: dict) -> None:
+        import zlib
+
         need = self.expert_bytes * len(keys)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.path.parent).free
         if free < need:
             raise CheckpointError(f"{self.path.parent}: repacking the experts needs {need / 2**30:.2f} GiB, "
-                                  f"{free / 2**30:.2f} GiB free: free {(need - free) / 2**30:.2f} GiB or drop "
-                                  "--repack-dir", path=str(self.path))
+                                  f"{free / 2**30:.2f} GiB free: free {(need - free) / 2**30:.2f} GiB, use another "
+                                  "--repack-dir, or drop --repack-dir/--expert-format", path=str(self.path))
         partial = self.path.with_suffix(".partial")
         buf = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in self.shapes.items()}
+        src = (None if self.format is self.disk.format
+               else {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in self.disk.shapes.items()})
+        crc = []
+        self.sidecar.unlink(missing_ok=True)  # no sidecar, no reuse: a crash mid-write leaves nothing trusted
         try:
             with open(partial, "wb") as f:
                 for layer, e in keys:
-                    self.disk.read_into(layer, e, buf)
+                    self._pack(layer, e, buf, src)
+                    c = 0
                     for name in self.shapes:
-                        f.write(memoryview(buf[name].view(torch.uint8).numpy()))
+                        data = memoryview(buf[name].view(torch.uint8).reshape(-1).numpy())
+                        f.write(data)
+                        c = zlib.crc32(data, c)
+                    crc.append(c)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(partial, self.path)
-            sidecar.write_text(json.dumps(meta))
+            tmp = self.sidecar.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps({"meta": meta, "file": self._file_id(), "crc": crc}))
+            os.replace(tmp, self.sidecar)
         except OSError as e:
             partial.unlink(missing_ok=True)
             raise CheckpointError(f"{self.path}: could not write the repacked experts ({e.strerror}); free disk "
                                   "space or drop --repack-dir", path=str(self.path)) from None
+        self.crc = crc
 
     def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
-        offset = self.index[(layer, expert)] * self.expert_bytes
+        i = self.index[(layer, expert)]
+        offset = i * self.expert_bytes
+        staged = not self._checked[i] or any(out.device.type != "cpu" or not out.is_contiguous()
+                                             for out in dst.values())
+        import zlib
+
+        c = 0
         for name, (shape, dtype) in self.shapes.items():
             out = dst[name]
             nbytes = torch.Size(shape).numel() * dtype.itemsize
-            if out.device.type == "cpu" and out.is_contiguous():
+            if not staged:
                 _read_exact(self._fd, self.path, out, offset)
-            else:  # to the device through a pinned host buffer
+            else:  # through a host buffer: to the device, and for the first read's check
                 staging = self._staging.get(name)
                 if staging is None:
                     staging = self._staging[name] = torch.empty(shape, dtype=dtype,
                                                                 pin_memory=torch.cuda.is_available())
                 _read_exact(self._fd, self.path, staging, offset)
+                if not self._checked[i]:
+                    c = zlib.crc32(memoryview(staging.view(torch.uint8).reshape(-1).numpy()), c)
                 out.copy_(staging)
             offset += nbytes
+        if not self._checked[i]:
+            if c != self.crc[i]:
+                self.sidecar.unlink(missing_ok=True)  # the next start rebuilds it
+                raise CheckpointError(f"{self.path}: expert {expert} of layer {layer} does not match the checksum "
+                                      "written with it (the file was damaged or changed); it is rebuilt on the "
+                                      "next start", path=str(self.path))
+            self._checked[i] = 1
         return DISK, self.expert_bytes
 
-    def __del__(self):
-        fd = getattr(self, "_fd", None)
+    def close(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
             try:
                 os.close(fd)
             except OSError:
                 pass
+
+    def __del__(self):
+        self.close()
+
+
+def default_repack_dir(model_dir: str | os.PathLike, fmt: str) -> Path:
+    """Where `--expert-format` keeps a model's converted experts: $XDG_CACHE_HOME/moechat/repacked/<model>-<fmt>
+    (the model key changes with its path and config.json, like its routing profile)."""
+    from .prefetch import profile_key
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moechat" / "repacked" / f"{profile_key(model_dir)}-{fmt}"
 
 
 def _json_or_none(path: Path):

@@ -54,6 +54,12 @@ class ExpertFormat:
         """x [n, in] -> x @ W^T (+ bias) [n, out] in x's dtype, from one expert's stored tensors."""
         raise NotImplementedError
 
+    @staticmethod
+    def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """w [out, in] -> this format's tensors for it, by part name (`q`, `scale`): formats moechat converts
+        experts into (`--expert-format`) implement it."""
+        raise NotImplementedError
+
     def check(self, name: str, shape: tuple[int, ...], dtype_name: str, expected: TensorSpec, where: str) -> None:
         """A stored tensor against the layout; a typed error saying what is wrong (shape or dtype)."""
         if tuple(shape) != tuple(expected[0]):
@@ -76,6 +82,20 @@ def get_format(name: str) -> ExpertFormat:
     if name not in _FORMATS:
         raise UnsupportedModelError(f"expert format {name!r} is not known: moechat has {', '.join(sorted(_FORMATS))}")
     return _FORMATS[name]
+
+
+# Formats moechat converts full-precision (or MXFP4/FP8) experts into, with --expert-format
+CONVERTIBLE = ("int8", "int4")
+
+
+def target_format(name: str | None, native: ExpertFormat) -> ExpertFormat:
+    """--expert-format: `native` (or None) keeps what the checkpoint ships; int8/int4 convert to it."""
+    if name in (None, "native", native.name):
+        return native
+    if name not in CONVERTIBLE:
+        raise ConfigError(f"--expert-format {name!r}: use native (the checkpoint's own {native.name}) or one of "
+                          f"{', '.join(CONVERTIBLE)}")
+    return get_format(name)
 
 
 # quantization_config.quant_method values moechat reads as shipped

@@ -2,8 +2,9 @@
 
 int8: symmetric per output channel, `*_q` int8 [out, in] and `*_scale` fp32 [out] (w = q * scale). The
 CPU computes straight from the int8 matrix with torch's `_weight_int8pack_mm` (no dequantized copy).
-int4: symmetric in groups of 32 along the input, `*_q` uint8 [out, in/2] (two codes a byte, low nibble
-the even element, code = q + 8 for q in -8..7) and `*_scale` fp32 [out, in/32]. A Qwen3-30B-A3B expert:
+int4: symmetric in groups of 32 along the input (16 or 8 when the input size is not a multiple of 32),
+`*_q` uint8 [out, in/2] (two codes a byte, low nibble the even element, code = q + 8 for q in -8..7) and
+`*_scale` fp32 [out, in/group]; the group is the input size over the scale's columns. A Qwen3-30B-A3B expert:
 9.4 MB in bf16, 4.7 MB in int8 (+12 KB of scales), 2.4 MB + 0.3 MB in int4.
 
 Quantization happens once, when the repacked store is written (engine/cache/store.py); `quantize` here
@@ -21,6 +22,14 @@ from ..errors import ConfigError
 from .base import ExpertFormat, TensorSpec, projection_shape, register
 
 INT4_GROUP = 32
+
+
+def int4_group(cols: int) -> int:
+    """The group along an input of `cols`: 32, else the largest of 16, 8 dividing it."""
+    for g in (INT4_GROUP, 16, 8):
+        if cols % g == 0:
+            return g
+    raise ConfigError(f"int4 experts need an input size divisible by 8 (got {cols}): use --expert-format int8")
 
 
 class Int8Format(ExpertFormat):
@@ -64,11 +73,8 @@ class Int4Format(ExpertFormat):
         out: dict[str, TensorSpec] = {}
         for w in ("w13", "w2"):
             rows, cols = projection_shape(w, hidden, inter)
-            if cols % INT4_GROUP:
-                raise ConfigError(f"int4 experts need the input size of {w} ({cols}) to be a multiple of "
-                                  f"{INT4_GROUP}: use --expert-format int8")
             out[f"{w}_q"] = ((rows, cols // 2), torch.uint8)
-            out[f"{w}_scale"] = ((rows, cols // INT4_GROUP), torch.float32)
+            out[f"{w}_scale"] = ((rows, cols // int4_group(cols)), torch.float32)
         return out
 
     @staticmethod
@@ -76,9 +82,10 @@ class Int4Format(ExpertFormat):
         """w [out, in] -> q uint8 [out, in/2], scale fp32 [out, in/32]: per group, scale = amax / 7.5 and codes
         round(w / scale) in -8..7 (the asymmetric end used for the group's most negative weight)."""
         rows, cols = w.shape
-        g = w.float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)  # [out, G, 32]
+        group = int4_group(cols)
+        g = w.float().reshape(rows, cols // group, group)  # [out, G, group]
         scale = (g.abs().amax(dim=-1) / 7.5).clamp(min=torch.finfo(torch.float32).tiny)  # [out, G]
-        q = torch.round(g / scale[..., None]).clamp(-8, 7).to(torch.int16) + 8  # [out, G, 32] codes 0..15
+        q = torch.round(g / scale[..., None]).clamp(-8, 7).to(torch.int16) + 8  # [out, G, group] codes 0..15
         q = q.reshape(rows, cols // 2, 2).to(torch.uint8)
         return {"q": (q[..., 0] | (q[..., 1] << 4)).contiguous(), "scale": scale.contiguous()}
 
@@ -86,7 +93,7 @@ class Int4Format(ExpertFormat):
         q, scale = tensors[f"{which}_q"], tensors[f"{which}_scale"]
         rows = q.shape[0]
         codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(rows, -1).to(torch.int16) - 8  # [out, in]
-        w = codes.float().reshape(rows, -1, INT4_GROUP) * scale[..., None]  # [out, G, 32]
+        w = codes.float().reshape(rows, scale.shape[1], -1) * scale[..., None]  # [out, G, group]
         return w.reshape(rows, -1).to(dtype)
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
@@ -95,8 +102,8 @@ class Int4Format(ExpertFormat):
         w = _scratch(rows, cols, x.dtype, x.device)  # [out, in], reused
         pair = _int4_pair_lut(x.dtype, x.device)
         vals = torch.embedding(pair, q.to(torch.int32))  # [out, in/2, 2]
-        torch.mul(vals.view(rows, cols // INT4_GROUP, INT4_GROUP), scale.to(x.dtype)[..., None],
-                  out=w.view(rows, cols // INT4_GROUP, INT4_GROUP))
+        groups = scale.shape[1]
+        torch.mul(vals.view(rows, groups, -1), scale.to(x.dtype)[..., None], out=w.view(rows, groups, -1))
         return F.linear(x, w, tensors.get(f"{which}_bias"))
 
 

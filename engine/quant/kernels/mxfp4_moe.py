@@ -1,0 +1,254 @@
+"""The MoE over MXFP4 slot buffers in two Triton launches: codes and scales are read once, decoded in registers.
+
+Kernels see only slots. `w13` launch: per group of (token, k) pairs that share a slot and a tile of I
+outputs, the gate and up rows (GPT-OSS interleaves them: even rows gate, odd rows up) against the pairs'
+tokens, + biases, the activation, stored per pair. `w2` launch: per group and a tile of H outputs, the
+down rows against the activations, + bias, times the pair's routing weight, stored per pair. A last torch
+sum over k (fixed order: deterministic, no atomics) adds the residual.
+
+* decode (at most GEMV_MAX_PAIRS pairs): every pair is its own group, a GEMV; no sort.
+* prefill: pairs sorted by slot on the device and padded to BLOCK_M rows per slot (no host sync: the grid
+  is the upper bound, groups past the end hold slot -1 and return at once); tl.dot on tensor cores, each
+  slot's codes read once per group instead of once per pair.
+
+A group whose slot is -1 is never computed, and a pair left out of `pairs` is in no group. Bytes: a
+GPT-OSS-20B decode step reads 4 experts x 12.4 MB = 49.6 MB of codes and scales per layer, 10 us at an
+H200's 4.8 TB/s; bf16 experts would be 199 MB. `bench/gpu_check.sh` measures what these kernels reach.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# T = tokens, K = top-k, P = computed (t, k) pairs, C = slots, H = hidden, I = intermediate, NB = groups,
+# N = outputs of a projection, KB = bytes in one packed row (its input size / 2)
+
+GEMV_MAX_PAIRS = 16  # up to this many pairs a step is a decode: one GEMV per pair
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _e2m1(code):
+    """FP4 E2M1 codes (int32, 0..15) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    mag = code & 7
+    # mag >= 2 is normal: exponent (mag >> 1) - 1 and mantissa bit mag & 1, i.e. fp32 bits (mag + 252) << 22
+    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, ((mag + 252) << 22).to(tl.float32, bitcast=True))
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 scales (int32, 0..255) -> 2^(s - 127) in fp32 (s = 0 is the one subnormal)."""
+    return tl.where(s > 0, (s << 23).to(tl.float32, bitcast=True), 5.877471754111438e-39)
+
+
+@triton.jit
+def _packed_dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
+                USE_DOT: tl.constexpr, DOT_BF16: tl.constexpr):
+    """x[x_rows] [BLOCK_M, 2 KB] @ W[w_rows]^T -> [BLOCK_M, BLOCK_N] fp32, W one slot's packed rows
+    (w_ptr [rows, KB] bytes, s_ptr [rows, KB / 16] scales). Byte i of a row is elements 2i (low nibble) and
+    2i + 1 (high nibble), so x is read as its even and its odd elements."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    G = KB // 16
+    for k0 in range(0, KB, BLOCK_KB):
+        kk = k0 + tl.arange(0, BLOCK_KB)  # [BKB] bytes along the row
+        k_ok = kk < KB
+        w_mask = w_ok[:, None] & k_ok[None, :]
+        codes = tl.load(w_ptr + w_rows[:, None] * KB + kk[None, :], mask=w_mask, other=0).to(tl.int32)  # [BN, BKB]
+        scales = tl.load(s_ptr + w_rows[:, None] * G + (kk // 16)[None, :], mask=w_mask, other=127)  # [BN, BKB]
+        scale = _e8m0(scales.to(tl.int32))
+        w_lo = _e2m1(codes & 15) * scale  # [BN, BKB] elements 2i
+        w_hi = _e2m1(codes >> 4) * scale  # [BN, BKB] elements 2i + 1
+        x_mask = x_ok[:, None] & k_ok[None, :]
+        x_at = x_ptr + x_rows[:, None] * stride_x + 2 * kk[None, :]
+        # upcast right after the load: the interpreter's bf16 arithmetic is not IEEE's
+        x_lo = tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32)  # [BM, BKB]
+        x_hi = tl.load(x_at + 1, mask=x_mask, other=0.0).to(tl.float32)  # [BM, BKB]
+        if USE_DOT:
+            if DOT_BF16:  # every MXFP4 weight is exact in bf16
+                acc = tl.dot(x_lo.to(tl.bfloat16), tl.trans(w_lo.to(tl.bfloat16)), acc)
+                acc = tl.dot(x_hi.to(tl.bfloat16), tl.trans(w_hi.to(tl.bfloat16)), acc)
+            else:
+                acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
+                acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
+        else:
+            acc += tl.sum(x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _w13_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, group_slot_ptr, group_pairs_ptr, act_ptr,
+                stride_act, N, KB, TOPK, limit, alpha, stride_bc, stride_sc, stride_biasc,
+                HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, USE_DOT: tl.constexpr, DOT_BF16: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """act[pair, j] = activation(gate_j, up_j) for the group's pairs and a tile of j in [0, I) (N = I)."""
+    slot = tl.load(group_slot_ptr + tl.program_id(0))
+    if slot >= 0:
+        pairs = tl.load(group_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM], -1 = padding
+        ok = pairs >= 0
+        tokens = tl.where(ok, pairs // TOPK, 0)
+        j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        j_ok = j < N
+        if CLAMPED:  # GPT-OSS: rows interleaved, even gate, odd up
+            gate_rows = 2 * j
+            up_rows = 2 * j + 1
+        else:  # gate rows, then up rows
+            gate_rows = j
+            up_rows = j + N
+        slot64 = slot.to(tl.int64)  # a pool of slots can pass 2^31 bytes
+        w_ptr = blocks_ptr + slot64 * stride_bc
+        s_ptr = scales_ptr + slot64 * stride_sc
+        gate = _packed_dot(x_ptr, tokens, ok, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB,
+                           BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
+        up = _packed_dot(x_ptr, tokens, ok, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB,
+                         BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
+        if HAS_BIAS:
+            b_ptr = bias_ptr + slot64 * stride_biasc
+            gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(b_ptr + up_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+        if CLAMPED:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            a = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        else:
+            a = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + pairs[:, None] * stride_act + j[None, :], a.to(act_ptr.dtype.element_ty),
+                 mask=ok[:, None] & j_ok[None, :])
+
+
+@triton.jit
+def _w2_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_ptr, group_slot_ptr, group_pairs_ptr,
+               y_ptr, stride_y, N, KB, stride_bc, stride_sc, stride_biasc,
+               HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_BF16: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """y[pair, j] = (down_j . act[pair] + bias_j) * topk_weight[pair] for a tile of j in [0, H) (N = H)."""
+    slot = tl.load(group_slot_ptr + tl.program_id(0))
+    if slot >= 0:
+        pairs = tl.load(group_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+        ok = pairs >= 0
+        rows = tl.where(ok, pairs, 0)
+        j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        j_ok = j < N
+        slot64 = slot.to(tl.int64)
+        acc = _packed_dot(act_ptr, rows, ok, stride_act, blocks_ptr + slot64 * stride_bc,
+                          scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+        weight = tl.load(weights_ptr + rows, mask=ok, other=0.0).to(tl.float32)  # [BM]
+        tl.store(y_ptr + pairs[:, None] * stride_y + j[None, :], acc * weight[:, None],
+                 mask=ok[:, None] & j_ok[None, :])
+
+
+def _configs(use_dot: bool) -> list[triton.Config]:
+    if INTERPRET:  # one config, big tiles: the interpreter runs a program in numpy
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
+    if use_dot:
+        return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=s)
+                for n, kb, w, s in [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (32, 64, 4, 4)]]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=s)
+            for n, kb, w, s in [(8, 256, 4, 3), (16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (8, 512, 4, 2),
+                                (32, 256, 8, 3)]]
+
+
+_KEY = ["N", "KB", "BLOCK_M"]
+_W13 = {d: triton.autotune(_configs(d), key=_KEY)(_w13_kernel) for d in (False, True)}
+_W2 = {d: triton.autotune(_configs(d), key=_KEY)(_w2_kernel) for d in (False, True)}
+
+
+def group_rows(pairs: int, slots: int) -> int:
+    """BLOCK_M for the grouped path: about the pairs a used slot gets (16 is tl.dot's least)."""
+    per_slot = pairs / max(1, min(pairs, slots))
+    return 16 if per_slot <= 16 else 32 if per_slot <= 32 else 64
+
+
+def group_by_slot(flat_slots: torch.Tensor, pair_ids: torch.Tensor, slots: int,
+                  block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by slot and padded to block_m rows per slot, on the device without a host sync.
+
+    flat_slots [T*K] int32, pair_ids [P] int32 flat (t, k) -> group_slot [NB] int32 (-1: nothing to do) and
+    group_pairs [NB, block_m] int32 (-1: padding). NB is the bound cdiv(P, block_m) + min(P, C + 1).
+    """
+    device = flat_slots.device
+    P = pair_ids.numel()
+    bucket = flat_slots.index_select(0, pair_ids.long()).long().clamp(min=-1) + 1  # [P]; 0 holds slot -1
+    order = torch.argsort(bucket, stable=True)  # [P]
+    sorted_bucket = bucket.index_select(0, order)  # [P]
+    counts = torch.zeros(slots + 1, dtype=torch.long, device=device).index_add_(0, bucket, torch.ones_like(bucket))
+    starts = torch.cumsum(counts, 0) - counts  # [C+1] first sorted position of each bucket
+    rank = torch.arange(P, device=device) - starts.index_select(0, sorted_bucket)  # [P] position in its bucket
+    groups = (counts + block_m - 1) // block_m  # [C+1]
+    group_start = torch.cumsum(groups, 0) - groups  # [C+1]
+    group_of = group_start.index_select(0, sorted_bucket) + rank // block_m  # [P]
+    nb = triton.cdiv(P, block_m) + min(P, slots + 1)
+    group_slot = torch.full((nb,), -1, dtype=torch.int32, device=device)  # [NB]
+    group_slot[group_of] = (sorted_bucket - 1).to(torch.int32)  # every pair of a group writes the same slot
+    group_pairs = torch.full((nb, block_m), -1, dtype=torch.int32, device=device)  # [NB, BM]
+    group_pairs[group_of, rank % block_m] = pair_ids.index_select(0, order).to(torch.int32)
+    return group_slot, group_pairs
+
+
+def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor,
+              tensors, act, residual: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
+              mode: str | None = None) -> torch.Tensor:
+    """[residual +] sum_k topk_weights[t, k] * Expert_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype.
+
+    hidden_states [T, H], topk_weights [T, K], slot_ids [T, K], tensors: the MXFP4 slot buffers by name
+    (w13_blocks [C, 2I, H/32, 16], w13_scales [C, 2I, H/32], w2_blocks [C, H, I/32, 16], w2_scales [C, H, I/32],
+    optional w13_bias [C, 2I] / w2_bias [C, H]); act: an ExpertActivation (`swiglu`: gate rows then up rows;
+    `clamped_swiglu`: interleaved). pairs [P]: flat (t, k) indices to compute (None: all). mode: "gemv" or
+    "grouped" (None: by the number of pairs).
+    """
+    T, H = hidden_states.shape
+    K = slot_ids.shape[1]
+    device = hidden_states.device
+    w13_b, w13_s, w2_b, w2_s = (tensors[n] for n in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"))
+    C, I2 = w13_b.shape[0], w13_b.shape[1]
+    I = I2 // 2
+    if w13_b.shape[2] * 32 != H or w2_b.shape[1] != H or w2_b.shape[2] * 32 != I:
+        raise ValueError(f"MXFP4 slot buffers {list(w13_b.shape)} / {list(w2_b.shape)} do not fit H = {H}")
+    for t in (w13_b, w13_s, w2_b, w2_s):
+        if not t.is_contiguous():
+            raise ValueError("MXFP4 slot buffers must be contiguous")
+    if act.kind not in ("swiglu", "clamped_swiglu"):
+        raise ValueError(f"activation {act.kind!r} has no fused MXFP4 kernel")
+    x = hidden_states.contiguous()
+    flat_slots = slot_ids.reshape(-1).to(device=device, dtype=torch.int32)  # [T*K]
+    if pairs is None:
+        pair_ids = torch.arange(T * K, device=device, dtype=torch.int32)  # [P]
+    else:
+        pair_ids = pairs.reshape(-1).to(device=device, dtype=torch.int32)  # [P]
+    P = pair_ids.numel()
+    y = torch.zeros(T * K, H, device=device, dtype=torch.float32)  # [T*K, H] weighted expert outputs per pair
+    if P:
+        mode = mode or ("gemv" if P <= GEMV_MAX_PAIRS else "grouped")
+        if mode == "gemv":
+            block_m = 1
+            group_slot = flat_slots.index_select(0, pair_ids.long())  # [P]: each pair is a group
+            group_pairs = pair_ids  # [P, 1]
+        else:
+            block_m = group_rows(P, C)
+            group_slot, group_pairs = group_by_slot(flat_slots, pair_ids, C, block_m)
+        use_dot = block_m > 1
+        dot_bf16 = x.dtype == torch.bfloat16
+        act_buf = torch.empty(T * K, I, device=device, dtype=torch.bfloat16 if dot_bf16 else torch.float32)  # [T*K, I]
+        nb = group_slot.numel()
+        b13, b2 = tensors.get("w13_bias"), tensors.get("w2_bias")
+        weights = topk_weights.reshape(-1).contiguous()  # [T*K]
+        _W13[use_dot][lambda meta: (nb, triton.cdiv(I, meta["BLOCK_N"]))](
+            x, x.stride(0), w13_b, w13_s, b13 if b13 is not None else w13_s, group_slot, group_pairs, act_buf,
+            act_buf.stride(0), I, H // 2, K, float(act.limit), float(act.alpha), w13_b.stride(0), w13_s.stride(0),
+            b13.stride(0) if b13 is not None else 0, HAS_BIAS=b13 is not None, CLAMPED=act.kind == "clamped_swiglu",
+            USE_DOT=use_dot, DOT_BF16=dot_bf16, BLOCK_M=block_m)
+        _W2[use_dot][lambda meta: (nb, triton.cdiv(H, meta["BLOCK_N"]))](
+            act_buf, act_buf.stride(0), w2_b, w2_s, b2 if b2 is not None else w2_s, weights, group_slot, group_pairs,
+            y, y.stride(0), H, I // 2, w2_b.stride(0), w2_s.stride(0), b2.stride(0) if b2 is not None else 0,
+            HAS_BIAS=b2 is not None, USE_DOT=use_dot, DOT_BF16=dot_bf16, BLOCK_M=block_m)
+    out = y.view(T, K, H).sum(dim=1)  # [T, H] fp32, k in order
+    if residual is not None:
+        out += residual.float()
+    return out.to(hidden_states.dtype)
