@@ -4,14 +4,16 @@ Per projection [out, in]: `*_blocks` uint8 [out, in/32, 16] (two codes a byte, t
 even element) and `*_scales` uint8 [out, in/32] (the block's scale is 2^(s - 127)). 4.25 bits a weight:
 a GPT-OSS-20B expert is 12.4 MB of codes and scales (+ 23 KB of bf16 biases) against 49.8 MB in bf16.
 
-CPU compute dequantizes one projection at a time into a reused scratch matrix and runs one GEMM on it:
-the whole layer or model is never materialised at full width, and the scratch (at most one projection,
-33 MB in bf16 for GPT-OSS-20B) stays the same buffer for every expert. `bench/quantized_experts.py`
-measures it against the machine's read bandwidth and against the other ways torch offers.
+CPU compute decodes a projection a row tile at a time (256 KB of fp32, in cache) with vectorised integer
+ops and multiplies each tile at once: nothing is materialised at full width and only packed bytes come
+from RAM, bit for bit F.linear on the dequantized matrix. On CUDA the whole MoE is one fused Triton
+kernel pair over the slot buffers (kernels/mxfp4_moe.py). `bench/quantized_experts.py` measures both
+against the machine's bandwidth and against the other ways torch offers.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 
 import torch
@@ -86,11 +88,17 @@ class Mxfp4Format(ExpertFormat):
         w = dequantize_into(blocks, scales, _scratch(blocks.shape[0], blocks.shape[1] * BLOCK, x.dtype, x.device))
         return F.linear(x, w, bias)
 
+    @property
+    def fused_moe(self):
+        """The fused Triton MoE that `expert_compute` runs on CUDA tensors: (hidden_states, topk_weights, batch,
+        residual, act) -> residual + MoE output. None where triton is not installed: the per-expert path runs."""
+        return _fused_moe if _has_triton() else None
+
 
 # -- the fast CPU path ---------------------------------------------------------------------------------------
-# Row tiles: decode a few rows of a projection into an fp32 tile that stays in L2 and multiply it at once, so
-# the dequantized matrix never goes to RAM and only the packed bytes do (x [n, in] @ tile^T is the same GEMM
-# per output as one F.linear over the whole matrix: bit for bit the same result, tested).
+# Row tiles: decode a few rows of a projection into an fp32 tile that stays in L2 and, for one token, multiply
+# it at once, so the dequantized matrix never goes to RAM and only the packed bytes do (a GEMV sums each output
+# in the same order whatever the number of rows: bit for bit one F.linear over the whole matrix, tested).
 # The decoding is vectorised integer ops and no table gather (a gather costs ~1 ns a byte in torch, a scalar
 # loop): each byte becomes an int32 holding two fp16 bit patterns, code -> sign bit 15, its 3 magnitude bits
 # -> the exponent's bottom 2 bits and the mantissa's top bit. That fp16 is exactly the E2M1 value x 2^-14
@@ -145,9 +153,14 @@ def scale_factors(scales: torch.Tensor) -> torch.Tensor:
 
 def linear_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] @ W^T (+ bias) -> [n, R] in x's dtype, W decoded from blocks [R, G, 16] / scales [R, G] a row
-    tile at a time. Exactly F.linear(x, W, bias) in fp32; other dtypes compute in fp32 and round once (a CPU
-    without native bf16 runs a bf16 GEMM many times slower than fp32)."""
+    """x [n, in] @ W^T (+ bias) -> [n, R] in x's dtype, W decoded from blocks [R, G, 16] / scales [R, G].
+
+    Exactly F.linear(x, W, bias) in fp32; other dtypes compute in fp32 and round once (a CPU without native
+    bf16 runs a bf16 GEMM many times slower than fp32). One row (decode): a GEMV per tile, W never leaves the
+    cache. More rows: the tiles go into one reused [R, in] scratch and one GEMM runs on it, because a GEMM
+    over fewer output columns may sum in another order (MKL picks its kernel by shape), and the GEMM's cost
+    there is the multiply, not the bytes.
+    """
     R, G, _ = blocks.shape
     if int(scales.max()) > _MAX_FAST_SCALE:
         w = dequantize_into(blocks, scales, _scratch(R, G * BLOCK, x.dtype, x.device))
@@ -157,15 +170,22 @@ def linear_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     factors = scale_factors(scales)  # [R, G]
     rows = tile_rows(G * BLOCK)
     codes, signs, tile = _tile_buffers(rows, G * BLOCK)
-    y = torch.empty(x.shape[0], R)  # [n, R] fp32
+    gemv = x.shape[0] == 1
+    full = None if gemv else _scratch(R, G * BLOCK, torch.float32, x.device)  # [R, in]
+    y = torch.empty(1, R) if gemv else None  # [1, R] fp32
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         n = r1 - r0
-        w = decode_tile(blocks[r0:r1], factors[r0:r1], codes[:n], signs[:n], tile[:n])  # [n, in] fp32
+        out = tile[:n] if gemv else full[r0:r1]
+        w = decode_tile(blocks[r0:r1], factors[r0:r1], codes[:n], signs[:n], out)  # [n, in] fp32
+        if not gemv:
+            continue
         if b is None:
             torch.mm(xf, w.t(), out=y[:, r0:r1])
         else:
             torch.addmm(b[r0:r1], xf, w.t(), out=y[:, r0:r1])
+    if not gemv:
+        y = F.linear(xf, full, b)  # [n, R]
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -203,6 +223,24 @@ def dequantize_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
     factors = torch.embedding(scale[:, None], scales.to(torch.int32))  # [R, G, 1]
     torch.mul(vals.view(R, G, BLOCK), factors, out=out.view(R, G, BLOCK))
     return out
+
+
+def _has_triton() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        _TRITON = importlib.util.find_spec("triton") is not None  # found, not imported: the CPU never loads it
+    return _TRITON
+
+
+_TRITON: bool | None = None
+
+
+def _fused_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch, residual: torch.Tensor | None,
+               act) -> torch.Tensor:
+    from .kernels.mxfp4_moe import mxfp4_moe
+
+    return mxfp4_moe(hidden_states, topk_weights, batch.slot_ids, batch.tensors, act, residual=residual,
+                     pairs=batch.pairs)
 
 
 MXFP4 = register(Mxfp4Format())
