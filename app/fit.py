@@ -58,10 +58,10 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _runnable(model_type: str) -> bool:
-    """moechat runs a model_type when engine/models/<model_type>.py exists (one file per HF model_type)."""
-    import moechat.engine  # no torch: the package __init__ imports nothing
+    """moechat runs a model_type registered in engine/models' ARCHITECTURES (read without importing torch)."""
+    from moechat.engine.catalog import SUPPORTED_TYPES
 
-    return (Path(moechat.engine.__file__).parent / "models" / f"{model_type}.py").is_file()
+    return model_type in SUPPORTED_TYPES
 
 
 def _load_curve(path: str | None, num_experts: int):
@@ -102,7 +102,7 @@ def run_fit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "fits": plan.ok, "runnable": runnable, "plan": plan.to_json(),
                           "spec": spec.to_json(), "hardware": hw.to_json(),
-                          "run_flags": _run_flags(plan) if plan.ok or plan.overridden else None}, indent=1))
+                          "run_flags": _run_flags(plan, spec) if plan.ok or plan.overridden else None}, indent=1))
     else:
         print(format_plan(plan, spec, hw, runnable))
     if plan.ok or plan.overridden:
@@ -110,9 +110,11 @@ def run_fit(args: argparse.Namespace) -> int:
     return EXIT_REFUSED
 
 
-def _run_flags(plan) -> list[str]:
-    """The `moechat run` flags that reproduce the plan (empty when the defaults already do)."""
+def _run_flags(plan, spec) -> list[str]:
+    """The `moechat run` flags that reproduce the plan."""
     flags = ["--context", str(plan.context)]
+    if spec.float_dtype != (spec.config_dtype or "float32"):  # the loader's default: config.json's dtype, else fp32
+        flags += ["--dtype", spec.float_dtype]
     if plan.needs_cache:
         flags += ["--expert-slots", str(plan.expert_slots)]
         if plan.ram_cache_bytes is not None:
@@ -130,8 +132,8 @@ def format_plan(plan, spec, hw, runnable: bool) -> str:
     ts = " + ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in spec.expert_tensors)
     out.append(f"  model     {spec.num_layers} layers, {spec.num_moe_layers} MoE x {spec.num_experts} experts, "
                f"top-{spec.top_k}" + (f", {spec.shared_experts} shared" if spec.shared_experts else "")
-               + f"; {spec.total_experts:,} experts x {gib(spec.expert_bytes)} = {gib(spec.all_experts_bytes)} "
-               f"({spec.expert_format})")
+               + f"; {spec.total_experts:,} experts = {gib(spec.all_experts_bytes)}")
+    out.append(f"            {spec.expert_format_line()}; stored as {spec.expert_format}")
     out.append(f"            one expert: {ts}")
     out.append(f"            dense {gib(spec.dense_bytes)}; KV {gib(spec.kv_bytes_per_token())}/token "
                f"({spec.kv_kind}); checkpoint {gib(spec.checkpoint_bytes)}; sizes from {spec.source}"
@@ -162,7 +164,7 @@ def format_plan(plan, spec, hw, runnable: bool) -> str:
     if (plan.ok or plan.overridden) and runnable:
         when = [w for w, cond in (("after the download", not spec.weights_present), ("on that hardware", hw.what_if))
                 if cond]
-        out.append(f"  run with  moechat run {spec.path or spec.name} {' '.join(_run_flags(plan))} --prompt ..."
+        out.append(f"  run with  moechat run {spec.path or spec.name} {' '.join(_run_flags(plan, spec))} --prompt ..."
                    + (f"   ({', '.join(when)})" if when else ""))
     if plan.notes:
         out.append("  notes")
@@ -174,18 +176,21 @@ def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | No
     """The plan `moechat run` takes its cache defaults from, for the device and dtype it will use.
 
     Planned as `run` allocates: the context it will allocate (never lowered), every KV layer at full
-    length (the KV cache has no sliding-window ring yet), sizes in the compute dtype.
+    length (the KV cache has no sliding-window ring yet), sizes in the dtype the loader picks (--dtype, else
+    config.json's, else float32: a config that names none, like gpt-oss's, loads its bf16 tensors as float32).
     """
     from moechat.engine.errors import MoechatError
     from moechat.engine.hardware import probe
+    from moechat.engine.loader import DTYPES, read_model_config, resolve_dtype
     from moechat.engine.plan import DEFAULT_CONTEXT, FLOAT_SIZES, Preferences, make_plan, read_model_spec
 
     try:
         spec = read_model_spec(model_dir)
+        torch_dtype = resolve_dtype(dtype, read_model_config(model_dir)[1])
     except MoechatError:
         return None  # not plannable (a dense model, a broken config...): the loader says why, in its words
-    name = dtype or spec.float_dtype or "float32"
-    spec = spec.in_dtype(FLOAT_SIZES.get(name, 4), name)
+    name = next(n for n, d in DTYPES.items() if d == torch_dtype)
+    spec = spec.in_dtype(FLOAT_SIZES[name], name)
     ctx = min(context or DEFAULT_CONTEXT, spec.max_context)
     dev = "cpu" if device.startswith("cpu") else device
     if dev != "cpu" and not (dev == "cuda" or dev.startswith("cuda:")):

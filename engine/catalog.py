@@ -6,19 +6,38 @@ its size in parameters (total and active per token), how its experts are stored,
 it needs. What changes on the Hub (the commit, gated or not, file sizes) is refreshed by
 `engine/hub.py` (`Hub.catalog`); the revision is pinned to the commit at download time.
 
-`SUPPORTED_TYPES` mirrors `engine/models.ARCHITECTURES` (a test keeps them equal) so that listing the
-catalog does not import torch.
+`SUPPORTED_TYPES` is the set of `engine/models.ARCHITECTURES` keys, read from that module's source rather
+than imported: importing it imports torch (2-3 s), and the CLI and the wizard list the catalog at once. So a
+model_type becomes runnable everywhere (catalog, Hub search, `moechat fit`) the moment it is registered there.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 from dataclasses import dataclass
 
-SUPPORTED_TYPES = frozenset({"qwen3_moe", "mixtral", "olmoe"})
+
+def _registered_types() -> frozenset[str]:
+    """The keys of `ARCHITECTURES = {...}` in engine/models/__init__.py, without executing that module."""
+    spec = importlib.util.find_spec(f"{__package__}.models")  # imports moechat.engine only (torch-free)
+    source = spec.loader.get_source(spec.name) if spec and spec.loader else None
+    for node in ast.parse(source or "").body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                      else None)
+        if isinstance(target, ast.Name) and target.id == "ARCHITECTURES" and isinstance(node.value, ast.Dict):
+            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+            if len(keys) == len(node.value.keys):
+                return frozenset(keys)
+    from .models import ARCHITECTURES  # not a plain literal (or no source): ask the module, at torch's cost
+
+    return frozenset(ARCHITECTURES)
+
+
+SUPPORTED_TYPES = _registered_types()
 
 # model_type -> what the engine lacks for it (shown next to the entry, and for Hub search results).
 MISSING_FEATURES: dict[str, str] = {
-    "gpt_oss": "needs MXFP4 expert weights, attention sinks, clamped SwiGLU and softmax-after-top-k routing",
     "deepseek_v3": "needs MLA attention (latent KV cache), sigmoid group-limited routing with a bias, fp8 "
                    "block-scaled weights and shared experts",
     "deepseek_v2": "needs MLA attention (latent KV cache), group-limited routing and shared experts",
@@ -67,6 +86,7 @@ class CatalogEntry:
 
 
 _SOFTMAX = "softmax top-k routing"
+_OSS_ROUTING = "top-k then softmax routing, router bias"
 CATALOG: tuple[CatalogEntry, ...] = (
     # -- runs today ---------------------------------------------------------------------------------------
     CatalogEntry("allenai/OLMoE-1B-7B-0125-Instruct", "olmoe", 6.9, 1.3, "bf16",
@@ -85,11 +105,15 @@ CATALOG: tuple[CatalogEntry, ...] = (
                  (_SOFTMAX, "8 experts top-2", "GQA")),
     CatalogEntry("mistralai/Mixtral-8x22B-Instruct-v0.1", "mixtral", 140.6, 39.1, "bf16",
                  (_SOFTMAX, "8 experts top-2", "GQA")),
-    # -- popular, not yet ---------------------------------------------------------------------------------
     CatalogEntry("openai/gpt-oss-20b", "gpt_oss", 20.9, 3.6, "mxfp4",
-                 ("MXFP4 experts", "attention sinks", "alternating sliding window", "clamped SwiGLU")),
+                 (_OSS_ROUTING, "32 experts top-4", "MXFP4 experts", "attention sinks", "alternating sliding window",
+                  "clamped SwiGLU"),
+                 note="MXFP4 experts, 12.6 MiB each (bf16 would be 47.5 MiB)"),
     CatalogEntry("openai/gpt-oss-120b", "gpt_oss", 116.8, 5.1, "mxfp4",
-                 ("MXFP4 experts", "attention sinks", "alternating sliding window", "clamped SwiGLU")),
+                 (_OSS_ROUTING, "128 experts top-4", "MXFP4 experts", "attention sinks", "alternating sliding window",
+                  "clamped SwiGLU"),
+                 note="MXFP4 experts, 56.8 GiB in all (bf16 would be 213.6 GiB)"),
+    # -- popular, not yet ---------------------------------------------------------------------------------
     CatalogEntry("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3", 671.0, 37.0, "fp8 (128x128 block scales)",
                  ("MLA", "sigmoid group-limited routing", "shared experts", "fp8 block scales")),
     CatalogEntry("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek_v2", 15.7, 2.4, "bf16",

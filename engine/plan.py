@@ -17,7 +17,8 @@ Decode speed is predicted from bytes per token over each tier's bandwidth (docs/
 with C slots out of N experts and hit rate h, a token moves L_moe x K x (1 - h) x expert bytes over
 the link. Qwen3-30B-A3B in bf16 on a 12 GiB GPU: 862 slots of 9.4 MB (14% of 6,144 experts), so at
 the conservative uniform-routing hit rate a token moves 3.1 GB over PCIe: at 25 GB/s, <= 8 tok/s from
-the link alone.
+the link alone. Packed experts are planned as packed: GPT-OSS-20B's MXFP4 expert is 13.2 MB (bf16:
+49.8 MB), so an 8 GiB GPU holds 278 slots where bf16 would hold 74.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ DEFAULT_CONTEXT = 4096  # what `moechat run` allocates when --context is not giv
 MIN_CONTEXT = 512  # below this a chat is not worth planning for
 CONTEXT_STEP = 256  # a lowered context is a multiple of this
 PREFILL_CHUNK = 512
+# engine/kv_cache.py allocates every layer for the whole context, sliding-window layers included, so the plan
+# counts that by default; attention still reads only a window layer's last `window` keys.
+KV_WINDOWED_ALLOCATION = False
 
 # Stated assumptions of the plan (docs/plan.md explains each).
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context + cuBLAS workspace + allocator slack on the GPU
@@ -127,10 +131,36 @@ class ModelSpec:
     unused_bytes: int = 0  # in the checkpoint but never loaded (multi-token-prediction layers)
     path: str | None = None
     notes: tuple[str, ...] = ()
+    config_dtype: str | None = None  # the float dtype config.json names (None: none, and the loader takes float32)
 
     @property
     def expert_bytes(self) -> int:
         return sum(t.nbytes for t in self.expert_tensors)
+
+    @property
+    def expert_format_name(self) -> str:
+        """A short name for the plan's lines: MXFP4, bfloat16, fp8 e4m3, ..."""
+        fmt = self.expert_format
+        return "MXFP4" if fmt.startswith("mxfp4") else fmt.split(" (")[0].split(",")[0]
+
+    @property
+    def bf16_expert_bytes(self) -> int:
+        """One expert with every weight and bias in bf16: what a packed format is compared against."""
+        return 2 * self.expert_params
+
+    def expert_format_line(self, room: int | None = None) -> str:
+        """"experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB)": why a packed model fits where bf16 would not.
+
+        With `room` (bytes for slots), how many slots each would give: "... each, 277 slots (bf16 would be ...".
+        """
+        def slots(nbytes: int) -> str:
+            return "" if room is None or not nbytes else f": {min(self.total_experts, max(0, room) // nbytes):,} slots"
+
+        line = f"experts: {self.expert_format_name}, {gib(self.expert_bytes)} each"
+        bf16 = self.bf16_expert_bytes
+        if self.expert_params and abs(self.expert_bytes - bf16) > 0.01 * bf16:
+            line += f" (bf16 would be {gib(bf16)}{slots(bf16)})"
+        return line
 
     @property
     def num_moe_layers(self) -> int:
@@ -203,7 +233,9 @@ class ModelSpec:
             "dense_parts": dict(self.dense_parts), "shared_experts": self.shared_experts,
             "shared_expert_bytes": self.shared_expert_bytes, "kv_kind": self.kv_kind,
             "kv_bytes_per_token": self.kv_bytes_per_token(), "kv_sliding_window": self.window,
-            "kv_detail": self.kv_detail, "dtype": self.float_dtype, "max_context": self.max_context,
+            "kv_detail": self.kv_detail, "dtype": self.float_dtype, "config_dtype": self.config_dtype,
+            "max_context": self.max_context, "expert_format_line": self.expert_format_line(),
+            "bf16_expert_bytes": self.bf16_expert_bytes,
             "checkpoint_bytes": self.checkpoint_bytes, "weights_present": self.weights_present,
             "unused_bytes": self.unused_bytes, "notes": list(self.notes),
         }
@@ -287,13 +319,21 @@ def _shape(c: dict, where: str, notes: list[str]) -> _Shape:
         moe = [i for i in range(L) if i not in only and (i + 1) % step == 0]
     else:
         moe = list(range(L))
-    dtype = str(_get(c, "torch_dtype", "dtype", default="")).removeprefix("torch.")
+    dtype = _config_dtype(c) or ""
     if dtype not in FLOAT_SIZES:
         notes.append(f"config.json names no float dtype ({dtype or 'none'}): bf16 assumed for unquantized tensors")
         dtype = "bfloat16"
     return _Shape(c.get("model_type", "?"), L, H, V, E, K, I, dense_I, n_heads, n_kv, head_dim, tuple(moe),
                   bool(c.get("tie_word_embeddings", False)), dtype, FLOAT_SIZES[dtype],
                   int(_get(c, "max_position_embeddings", default=DEFAULT_CONTEXT)))
+
+
+def _config_dtype(c: dict) -> str | None:
+    """The float dtype config.json names, as the loader reads it (`dtype`, then `torch_dtype`), or None."""
+    if "text_config" in c and "num_hidden_layers" not in c:
+        c = {**c, **c["text_config"]}
+    name = _get(c, "dtype", "torch_dtype")
+    return str(name).removeprefix("torch.") if name else None
 
 
 def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
@@ -318,7 +358,7 @@ def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
         sliding = [False] * s.L
     n_win = sum(sliding)
     if n_win:
-        detail += f"; {n_win} of {s.L} layers keep only the last {window} tokens"
+        detail += f"; {n_win} of {s.L} layers attend to the last {window} tokens only"
     return kind, per * (s.L - n_win), per * n_win, (int(window) if n_win else None), detail
 
 
@@ -521,7 +561,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         kv_elems_full=full, kv_elems_window=win, window=window, kv_detail=kv_detail, float_bytes=s.float_bytes,
         float_dtype=s.float_dtype, max_context=s.max_context, checkpoint_bytes=checkpoint,
         stored_expert_bytes=sum(t.nbytes for t in expert), weights_present=False,
-        present_bytes=present_bytes, unused_bytes=int(unused), notes=tuple(notes))
+        present_bytes=present_bytes, unused_bytes=int(unused), notes=tuple(notes), config_dtype=_config_dtype(c))
 
 
 _PER_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:.*\.)?experts\.(\d+)\.(.+)$")
@@ -734,7 +774,9 @@ class Preferences:
     hit_curve: MissRatioCurve | None = None
     disk_read_gbps: float | None = None
     override: bool = False  # load anyway: a refused plan is still made, best effort, and check() passes
-    windowed_kv: bool = True  # sliding-window layers keep `window` tokens (False: full context, as KVCache today)
+    # True: sliding-window layers are allocated `window` tokens, as a ring would need; False: every layer the
+    # whole context, as engine/kv_cache.py allocates today (the plan then names the saving a ring would bring)
+    windowed_kv: bool = KV_WINDOWED_ALLOCATION
     prefill_chunk: int = PREFILL_CHUNK
 
 
@@ -901,7 +943,7 @@ def _hit_rates(spec: ModelSpec, fraction: float, curve: MissRatioCurve | None) -
 
 
 def _decode(spec: ModelSpec, kind: str, context: int, slots: int, ram_experts: int, link: float | None,
-            devbw: float, diskbw: float, curve: MissRatioCurve | None, windowed: bool) -> DecodeEstimate:
+            devbw: float, diskbw: float, curve: MissRatioCurve | None) -> DecodeEstimate:
     N, K, Lm, eb = spec.total_experts, spec.top_k, spec.num_moe_layers, spec.expert_bytes
     c = min(1.0, slots / N) if N else 1.0
     h_lo, h_hi, source = _hit_rates(spec, c, curve)
@@ -915,7 +957,8 @@ def _decode(spec: ModelSpec, kind: str, context: int, slots: int, ram_experts: i
         rd_lo, rd_hi, _ = _hit_rates(spec, r, curve)
         d_lo, d_hi = 1 - rd_lo, 1 - rd_hi
     active = Lm * K * eb
-    kv_read = spec.kv_bytes(max(1, context // 2), windowed=windowed)  # average over a context that fills up
+    # Attention reads a window layer's last `window` keys whatever was allocated; averaged over a filling context.
+    kv_read = spec.kv_bytes(max(1, context // 2), windowed=True)
     dev_bytes = spec.dense_read_bytes + active + kv_read
     eff = GPU_EFFICIENCY if kind == "gpu" else 1.0
 
@@ -1081,9 +1124,17 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
                               f"{shown} ({spec.float_dtype}); every token reads "
                               f"{gib(spec.dense_read_bytes)} of it"))
     kvpt = spec.kv_bytes_per_token()
+    kv_full, kv_ring = spec.kv_bytes(context, windowed=False), spec.kv_bytes(context, windowed=True)
+    if kv_ring >= kv_full:
+        alloc = ""
+    elif prefs.windowed_kv:
+        alloc = f"; window layers allocated {spec.window} tokens each ({gib(kv_full - kv_ring)} less than full length)"
+    else:
+        alloc = (f"; every layer allocated full length, as engine/kv_cache.py does (a {spec.window}-token ring on the "
+                 f"window layers would need {gib(kv_ring)}, {gib(kv_full - kv_ring)} less)")
     decisions.append(Decision(f"KV cache, {context:,} tokens", kv, dev_label,
                               f"{gib(kvpt)}/token ({spec.kv_kind}: {spec.kv_detail}, {elem} B); context "
-                              f"{ctx_reason or 'as far as it fits'}"))
+                              f"{ctx_reason or 'as far as it fits'}{alloc}"))
     decisions.append(Decision("workspace", ws, dev_label, ws_detail))
     frac = slots / N if N else 1.0
     if slots >= N:
@@ -1098,7 +1149,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
                    f"{share}")
         else:
             why = f"{slots:,} x {gib(eb)} = {gib(slots * eb)}: the rest of the {gib(budget)} budget; {share}"
-    decisions.append(Decision(f"expert slots C = {slots:,}", slots * eb, dev_label, why))
+    fmt = spec.expert_format_line(None if refusal_parts else budget - (dense + kv + ws))
+    decisions.append(Decision(f"expert slots C = {slots:,}", slots * eb, dev_label, f"{fmt}; {why}"))
 
     # Host tier.
     all_bytes = spec.all_experts_bytes
@@ -1168,7 +1220,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     decode = None
     if refusal is None or overridden:
         decode = _decode(spec, kind, context, slots, ram_experts if gpu else 0, link, devbw, diskbw,
-                         prefs.hit_curve, prefs.windowed_kv)
+                         prefs.hit_curve)
         hit = (f"{decode.hit_rate_low:.1%}" if decode.hit_rate_low == decode.hit_rate_high
                else f"{decode.hit_rate_low:.1%}-{decode.hit_rate_high:.1%}")
         decisions.append(Decision("expected hit rate", None, "-", f"{hit} at C = {slots:,} ({frac:.1%} of experts): "

@@ -506,8 +506,9 @@ class SetupScreen(Screen[str | None]):
         if plan.refusal is not None:
             lines.append(f"does not fit: {plan.refusal.message}")
         lines.append(f"{spec.num_layers} layers, {spec.num_moe_layers} MoE x {spec.num_experts} experts, top-"
-                     f"{spec.top_k}; {spec.total_experts:,} experts x {_size(spec.expert_bytes)} ({spec.expert_format})"
+                     f"{spec.top_k}; {spec.total_experts:,} experts = {_size(spec.all_experts_bytes)}"
                      f"; dense {_size(spec.dense_bytes)}")
+        lines.append(f"{spec.expert_format_line()}; stored as {spec.expert_format}")
         lines.append(f"sizes from {verdict.source}" + (" (estimates)" if spec.estimated else " (exact)")
                      + f"; plan: {plan.expert_slots} of {plan.total_experts} experts in device slots, "
                      f"{plan.host_tier}, context {plan.context:,}")

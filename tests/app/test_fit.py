@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT.parent / "shared" / "model-configs"
 QWEN = CONFIGS / "Qwen--Qwen3-30B-A3B"
 DSV3 = CONFIGS / "deepseek-ai--DeepSeek-V3"
+OSS20 = CONFIGS / "openai--gpt-oss-20b"
+OSS120 = CONFIGS / "openai--gpt-oss-120b"
 needs_configs = pytest.mark.skipif(not (QWEN / "config.json").exists() or not (DSV3 / "config.json").exists(),
                                    reason="../shared/model-configs is not here")
 WHAT_IF = ["--vram-gb", "12", "--ram-gb", "32", "--disk-gb", "1000", "--link-gbps", "25"]
@@ -84,6 +86,51 @@ def test_config_only_directory_and_a_disk_what_if(capsys, tmp_path):
     shutil.copy(QWEN / "config.json", model / "config.json")
     code, out, _ = _fit(capsys, str(model), *WHAT_IF, "--disk-gb", "20")
     assert code == 3 and "GiB of disk" in out and "free " in out and "4-bit variant" in out
+
+
+@pytest.mark.skipif(not (OSS20 / "config.json").exists() or not (OSS120 / "config.json").exists(),
+                    reason="../shared/model-configs has no gpt-oss configs")
+def test_gpt_oss_plans_with_packed_experts_and_is_runnable(capsys):
+    code, out, err = _fit(capsys, str(OSS20), "--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "100")
+    assert code == 0 and err == "" and "openai--gpt-oss-20b (gpt_oss): fits" in out
+    assert "moechat run: supported" in out and "planning only" not in out
+    assert "experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB); stored as mxfp4" in out
+    slots = next(line for line in out.splitlines() if line.startswith("  expert slots C = "))
+    assert int(slots.split("C = ")[1].split()[0].replace(",", "")) >= 200
+    assert "experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB: 74 slots)" in slots
+    summary = [line for line in out.splitlines() if line.startswith("  decode ")][-1]
+    assert "tok/s predicted" in summary and "(bound " in summary and "set by link" in summary
+    # config.json names no dtype, so the loader would take float32: the run line asks for the planned bf16
+    run = next(line for line in out.splitlines() if line.startswith("  run with"))
+    assert "--dtype bfloat16" in run and "--expert-slots" in run
+    code, out, _ = _fit(capsys, str(OSS20), "--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "100", "--json")
+    data = json.loads(out)
+    assert data["runnable"] and data["plan"]["expert_slots"] >= 200 and data["spec"]["expert_bytes"] == 13_236_480
+    assert data["spec"]["bf16_expert_bytes"] == 49_783_680 and data["spec"]["config_dtype"] is None
+    d = data["plan"]["decode"]
+    assert 0 < d["low"] <= d["high"] <= d["bound"] and d["bound_by"] == "link"
+    assert data["run_flags"][2:4] == ["--dtype", "bfloat16"]
+    code, out, _ = _fit(capsys, str(OSS120), "--vram-gb", "24", "--ram-gb", "64", "--disk-gb", "100")
+    assert code == 0 and "openai--gpt-oss-120b (gpt_oss): fits" in out and "moechat run: supported" in out
+    assert "host tier: all experts in RAM" in out and "experts: MXFP4, 12.6 MiB each" in out
+    code, out, _ = _fit(capsys, str(OSS120), "--vram-gb", "24", "--ram-gb", "64", "--disk-gb", "40")
+    assert code == EXIT_REFUSED and "GiB of disk" in out  # the 60.8 GiB download does not fit 40 GiB
+
+
+@pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs has no gpt-oss-20b")
+def test_run_plans_in_the_dtype_the_loader_picks(monkeypatch):
+    from moechat.engine.hardware import GpuInfo
+    from moechat.engine.loader import read_model_config, resolve_dtype
+
+    box = Hardware((GpuInfo(0, 0, "test GPU", "GPU-0", 8 * GiB, 8 * GiB, 4, 16, link_gbps=25.0),),
+                   HostMemory(32 * GiB, 32 * GiB), None)
+    monkeypatch.setattr("moechat.engine.hardware.probe", lambda *a, **k: box)
+    bf16 = plan_for_run(OSS20, device="cuda:0", dtype="bfloat16", context=None)
+    assert bf16.dense_bytes == 3_595_648_128 and bf16.expert_slots >= 200 and bf16.context == 4096
+    default = plan_for_run(OSS20, device="cuda:0", dtype=None, context=None)
+    elem = resolve_dtype(None, read_model_config(OSS20)[1]).itemsize  # float32 while config.json names no dtype
+    assert default.dense_bytes == 3_595_648_128 // 2 * elem
+    assert default.expert_bytes == 13_236_480 + (elem - 2) * (5760 + 2880)  # only the biases follow the dtype
 
 
 def test_errors_are_one_line(capsys, tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from moechat.app.screens.setup import HubOptions, SetupScreen
 from moechat.app.screens.welcome import WelcomeScreen
 from moechat.app.settings import Settings
 from moechat.app.store import ChatStore
-from moechat.engine.catalog import CatalogEntry
+from moechat.engine.catalog import CatalogEntry, find
 from moechat.engine.errors import NotDownloadedError
 from moechat.engine.hardware import probe
 from moechat.engine.hub import INDEX_FILE, wanted_file
@@ -25,14 +25,15 @@ SIZE = (150, 45)
 DEMO = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
 WEIGHTS = (".safetensors", ".bin")
 MISSING = "nobody/nothing"
+CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "model-configs"
 
 
-def _app(hub, app_env, fakes, model=None, **hub_options):
+def _app(hub, app_env, fakes, model=None, entries=None, vram_gb=0, ram_gb=16, **hub_options):
     # A what-if machine (no GPU, 16 GiB RAM, 100 GiB disk), so the verdicts do not depend on the test machine.
-    hardware = probe(app_env, nvml=None, cuda=None).with_overrides(vram_gb=0, ram_gb=16, disk_gb=100)
-    entries = (CatalogEntry(hub.repo, "qwen3_moe", 0.0003, 0.0001, "fp32", ("softmax top-k routing",)),
-               CatalogEntry(hub.gated, "qwen3_moe", 0.0003, 0.0001, "fp32", gated=True),
-               CatalogEntry(MISSING, "gpt_oss", 20.9, 3.6, "mxfp4"))
+    hardware = probe(app_env, nvml=None, cuda=None).with_overrides(vram_gb=vram_gb, ram_gb=ram_gb, disk_gb=100)
+    entries = entries or (CatalogEntry(hub.repo, "qwen3_moe", 0.0003, 0.0001, "fp32", ("softmax top-k routing",)),
+                          CatalogEntry(hub.gated, "qwen3_moe", 0.0003, 0.0001, "fp32", gated=True),
+                          CatalogEntry(MISSING, "deepseek_v3", 671.0, 37.0, "fp8"))
     options = HubOptions(endpoint=hub.server.url, cache_dir=hub.cache, entries=entries, hardware=hardware,
                          **hub_options)
     settings = Settings(path=app_env / "settings.toml")
@@ -91,7 +92,7 @@ async def test_from_the_chat_pick_see_the_verdict_download_and_chat_on_it(hub, a
         assert setup.cell(hub.repo, "download") == f"{left / 1024:.1f} KiB"
         assert setup.cell(hub.gated, "verdict") == "gated"
         assert setup.cell(hub.gated, "note").startswith("is gated (401): accept its conditions")
-        assert setup.cell(MISSING, "verdict") == "unsupported" and "MXFP4" in setup.cell(MISSING, "note")
+        assert setup.cell(MISSING, "verdict") == "unsupported" and "MLA" in setup.cell(MISSING, "note")
         # the catalog's verdicts came from config.json and the index alone: not one weight file was requested
         assert hub.server.requests and not _weight_requests(hub)
 
@@ -99,6 +100,7 @@ async def test_from_the_chat_pick_see_the_verdict_download_and_chat_on_it(hub, a
         summary = _text(setup, "#setup-summary")
         assert f"{hub.repo} at {hub.server.repos[hub.repo].sha[:12]} (qwen3_moe): FITS on this machine" in summary
         assert "predicted decode" in summary and "sizes from Hub safetensors headers (exact)" in summary
+        assert "\nexperts: f32, " in summary and "(bf16 would be " in summary and "; stored as f32" in summary
         decisions = _text(setup, "#setup-decisions").splitlines()  # each decision of the plan with its reason
         assert len(decisions) >= 3 and all(d.startswith("• ") and d.split(": ", 1)[1] for d in decisions)
         assert any(d.startswith("• dense weights ") for d in decisions)
@@ -161,19 +163,22 @@ async def test_first_start_cancel_mid_way_then_resume_and_land_in_the_chat(hub, 
 
 
 async def test_search_and_the_errors_say_what_to_do(hub, app_env, fakes, monkeypatch):
+    deepseek = "other-org/deepseek-v3-tiny"  # a family moechat does not run yet, for this test only
+    monkeypatch.setitem(hub.server.repos, deepseek, hub.module.Repo(
+        deepseek, {"config.json": b'{"model_type": "deepseek_v3"}'}, "e" * 40, model_type="deepseek_v3", downloads=5))
     app, _ = _app(hub, app_env, fakes, free_space=lambda path: 1 << 20)  # a disk with 1 MiB free
     async with app.run_test(size=SIZE) as pilot:
         setup = await _open_wizard(pilot, fakes)
         # search: supported families get verdicts, the others say why they do not run yet
         await pilot.press("slash")
         await pilot.press(*"tiny", "enter")
-        expected = {hub.repo, hub.gated, "other-org/gpt-oss-tiny", "other-org/mixtral-moe-tiny"}
+        expected = {hub.repo, hub.gated, "other-org/gpt-oss-tiny", "other-org/mixtral-moe-tiny", deepseek}
         await fakes.wait_for(pilot, lambda: set(setup.rows) == expected, what="the search hits")
         await fakes.wait_for(pilot, lambda: setup.cell(hub.repo, "verdict") == "fits", what="a hit's verdict")
-        assert setup.cell("other-org/gpt-oss-tiny", "verdict") == "unsupported"
-        assert "MXFP4" in setup.cell("other-org/gpt-oss-tiny", "note")
-        await fakes.wait_for(pilot, lambda: setup.cell("other-org/mixtral-moe-tiny", "verdict") == "unknown",
-                             what="a broken repo's row")
+        assert setup.cell(deepseek, "verdict") == "unsupported" and "MLA" in setup.cell(deepseek, "note")
+        for broken in ("other-org/mixtral-moe-tiny", "other-org/gpt-oss-tiny"):  # supported, but a config-only stub
+            await fakes.wait_for(pilot, lambda b=broken: setup.cell(b, "verdict") == "unknown",
+                                 what="a broken repo's row")
 
         # gated: the engine's message, with the action to take
         setup.query_one("#setup-models", DataTable).focus()
@@ -220,9 +225,65 @@ async def test_search_and_the_errors_say_what_to_do(hub, app_env, fakes, monkeyp
         search.value = ""
         await pilot.press("enter")
         await fakes.wait_for(pilot, lambda: set(setup.rows) == {hub.repo, hub.gated, MISSING}, what="the catalog")
-        assert setup.cell(MISSING, "verdict") == "unsupported" and "MXFP4" in setup.cell(MISSING, "note")
+        assert setup.cell(MISSING, "verdict") == "unsupported" and "MLA" in setup.cell(MISSING, "note")
         table.move_cursor(row=table.get_row_index(MISSING))  # its brief says the Hub does not know it
         await fakes.wait_for(pilot, lambda: f"{MISSING}: no such model on {hub.server.url} (404)"
                              in _text(setup, "#setup-summary"), what="the brief of a missing repo")
         await pilot.press("escape")
         await fakes.wait_for(pilot, lambda: isinstance(app.screen, WelcomeScreen), what="back to the welcome screen")
+
+
+def _gpt_oss_on_the_hub(hub, monkeypatch) -> dict[str, int]:
+    """openai/gpt-oss-20b and -120b on the local Hub: their real config.json (the 20b's index and
+    generation_config.json too) and placeholder shards listed at full size, since a catalog row reads config.json
+    and the index only. The 20b's shards add up to its index's total_size; the 120b's 15 to ~65 GB, as the Hub
+    lists them. Returns repo id -> the listed bytes of the files moechat downloads, less what a row reads."""
+    left = {}
+    for name, shards, shard_bytes in (("gpt-oss-20b", 3, 13_761_264_768 // 3), ("gpt-oss-120b", 15, 4_350_000_000)):
+        folder = CONFIGS / f"openai--{name}"
+        files = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".json"}
+        for i in range(shards):
+            files[f"model-{i:05d}-of-{shards - 1:05d}.safetensors"] = f"placeholder {i}".encode()
+        repo = hub.module.Repo(f"openai/{name}", files, f"{shards:040x}", model_type="gpt_oss")
+        monkeypatch.setitem(hub.server.repos, repo.repo_id, repo)
+        for f in files:
+            if f.endswith(".safetensors"):
+                hub.server.faults.listing_patch[f] = {"size": shard_bytes, "lfs": {
+                    "size": shard_bytes, "sha256": repo.sha256(f), "pointerSize": 134}}
+        read = len(files["config.json"]) + len(files.get(INDEX_FILE, b""))
+        left[repo.repo_id] = shards * shard_bytes + sum(len(b) for f, b in files.items() if f.endswith(".json")) - read
+    return left
+
+
+@pytest.mark.skipif(not (CONFIGS / "openai--gpt-oss-20b" / INDEX_FILE).exists()
+                    or not (CONFIGS / "openai--gpt-oss-120b" / "config.json").exists(),
+                    reason="../shared/model-configs has no gpt-oss configs")
+async def test_gpt_oss_rows_are_runnable_with_verdict_speed_and_download(hub, app_env, fakes, monkeypatch):
+    left = _gpt_oss_on_the_hub(hub, monkeypatch)
+    entries = (find("openai/gpt-oss-20b"), find("openai/gpt-oss-120b"))
+    app, _ = _app(hub, app_env, fakes, entries=entries, vram_gb=8, ram_gb=32)  # the vLLM RFC's 8 GB GPU
+    async with app.run_test(size=SIZE) as pilot:
+        setup = await _open_wizard(pilot, fakes)
+        for repo_id in left:
+            row = setup.rows[repo_id]
+            assert row.entry.supported and row.status.error is None, row.status.error
+            assert setup.cell(repo_id, "verdict") == "fits"
+            assert setup.cell(repo_id, "speed").endswith(" tok/s") and setup.cell(repo_id, "family") == "gpt_oss"
+            assert setup.cell(repo_id, "download") == f"{left[repo_id] / (1 << 30):.2f} GiB"
+            assert setup.cell(repo_id, "note").startswith("MXFP4 experts")
+            plan = row.status.verdict.plan
+            slots = next(d.reason for d in plan.decisions if d.item.startswith("expert slots"))
+            assert slots.startswith("experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB: ")
+        small, big = (setup.rows[r].status.verdict.plan for r in left)
+        assert small.expert_slots >= 200 and small.host_tier == "all experts in RAM"  # 9.5 GiB of experts
+        assert big.host_tier == "RAM cache" and big.decode.bound_by == "disk"  # 57 GiB of experts, 32 GiB of RAM
+        low, high = small.decode.low, small.decode.high
+        assert setup.cell("openai/gpt-oss-20b", "speed") == f"{low:.1f}-{high:.1f} tok/s"
+        table = setup.query_one("#setup-models", DataTable)
+        table.focus()
+        table.move_cursor(row=table.get_row_index("openai/gpt-oss-20b"))
+        await fakes.wait_for(pilot, lambda: "on this machine: fits" in _text(setup, "#setup-summary"),
+                             what="the 20b's brief")
+        brief = _text(setup, "#setup-summary")
+        assert "experts in mxfp4" in brief and f"{low:.1f}-{high:.1f} tok/s predicted" in brief
+        assert not _weight_requests(hub)  # the rows read config.json and the index, not one shard

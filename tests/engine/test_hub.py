@@ -361,7 +361,7 @@ def test_catalog_verdicts_and_errors_per_entry(hub, tmp_path):
 
     entries = [CatalogEntry(hub.repo, "qwen3_moe", 0.0002, 0.0001, "fp32"),
                CatalogEntry(hub.gated, "qwen3_moe", 0.0002, 0.0001, "fp32", gated=True),
-               CatalogEntry("nobody/nothing", "gpt_oss", 20.9, 3.6, "mxfp4")]
+               CatalogEntry("nobody/nothing", "deepseek_v3", 671.0, 37.0, "fp8")]
     statuses = hub.client.catalog(_hardware(tmp_path), entries=entries)
     ok, gated, missing = statuses
     assert ok.sha == hub.server.repos[hub.repo].sha and ok.download_bytes > 0 and not ok.downloaded
@@ -382,15 +382,18 @@ def test_catalog_verdicts_and_errors_per_entry(hub, tmp_path):
     assert offline[1].verdict is None and "offline" in offline[1].error
 
 
-def test_search_keeps_supported_model_types(hub):
+def test_search_keeps_supported_model_types(hub, monkeypatch):
+    deepseek = "other-org/deepseek-v3-tiny"  # a family moechat does not run yet, for this test only
+    monkeypatch.setitem(hub.server.repos, deepseek, hub.module.Repo(
+        deepseek, {"config.json": b'{"model_type": "deepseek_v3"}'}, "e" * 40, model_type="deepseek_v3", downloads=5))
     hits = hub.client.search("moe")
     assert {h.repo_id for h in hits} == {hub.repo, hub.gated, "other-org/mixtral-moe-tiny"}
     assert all(h.supported and h.why_unsupported is None for h in hits)
     assert hits[0].repo_id == hub.repo and hits[0].downloads == 100  # most downloaded first
     everything = {h.repo_id: h for h in hub.client.search("o", supported_only=False)}
     assert "other-org/dense-llama" not in everything  # dense: nothing to offload
-    gpt = everything["other-org/gpt-oss-tiny"]
-    assert not gpt.supported and "MXFP4" in gpt.why_unsupported
+    assert everything["other-org/gpt-oss-tiny"].supported  # gpt_oss is registered in engine/models
+    assert not everything[deepseek].supported and "MLA" in everything[deepseek].why_unsupported
 
 
 def test_the_catalog_is_consistent_with_the_engine():
@@ -412,3 +415,27 @@ def test_the_catalog_is_consistent_with_the_engine():
         cfg = configs / e.repo_id.replace("/", "--") / "config.json"
         if cfg.is_file():
             assert json.loads(cfg.read_text())["model_type"] == e.family, e.repo_id
+    # gpt-oss runs, and its notes' numbers are the planner's for the real configs
+    from moechat.engine.plan import gib, read_model_spec
+
+    for repo_id in ("openai/gpt-oss-20b", "openai/gpt-oss-120b"):
+        e = find(repo_id)
+        assert e.supported and e.why_unsupported is None and "MXFP4 experts" in e.features
+        folder = configs / repo_id.replace("/", "--")
+        if (folder / "config.json").is_file():
+            s = read_model_spec(folder)
+            each = f"MXFP4 experts, {gib(s.expert_bytes)} each (bf16 would be {gib(s.bf16_expert_bytes)})"
+            total = (f"MXFP4 experts, {s.all_experts_bytes / 2**30:.1f} GiB in all (bf16 would be "
+                     f"{s.total_experts * s.bf16_expert_bytes / 2**30:.1f} GiB)")
+            assert e.note in (each, total), (e.note, each, total)
+
+
+def test_listing_the_catalog_does_not_import_torch(tmp_path):
+    """SUPPORTED_TYPES is read from engine/models/__init__.py's source, not by importing it (torch)."""
+    code = ("import sys\nfrom moechat.engine.catalog import CATALOG, SUPPORTED_TYPES\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\nprint(sorted(SUPPORTED_TYPES))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    from moechat.engine.models import ARCHITECTURES
+
+    assert result.stdout.strip() == str(sorted(ARCHITECTURES))

@@ -86,6 +86,117 @@ def test_gpt_oss_20b_mxfp4_bytes_by_hand():
     assert s.kv_bytes_per_token() == 24 * 2048
     assert s.kv_bytes(4096) == 12 * 2048 * 4096 + 12 * 2048 * 128
     assert s.kv_bytes(4096, windowed=False) == 24 * 2048 * 4096
+    # The same expert as the engine's format stores it (engine/quant): what every cache tier holds.
+    import torch
+
+    from moechat.engine.quant import detect_format, get_format
+
+    config = json.loads((CONFIGS / MODELS["gpt-oss-20b"]).read_text())
+    assert detect_format(config) == "mxfp4"
+    assert get_format("mxfp4").expert_bytes(2880, 2880, torch.bfloat16, True) == s.expert_bytes
+    assert get_format("dense").expert_bytes(2880, 2880, torch.bfloat16, True) == s.bf16_expert_bytes == 49_783_680
+    assert s.expert_format_line() == "experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB)"
+
+
+def _gpt_oss_tensors(config: dict, names) -> dict:
+    """Safetensors header entries (dtype, shape, nbytes) for GPT-OSS tensor names, shapes from config.json."""
+    from types import SimpleNamespace
+
+    H, V, E, I = config["hidden_size"], config["vocab_size"], config["num_local_experts"], config["intermediate_size"]
+    nH, nKV, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    G = H // 32  # MXFP4 blocks of 32 along the input dimension (H = I here)
+    shapes = {"embed_tokens.weight": ("BF16", (V, H)), "lm_head.weight": ("BF16", (V, H)),
+              "norm.weight": ("BF16", (H,)),
+              "input_layernorm.weight": ("BF16", (H,)), "post_attention_layernorm.weight": ("BF16", (H,)),
+              "q_proj.weight": ("BF16", (nH * D, H)), "q_proj.bias": ("BF16", (nH * D,)),
+              "k_proj.weight": ("BF16", (nKV * D, H)), "k_proj.bias": ("BF16", (nKV * D,)),
+              "v_proj.weight": ("BF16", (nKV * D, H)), "v_proj.bias": ("BF16", (nKV * D,)),
+              "o_proj.weight": ("BF16", (H, nH * D)), "o_proj.bias": ("BF16", (H,)), "sinks": ("BF16", (nH,)),
+              "router.weight": ("BF16", (E, H)), "router.bias": ("BF16", (E,)),
+              "gate_up_proj_blocks": ("U8", (E, 2 * I, G, 16)), "gate_up_proj_scales": ("U8", (E, 2 * I, G)),
+              "gate_up_proj_bias": ("BF16", (E, 2 * I)), "down_proj_blocks": ("U8", (E, H, I // 32, 16)),
+              "down_proj_scales": ("U8", (E, H, I // 32)), "down_proj_bias": ("BF16", (E, H))}
+    out = {}
+    for name in names:
+        dtag, shape = next(v for k, v in shapes.items() if name.endswith("." + k) or name == k)
+        out[name] = SimpleNamespace(dtype=dtag, shape=shape, nbytes=math.prod(shape) * (2 if dtag == "BF16" else 1))
+    return out
+
+
+@needs_configs
+def test_gpt_oss_20b_from_headers_counts_packed_experts_and_adds_up_to_total_size():
+    """The 459 tensors the index names, with the checkpoint's dtypes: U8 blocks/scales and BF16 biases under
+    mlp.experts.* are expert bytes (never dense), and everything adds up to the published total_size."""
+    from moechat.engine.plan import spec_from_headers
+
+    folder = CONFIGS / "openai--gpt-oss-20b"
+    if not (folder / "model.safetensors.index.json").exists():
+        pytest.skip("the gpt-oss-20b index is not here")
+    config = json.loads((folder / "config.json").read_text())
+    names = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    exact = spec_from_headers(config, _gpt_oss_tensors(config, names), name="gpt-oss-20b")
+    est = spec("gpt-oss-20b")
+    assert exact.source == "safetensors headers" and not exact.estimated
+    assert exact.checkpoint_bytes == 13_761_264_768  # the index's total_size, to the byte
+    assert exact.expert_bytes == est.expert_bytes == 13_236_480 and exact.total_experts == 768
+    assert exact.dense_bytes == est.dense_bytes == 3_595_648_128  # no U8 block or scale counted as dense
+    assert exact.dense_float_elems * 2 == exact.dense_bytes  # every dense tensor is bf16
+    assert dict(exact.dense_parts)["attention"] == 1_274_406_912 and dict(exact.dense_parts)["routers"] == 24 * 2 * (
+        32 * 2880 + 32)
+    assert exact.expert_format.startswith("mxfp4") and exact.expert_params == 3 * 2880 * 2880 + 2 * 2880 + 2880
+    assert exact.expert_format_line() == est.expert_format_line()
+    assert (exact.window, exact.kv_bytes_per_token()) == (128, 24 * 2048)
+
+
+@needs_configs
+def test_gpt_oss_20b_on_8_gib_vram_and_32_gib_ram_by_hand():
+    """The vLLM RFC's machine (../shared/reference/vllm-rfc-expert-offloading.md): tinyserve held 238 slots of
+    GPT-OSS-20B MXFP4 on an 8 GB GPU and decoded ~30 tok/s at a 97-100% hit rate."""
+    s = read_model_spec(CONFIGS / "openai--gpt-oss-20b")
+    plan = make_plan(s, machine(8, 32, link=25.2, membw=500))
+    budget = int(8 * GiB - 0.05 * 8 * GiB)  # 7.6 GiB
+    kv = 24 * 2048 * 4096  # every layer at full length, as engine/kv_cache.py allocates (192 MiB)
+    workspace = 512 * 2**20 + 4 * 512 * (8 * 2880 + 4 * 4 * 2880)
+    assert (plan.device_budget_bytes, plan.kv_bytes, plan.workspace_bytes) == (budget, kv, workspace)
+    room = budget - 3_595_648_128 - kv - workspace
+    assert plan.ok and plan.expert_slots == room // 13_236_480 == 278 >= 200  # bf16 experts: room // 49.8 MB = 74
+    assert plan.host_tier == "all experts in RAM" and plan.ram_cache_bytes is None  # 9.5 GiB in pinned RAM
+    decisions = {d.item.split(" =")[0].split(",")[0]: d.reason for d in plan.decisions}
+    assert decisions["expert slots C"].startswith("experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB: 74 slots); ")
+    assert "a 128-token ring on the window layers would need 99.0 MiB, 93.0 MiB less" in decisions["KV cache"]
+    # decode: dense reads (no embedding table) + 24 x 4 MXFP4 experts + KV read (window layers: 128 keys)
+    c = 278 / 768
+    device = (3_595_648_128 - 201088 * 2880 * 2) + 24 * 4 * 13_236_480 + 2048 * (12 * 2048 + 12 * 128)
+    active = 24 * 4 * 13_236_480
+    h_high = 1 - 0.6 * (1 - c)
+    d = plan.decode
+    assert d.device_bytes == device and d.hit_rate_low == pytest.approx(c)
+    assert d.bound_by == "link" and d.bound == pytest.approx(25.2e9 / (active * (1 - h_high)))  # 51.8 tok/s
+    assert 15 < d.low <= d.high < d.bound
+    assert f"{d.low:.1f}-{d.high:.1f} tok/s predicted; bound {d.bound:.1f} tok/s (link)" in decisions["decode"]
+    # At the RFC's measured hit rate (98%) the link is nearly idle and device reads set the pace: 3.76 GB a token
+    # at 0.7 x 288 GB/s (assumed for the RFC's 8 GB laptop RTX PRO 2000) + 24 layers of dispatch = 43 tok/s,
+    # against the 30 it measured (the model counts no kernel or routing time beyond the per-layer dispatch).
+    rfc = make_plan(s, machine(8, 32, link=25.2, membw=288), Preferences(hit_curve=MissRatioCurve(((c, 0.98),))))
+    assert rfc.decode.bound_by == "device memory" and 30 <= rfc.decode.low <= 2 * 30
+
+
+@needs_configs
+def test_gpt_oss_120b_verdicts():
+    s = read_model_spec(CONFIGS / "openai--gpt-oss-120b")
+    assert (s.total_experts, s.expert_bytes, s.num_layers, s.window) == (36 * 128, 13_236_480, 36, 128)
+    plan = make_plan(s, machine(24, 64))
+    # 56.8 GiB of MXFP4 experts fit a 64 GiB machine's RAM budget (64 - 5% - 1.5 GiB process = 59.3 GiB)
+    assert plan.ok and plan.host_tier == "all experts in RAM" and plan.decode.disk_bytes_low == 0
+    room = int(24 * GiB * 0.95) - s.dense_bytes - 36 * 2048 * 4096 - plan.workspace_bytes
+    assert plan.expert_slots == room // 13_236_480 == 1453 and plan.decode.bound_by == "link"
+    assert 5 < plan.decode.low <= plan.decode.high < plan.decode.bound
+    slots = next(d.reason for d in plan.decisions if d.item.startswith("expert slots"))
+    assert slots.startswith(f"experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB: {room // 49_783_680} slots)")
+    # with 32 GiB of RAM the experts no longer fit there: a RAM cache over the shards, and the disk sets the bound
+    small = make_plan(s, machine(24, 32))
+    assert small.ok and small.host_tier == "RAM cache" and small.decode.bound_by == "disk"
+    assert small.decode.low < plan.decode.low
 
 
 @needs_configs
