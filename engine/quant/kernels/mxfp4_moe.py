@@ -234,8 +234,10 @@ def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
             block_m = group_rows(P, C)
             group_slot, group_pairs = group_by_slot(flat_slots, pair_ids, C, block_m)
         use_dot = block_m > 1
-        dot_bf16 = x.dtype == torch.bfloat16
-        act_buf = torch.empty(T * K, I, device=device, dtype=torch.bfloat16 if dot_bf16 else torch.float32)  # [T*K, I]
+        # bf16 tensor cores for a bf16 model (the interpreter's bf16 dot is wrong: it runs the fp32 one)
+        dot_bf16 = x.dtype == torch.bfloat16 and not INTERPRET
+        act_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # rounded as the torch path does
+        act_buf = torch.empty(T * K, I, device=device, dtype=act_dtype)  # [T*K, I]
         nb = group_slot.numel()
         b13, b2 = tensors.get("w13_bias"), tensors.get("w2_bias")
         weights = topk_weights.reshape(-1).contiguous()  # [T*K]

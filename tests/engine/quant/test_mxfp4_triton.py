@@ -1,0 +1,189 @@
+"""The fused MXFP4 MoE kernel against moe_reference on the dequantized weights.
+
+On the CPU the Triton interpreter runs it (small shapes, one config). TRITON_INTERPRET is read when a kernel
+is decorated, so those cases run in a subprocess (this file as a script) and the flag never reaches the rest
+of the suite. The `gpu` tests run the compiled kernel at GPT-OSS-20B's widths.
+
+Every case keeps experts in shuffled slots of a pool larger than E (unused slots hold random bytes), so a
+wrong slot shows; a case with `pairs` points the left-out pairs at real slots, so computing one shows too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moechat.engine.moe import ExpertActivation, moe_reference
+from moechat.engine.quant import mxfp4
+
+# T = tokens, K = top-k, E = experts, C = slots, H = hidden, I = intermediate
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str = "clamped_swiglu"
+    T: int = 1
+    mode: str | None = None  # "gemv" / "grouped" / None: the kernel's own choice
+    pairs: str = "all"  # "all", "some" (left-out pairs point at real slots), "some-absent" (left-out: slot -1)
+    residual: bool = False
+    dtype: torch.dtype = torch.float32
+    H: int = 64
+    I: int = 64
+    E: int = 4
+    K: int = 2
+    gain: int = 0  # w13 scaled by 2^gain: 2 drives GPT-OSS's clamp (|gate| > 7) on a fair share of outputs
+
+    @property
+    def name(self) -> str:
+        return (f"{self.kind}-T{self.T}-{self.mode or 'auto'}-{self.pairs}{'-res' if self.residual else ''}-"
+                f"{str(self.dtype).removeprefix('torch.')}-H{self.H}{f'-gain{self.gain}' if self.gain else ''}")
+
+
+def _packed(g: torch.Generator, *lead: int, cols: int, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes (every byte value), scales 2^(scale - 127 +- 1): [..., cols/32, 16], [..., cols/32]."""
+    blocks = torch.randint(0, 256, (*lead, cols // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(scale - 1, scale + 1, (*lead, cols // 32), generator=g).to(torch.uint8)
+    return blocks, scales
+
+
+def make_problem(case: Case, device: str = "cpu", seed: int = 0):
+    """Slot buffers, routing and the reference output (on `device`) of one case."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, E, K, T = case.H, case.I, case.E, case.K, case.T
+    C = E + 2
+    # codes average |2.6|: scales near 2 / (2.6 sqrt(in)) keep every activation O(1)
+    b13, s13 = _packed(g, E, 2 * I, cols=H,
+                       scale=case.gain + round(127 + torch.log2(torch.tensor(0.77 / H**0.5)).item()))
+    b2, s2 = _packed(g, E, H, cols=I, scale=round(127 + torch.log2(torch.tensor(0.38 / I**0.5)).item()))
+    bias13 = (torch.randn(E, 2 * I, generator=g) * 0.2).to(case.dtype)
+    bias2 = (torch.randn(E, H, generator=g) * 0.2).to(case.dtype)
+    slot_of = torch.randperm(C, generator=g)[:E]  # expert e lives in slot slot_of[e]
+    junk = lambda *shape: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    tensors = {"w13_blocks": junk(C, 2 * I, H // 32, 16), "w13_scales": junk(C, 2 * I, H // 32),
+               "w2_blocks": junk(C, H, I // 32, 16), "w2_scales": junk(C, H, I // 32),
+               "w13_bias": torch.randn(C, 2 * I, generator=g).to(case.dtype),
+               "w2_bias": torch.randn(C, H, generator=g).to(case.dtype)}
+    for name, t in (("w13_blocks", b13), ("w13_scales", s13), ("w2_blocks", b2), ("w2_scales", s2),
+                    ("w13_bias", bias13), ("w2_bias", bias2)):
+        tensors[name][slot_of] = t
+    x = torch.randn(T, H, generator=g).to(case.dtype)
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
+    topk_weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)  # [T, K] fp32
+    slot_ids = slot_of[topk_ids]  # [T, K]
+    residual = torch.randn(T, H, generator=g).to(case.dtype) if case.residual else None
+    pairs = None
+    used = torch.ones(T * K, dtype=torch.bool)
+    if case.pairs != "all":
+        used = torch.rand(T * K, generator=g) < 0.6
+        used[0] = True
+        used[-1] = False
+        pairs = used.nonzero().flatten()  # [P]
+        if case.pairs == "some-absent":
+            slot_ids = slot_ids.clone()
+            slot_ids.view(-1)[~used] = -1
+    to = lambda t: None if t is None else t.to(device)
+    # the reference, in fp32 from the same (rounded) inputs; left-out pairs weigh nothing
+    want = moe_reference(to(x).float(), to(topk_weights * used.view(T, K)), topk_ids,
+                         mxfp4.dequantize_reference(to(b13), to(s13)), mxfp4.dequantize_reference(to(b2), to(s2)),
+                         act=ExpertActivation(case.kind), w13_bias=to(bias13).float(), w2_bias=to(bias2).float())
+    if residual is not None:
+        want = want + to(residual).float()
+    return ({k: to(v) for k, v in tensors.items()}, to(x), to(topk_weights), to(slot_ids), to(residual),
+            to(pairs), want.cpu())
+
+
+def run_case(case: Case, device: str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    from moechat.engine.quant.kernels.mxfp4_moe import mxfp4_moe
+
+    tensors, x, tw, slot_ids, residual, pairs, want = make_problem(case, device, seed)
+    got = mxfp4_moe(x, tw, slot_ids, tensors, ExpertActivation(case.kind), residual=residual, pairs=pairs,
+                    mode=case.mode)
+    assert got.dtype == case.dtype and got.shape == want.shape
+    return got.float().cpu(), want
+
+
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 2e-2)}  # atol, rtol
+
+
+def excess(case: Case, got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest error as a fraction of what the tolerance allows there (<= 1 passes)."""
+    atol, rtol = TOLERANCE[case.dtype]
+    return float(((got - want).abs() / (atol + rtol * want.abs())).max())
+INTERPRETED = [Case(kind, T, mode, pairs, residual)
+               for kind in ("swiglu", "clamped_swiglu")
+               for T, mode, pairs, residual in [(1, None, "all", False), (5, "gemv", "all", True),
+                                                (5, "grouped", "all", False), (5, "grouped", "some", True),
+                                                (5, "gemv", "some", False), (1, None, "some-absent", False)]]
+INTERPRETED += [Case("clamped_swiglu", 5, "grouped", "some-absent", True), Case("clamped_swiglu", 5, gain=2),
+                Case("swiglu", 3, "gemv", "all", True), Case("clamped_swiglu", 4, "gemv", "all", False, torch.bfloat16),
+                Case("clamped_swiglu", 4, "grouped", "all", True, torch.bfloat16, H=96, I=32)]
+
+
+def _interpreted_main() -> None:
+    """Run as a script under TRITON_INTERPRET=1: one line per case, its name and its error's `excess`."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for case in INTERPRETED:
+        got, want = run_case(case)
+        print(case.name, excess(case, got, want), flush=True)
+
+
+if __name__ == "__main__":
+    _interpreted_main()
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, float]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    errors = {}
+    for line in result.stdout.splitlines():
+        name, err = line.split()
+        errors[name] = float(err)
+    return errors
+
+
+@pytest.mark.parametrize("case", INTERPRETED, ids=lambda c: c.name)
+def test_interpreted_kernel_matches_the_reference(interpreted, case):
+    assert interpreted[case.name] <= 1.0
+
+
+def test_grouping_pads_each_slot_and_skips_absent_pairs():
+    from moechat.engine.quant.kernels.mxfp4_moe import group_by_slot
+
+    flat_slots = torch.tensor([3, 1, 3, -1, 3, 1, 0, 3], dtype=torch.int32)  # [T*K]
+    pair_ids = torch.tensor([0, 1, 2, 3, 4, 5, 7], dtype=torch.int32)  # pair 6 left out
+    group_slot, group_pairs = group_by_slot(flat_slots, pair_ids, slots=4, block_m=2)
+    groups = {}
+    for s, row in zip(group_slot.tolist(), group_pairs.tolist(), strict=True):
+        if s >= 0:
+            groups.setdefault(s, []).append(sorted(p for p in row if p >= 0))
+        else:
+            assert s == -1
+    assert groups == {1: [[1, 5]], 3: [[0, 2], [4, 7]]}  # slot 0's only pair (6) is left out; pair 3 is absent
+    assert group_slot.numel() == 4 + 5  # cdiv(7, 2) + min(7, C + 1): the bound, whatever the routing
+
+
+GPT_OSS_20B = dict(H=2880, I=2880, E=32, K=4)
+GPU_CASES = [Case("clamped_swiglu", T, None, pairs, residual, dtype, **GPT_OSS_20B)
+             for T, pairs, residual, dtype in [(1, "all", True, torch.bfloat16), (1, "all", False, torch.float32),
+                                               (4, "some", True, torch.bfloat16), (64, "all", True, torch.bfloat16),
+                                               (64, "some-absent", False, torch.float32),
+                                               (300, "all", True, torch.bfloat16)]]
+GPU_CASES += [Case("swiglu", 1, None, "all", True, torch.bfloat16, **GPT_OSS_20B),
+              Case("swiglu", 64, None, "all", False, torch.float32, **GPT_OSS_20B)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_cuda_kernel_matches_the_reference_at_gpt_oss_20b_widths(case):
+    got, want = run_case(case, device="cuda")
+    atol, rtol = TOLERANCE[case.dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
