@@ -4,8 +4,8 @@ Attention with q/k/v/o biases, GQA, a learned per-head sink logit joined to the 
 it, layers alternating a 128-token sliding window and full attention (`layer_types`), YaRN RoPE. The
 router is a linear with a bias; top-k on the logits, softmax over the k chosen. Experts interleave gate
 and up rows in one projection (even rows gate, odd rows up), carry biases on both projections, and use a
-clamped SwiGLU. gpt-oss-20b: 24 layers x 32 experts, top-4, H = I = 2880: one expert is 12.4 MB of MXFP4
-codes and scales (plus 23 KB of bf16 biases) where bf16 would take 49.8 MB.
+clamped SwiGLU. gpt-oss-20b: 24 layers x 32 experts, top-4, H = I = 2880: one expert is 13.2 MB of MXFP4
+codes and scales (12.4 MB codes + 0.8 MB scales, plus 17 KB of bf16 biases) where bf16 would take 49.8 MB.
 
 Only MXFP4 checkpoints are read (the Hub's form); the experts stay MXFP4 in every tier (engine/quant).
 """
@@ -49,6 +49,11 @@ class GptOssArgs(BaseModelArgs):
         if self.layer_types is None:
             self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                 for i in range(self.num_hidden_layers)]
+
+    @property
+    def checkpoint_dtype(self) -> str | None:
+        # The Hub's config names no dtype; its dense weights are bf16 (float32 would double them to 6.7 GB).
+        return super().checkpoint_dtype or "bfloat16"
 
     @property
     def num_experts(self) -> int:

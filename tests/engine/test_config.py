@@ -48,10 +48,29 @@ def test_real_configs(tmp_path, name):
 @pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared/model-configs not present")
 @pytest.mark.parametrize("name, file, message", [
     ("deepseek-ai--DeepSeek-V3", "config.json", "deepseek_v3.*not supported yet"),
-    ("openai--gpt-oss-20b", "config.json", "gpt_oss.*not supported yet"),
 ])
 def test_known_but_unsupported(tmp_path, name, file, message):
+    # (gpt-oss runs now: tests/engine/test_gpt_oss.py checks its real configs below)
     d = _model_dir(tmp_path, name, file)
     with pytest.raises(UnsupportedModelError, match=message):
         read_model_config(d)
     assert json.loads((d / "config.json").read_text())["model_type"]
+
+
+@pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared/model-configs not present")
+@pytest.mark.parametrize("name, L, E, K, window_layers", [("openai--gpt-oss-20b", 24, 32, 4, 12),
+                                                         ("openai--gpt-oss-120b", 36, 128, 4, 18)])
+def test_real_gpt_oss_configs(tmp_path, name, L, E, K, window_layers):
+    from moechat.engine.loader import checkpoint_format
+
+    d = _model_dir(tmp_path, name, "config.json")
+    cls, args, raw = read_model_config(d)
+    assert (args.num_hidden_layers, args.num_experts, args.top_k, args.moe_intermediate) == (L, E, K, 2880)
+    assert sum(args.layer_window(i) == 128 for i in range(L)) == window_layers
+    assert args.rope["rope_type"] == "yarn" and args.rope["factor"] == 32.0 and args.rope_theta == 150000
+    assert args.checkpoint_dtype == "bfloat16"  # the config names none; its dense weights are bf16
+    assert checkpoint_format(raw).name == "mxfp4"
+    shapes = cls.dense_weight_names(args)
+    assert shapes["model.layers.0.self_attn.sinks"] == (64,)
+    assert shapes["model.layers.0.mlp.router.bias"] == (E,)
+    assert not any("experts" in n for n in shapes)
