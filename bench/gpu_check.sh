@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check: the `gpu` tests, prefetch off vs on (copy stream), then the engine benchmark on CUDA; a short
-# table last.
+# The GPU check: the `gpu` tests (engine on CUDA, the fused MXFP4 kernel at GPT-OSS-20B widths), prefetch off vs
+# on (copy stream), the engine benchmark on CUDA, then the fused MXFP4 MoE kernel's GB/s against the device's
+# copy bandwidth: a short table last.
 # Run only on a machine with a CUDA GPU (under 8 minutes on one H200). Needs torch and transformers;
 # textual is not needed. Usage: bash bench/gpu_check.sh
 set -euo pipefail
@@ -17,6 +18,8 @@ mkdir -p "$shim/moechat"
 ln -s "$PWD/engine" "$shim/moechat/engine"
 ln -s "$PWD/app" "$shim/moechat/app"
 export PYTHONPATH="$shim:$PYTHONPATH"
-timeout 240 python -m pytest -q -m gpu tests/engine/test_gpu.py -p no:cacheprovider 2>&1 | tail -5
+timeout 300 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/quant/test_mxfp4_triton.py \
+    -p no:cacheprovider 2>&1 | tail -8
 timeout 90 python bench/prefetch.py --device cuda --tier ram --runs 3 --new 64 2>&1 | tail -18
 timeout 200 python bench/engine_vs_transformers.py --device cuda --runs 3 2>&1 | grep -v "Writing model shards"
+timeout 150 python bench/quantized_experts.py --device cuda

@@ -446,90 +446,105 @@ def bench_engine(args, times, nbytes) -> None:
 
 
 # -- CUDA ----------------------------------------------------------------------------------------------------------
-def cuda_time(fn, reps: int) -> float:
-    """Median seconds of fn() over `reps` CUDA-event-timed calls (after one warm-up)."""
+def device_time(fn, reps: int, dev: torch.device) -> float:
+    """Median seconds of fn() over `reps` calls after one warm-up (CUDA events on CUDA)."""
     fn()
-    torch.cuda.synchronize()
     out = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
     return statistics.median(out)
 
 
-def copy_bandwidth(dev: torch.device, nbytes: int = 1 << 31) -> float:
-    """Bytes/s a device-to-device copy moves (read + write) over 2 GiB: the ceiling for a read-bound kernel."""
+def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
+    """Bytes/s a device-to-device copy moves (read + write): the ceiling for a read-bound kernel."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    return 2 * nbytes / cuda_time(lambda: dst.copy_(src), 10)
+    return 2 * nbytes / device_time(lambda: dst.copy_(src), 10, dev)
 
 
 def bench_cuda(args) -> None:
-    from moechat.engine.experts import expert_compute
+    """The fused kernel at GPT-OSS-20B widths on CUDA (--smoke: tiny widths on the CPU under TRITON_INTERPRET=1,
+    which checks this script, not the speed)."""
+    from moechat.engine.experts import _general_compute, expert_compute
     from moechat.engine.moe import ExpertBatch
     from moechat.engine.quant.kernels.mxfp4_moe import mxfp4_moe
 
-    dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    copy_bw = copy_bandwidth(dev)
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    h = i = 64 if args.smoke else H
+    name = "CPU (Triton interpreter, smoke test)" if args.smoke else torch.cuda.get_device_name(0)
+    print(f"device: {name}, torch {torch.__version__}")
+    copy_bw = copy_bandwidth(dev, 1 << (20 if args.smoke else 31))
     C, K = 32, 4
     g = torch.Generator().manual_seed(0)
     tensors = {
-        "w13_blocks": torch.randint(0, 256, (C, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8),
-        "w13_scales": torch.randint(119, 122, (C, 2 * I, H // 32), generator=g, dtype=torch.uint8),
-        "w2_blocks": torch.randint(0, 256, (C, H, I // 32, 16), generator=g, dtype=torch.uint8),
-        "w2_scales": torch.randint(119, 122, (C, H, I // 32), generator=g, dtype=torch.uint8),
-        "w13_bias": (torch.randn(C, 2 * I, generator=g) * 0.02).bfloat16(),
-        "w2_bias": (torch.randn(C, H, generator=g) * 0.02).bfloat16()}
+        "w13_blocks": torch.randint(0, 256, (C, 2 * i, h // 32, 16), generator=g, dtype=torch.uint8),
+        "w13_scales": torch.randint(119, 122, (C, 2 * i, h // 32), generator=g, dtype=torch.uint8),
+        "w2_blocks": torch.randint(0, 256, (C, h, i // 32, 16), generator=g, dtype=torch.uint8),
+        "w2_scales": torch.randint(119, 122, (C, h, i // 32), generator=g, dtype=torch.uint8),
+        "w13_bias": (torch.randn(C, 2 * i, generator=g) * 0.02).bfloat16(),
+        "w2_bias": (torch.randn(C, h, generator=g) * 0.02).bfloat16()}
     tensors = {k: v.to(dev) for k, v in tensors.items()}
     per_expert = sum(t[0].numel() * t.element_size() for t in tensors.values())
+    bf16_expert = get_format("dense").expert_bytes(h, i, torch.bfloat16, bias=True)
     fmt = get_format("mxfp4")
+    reps = 2 if args.smoke else args.cuda_reps
     rows = []
 
-    def row(label, T, fn, nbytes):
+    def row(label, T, fn, nbytes, check=""):
         try:
-            s = cuda_time(fn, args.cuda_reps)
-            rows.append((label, T, s, nbytes))
+            rows.append((label, T, device_time(fn, reps, dev), nbytes, check))
         except Exception as e:  # keep the table: say what failed
-            rows.append((label, T, float("nan"), nbytes))
+            rows.append((label, T, float("nan"), nbytes, f"failed: {type(e).__name__}"))
             print(f"{label} T={T}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
 
-    for T in (1, 4, 32, 128, 512):
-        x = torch.randn(T, H, generator=g).bfloat16().to(dev)
+    for T in (1, 4, 32) if args.smoke else (1, 4, 32, 128, 512):
+        x = torch.randn(T, h, generator=g).bfloat16().to(dev)
         ids = torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(T)]).to(dev)  # [T, K]
         tw = torch.softmax(torch.randn(T, K, generator=g), -1).to(dev)
         used = int(ids.unique().numel())
+        batch = ExpertBatch(tensors, ids, ids.cpu(), format=fmt)
+        try:  # against the per-expert torch path on the same bytes
+            want = _general_compute(x, tw, batch, x, ACT).float()
+            got = mxfp4_moe(x, tw, ids, tensors, ACT, residual=x).float()
+            diff, top = float((got - want).abs().max()), float(want.abs().max())
+            check = f"max |diff| vs torch {diff:.1e} (|out| <= {top:.1f})"
+        except Exception as e:
+            check = f"failed: {type(e).__name__}: {str(e)[:80]}"
         row("fused Triton (MXFP4)", T, lambda x=x, ids=ids, tw=tw: mxfp4_moe(x, tw, ids, tensors, ACT, residual=x),
-            used * per_expert)
+            used * per_expert, check)
         if T <= 4:
-            batch = ExpertBatch(tensors, ids, ids.cpu(), format=fmt)
-            from moechat.engine.experts import _general_compute
-
             row("torch per expert (MXFP4 dequant)", T,
                 lambda x=x, tw=tw, batch=batch: _general_compute(x, tw, batch, x, ACT), used * per_expert)
     # bf16 experts for the same decode step (4 experts), the per-expert torch path
-    dense = {"w13": torch.randn(K, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.02,
-             "w2": torch.randn(K, H, I, device=dev, dtype=torch.bfloat16) * 0.02,
+    dense = {"w13": torch.randn(K, 2 * i, h, device=dev, dtype=torch.bfloat16) * 0.02,
+             "w2": torch.randn(K, h, i, device=dev, dtype=torch.bfloat16) * 0.02,
              "w13_bias": tensors["w13_bias"][:K].clone(), "w2_bias": tensors["w2_bias"][:K].clone()}
-    x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(1, h, device=dev, dtype=torch.bfloat16)
     ids = torch.arange(K, device=dev)[None]
-    batch = ExpertBatch(dense, ids, ids.cpu(), format=get_format("dense"))
+    dense_batch = ExpertBatch(dense, ids, ids.cpu(), format=get_format("dense"))
     tw = torch.full((1, K), 1 / K, device=dev)
-    row("torch per expert (bf16 experts)", 1, lambda: expert_compute(x, tw, batch, x, ACT), K * BF16_BYTES)
+    row("torch per expert (bf16 experts)", 1, lambda: expert_compute(x, tw, dense_batch, x, ACT), K * bf16_expert)
 
-    print(f"device copy bandwidth (2 GiB, read + write): {copy_bw / 1e9:.0f} GB/s")
-    print(f"GPT-OSS-20B experts over {C} slots, top-{K}, bf16, clamped SwiGLU with biases; bytes = the experts "
-          "the batch uses, read once")
-    hdr = f"{'path':<34}{'T':>5}{'experts':>8}{'us':>10}{'GB/s':>9}{'% of copy':>10}"
+    print(f"device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
+    print(f"GPT-OSS-20B experts (H = I = {h}) over {C} slots, top-{K}, bf16, clamped SwiGLU with biases; bytes = "
+          f"the experts the batch uses, read once ({per_expert / MB:.2f} MB MXFP4, {bf16_expert / MB:.1f} MB bf16)")
+    hdr = f"{'path':<34}{'T':>5}{'experts':>8}{'us':>10}{'GB/s':>9}{'% of copy':>10}  check"
     print(hdr)
-    print("-" * len(hdr))
-    for label, T, s, nbytes in rows:
-        ne = nbytes / (per_expert if "bf16" not in label else BF16_BYTES)
-        print(f"{label:<34}{T:>5}{ne:>8.0f}{s * 1e6:>10.1f}{nbytes / s / 1e9:>9.0f}{nbytes / s / copy_bw:>10.0%}")
+    print("-" * (len(hdr) + 40))
+    for label, T, sec, nbytes, check in rows:
+        ne = nbytes / (bf16_expert if "bf16" in label else per_expert)
+        print(f"{label:<34}{T:>5}{ne:>8.0f}{sec * 1e6:>10.1f}{nbytes / sec / 1e9:>9.0f}{nbytes / sec / copy_bw:>10.0%}"
+              f"  {check}")
 
 
 def main() -> None:
@@ -545,6 +560,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=24, help="tokens to decode")
     parser.add_argument("--model-dir", help="write (once) and reuse the GPT-OSS-shaped checkpoint here")
     parser.add_argument("--cuda-reps", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true",
+                        help="with --device cuda: tiny widths on the CPU under TRITON_INTERPRET=1 (checks the script)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:

@@ -62,15 +62,15 @@ def make_problem(case: Case, device: str = "cpu", seed: int = 0):
     b2, s2 = _packed(g, E, H, cols=I, scale=round(127 + torch.log2(torch.tensor(0.38 / I**0.5)).item()))
     bias13 = (torch.randn(E, 2 * I, generator=g) * 0.2).to(case.dtype)
     bias2 = (torch.randn(E, H, generator=g) * 0.2).to(case.dtype)
-    slot_of = torch.randperm(C, generator=g)[:E]  # expert e lives in slot slot_of[e]
-    junk = lambda *shape: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-    tensors = {"w13_blocks": junk(C, 2 * I, H // 32, 16), "w13_scales": junk(C, 2 * I, H // 32),
-               "w2_blocks": junk(C, H, I // 32, 16), "w2_scales": junk(C, H, I // 32),
-               "w13_bias": torch.randn(C, 2 * I, generator=g).to(case.dtype),
-               "w2_bias": torch.randn(C, H, generator=g).to(case.dtype)}
+    perm = torch.randperm(C, generator=g)
+    slot_of, free = perm[:E], perm[E:]  # expert e lives in slot slot_of[e]; the free slots hold junk
+    tensors = {}
     for name, t in (("w13_blocks", b13), ("w13_scales", s13), ("w2_blocks", b2), ("w2_scales", s2),
                     ("w13_bias", bias13), ("w2_bias", bias2)):
+        tensors[name] = torch.empty((C, *t.shape[1:]), dtype=t.dtype)  # [C, ...]
         tensors[name][slot_of] = t
+        junk = torch.randint(0, 256, (len(free), *t.shape[1:]), generator=g, dtype=torch.uint8)
+        tensors[name][free] = junk if t.dtype == torch.uint8 else junk.to(t.dtype) - 128
     x = torch.randn(T, H, generator=g).to(case.dtype)
     topk_ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
     topk_weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)  # [T, K] fp32
