@@ -165,3 +165,26 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
     out = residual.clone() if residual is not None else torch.zeros_like(hidden_states)  # [T, H]
     out.index_add_(0, token_idx, (y_sorted * w_sorted[:, None]).to(dtype))
     return out
+
+
+# -- hybrid execution on CUDA: host experts computed on the CPU while the device runs the resident ones -------
+
+class HostJob:
+    """A host batch started before the device batch is enqueued: the activations (and routing weights) are copied
+    to pinned host memory on the compute stream with an event, so the CPU waits for exactly that copy, not for
+    the device experts enqueued after it; `finish` computes on the CPU and adds the result back on the device."""
+
+    def __init__(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch):
+        self.batch = batch
+        self.device = hidden_states.device
+        self.x = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, pin_memory=True)  # [T, H]
+        self.w = torch.empty(topk_weights.shape, dtype=topk_weights.dtype, pin_memory=True)  # [T, K]
+        self.x.copy_(hidden_states, non_blocking=True)
+        self.w.copy_(topk_weights, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(self.device))
+
+    def finish(self, residual: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
+        self.ready.synchronize()  # the two small copies only
+        y = expert_compute(self.x, self.w, self.batch, None, act)  # [T, H] on the CPU
+        return residual + y.pin_memory().to(self.device, non_blocking=True)

@@ -84,6 +84,7 @@ class ExpertBatch:
     slot_ids_cpu: torch.Tensor | None = field(default=None)
     pairs: torch.Tensor | None = field(default=None)  # [P] flat (t, k) indices to compute; None = all
     format: ExpertFormat = DENSE
+    on_host: bool = False  # the tensors are host (RAM-tier) buffers: compute these pairs on the CPU (hybrid)
 
 
 @runtime_checkable
@@ -171,3 +172,41 @@ def moe_reference(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_
                 y = y + w2_bias[e].float()
             out[t] += topk_weights[t, k].float() * y
     return out.to(hidden_states.dtype)
+
+
+def grouped_topk(router_logits: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1, *,
+                 scoring: str = "sigmoid", correction_bias: torch.Tensor | None = None, renormalize: bool = True,
+                 routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-k (DeepSeek-V2/V3, GLM-4.5): the same ops, in the same order, as transformers' routers.
+
+    scores = sigmoid (V3, GLM) or softmax (V2) of the fp32 logits [T, E]. Experts are chosen on scores +
+    `correction_bias` (V3's aux-loss-free balancing bias: it steers the choice only, never the weights), within
+    the `topk_group` best of `n_group` equal groups; a group scores the sum of its two best experts when there is
+    a bias (V3's `noaux_tc`), else its best expert (V2's `group_limited_greedy`). Weights are the chosen experts'
+    scores, optionally renormalised to sum to 1, times `routed_scaling_factor`. n_group = 1 is plain top-k on the
+    scores (V2's `greedy`, GLM-4.5-Air). Returns fp32 weights [T, K] and int64 ids [T, K] (in topk's unsorted
+    order, as transformers); ties resolve as there, since the calls are the same.
+    """
+    scores = router_logits.float().sigmoid() if scoring == "sigmoid" else torch.softmax(
+        router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
+    if n_group > 1 and topk_group < n_group:
+        T, E = choice.shape
+        grouped = choice.view(T, n_group, E // n_group)  # [T, G, E/G]
+        if correction_bias is not None:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.max(dim=-1).values  # [T, G]
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, G]
+        keep = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E).bool()  # [T, E]
+        # transformers' V2 masks with 0 (softmax scores are positive), V3/GLM with -inf; kept as each does, so a
+        # tie resolves identically
+        choice = choice.masked_fill(~keep, float("-inf") if correction_bias is not None else 0.0)
+    topk_ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, K]
+    topk_weights = (scores if correction_bias is not None else choice).gather(1, topk_ids)  # [T, K]
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    return topk_weights, topk_ids

@@ -34,6 +34,7 @@ import torch
 from ..moe import ExpertBatch
 from ..quant.base import ExpertFormat
 from ..quant.dense import DENSE
+from .hybrid import REUSE_HORIZON, MissCostModel, check_on_miss
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .prefetch import Predictor, check_prefetch
 from .slots import SlotPool
@@ -61,9 +62,15 @@ class CacheConfig:
     trace_max_rows: int | None = None  # with record_trace: keep only about the latest N routing rows
     warm_start: bool = False  # fill the slots from the saved routing profile at load
     profile_dir: str | None = None  # where routing profiles live (default: XDG cache dir)
+    on_miss: str = "load"  # where a miss runs: load (into a slot), host (computed from the RAM tier), auto
+    host_layers: int = 0  # the first N MoE layers keep every expert on the host, never slotted
+    link_gbps: float | None = None  # host->device GB/s for the auto cost model (None: probed / assumed)
 
     def __post_init__(self):
         check_prefetch(self.prefetch, self.prefetch_depth)
+        check_on_miss(self.on_miss)
+        if self.host_layers < 0:
+            raise ValueError(f"host layers must be >= 0, got {self.host_layers}")
         if self.prefetch_budget is not None and self.prefetch_budget < 1:
             raise ValueError(f"prefetch budget must be at least 1, got {self.prefetch_budget}")
 
@@ -99,7 +106,55 @@ def build_cached_provider(cls, args, ckpt, dtype: torch.dtype, device: torch.dev
     provider = CachedProvider(pool, store, make_policy(config.policy, capacity=slots), recorder,
                               transfer=make_transfer(config.transfer, device))
     provider.set_prefetch(config.prefetch, config.prefetch_depth, config.prefetch_budget)
+    provider.set_hybrid(config.on_miss, layers[: config.host_layers],
+                        _cost_model(store, args, device, config.link_gbps) if config.on_miss == "auto" else None)
     return provider
+
+
+def _cost_model(store, args, device: torch.device, link_gbps: float | None) -> MissCostModel | None:
+    """The auto mode's numbers: host rates timed on one expert of the RAM tier now, the link probed."""
+    if not hasattr(store, "host_slot"):
+        return None  # no RAM tier to compute from: every miss loads
+    flops = 2.0 * 3 * args.hidden_size * args.moe_intermediate
+    host_gbps, host_gflops = calibrate_host(store, args)
+    same = device.type == "cpu"
+    if not same and link_gbps is None:
+        from ..hardware import ASSUMED_LINK_GBPS
+
+        link_gbps = ASSUMED_LINK_GBPS
+    return MissCostModel(store.expert_bytes, flops, None if same else link_gbps, host_gbps, host_gflops,
+                         device_gbps=None if same else 1000.0, device_gflops=None if same else 50_000.0)
+
+
+def calibrate_host(store, args, reps: int = 3) -> tuple[float, float]:
+    """Effective host GB/s (packed bytes read while computing one token) and GFLOP/s (a 16-token chunk), timed on
+    the first expert the RAM tier holds."""
+    from ..experts import _expert
+    from ..moe import SWIGLU
+
+    layer = next(iter(getattr(store, "tensors", {0: None})))
+    got = store.host_slot(layer, 0)
+    store.release_host()
+    if got is None:
+        return 20.0, 100.0
+    buffers, idx, _, _ = got
+    view = {name: t[idx] for name, t in buffers.items()}
+    dtype = next((t.dtype for t in view.values() if t.is_floating_point() and t.dtype.itemsize >= 2), torch.float32)
+    flops = 2.0 * 3 * args.hidden_size * args.moe_intermediate
+    best = {}
+    for n in (1, 16):
+        x = torch.randn(n, args.hidden_size, dtype=dtype)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            _expert(x, store.format, view, SWIGLU)
+            times.append(time.perf_counter() - t0)
+        best[n] = min(times)
+    t1, t16 = best[1], best[16]
+    per_token = max((t16 - t1) / 15, 1e-9)
+    gflops = flops / per_token / 1e9
+    fixed = max(t1 - per_token, t1 * 0.5)
+    return store.expert_bytes / fixed / 1e9, gflops
 
 
 class CachedProvider:
@@ -124,6 +179,77 @@ class CachedProvider:
         self.warm_loaded = 0
         self._hidden: tuple[int, torch.Tensor] | None = None  # (layer, residual stream at its MoE)
         self._predicted: dict[int, set[int]] = {}  # layer -> the experts last predicted for it
+        self.on_miss = "load"
+        self.host_layers: frozenset[int] = frozenset()
+        self.cost: MissCostModel | None = None
+        self.recent = np.zeros((pool.num_layers, pool.num_experts), dtype=np.float32)  # decayed use per step
+        self.where_ran = np.zeros((pool.num_layers, pool.num_experts), dtype=np.int8)  # 1 device, 2 host, 3 both
+
+    # -- hybrid execution ------------------------------------------------------------------------------------
+    def set_hybrid(self, on_miss: str, host_layers=(), cost: MissCostModel | None = None) -> None:
+        """Where misses run (between tokens): load, host (from the RAM tier, in place) or auto (cost model);
+        `host_layers` keep all their experts on the host."""
+        check_on_miss(on_miss)
+        self.quiesce()
+        if (on_miss != "load" or host_layers) and not hasattr(self.store, "host_slot"):
+            on_miss, host_layers = "load", ()  # experts stream from disk: there is no RAM tier to compute from
+        self.on_miss, self.host_layers, self.cost = on_miss, frozenset(host_layers), cost
+        if on_miss == "auto" and cost is None:
+            self.on_miss = "load"
+        for layer in self.host_layers:  # their slotted experts are no longer needed
+            for e in range(self.pool.num_experts):
+                slot = self.pool.slot_of(layer, e)
+                if slot >= 0:
+                    self.pool.release(slot)
+                    self.policy.evict((layer, e))
+
+    def _host_choice(self, layer: int, experts: list[int], ids_np: np.ndarray) -> list[int]:
+        """The misses of this step that run on the host (none in load mode)."""
+        recent = self.recent[layer]
+        recent *= 0.8  # an exponential average of "used this step"
+        recent[experts] += 1.0
+        if self.on_miss == "load" and layer not in self.host_layers:
+            return []
+        host_map = self.pool.host_map[layer]
+        misses = [e for e in experts if host_map[e] < 0 and (layer, e) not in self.inflight]
+        if layer in self.host_layers or self.on_miss == "host":
+            return misses
+        counts = np.bincount(ids_np.reshape(-1), minlength=self.pool.num_experts)
+        out = []
+        for e in misses:
+            rate = float(recent[e]) * 0.2  # the average's steady state is 1 / (1 - 0.8) for an every-step expert
+            choice, _ = self.cost.decide(int(counts[e]), rate * REUSE_HORIZON)
+            if choice == "host":
+                out.append(e)
+        return out
+
+    def _host_batch(self, layer: int, host: list[int], ids: torch.Tensor) -> tuple[ExpertBatch | None, list[int]]:
+        """A batch over the RAM tier's own buffers for the host experts it can pin this step (a small RAM cache
+        may not hold them all: the rest are returned, to be loaded). Pinned entries stay until the next step."""
+        stats = self.stats.layers[layer]
+        flat = ids.reshape(-1)
+        index = np.full(self.pool.num_experts, -1, dtype=np.int64)
+        group, rest, buffers = [], [], None
+        with self.store_lock:
+            for e in host:
+                got = self.store.host_slot(layer, e) if not rest else None
+                if got is None:
+                    rest.append(e)
+                    continue
+                buffers, index[e], tier, nbytes = got
+                group.append(e)
+                if nbytes:
+                    self._count_bytes(stats, tier, nbytes)
+        if not group:
+            return None, rest
+        stats.misses += len(group)
+        stats.host_computed += len(group)
+        for e in group:
+            self.policy.access((layer, e))
+            self.where_ran[layer, e] |= 2
+        pairs = torch.nonzero(torch.isin(flat, torch.tensor(group, dtype=flat.dtype))).reshape(-1)  # [P]
+        slot_ids = torch.from_numpy(index[ids.numpy()])  # [T, K] index into the host buffers, -1 elsewhere
+        return ExpertBatch(buffers, slot_ids, slot_ids, pairs, self.format, on_host=True), rest
 
     # -- prefetch setup --------------------------------------------------------------------------------
     def set_predictor(self, predictor: Predictor | None) -> None:
@@ -171,18 +297,41 @@ class CachedProvider:
         if self.prefetching:
             self._score_prediction(layer, experts)
             self.predictor.observe_routing(layer, ids_np[-1].tolist())
+        if self.on_miss != "load" or self.host_layers:
+            with self.store_lock:
+                self.store.release_host()  # the previous step's host computations are done
+        host = self._host_choice(layer, experts, ids_np)
+        if host:  # first, so that the host starts on them while the device computes the resident ones
+            batch, rest = self._host_batch(layer, host, ids)
+            if batch is not None:
+                t0 = time.perf_counter()
+                yield batch
+                if self.pool.device.type == "cpu":  # computed while we were suspended: the host's time
+                    dt = time.perf_counter() - t0
+                    self.stats.layers[layer].host_seconds += dt
+                    if self.cost is not None:
+                        self.cost.observe_host(int(batch.pairs.numel()), dt)
+            chosen = set(host).difference(rest)
+            experts = [e for e in experts if e not in chosen]
+            if not experts:
+                self._hidden = None
+                return
+        for e in experts:
+            self.where_ran[layer, e] |= 1
         C = self.pool.num_slots
+        flat = ids.reshape(-1)
         if len(experts) <= C:
             self._make_resident(layer, experts, prefill=T > 1)
             if self._hidden is not None:
                 self._prefetch_after(layer, experts)
-            yield self._batch(layer, topk_ids, ids, None)
+            pairs = torch.nonzero(torch.isin(flat, torch.tensor(experts, dtype=flat.dtype))).reshape(-1) if host \
+                else None
+            yield self._batch(layer, topk_ids, ids, pairs)
             return
         self._hidden = None  # a chunk that overflows the pool has no slots to spare for prefetching
         # Expert-major groups: resident experts first (no load), then the rest, C at a time.
         host_map = self.pool.host_map[layer]
         experts.sort(key=lambda e: host_map[e] < 0)
-        flat = ids.reshape(-1)
         for g in range(0, len(experts), C):
             group = experts[g : g + C]
             self._make_resident(layer, group, prefill=T > 1)
@@ -299,7 +448,7 @@ class CachedProvider:
             plan.extend((target, e) for e in predicted)
         host_map = self.pool.host_map
         for key in plan:
-            if host_map[key] >= 0 or key in self.inflight:
+            if host_map[key] >= 0 or key in self.inflight or key[0] in self.host_layers:
                 continue
             slot = self._claim(key, protected, allow_cancel=False)
             if slot is None:
@@ -471,4 +620,10 @@ class CachedProvider:
             predicted_correct=tuple(s.predicted_correct for s in layers),
             routed=tuple(s.routed for s in layers),
             warm_loaded=self.warm_loaded,
+            on_miss=self.on_miss,
+            host_computed=tuple(s.host_computed for s in layers),
+            host_seconds=total.host_seconds,
+            host_layers=len(self.host_layers),
+            where_ran=self.where_ran.copy(),
+            cost_model=self.cost.to_json() if self.cost is not None else None,
         )

@@ -29,6 +29,8 @@ class LayerStats:
     predicted: int = 0  # experts the predictor named for this layer
     predicted_correct: int = 0  # of those, experts the layer then used
     routed: int = 0  # distinct experts the layer used in steps that had a prediction
+    host_computed: int = 0  # misses computed on the host from the RAM tier instead of loaded (hybrid)
+    host_seconds: float = 0.0  # time the host spent computing them
 
 
 @dataclass
@@ -86,6 +88,12 @@ class CacheSnapshot:
     predicted_correct: tuple[int, ...] = ()
     routed: tuple[int, ...] = ()
     warm_loaded: int = 0  # experts loaded at start from the saved routing profile
+    on_miss: str = "load"  # load | host | auto: where a miss runs
+    host_computed: tuple[int, ...] = ()  # per layer: misses computed on the host
+    host_seconds: float = 0.0
+    host_layers: int = 0  # the first N MoE layers always run on the host
+    where_ran: np.ndarray | None = None  # [L, E] int8: 0 never, 1 device (slot), 2 host, 3 both (this session)
+    cost_model: dict | None = None  # the hybrid cost model's current numbers (auto)
 
     @property
     def hit_rate(self) -> float:
@@ -124,6 +132,9 @@ class CacheSnapshot:
                              prefetch_late=self.prefetch_late[i], prefetch_wasted=self.prefetch_wasted[i],
                              precision=_ratio(self.predicted_correct[i], self.predicted[i]),
                              recall=_ratio(self.predicted_correct[i], self.routed[i]))
+        if self.host_computed:
+            for i, layer in enumerate(layers):
+                layer["host_computed"] = self.host_computed[i]
         return {
             "slots": self.num_slots,
             "slots_used": self.slots_used,
@@ -149,6 +160,11 @@ class CacheSnapshot:
             "prefetch_precision": rate(self.prefetch_precision),
             "prefetch_recall": rate(self.prefetch_recall),
             "warm_loaded": self.warm_loaded,
+            "on_miss": self.on_miss,
+            "host_layers": self.host_layers,
+            "host_computed": sum(self.host_computed),
+            "host_seconds": round(self.host_seconds, 6),
+            "cost_model": self.cost_model,
             "layers": layers,
         }
 

@@ -412,6 +412,14 @@ class RamStore:
             out.copy_(src[name][expert], non_blocking=True)
         return RAM, self.expert_bytes
 
+    # -- host compute (hybrid execution): experts used in place, no copy --------------------------------
+    def host_slot(self, layer: int, expert: int) -> tuple[dict[str, torch.Tensor], int, str, int]:
+        """(host buffers [N, ...] by name, the expert's index in them, tier its bytes came from, bytes read)."""
+        return self.tensors[layer], expert, RAM, 0
+
+    def release_host(self) -> None:
+        pass
+
 
 class RamCache:
     """A RAM tier bounded by a byte budget, with its own eviction policy, over the disk tier."""
@@ -432,6 +440,7 @@ class RamCache:
         self.owner: list[tuple[int, int] | None] = [None] * self.capacity
         self.policy = make_policy(policy, capacity=max(self.capacity, 1))
         self._copies: dict[int, torch.cuda.Event] = {}  # CUDA: slab entry -> its last async copy to the device
+        self.pinned: set[tuple[int, int]] = set()  # entries a host computation of this step reads: never victims
 
     @property
     def used_bytes(self) -> int:
@@ -449,7 +458,7 @@ class RamCache:
             if len(self.entry) < self.capacity:
                 idx = len(self.entry)
             else:
-                victim = self.policy.victim(())
+                victim = self.policy.victim(self.pinned)
                 idx = self.entry.pop(victim)
                 self.policy.evict(victim)
             pending = self._copies.pop(idx, None)
@@ -460,6 +469,8 @@ class RamCache:
             self.owner[idx] = key
             self.policy.admit(key)
             assert self.used_bytes <= self.budget_bytes
+        if not dst:
+            return tier, self.expert_bytes
         for name, out in dst.items():
             out.copy_(self.slab[name][idx], non_blocking=True)
         if out.is_cuda:
@@ -467,3 +478,18 @@ class RamCache:
             event.record(torch.cuda.current_stream(out.device))
             self._copies[idx] = event
         return tier, self.expert_bytes
+
+    # -- host compute (hybrid execution) --------------------------------------------------------------------
+    def host_slot(self, layer: int, expert: int) -> tuple[dict[str, torch.Tensor], int, str, int] | None:
+        """The expert's slab entry for computing in place (read from disk into the slab first when needed; it
+        stays pinned until `release_host`), or None when the RAM tier cannot hold one more for this step."""
+        key = (layer, expert)
+        # one entry always stays unpinned: the loads of this step pass through it
+        if len(self.pinned) + 1 >= self.capacity:
+            return None
+        tier, nbytes = self.read_into(layer, expert, {})
+        self.pinned.add(key)
+        return self.slab, self.entry[key], tier, nbytes if tier == DISK else 0
+
+    def release_host(self) -> None:
+        self.pinned.clear()

@@ -122,7 +122,8 @@ def _int4_pair_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def _scratch(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     key = (rows, cols, dtype, device)
     if key not in _SCRATCH:
-        _SCRATCH[key] = torch.empty(rows, cols, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: reused both inside and outside inference mode
+            _SCRATCH[key] = torch.empty(rows, cols, dtype=dtype, device=device)
     return _SCRATCH[key]
 
 

@@ -1,0 +1,106 @@
+"""Where misses run: decode tok/s of load-only vs host-only vs auto, side by side in one run.
+
+At 10%, 25% and 50% of the experts in slots (every expert in the RAM tier), on the bundled demo model and on
+a Qwen3-30B-A3B-shaped model (real widths: H 2048, I 768, 128 experts, top-8; a few layers, random bf16
+weights written to disk). On a CPU "load" is a memcpy from the RAM tier into a RAM slot and "host" computes
+in place; on CUDA (`--device cuda`) load crosses the PCIe link and host runs on the CPU while the GPU runs
+the resident experts. The three modes are interleaved (ABAB) over --runs rounds; medians and spread.
+
+    python bench/hybrid.py [--device cpu|cuda] [--runs 5] [--tokens 48] [--layers 2] [--skip-qwen]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moechat.engine.cache.provider import CacheConfig
+from moechat.engine.generate import Engine
+from moechat.engine.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(temperature=0.0, do_sample=False)
+MODES = ("load", "host", "auto")
+
+
+def qwen3_shaped(layers: int) -> Path:
+    """A Qwen3-30B-A3B-shaped checkpoint (real expert widths, `layers` layers, vocab 4096) in bf16."""
+    import transformers
+
+    path = Path(tempfile.mkdtemp(prefix="qwen3_shaped_"))
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", vocab_size=4096, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096, initializer_range=0.02)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    return path
+
+
+def bench(name: str, path: Path, device: str, runs: int, tokens: int) -> None:
+    probe = Engine.load(path, device=device)
+    a = probe.args
+    total = len(probe.loaded.cls.moe_layers(a)) * a.num_experts
+    prompt = list(range(3, 19))
+    del probe
+    rows = []
+    for frac in (0.10, 0.25, 0.50):
+        slots = max(1, int(total * frac))
+        engines = {m: Engine.load(path, device=device, cache=CacheConfig(expert_slots=slots, on_miss=m,
+                                                                          warm_start=False)) for m in MODES}
+        outs = {}
+        times = {m: [] for m in MODES}
+        for _ in range(runs):
+            for m, engine in engines.items():
+                t0 = time.perf_counter()
+                ids = [t for c in engine.generate(prompt, sampling=GREEDY, max_tokens=tokens, stop_on_eos=False)
+                       for t in c.token_ids]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times[m].append(len(ids) / (time.perf_counter() - t0))
+                outs.setdefault(m, ids)
+        same = len({tuple(v) for v in outs.values()}) == 1
+        for m, engine in engines.items():
+            snap = engine.provider.snapshot()
+            host = sum(snap.host_computed)
+            loads = snap.expert_loads_decode + snap.expert_loads_prefill
+            rows.append((f"{frac:.0%} ({slots})", m, statistics.median(times[m]), min(times[m]), max(times[m]),
+                         host, loads, same))
+            engine.close()
+    print(f"\n{name} on {device}: decode tok/s, {runs} interleaved runs of {tokens} tokens, "
+          f"{torch.get_num_threads()} torch threads")
+    print("| slots | on-miss | tok/s median | spread | vs load | misses on host | loads | same output |")
+    print("|---|---|---:|---|---:|---:|---:|---|")
+    base = {r[0]: r[2] for r in rows if r[1] == "load"}
+    for slots, m, med, lo, hi, host, loads, same in rows:
+        print(f"| {slots} | {m} | {med:.1f} | {lo:.1f}-{hi:.1f} | {med / base[slots]:.2f}x | {host} | {loads} | "
+              f"{'yes' if same else 'NO'} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-shaped model")
+    ap.add_argument("--skip-qwen", action="store_true")
+    ap.add_argument("--skip-demo", action="store_true")
+    args = ap.parse_args()
+    if not args.skip_demo:
+        bench("demo model (6 layers x 16 experts, top-2)", ROOT / "assets" / "demo-moe", args.device, args.runs,
+              args.tokens)
+    if not args.skip_qwen:
+        bench(f"Qwen3-30B-A3B-shaped ({args.layers} layers x 128 experts, top-8, 9.4 MB experts)",
+              qwen3_shaped(args.layers), args.device, args.runs, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
