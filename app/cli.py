@@ -138,7 +138,8 @@ def _run(args: argparse.Namespace) -> int:
     from moechat.app.fit import cache_defaults, warn
 
     slots, ram_cache_bytes = cache_defaults(args.model_dir, device=device, dtype=args.dtype, context=args.context,
-                                            expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn)
+                                            expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn,
+                                            expert_format=args.expert_format)
     cache = None
     if slots or ram_cache_bytes is not None or args.record_trace or args.repack_dir:
         from moechat.engine.cache.prefetch import check_prefetch, default_prefetch

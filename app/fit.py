@@ -21,6 +21,7 @@ from .argtypes import non_negative_float as _non_negative_float
 from .argtypes import positive_int as _positive_int
 
 EXIT_REFUSED = 3
+EXPERT_FORMATS = ("native", "int8", "int4")  # moechat run --expert-format (engine/format_plan.py FORMATS)
 
 
 def add_fit_parser(subparsers) -> argparse.ArgumentParser:
@@ -52,6 +53,9 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
                      "moechat run --dtype would (default: the checkpoint's own formats)")
     fit.add_argument("--hit-curve", metavar="PATH", help="miss-ratio curve JSON ({\"points\": [[fraction, "
                      "hit_rate], ...]} or bench/replay.py --json output) instead of the conservative default")
+    fit.add_argument("--expert-format", choices=list(EXPERT_FORMATS), help="show the plan in this expert format "
+                     "(native: as the checkpoint ships them; int8, int4: converted once by moechat); default: the "
+                     "recommended one. Every format is planned and compared either way")
     fit.add_argument("--force", action="store_true", help="show the plan that loading anyway would use, and exit 0 "
                      "even when it does not fit")
     return fit
@@ -78,9 +82,11 @@ def _load_curve(path: str | None, num_experts: int):
 
 
 def run_fit(args: argparse.Namespace) -> int:
+    from moechat.engine.errors import ConfigError
+    from moechat.engine.format_plan import plan_formats
     from moechat.engine.hardware import probe
     from moechat.engine.hub import default_cache_dir
-    from moechat.engine.plan import FLOAT_SIZES, Preferences, make_plan
+    from moechat.engine.plan import FLOAT_SIZES, Preferences
 
     from .pull import fit_spec
 
@@ -91,26 +97,47 @@ def run_fit(args: argparse.Namespace) -> int:
     hw = probe(where).with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb,
                                                        disk_gb=args.disk_gb, link_gbps=args.link_gbps)
     if args.margin >= 1:
-        from moechat.engine.errors import ConfigError
-
         raise ConfigError(f"--margin {args.margin:g}: a fraction below 1, e.g. 0.05")
     prefs = Preferences(context=args.context, prefer=args.prefer, device=args.device, margin=args.margin,
                         hit_curve=_load_curve(args.hit_curve, spec.num_experts), disk_read_gbps=args.disk_read_gbps,
-                        override=args.force)
-    plan = make_plan(spec, hw, prefs)
+                        override=args.force, repacked=repacked_formats(spec.path))
+    advice = plan_formats(spec, hw, prefs)
+    chosen = advice.option(args.expert_format) if args.expert_format else advice.best
+    if chosen.plan is None:
+        raise ConfigError(f"--expert-format {chosen.name}: {chosen.note}")
+    plan = chosen.plan
     runnable = _runnable(spec.model_type)
     if args.json:
-        print(json.dumps({"model": args.model, "fits": plan.ok, "runnable": runnable, "plan": plan.to_json(),
-                          "spec": spec.to_json(), "hardware": hw.to_json(),
-                          "run_flags": _run_flags(plan, spec) if plan.ok or plan.overridden else None}, indent=1))
+        print(json.dumps({"model": args.model, "fits": plan.ok, "runnable": runnable, "expert_format": chosen.name,
+                          "plan": plan.to_json(), "spec": spec.to_json(), "formats": advice.to_json(),
+                          "hardware": hw.to_json(),
+                          "run_flags": _run_flags(plan, spec, chosen.name) if plan.ok or plan.overridden else None},
+                         indent=1))
     else:
-        print(format_plan(plan, spec, hw, runnable))
+        print(format_plan(plan, spec, hw, runnable, advice, chosen.name))
     if plan.ok or plan.overridden:
         return 0
     return EXIT_REFUSED
 
 
-def _run_flags(plan, spec) -> list[str]:
+def repacked_formats(model_dir) -> frozenset[str]:
+    """The converted formats whose repacked file for this model is already written (a later start reuses it)."""
+    if model_dir is None:
+        return frozenset()
+    return frozenset(f for f in EXPERT_FORMATS[1:] if (repack_dir(model_dir, f) / "experts.bin").is_file())
+
+
+def repack_dir(model_dir, fmt: str) -> Path:
+    """engine/cache/store.py's default_repack_dir without importing torch (a test keeps the two equal)."""
+    import os
+
+    from moechat.engine.cache.prefetch import profile_key  # numpy, no torch
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moechat" / "repacked" / f"{profile_key(model_dir)}-{fmt}"
+
+
+def _run_flags(plan, spec, expert_format: str = "native") -> list[str]:
     """The `moechat run` flags that reproduce the plan."""
     flags = ["--context", str(plan.context)]
     if spec.float_dtype != (spec.config_dtype or "float32"):  # the loader's default: config.json's dtype, else fp32
@@ -121,13 +148,19 @@ def _run_flags(plan, spec) -> list[str]:
             flags += ["--ram-cache-mb", str(plan.ram_cache_bytes >> 20)]
     if plan.device != "cpu":
         flags += ["--device", plan.device]
+    if expert_format != "native":
+        flags += ["--expert-format", expert_format]
     return flags
 
 
-def format_plan(plan, spec, hw, runnable: bool) -> str:
+def format_plan(plan, spec, hw, runnable: bool, advice=None, expert_format: str = "native") -> str:
     from moechat.engine.plan import gib
 
     verdict = "fits" if plan.ok else ("does NOT fit (loading anyway: --force)" if plan.overridden else "does NOT fit")
+    if expert_format != "native":
+        verdict += f" with --expert-format {expert_format}"
+        if advice is not None and advice.recommended == expert_format:
+            verdict += " (recommended)"
     out = [f"moechat fit {spec.name} ({spec.model_type}): {verdict}"]
     ts = " + ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in spec.expert_tensors)
     out.append(f"  model     {spec.num_layers} layers, {spec.num_moe_layers} MoE x {spec.num_experts} experts, "
@@ -161,10 +194,13 @@ def format_plan(plan, spec, hw, runnable: bool) -> str:
                    f"{d.bound_by}; formula in docs/plan.md)")
     if plan.refusal is not None:
         out.append(f"  REFUSED   {plan.refusal.message}")
+    if advice is not None:
+        out += _format_lines(advice, expert_format)
     if (plan.ok or plan.overridden) and runnable:
         when = [w for w, cond in (("after the download", not spec.weights_present), ("on that hardware", hw.what_if))
                 if cond]
-        out.append(f"  run with  moechat run {spec.path or spec.name} {' '.join(_run_flags(plan, spec))} --prompt ..."
+        flags = " ".join(_run_flags(plan, spec, expert_format))
+        out.append(f"  run with  moechat run {spec.path or spec.name} {flags} --prompt ..."
                    + (f"   ({', '.join(when)})" if when else ""))
     if plan.notes:
         out.append("  notes")
@@ -172,12 +208,31 @@ def format_plan(plan, spec, hw, runnable: bool) -> str:
     return "\n".join(out)
 
 
-def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | None):
+def _format_lines(advice, shown: str) -> list[str]:
+    """Every expert format side by side, then the advice and why."""
+    out = []
+    for i, o in enumerate(advice.options):
+        mark = "*" if o.name == advice.recommended else " "
+        out.append(f"  {'formats' if i == 0 else '':<8}{mark} {o.name:<6}  {o.describe()}")
+    best = advice.option(advice.recommended) if advice.recommended else None
+    if best is None:
+        out.append(f"  advice    {advice.reason}")
+    else:
+        out.append(f"  advice    {best.headline()}")
+        out.append(f"            ({advice.reason})")
+        if shown != best.name:
+            out.append(f"            the plan above is {shown}'s, as asked")
+    return out
+
+
+def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | None,
+                 expert_format: str | None = None):
     """The plan `moechat run` takes its cache defaults from, for the device and dtype it will use.
 
     Planned as `run` allocates: the context it will allocate (never lowered), every KV layer at full
     length (the KV cache has no sliding-window ring yet), sizes in the dtype the loader picks (--dtype, else
-    config.json's, else float32: a config that names none, like gpt-oss's, loads its bf16 tensors as float32).
+    config.json's, else float32: a config that names none, like gpt-oss's, loads its bf16 tensors as float32),
+    and experts in `expert_format` (int8/int4: the repacked form every tier holds).
     """
     from moechat.engine.errors import MoechatError
     from moechat.engine.hardware import probe
@@ -190,7 +245,10 @@ def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | No
     except MoechatError:
         return None  # not plannable (a dense model, a broken config...): the loader says why, in its words
     name = next(n for n, d in DTYPES.items() if d == torch_dtype)
-    spec = spec.in_dtype(FLOAT_SIZES[name], name)
+    try:
+        spec = spec.in_dtype(FLOAT_SIZES[name], name).in_format(expert_format)
+    except MoechatError:
+        return None  # a format this model cannot take: the loader says why
     ctx = min(context or DEFAULT_CONTEXT, spec.max_context)
     dev = "cpu" if device.startswith("cpu") else device
     if dev != "cpu" and not (dev == "cuda" or dev.startswith("cuda:")):
@@ -198,17 +256,20 @@ def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | No
     hw = probe(model_dir)
     if dev != "cpu" and hw.gpu(int(dev.partition(":")[2] or 0)) is None:
         return None  # a GPU the probe cannot see: keep today's defaults
-    return make_plan(spec, hw, Preferences(context=ctx, device=dev, windowed_kv=False, override=True))
+    return make_plan(spec, hw, Preferences(context=ctx, device=dev, windowed_kv=False, override=True,
+                                           repacked=repacked_formats(model_dir)))
 
 
 def cache_defaults(model_dir, *, device: str, dtype: str | None, context: int | None, expert_slots: int | None,
-                   ram_cache_mb: int | None, warn=None) -> tuple[int | None, int | None]:
+                   ram_cache_mb: int | None, warn=None,
+                   expert_format: str | None = None) -> tuple[int | None, int | None]:
     """(slots, RAM-cache bytes) for `moechat run` and the app: what the user left unset comes from the memory
-    plan when the experts do not all fit the compute device (RAM on a CPU); else it stays unset (resident)."""
+    plan when the experts do not all fit the compute device (RAM on a CPU); else it stays unset (resident).
+    The plan is made in `expert_format`: int4 experts are a third of bf16's, so the same memory holds 3x the slots."""
     ram_cache_bytes = None if ram_cache_mb is None else ram_cache_mb << 20
     if expert_slots is not None and ram_cache_mb is not None:
         return expert_slots, ram_cache_bytes
-    plan = plan_for_run(model_dir, device=device, dtype=dtype, context=context)
+    plan = plan_for_run(model_dir, device=device, dtype=dtype, context=context, expert_format=expert_format)
     if plan is not None and plan.needs_cache:
         if plan.refusal is not None and warn is not None:
             warn(f"{plan.refusal.message}; loading anyway")

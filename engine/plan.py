@@ -45,6 +45,7 @@ from .hardware import (
 )
 
 MiB = 1 << 20
+REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py default_repack_dir
 DEFAULT_CONTEXT = 4096  # what `moechat run` allocates when --context is not given (engine/generate.py)
 MIN_CONTEXT = 512  # below this a chat is not worth planning for
 CONTEXT_STEP = 256  # a lowered context is a multiple of this
@@ -61,7 +62,21 @@ GPU_EFFICIENCY = 0.7  # fraction of peak memory bandwidth decode mat-vecs reach
 OVERHEAD_PER_LAYER_S = {"gpu": 0.15e-3, "cpu": 0.10e-3}  # eager PyTorch launch/dispatch per decoder layer
 OVERHEAD_PER_MISS_S = {"gpu": 0.03e-3, "cpu": 0.05e-3}  # policy + copy call (+ preadv) per expert load
 TRACED_MISS_FACTOR = 0.6  # best LRU miss rate / uniform-routing miss rate seen on ../shared/traces
-FOUR_BIT_BITS = 4.25  # a 4-bit variant (MXFP4 / Q4 with one 8-bit scale per 32 weights)
+# Expert formats moechat converts a checkpoint's experts into (`--expert-format`), kept equal to
+# engine/quant/base.py's CONVERTIBLE by a test; int4 groups along the input as engine/quant/intq.py does.
+CONVERTIBLE_FORMATS = ("int8", "int4")
+INT4_GROUPS = (32, 16, 8)
+# Expert compute of each format's path today, as a fraction of the rate the device reads dense weights at,
+# counted on the format's packed bytes (1: the packed bytes are read once, as a fused kernel does). CPU: measured
+# by bench/format_compute.py (one thread, one token, Qwen3-30B-A3B's and GPT-OSS's expert widths, medians of
+# interleaved rounds); GPU: 1 where a fused kernel reads the packed bytes (MXFP4, kernels/mxfp4_moe.py), else
+# counted from the bytes the torch path moves per packed byte (int8: cast to bf16 + GEMM, 5 B; int4: codes to
+# int32, a table lookup, the scale product and the GEMM, ~12.5 B per 0.625 B; fp8: blocks expanded in fp32,
+# ~33 B). Raise these as kernels land: the plan's speeds and the recommended format follow.
+EXPERT_COMPUTE_EFFICIENCY = {
+    "cpu": {"dense": 1.0, "int8": 0.65, "int4": 0.02, "mxfp4": 0.045, "fp8": 0.015},
+    "gpu": {"dense": 1.0, "int8": 0.2, "int4": 0.05, "mxfp4": 1.0, "fp8": 0.03},
+}
 
 FLOAT_SIZES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 FLOAT_DTAGS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
@@ -93,6 +108,36 @@ class TensorSpec:
         return self.dtype in FLOAT_DTAGS and "scale" not in self.name
 
 
+def int4_group(cols: int) -> int:
+    """The int4 group along an input of `cols` (engine/quant/intq.py's int4_group): 32, else 16 or 8."""
+    for g in INT4_GROUPS:
+        if cols % g == 0:
+            return g
+    raise ConfigError(f"int4 experts need an input size divisible by 8 (got {cols}): use --expert-format int8")
+
+
+def packed_expert_tensors(name: str, hidden: int, inter: int, float_bytes: int, bias: bool) -> tuple[TensorSpec, ...]:
+    """One expert as `--expert-format int8|int4` stores it (engine/quant/intq.py's layout, byte for byte):
+    int8: q [out, in] + fp32 scale [out] per projection; int4: q [out, in/2] (two codes a byte) + fp32 scale
+    [out, in/group]; biases, when the model has them, in the compute dtype. w13 is [2I, H], w2 [H, I]."""
+    if name not in CONVERTIBLE_FORMATS:
+        raise ConfigError(f"--expert-format {name!r}: use native or one of {', '.join(CONVERTIBLE_FORMATS)}")
+    out: list[TensorSpec] = []
+    for which, (rows, cols) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        if name == "int8":
+            out += [TensorSpec(f"{which}_q", (rows, cols), "I8", rows * cols),
+                    TensorSpec(f"{which}_scale", (rows,), "F32", 4 * rows)]
+        else:
+            groups = cols // int4_group(cols)
+            out += [TensorSpec(f"{which}_q", (rows, cols // 2), "U8", rows * (cols // 2)),
+                    TensorSpec(f"{which}_scale", (rows, groups), "F32", 4 * rows * groups)]
+    if bias:
+        tag = DTAG_OF_SIZE.get(float_bytes, "BF16")
+        out += [TensorSpec("w13_bias", (2 * inter,), tag, 2 * inter * float_bytes),
+                TensorSpec("w2_bias", (hidden,), tag, hidden * float_bytes)]
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What a model needs, in bytes. `estimated` when sizes come from config.json alone."""
@@ -110,7 +155,7 @@ class ModelSpec:
     expert_intermediate: int
     expert_tensors: tuple[TensorSpec, ...]  # one expert, stored format
     expert_format: str  # "bf16", "mxfp4 (blocks + e8m0 scales)", "fp8 e4m3, 128x128 block scales", ...
-    expert_params: int  # weights per expert (for the 4-bit-variant estimate)
+    expert_params: int  # weights per expert (what bf16 and an FP8 checkpoint are estimated from)
     dense_parts: tuple[tuple[str, int], ...]  # (what, bytes) for everything that is not a routed expert
     dense_float_elems: int  # float elements of the dense part (a compute dtype converts these)
     embedding_bytes: int  # the input embedding table (not tied to lm_head): on the device, read one row a token
@@ -132,6 +177,7 @@ class ModelSpec:
     path: str | None = None
     notes: tuple[str, ...] = ()
     config_dtype: str | None = None  # the float dtype config.json names (None: none, and the loader takes float32)
+    converted_from: str | None = None  # the checkpoint's format when moechat converts the experts (--expert-format)
 
     @property
     def expert_bytes(self) -> int:
@@ -192,17 +238,46 @@ class ModelSpec:
     def kv_bytes_per_token(self, elem_bytes: int | None = None) -> int:
         return (self.float_bytes if elem_bytes is None else elem_bytes) * (self.kv_elems_full + self.kv_elems_window)
 
-    def four_bit_expert_bytes(self) -> int:
-        return int(self.expert_params * FOUR_BIT_BITS / 8)
-
     @property
     def expert_bits(self) -> float:
         """Bits per expert weight as stored (16 for bf16, ~8 for fp8 with scales, ~4.6 for MXFP4 with biases)."""
         return 8 * self.stored_expert_bytes / max(1, self.expert_params)
 
-    def four_bit_checkpoint_bytes(self) -> int:
-        """About what a 4-bit variant downloads: the experts at FOUR_BIT_BITS per weight, the rest as is."""
-        return self.checkpoint_bytes - self.total_experts * (self.stored_expert_bytes - self.four_bit_expert_bytes())
+    @property
+    def format_key(self) -> str:
+        """The expert format as the engine names it: dense, mxfp4, fp8, int8, int4 (gptq/awq: not loadable)."""
+        fmt = self.expert_format.lower()
+        for key in ("mxfp4", "fp8", "int8", "int4", "gptq", "awq"):
+            if fmt.startswith(key):
+                return key
+        return "dense"
+
+    @property
+    def has_expert_bias(self) -> bool:
+        return any(t.name.endswith("bias") for t in self.expert_tensors)
+
+    def fp8_checkpoint_bytes(self) -> int:
+        """About what a block-FP8 checkpoint of this model downloads: its experts at 8 bits + 128x128 block scales
+        (the rest counted as stored, so the real file is a little smaller still)."""
+        H, I = self.hidden_size, self.expert_intermediate
+        blocks = 2 * math.ceil(I / 128) * math.ceil(H / 128) + math.ceil(H / 128) * math.ceil(I / 128)
+        fp8 = 3 * H * I + 4 * blocks + (2 * I + H) * self.float_bytes * self.has_expert_bias
+        return self.checkpoint_bytes - self.total_experts * max(0, self.stored_expert_bytes - fp8)
+
+    def in_format(self, name: str | None) -> ModelSpec:
+        """The same model with its experts converted by moechat (`--expert-format int8|int4`): every tier holds
+        `packed_expert_tensors(name, ...)`, written once into a repacked file. `native` (or None): unchanged."""
+        if name in (None, "native"):
+            return self
+        if self.converted_from is not None:
+            raise ConfigError(f"{self.name}: experts already planned as {self.format_key}")
+        tensors = packed_expert_tensors(name, self.hidden_size, self.expert_intermediate, self.float_bytes,
+                                        self.has_expert_bias)
+        label = ("int8 (per output channel, fp32 scales)" if name == "int8" else
+                 f"int4 (groups of {int4_group(self.hidden_size)}, fp32 scales)")
+        return replace(self, expert_tensors=tensors, expert_format=label, converted_from=self.expert_format_name,
+                       notes=self.notes + (f"experts converted to {name} once, into a repacked file "
+                                           f"(--expert-format {name})",))
 
     def in_dtype(self, elem_bytes: int, name: str) -> ModelSpec:
         """The same model as `moechat run --dtype` holds it: float weights converted, quantized ones kept."""
@@ -236,6 +311,7 @@ class ModelSpec:
             "kv_detail": self.kv_detail, "dtype": self.float_dtype, "config_dtype": self.config_dtype,
             "max_context": self.max_context, "expert_format_line": self.expert_format_line(),
             "bf16_expert_bytes": self.bf16_expert_bytes,
+            "format_key": self.format_key, "converted_from": self.converted_from,
             "checkpoint_bytes": self.checkpoint_bytes, "weights_present": self.weights_present,
             "unused_bytes": self.unused_bytes, "notes": list(self.notes),
         }
@@ -778,6 +854,7 @@ class Preferences:
     # whole context, as engine/kv_cache.py allocates today (the plan then names the saving a ring would bring)
     windowed_kv: bool = KV_WINDOWED_ALLOCATION
     prefill_chunk: int = PREFILL_CHUNK
+    repacked: frozenset[str] = frozenset()  # converted formats whose repacked file is already written (reused)
 
 
 @dataclass(frozen=True)
@@ -831,6 +908,7 @@ class DecodeEstimate:
     device_gbps: float
     link_gbps: float | None
     disk_gbps: float
+    compute_efficiency: float = 1.0  # the expert format's compute rate / the dense read rate (EXPERT_COMPUTE_...)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -960,19 +1038,23 @@ def _decode(spec: ModelSpec, kind: str, context: int, slots: int, ram_experts: i
     # Attention reads a window layer's last `window` keys whatever was allocated; averaged over a filling context.
     kv_read = spec.kv_bytes(max(1, context // 2), windowed=True)
     dev_bytes = spec.dense_read_bytes + active + kv_read
+    # A format whose compute path runs below the dense read rate costs as if it read active / f bytes.
+    f = compute_efficiency(spec, kind)
+    dev_work = dev_bytes - active + active / f
     eff = GPU_EFFICIENCY if kind == "gpu" else 1.0
 
     def seconds(h: float, d: float) -> tuple[float, float, float, float]:
         link_b = active * (1 - h) if kind == "gpu" else 0.0
         disk_b = active * d
         misses = Lm * K * (1 - h)
-        t = (dev_bytes / (devbw * GB * eff) + (link_b / (link * GB) if link_b else 0.0) + disk_b / (diskbw * GB)
+        t = (dev_work / (devbw * GB * eff) + (link_b / (link * GB) if link_b else 0.0) + disk_b / (diskbw * GB)
              + spec.num_layers * OVERHEAD_PER_LAYER_S[kind] + misses * OVERHEAD_PER_MISS_S[kind])
         return t, link_b, disk_b, misses
 
     t_lo, link_lo, disk_lo, _ = seconds(h_lo, d_lo)
     t_hi, link_hi, disk_hi, _ = seconds(h_hi, d_hi)
-    limits = {"device memory": dev_bytes / (devbw * GB)}
+    device = "device memory" if active / f - active <= dev_bytes - active else f"{spec.format_key} expert compute"
+    limits = {device: dev_work / (devbw * GB)}
     if link_hi:
         limits["link"] = link_hi / (link * GB)
     if disk_hi:
@@ -982,7 +1064,12 @@ def _decode(spec: ModelSpec, kind: str, context: int, slots: int, ram_experts: i
         low=1 / t_lo, high=1 / t_hi, bound=1 / limits[bound_by], bound_by=bound_by, hit_rate_low=h_lo,
         hit_rate_high=h_hi, hit_source=source, device_bytes=int(dev_bytes), link_bytes_low=int(link_lo),
         link_bytes_high=int(link_hi), disk_bytes_low=int(disk_lo), disk_bytes_high=int(disk_hi),
-        device_gbps=devbw * eff, link_gbps=link if kind == "gpu" else None, disk_gbps=diskbw)
+        device_gbps=devbw * eff, link_gbps=link if kind == "gpu" else None, disk_gbps=diskbw, compute_efficiency=f)
+
+
+def compute_efficiency(spec: ModelSpec, kind: str) -> float:
+    """How fast the experts' format computes on `kind` ("cpu" | "gpu"), as a fraction of the dense read rate."""
+    return EXPERT_COMPUTE_EFFICIENCY[kind].get(spec.format_key, 1.0)
 
 
 def _pick_device(hw: Hardware, prefs: Preferences) -> tuple[GpuInfo | None, str]:
@@ -1187,28 +1274,47 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         refusal_parts.append(Refusal("RAM", process, max(0, ram_budget), (
             f"close programs to free {gib(process - ram_budget)} of RAM",),
             detail=f"the process itself needs {gib(process)}, {gib(max(0, ram_budget))} is left after the margin"))
+    converted = spec.converted_from is not None
+    to_write = converted and spec.format_key not in prefs.repacked
+    if converted:
+        how = (f"are converted from {spec.converted_from} once, at the first start, into a {gib(all_bytes)} file"
+               if to_write else f"converted from {spec.converted_from} are already in a {gib(all_bytes)} file")
+        decisions.append(Decision("repacked experts", all_bytes, "disk",
+                                  f"--expert-format {spec.format_key}: the {N:,} experts {how} ({REPACK_DIR_HINT}, "
+                                  "or --repack-dir), reused on later starts"))
     if slots < N:
-        src = "the shards on disk" if spec.weights_present else "the shards (once downloaded)"
+        src = ("the repacked file holds" if converted else
+               "the shards on disk hold" if spec.weights_present else "the shards (once downloaded) hold")
         decisions.append(Decision("disk tier", all_bytes, "disk",
-                                  f"{src} hold every expert ({gib(all_bytes)}); read at {diskbw:g} GB/s "
+                                  f"{src} every expert ({gib(all_bytes)}); read at {diskbw:g} GB/s "
                                   f"({'given' if prefs.disk_read_gbps else 'assumed NVMe'})"))
 
-    # Disk: a model that is not (fully) downloaded needs room for the rest of it.
+    # Disk: a model that is not (fully) downloaded needs room for the rest of it, and converted experts for the
+    # repacked file (counted on the same disk; an existing file is reused, so a second start needs nothing).
     disk_free = hw.disk.free_bytes if hw.disk else None
-    disk_need = 0 if spec.weights_present else max(0, spec.checkpoint_bytes - spec.present_bytes)
-    if disk_need:
-        where = hw.disk.path if hw.disk else "disk"
-        decisions.append(Decision("download", disk_need, "disk",
-                                  f"{gib(disk_need)} of weights to download"
+    download = 0 if spec.weights_present else max(0, spec.checkpoint_bytes - spec.present_bytes)
+    disk_need = download + (all_bytes if to_write else 0)
+    where = hw.disk.path if hw.disk else "disk"
+    if download:
+        decisions.append(Decision("download", download, "disk",
+                                  f"{gib(download)} of weights to download"
                                   f"{'' if disk_free is None else f'; {gib(disk_free)} free on {where}'}"))
-        if disk_free is not None and disk_free < disk_need:
-            fixes = [f"free {gib(disk_need - disk_free)} on {where}"]
-            if spec.expert_bits >= 8:
-                fixes.append(f"choose a 4-bit variant (about {gib(spec.four_bit_checkpoint_bytes())})")
-            refusal_parts.append(Refusal("disk", disk_need, disk_free, tuple(fixes),
-                                         detail=f"the download needs {gib(disk_need)}, {gib(disk_free)} free on "
-                                         f"{where}"))
-    elif disk_free is not None and hw.disk:
+    if disk_need and disk_free is not None and disk_free < disk_need:
+        fixes = [f"free {gib(disk_need - disk_free)} on {where}"]
+        if to_write:
+            fixes.append(f"--repack-dir on a disk with {gib(all_bytes)} free")
+            if download <= disk_free:
+                fixes.append("the native format (no repacked file)")
+        if download > disk_free and spec.format_key == "dense" and spec.expert_bits >= 16:
+            fixes.append(f"an FP8 checkpoint of this model, where one is published (about "
+                         f"{gib(spec.fp8_checkpoint_bytes())}; moechat loads block-FP8 as shipped)")
+        if download and to_write:
+            needs = f"the download ({gib(download)}) and the repacked experts ({gib(all_bytes)}) need"
+        else:
+            needs = "the download needs" if download else "the repacked experts need"
+        refusal_parts.append(Refusal("disk", disk_need, disk_free, tuple(fixes),
+                                     detail=f"{needs} {gib(disk_need)}, {gib(disk_free)} free on {where}"))
+    if not download and disk_free is not None and hw.disk:
         notes.append(f"weights already on disk ({gib(spec.checkpoint_bytes)}); {gib(disk_free)} free on "
                      f"{hw.disk.path}")
 
@@ -1235,6 +1341,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
                                   f"{decode.low:.1f}-{decode.high:.1f} tok/s predicted; bound {decode.bound:.1f} tok/s "
                                   f"({decode.bound_by}); per token {decode.device_bytes / GB:.2f} GB of "
                                   f"{dev_label} reads at {decode.device_gbps:.0f} GB/s"
+                                  + (f" ({spec.format_key} experts compute at {decode.compute_efficiency:.0%} of "
+                                     "that rate today)" if decode.compute_efficiency < 1 else "")
                                   + ("; " + ", ".join(moved) if moved else "")))
     if overridden:
         decisions.append(Decision("override", None, "-", f"loading anyway as asked: {refusal.message}"))
@@ -1262,9 +1370,15 @@ def _device_refusal(spec: ModelSpec, hw: Hardware, prefs: Preferences, gpu: GpuI
             if cpu_plan.ok:
                 fixes.append(f"run on the CPU (--device cpu): RAM holds it, ~{cpu_plan.decode.low:.1f}-"
                              f"{cpu_plan.decode.high:.1f} tok/s")
-    smaller = c_min * (spec.expert_bytes - spec.four_bit_expert_bytes())
-    if spec.expert_bits >= 8 and smaller >= short:
-        fixes.append("choose a 4-bit variant")
+    if spec.format_key == "dense" and spec.converted_from is None:  # converting is measured from full precision
+        for name in CONVERTIBLE_FORMATS:
+            try:
+                small = spec.in_format(name).expert_bytes
+            except ConfigError:
+                continue
+            if c_min * (spec.expert_bytes - small) >= short:
+                fixes.append(f"--expert-format {name} ({gib(small)} an expert instead of {gib(spec.expert_bytes)})")
+                break
     what = "GPU" if gpu is not None else "machine"
     fixes.append(f"a {what} with at least {gib(need + prefs.margin * ((gpu.total_bytes or 0) if gpu else 0))} "
                  f"{'free VRAM' if gpu is not None else 'of available RAM'}")

@@ -85,7 +85,8 @@ def test_config_only_directory_and_a_disk_what_if(capsys, tmp_path):
     model.mkdir()
     shutil.copy(QWEN / "config.json", model / "config.json")
     code, out, _ = _fit(capsys, str(model), *WHAT_IF, "--disk-gb", "20")
-    assert code == 3 and "GiB of disk" in out and "free " in out and "4-bit variant" in out
+    assert code == 3 and "GiB of disk" in out and "free " in out and "an FP8 checkpoint of this model" in out
+    assert "4-bit" not in out and "advice    no format fits this machine" in out  # int8/int4 need the download too
 
 
 @pytest.mark.skipif(not (OSS20 / "config.json").exists() or not (OSS120 / "config.json").exists(),
@@ -177,3 +178,100 @@ def test_run_takes_cache_defaults_from_the_plan_only_when_needed(tiny_models, ca
     # explicit flags still win
     assert main(["run", *args, "--expert-slots", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["cache"]["slots"] == 3
+
+
+# -- expert formats ---------------------------------------------------------------------------------------
+
+def _line(out: str, start: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(start))
+
+
+def _format_rows(out: str) -> dict[str, tuple[bool, str]]:
+    """The formats table: name -> (marked as recommended, the rest of its row), in the order printed."""
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("  formats "))
+    rows = {}
+    for line in lines[first:first + 3]:
+        mark, name, rest = line[10], line[12:18].strip(), line[20:]
+        rows[name] = (mark == "*", rest)
+    return rows
+
+
+def _slots(out: str) -> int:
+    return int(_line(out, "  expert slots C = ").split("C = ")[1].split()[0].replace(",", ""))
+
+
+@needs_configs
+def test_qwen3_on_8_gib_vram_and_32_gib_ram_recommends_a_conversion(capsys):
+    box = ["--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "1000"]
+    code, out, err = _fit(capsys, str(QWEN), *box)
+    assert code == 0 and err == ""
+    fmt = _line(out, "moechat fit").split("--expert-format ")[1].split()[0]
+    assert fmt in ("int8", "int4") and out.splitlines()[0].endswith(f"fits with --expert-format {fmt} (recommended)")
+    rows = _format_rows(out)
+    assert list(rows) == ["native", "int8", "int4"] and [n for n, (marked, _) in rows.items() if marked] == [fmt]
+    assert rows["int8"][1].startswith("4.5 MiB an expert: ") and "quality: perplexity" in rows["int8"][1]
+    advice = _line(out, "  advice    ")
+    assert advice.startswith(f"  advice    with --expert-format {fmt}: ") and "RAM holds every expert" in advice
+    assert "4-bit" not in out and "variant" not in out
+    run = _line(out, "  run with")
+    assert run.split(" --prompt")[0].endswith(f"--expert-format {fmt}") and "repacked experts" in out
+    code, native_out, _ = _fit(capsys, str(QWEN), *box, "--expert-format", "native")
+    assert code == 0 and native_out.splitlines()[0].endswith(": fits") and "--expert-format" not in \
+        _line(native_out, "  run with")
+    assert _slots(out) > _slots(native_out) and "the plan above is native's, as asked" in native_out
+    data = json.loads(_fit(capsys, str(QWEN), *box, "--json")[1])
+    formats = {o["name"]: o for o in data["formats"]["options"]}
+    assert data["expert_format"] == data["formats"]["recommended"] == fmt
+    assert data["run_flags"][-2:] == ["--expert-format", fmt] and data["plan"]["expert_slots"] == _slots(out)
+    assert formats[fmt]["expert_slots"] > formats["native"]["expert_slots"]
+    assert formats[fmt]["decode"]["low"] > formats["native"]["decode"]["high"]
+    assert formats["int8"]["expert_bytes"] == 4_732_928 and formats["int4"]["expert_bytes"] == 2_949_120
+
+
+@pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs has no gpt-oss-20b")
+def test_gpt_oss_recommends_native_and_says_conversions_are_larger(capsys):
+    code, out, _ = _fit(capsys, str(OSS20), "--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "100")
+    assert code == 0 and out.splitlines()[0].endswith("(gpt_oss): fits")
+    rows = _format_rows(out)
+    assert rows["native"][0] and rows["native"][1].startswith("MXFP4, 12.6 MiB an expert: 278 slots, ")
+    for fmt in ("int8", "int4"):
+        marked, row = rows[fmt]
+        assert not marked and "larger than native MXFP4" in row and "not measured from MXFP4" in row
+    assert _line(out, "  advice    ").startswith("  advice    native: ")
+    assert "--expert-format" not in _line(out, "  run with")
+    data = json.loads(_fit(capsys, str(OSS20), "--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "100", "--json")[1])
+    assert data["formats"]["recommended"] == "native" and "--expert-format" not in data["run_flags"]
+
+
+def test_repack_dir_is_the_store_s(tmp_path, monkeypatch):
+    from moechat.app.fit import repack_dir, repacked_formats
+    from moechat.engine.cache.store import default_repack_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert repack_dir(model, "int4") == default_repack_dir(model, "int4")
+    assert repacked_formats(model) == frozenset() and repacked_formats(None) == frozenset()
+    (repack_dir(model, "int8")).mkdir(parents=True)
+    (repack_dir(model, "int8") / "experts.bin").write_bytes(b"")
+    assert repacked_formats(model) == {"int8"}
+
+
+def test_run_plans_its_slots_in_the_expert_format(tiny_models, monkeypatch):
+    from moechat.app.fit import cache_defaults
+
+    path, _ = tiny_models["qwen3_moe"]
+    roomy = plan_for_run(path, device="cpu", dtype=None, context=None)
+    fixed = roomy.device_used_bytes - roomy.total_experts * roomy.expert_bytes
+    avail = math.ceil((fixed + 5.5 * roomy.expert_bytes + GiB) / 0.95)  # 5 bf16 experts' room beyond the rest
+    monkeypatch.setattr("moechat.engine.hardware.probe", lambda *a, **k: Hardware((), HostMemory(avail, avail), None))
+    native = plan_for_run(path, device="cpu", dtype=None, context=None)
+    int8 = plan_for_run(path, device="cpu", dtype=None, context=None, expert_format="int8")
+    assert native.expert_slots == 5 and int8.expert_slots > native.expert_slots
+    assert int8.expert_bytes < native.expert_bytes / 1.5
+    slots, ram = cache_defaults(path, device="cpu", dtype=None, context=None, expert_slots=None, ram_cache_mb=None,
+                                expert_format="int8")
+    assert (slots, ram) == ((int8.expert_slots, 0) if int8.needs_cache else (None, None))
+    assert cache_defaults(path, device="cpu", dtype=None, context=None, expert_slots=None, ram_cache_mb=None)[0] == 5

@@ -501,7 +501,11 @@ def test_disk_refusals():
     assert not any("4-bit" in f for f in r.fixes)  # it already is 4-bit
     assert make_plan(spec("gpt-oss-120b"), machine(8, 16)).ok  # with the disk: slots + RAM cache + disk
     qwen = make_plan(spec("qwen3-30b-a3b"), machine(12, 32, disk_gib=10))
-    assert qwen.refusal.resource == "disk" and "choose a 4-bit variant" in qwen.refusal.message
+    # The advice names a format moechat loads: a bf16 model's FP8 checkpoint (experts 3 H I + block scales)
+    assert qwen.refusal.resource == "disk" and "4-bit" not in qwen.refusal.message
+    s = spec("qwen3-30b-a3b")
+    fp8 = s.checkpoint_bytes - 6144 * (9_437_184 - (3 * 2048 * 768 + 4 * (2 * 6 * 16 + 16 * 6)))
+    assert f"an FP8 checkpoint of this model, where one is published (about {fp8 / GiB:.2f} GiB" in qwen.refusal.message
 
 
 def test_ram_refusal_on_a_gpu_box():

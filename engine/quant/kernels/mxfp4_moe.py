@@ -12,7 +12,7 @@ sum over k (fixed order: deterministic, no atomics) adds the residual.
   slot's codes read once per group instead of once per pair.
 
 A group whose slot is -1 is never computed, and a pair left out of `pairs` is in no group. Bytes: a
-GPT-OSS-20B decode step reads 4 experts x 12.4 MB = 49.6 MB of codes and scales per layer, 10 us at an
+GPT-OSS-20B decode step reads 4 experts x 13.2 MB = 52.9 MB of codes and scales per layer, 10 us at an
 H200's 4.8 TB/s; bf16 experts would be 199 MB. `bench/gpu_check.sh` measures what these kernels reach.
 """
 
@@ -54,6 +54,8 @@ def _packed_dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
     (w_ptr [rows, KB] bytes, s_ptr [rows, KB / 16] scales). Byte i of a row is elements 2i (low nibble) and
     2i + 1 (high nibble), so x is read as its even and its odd elements."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the GEMV sums products elementwise across the K loop and reduces across threads once, at the end
+    acc_e = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_KB), dtype=tl.float32)  # unused (and dropped) with tl.dot
     G = KB // 16
     for k0 in range(0, KB, BLOCK_KB):
         kk = k0 + tl.arange(0, BLOCK_KB)  # [BKB] bytes along the row
@@ -77,7 +79,9 @@ def _packed_dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
                 acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
                 acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
         else:
-            acc += tl.sum(x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :], axis=2)
+            acc_e += x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc_e, axis=2)
     return acc
 
 
@@ -147,12 +151,13 @@ def _w2_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_pt
 def _configs(use_dot: bool) -> list[triton.Config]:
     if INTERPRET:  # one config, big tiles: the interpreter runs a program in numpy
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
+    # sm_90 (ptxas -v): these hold <= 230 registers a thread without spilling; GEMV tiles of 8 products a thread
+    # keep ~50 registers, so an SM runs enough warps to keep the loads in flight
     if use_dot:
-        return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=s)
-                for n, kb, w, s in [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (32, 64, 4, 4)]]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=s)
-            for n, kb, w, s in [(8, 256, 4, 3), (16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (8, 512, 4, 2),
-                                (32, 256, 8, 3)]]
+        return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st)
+                for n, kb, w, st in [(32, 32, 4, 2), (64, 32, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3)]]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st)
+            for n, kb, w, st in [(8, 128, 4, 2), (4, 256, 4, 2), (8, 256, 8, 2), (16, 128, 8, 2), (8, 256, 4, 2)]]
 
 
 _KEY = ["N", "KB", "BLOCK_M"]
