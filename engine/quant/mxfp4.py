@@ -5,10 +5,11 @@ even element) and `*_scales` uint8 [out, in/32] (the block's scale is 2^(s - 127
 a GPT-OSS-20B expert is 13.2 MB of codes and scales (+ 17 KB of bf16 biases) against 49.8 MB in bf16.
 
 CPU compute decodes a projection a row tile at a time (4 MB of fp32, in cache) with vectorised integer
-ops and multiplies each tile at once: nothing is materialised at full width and only packed bytes come
-from RAM, bit for bit F.linear on the dequantized matrix. On CUDA the whole MoE is one fused Triton
-kernel pair over the slot buffers (kernels/mxfp4_moe.py). `bench/quantized_experts.py` measures both
-against the machine's bandwidth and against the other ways torch offers.
+ops, bit for bit F.linear on the dequantized matrix. One token multiplies each tile at once, so only packed
+bytes come from RAM; more tokens fill one reused fp32 scratch per projection shape (66 MB for GPT-OSS's
+w13) and run one GEMM. On CUDA the whole MoE is two fused Triton launches over the slot buffers
+(kernels/mxfp4_moe.py). `bench/quantized_experts.py` measures both against the machine's bandwidth and
+against the other ways torch offers.
 """
 
 from __future__ import annotations
