@@ -36,6 +36,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 from moechat.engine.errors import ChatTemplateError, ConfigError
+from moechat.engine.files import MAX_JSON_BYTES, read_json_file, read_regular
+from moechat.engine.validate import check_tokenizer_config
 
 __all__ = ["ChatTemplate"]
 
@@ -247,23 +249,22 @@ def _template_line(exc: BaseException) -> int | None:
 
 
 def _read_text(path: Path) -> str:
+    try:  # a FIFO or a device is refused before it is read, and the size is capped
+        raw = read_regular(path, "chat template file", max_bytes=MAX_JSON_BYTES)
+    except FileNotFoundError:
+        raise ConfigError(f"cannot read {path}: not found") from None
     try:
-        return path.read_text(encoding="utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path} is not valid UTF-8 ({exc.reason}); re-download the model files") from exc
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}; check the file's permissions") from exc
 
 
 def _read_json(path: Path) -> Any:
-    text = _read_text(path)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-            "re-download the model files or fix the file"
-        ) from exc
+    data = read_json_file(path, path.name, error=lambda m: ConfigError(m + "; re-download the model files or fix "
+                                                                          "the file"))
+    if path.name in (_TOKENIZER_CONFIG, "special_tokens_map.json", _LEGACY_JSON_FILE) and isinstance(data, dict):
+        data = check_tokenizer_config(data, str(path))  # the special tokens and templates by their rules
+    return data
 
 
 def _token_text(value: Any) -> str | None:
@@ -379,14 +380,14 @@ class ChatTemplate:
 
         config: Any = {}
         config_path = root / _TOKENIZER_CONFIG
-        if config_path.is_file():
+        if os.path.lexists(config_path):  # present but not a regular file (a FIFO): refused, not skipped
             config = _read_json(config_path)
             if not isinstance(config, dict):
                 raise ConfigError(f"{config_path} must hold a JSON object; re-download the model files")
 
         templates: dict[str, str] = {}
         origins: dict[str, Path] = {}
-        if (root / _JINJA_FILE).is_file():
+        if os.path.lexists(root / _JINJA_FILE):
             templates["default"] = _read_text(root / _JINJA_FILE)
             origins["default"] = root / _JINJA_FILE
         extra_dir = root / _EXTRA_TEMPLATES_DIR
@@ -396,7 +397,7 @@ class ChatTemplate:
                 origins[path.name.removesuffix(".jinja")] = path
         # Template files replace whatever the config holds (transformers does the same), so only fall back to
         # the JSON sources when there are none.
-        if not templates and (root / _LEGACY_JSON_FILE).is_file():
+        if not templates and os.path.lexists(root / _LEGACY_JSON_FILE):
             legacy = _read_json(root / _LEGACY_JSON_FILE)
             if not isinstance(legacy, dict) or "chat_template" not in legacy:
                 raise ConfigError(
@@ -422,7 +423,7 @@ class ChatTemplate:
 
         legacy_map = None
         map_path = root / "special_tokens_map.json"
-        if "added_tokens_decoder" not in config and map_path.is_file():
+        if "added_tokens_decoder" not in config and os.path.lexists(map_path):
             legacy_map = _read_json(map_path)
             if not isinstance(legacy_map, dict):
                 raise ConfigError(f"{map_path} must hold a JSON object; re-download the model files")

@@ -11,7 +11,6 @@ Pickle checkpoints (`pytorch_model.bin`, `*.pt`) are refused: unpickling runs ar
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass
@@ -20,7 +19,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError, ConfigError
+from . import validate
+from .errors import CheckpointError
+from .files import open_regular, parse_json, read_json_file, read_json_object
 
 # safetensors dtype tags -> torch dtypes. FP8/FP4-style tags are readable as raw bytes by the quant
 # formats of a later issue; here only these can be computed with.
@@ -48,20 +49,9 @@ PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt",
 
 
 def read_json(path: Path, what: str) -> dict:
-    """Parse a JSON file into a dict, or raise ConfigError naming the file and the problem."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: {what} not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read {what}: {e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: {what} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: {what} must be a JSON object, found {type(data).__name__}")
-    return data
+    """Parse a JSON file into a dict, or raise ConfigError naming the file and the problem. A FIFO, a device or
+    a file past the size cap is refused before it is read (engine/files.py)."""
+    return read_json_object(path, what)
 
 
 @dataclass(frozen=True)
@@ -80,54 +70,85 @@ class TensorInfo:
         return self.end - self.start
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one shard's header without reading any tensor data."""
+    """Parse and validate one shard's header without reading any tensor data.
+
+    Checked as strictly as the safetensors library checks what it memory-maps, because experts are read with
+    preadv and never pass through it: every entry well-typed, offsets >= 0, sizes matching shape x dtype, inside
+    the file, and no two tensors sharing a byte (an overlap or a negative offset would compute with another
+    tensor's bytes, or the header's, as weights). A FIFO or a device is refused before it is read."""
+    def error(message: str, tensor: str | None = None) -> CheckpointError:
+        return CheckpointError(message, path=str(path), tensor=tensor)
+
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: file is {size} bytes, too short to be safetensors "
-                                      "(truncated download? delete it and download again)", path=str(path))
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-                raise CheckpointError(f"{path}: header length {hlen} runs past the end of the {size}-byte file "
-                                      "(truncated or not a safetensors file: download it again)", path=str(path))
-            raw = f.read(hlen)
+        fd = open_regular(path, "safetensors shard", error)
+    except FileNotFoundError:
+        raise error(f"{path}: safetensors shard not found") from None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise error(f"{path}: file is {size} bytes, too short to be safetensors "
+                        "(truncated download? delete it and download again)")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+            raise error(f"{path}: header length {hlen} runs past the end of the {size}-byte file "
+                        "(truncated or not a safetensors file: download it again)")
+        raw = bytearray()
+        while len(raw) < hlen:
+            chunk = os.pread(fd, hlen - len(raw), 8 + len(raw))
+            if not chunk:
+                raise error(f"{path}: the file ended inside its {hlen}-byte header (truncated: download it again)")
+            raw += chunk
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e}", path=str(path)) from None
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt: "
-                              "download it again", path=str(path)) from None
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    header = parse_json(bytes(raw), str(path), "safetensors header",
+                        lambda m: error(m + "; the file is corrupt: download it again"))
+    if not isinstance(header, dict):
+        raise error(f"{path}: safetensors header is not valid JSON (a {type(header).__name__}, not an object); "
+                    "the file is corrupt: download it again")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise error(f"{path}: the header's __metadata__ must map strings to strings; the file is corrupt")
     data_start = 8 + hlen
     out: dict[str, TensorInfo] = {}
-    for name, meta in header.items():
+    for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtag = meta["dtype"]
-            shape = tuple(int(d) for d in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}", path=str(path),
-                                  tensor=name) from None
+        dtag = entry.get("dtype") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(dtag, str) and isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
+            raise error(f"{path}: malformed header entry for tensor {name!r} (needs a dtype string, a shape of "
+                        "integers >= 0 and two integer data_offsets); the file is corrupt", name)
+        if dtag not in DTYPE_SIZES:
+            raise error(f"{path}: tensor {name!r} has unknown dtype {dtag!r}", name)
         numel = 1
         for d in shape:
             numel *= d
-        if dtag not in DTYPE_SIZES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtag!r}", path=str(path), tensor=name)
-        if any(d < 0 for d in shape) or end < begin or end - begin != numel * DTYPE_SIZES[dtag]:
-            raise CheckpointError(f"{path}: tensor {name!r} header is inconsistent (shape {list(shape)}, "
-                                  f"{dtag}, offsets {begin}..{end}); the file is corrupt", path=str(path), tensor=name)
+        begin, end = offsets
+        if begin < 0 or end < begin or end - begin != numel * DTYPE_SIZES[dtag]:
+            raise error(f"{path}: tensor {name!r} header is inconsistent (shape {shape}, {dtag}, offsets "
+                        f"{begin}..{end}); the file is corrupt", name)
         if data_start + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
-                                  f"{size} bytes (truncated download? delete it and download again)",
-                                  path=str(path), tensor=name)
-        out[name] = TensorInfo(name, path, dtag, shape, data_start + begin, data_start + end)
+            raise error(f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes "
+                        "(truncated download? delete it and download again)", name)
+        out[name] = TensorInfo(name, path, dtag, tuple(shape), data_start + begin, data_start + end)
+    previous = None
+    for info in sorted(out.values(), key=lambda t: (t.start, t.end)):
+        if previous is not None and info.start < previous.end:
+            raise error(f"{path}: tensors {previous.name!r} (bytes {previous.start}..{previous.end}) and {info.name!r} "
+                        f"(bytes {info.start}..{info.end}) overlap; the file is corrupt or crafted: download it "
+                        "again", info.name)
+        if info.end > info.start:
+            previous = info
     return out
 
 
@@ -143,16 +164,13 @@ class Checkpoint:
     def open(cls, model_dir: str | os.PathLike) -> Checkpoint:
         model_dir = Path(model_dir)
         index_path = model_dir / "model.safetensors.index.json"
-        if index_path.exists():
-            index = read_json(index_path, "safetensors index")
-            weight_map = index.get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index_path}: has no 'weight_map'; the index is corrupt", path=str(index_path))
+        if os.path.lexists(index_path):
+            index = read_json_file(index_path, "safetensors index",
+                                   error=lambda m: CheckpointError(m, path=str(index_path)))
+            weight_map = validate.check_index(index, str(index_path))["weight_map"]
             shards = sorted(set(weight_map.values()))
             for shard in shards:
-                if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard.startswith("."):
-                    raise CheckpointError(f"{index_path}: names an invalid shard file {shard!r}", path=str(index_path))
-                if not (model_dir / shard).is_file():
+                if not os.path.lexists(model_dir / shard):
                     raise CheckpointError(f"{index_path}: names shard {shard!r}, which is missing from {model_dir} "
                                           "(incomplete download? download the model again)",
                                           path=str(model_dir / shard))

@@ -12,7 +12,15 @@ class MoechatError(Exception):
 
 
 class ConfigError(MoechatError):
-    """config.json / generation_config.json / tokenizer files missing or malformed."""
+    """config.json / generation_config.json / tokenizer files missing or malformed.
+
+    A value that breaks a rule (engine/validate.py) carries `path` (the file) and `key` (``rope_scaling.factor``).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.key = key
 
 
 class UnsupportedModelError(MoechatError):

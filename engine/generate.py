@@ -33,13 +33,14 @@ from .cache.provider import CacheConfig, build_cached_provider
 from .cache.stats import CacheSnapshot
 from .chat_template import ChatTemplate
 from .checkpoint import read_json
-from .errors import ChatTemplateError, MoechatError, TokenizerError
+from .errors import ChatTemplateError, ConfigError, MoechatError, TokenizerError
 from .kv_cache import KVCache
 from .loader import LoadedModel, load_model
 from .moe import ExpertProvider
 from .reasoning import ReasoningDelta, ReasoningParser, make_parser, reasoning_format
 from .sampling import Sampler, SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .validate import check_generation_config
 
 DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 512
@@ -108,6 +109,17 @@ class Engine:
         """Load a model directory. With `cache`, experts go to a slot pool over RAM/disk tiers; `expert_format`
         int8/int4 holds them quantized in every tier (None or `native`: as the checkpoint ships them)."""
         model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ConfigError(f"{model_dir}: no such model directory")
+        # The small files first: a bad generation_config.json or tokenizer file fails before any weight is read.
+        gen_path = model_dir / "generation_config.json"
+        generation_config = (check_generation_config(read_json(gen_path, "generation config"), str(gen_path))
+                             if os.path.lexists(gen_path) else {})
+        tokenizer = Tokenizer.from_model_dir(model_dir) if os.path.lexists(model_dir / "tokenizer.json") else None
+        template = ChatTemplate.from_model_dir(model_dir)
+        if template is not None and tokenizer is not None:
+            template = ChatTemplate.from_string(template.source, {**tokenizer.special_tokens,
+                                                                   **template.special_tokens})
         loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context or DEFAULT_CONTEXT,
                             resident_experts=cache is None, expert_format=expert_format,
                             repack_dir=cache.repack_dir if cache is not None else None)
@@ -116,13 +128,6 @@ class Engine:
         if cache is not None:
             provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
                                              loaded.device, cache, loaded.expert_format, loaded.native_format)
-        gen_path = model_dir / "generation_config.json"
-        generation_config = read_json(gen_path, "generation config") if gen_path.exists() else {}
-        tokenizer = Tokenizer.from_model_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        template = ChatTemplate.from_model_dir(model_dir)
-        if template is not None and tokenizer is not None:
-            template = ChatTemplate.from_string(template.source, {**tokenizer.special_tokens,
-                                                                   **template.special_tokens})
         engine = cls(loaded, tokenizer, template, generation_config, context, prefill_chunk, provider)
         if provider is not None:
             provider.set_predictor(Predictor.from_model(loaded.model))

@@ -24,6 +24,7 @@ from .moe import ResidentProvider
 from .quant import ExpertFormat, native_format
 from .quant.base import target_format
 from .quant.dense import DENSE as DENSE_FORMAT
+from .validate import check_layers, show
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,8 +34,12 @@ def read_model_config(model_dir: str | os.PathLike) -> tuple[type[MoEForCausalLM
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir}: no such model directory")
+    where = str(model_dir / "config.json")
     raw = read_json(model_dir / "config.json", "model config (config.json)")
     model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{where}: model_type = {show(model_type)} is not allowed: must be a string naming "
+                          "the architecture (e.g. \"qwen3_moe\")", path=where, key="model_type")
     if model_type not in ARCHITECTURES:
         if raw.get("auto_map") and model_type not in PLANNED_MOE | DENSE:
             raise UnsupportedModelError(
@@ -48,10 +53,9 @@ def read_model_config(model_dir: str | os.PathLike) -> tuple[type[MoEForCausalLM
                                     f"{', '.join(sorted(ARCHITECTURES))}")
     cls = ARCHITECTURES[model_type]
     try:
-        args = cls.args_class.from_dict(raw)
-    except TypeError as e:
-        raise ConfigError(f"{model_dir / 'config.json'}: {e}") from None
-    args.check_moe()
+        args = cls.args_class.from_dict(raw, where)  # every value by its rule, then the relations (validate.py)
+    except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as e:  # a rule not declared yet
+        raise ConfigError(f"{where}: cannot use its values ({type(e).__name__}: {e})", path=where) from None
     return cls, args, raw
 
 
@@ -152,6 +156,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     fmt = checkpoint_format(raw, model_dir)
     target = target_format(expert_format, fmt)
     ckpt = Checkpoint.open(model_dir)
+    check_layers(args.num_hidden_layers, ckpt.tensors, str(model_dir / "config.json"))
     dense = validate(cls, args, ckpt, fmt)
     from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
-import json
 import math
 import os
 import re
@@ -33,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConfigError, MoechatError
+from .files import read_json_object
 from .hardware import (
     ASSUMED_DISK_GBPS,
     ASSUMED_GPU_MEMORY_GBPS,
@@ -43,6 +43,7 @@ from .hardware import (
     GpuInfo,
     Hardware,
 )
+from .validate import check_common
 
 MiB = 1 << 20
 REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py default_repack_dir
@@ -321,17 +322,7 @@ class ModelSpec:
 
 def _load_json(path: Path, what: str) -> dict:
     """Like checkpoint.read_json, without importing torch (so `moechat fit` on a config answers at once)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: {what} not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read {what}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: {what} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: {what} must be a JSON object, found {type(data).__name__}")
-    return data
+    return read_json_object(path, what)  # FIFOs and devices refused, size capped, every JSON failure one line
 
 
 def _get(c: dict, *names, default=None):
@@ -372,8 +363,9 @@ class _Shape:
 
 
 def _shape(c: dict, where: str, notes: list[str]) -> _Shape:
-    if "text_config" in c and "num_hidden_layers" not in c:
+    if isinstance(c.get("text_config"), dict) and "num_hidden_layers" not in c:
         c = {**c, **c["text_config"]}
+    check_common(c, where)  # types, ranges and size caps of the common keys (engine/validate.py), before any loop
     L = _pos_int(c, where, "num_hidden_layers")
     H = _pos_int(c, where, "hidden_size")
     V = _pos_int(c, where, "vocab_size")

@@ -17,7 +17,7 @@ Design:
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,13 @@ import tokenizers
 from tokenizers import AddedToken
 
 from .errors import TokenizerError
+from .files import read_json_object, read_regular
+from .validate import check_tokenizer_config
 
 _TOKENIZER_JSON = "tokenizer.json"
 _TOKENIZER_CONFIG = "tokenizer_config.json"
 _SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+MAX_TOKENIZER_BYTES = 512 * 2**20  # the largest tokenizer.json files (250k-token vocabularies) are ~35 MB
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order (the order matters when tokens must be added).
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -62,14 +65,11 @@ def _added_token(value: Any) -> AddedToken | None:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TokenizerError(f"{path}: cannot read it as JSON ({err}); re-download the model's tokenizer "
-                             "files") from err
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
+    """A tokenizer-side JSON file as a dict; its special tokens and template checked by their rules
+    (engine/validate.py: a wrong type is a ConfigError naming the key)."""
+    data = read_json_object(path, path.name, error=lambda m: TokenizerError(m + "; re-download the model's "
+                                                                               "tokenizer files"))
+    return check_tokenizer_config(data, str(path))
 
 
 class Tokenizer:
@@ -130,7 +130,10 @@ class Tokenizer:
             raise TokenizerError(f"{root} is not a directory; pass the folder holding the model's "
                                  "tokenizer files")
         path = root / _TOKENIZER_JSON
-        if not path.is_file():
+        if os.path.exists(path):  # a FIFO or a device is refused before it is read; the size is capped
+            text = read_regular(path, _TOKENIZER_JSON, max_bytes=MAX_TOKENIZER_BYTES,
+                                error=lambda m: TokenizerError(m + "; re-download it"))
+        else:
             others = [name for name in _OTHER_TOKENIZER_FILES if (root / name).is_file()]
             if others:
                 raise TokenizerError(
@@ -140,16 +143,16 @@ class Tokenizer:
             raise TokenizerError(f"{root}: no tokenizer.json; moechat needs the model's tokenizer.json "
                                  "(download it with the weights)")
         try:
-            backend = tokenizers.Tokenizer.from_file(str(path))
+            backend = tokenizers.Tokenizer.from_str(text.decode("utf-8"))
         except Exception as err:  # tokenizers raises a bare Exception for malformed files
             raise TokenizerError(f"{path}: unreadable tokenizer.json ({err}); re-download it") from err
 
         config: dict = {}
-        if (root / _TOKENIZER_CONFIG).is_file():
+        if os.path.lexists(root / _TOKENIZER_CONFIG):  # present but not a regular file: refused, not skipped
             config = _read_json(root / _TOKENIZER_CONFIG)
         # Like transformers: special_tokens_map.json is a legacy file, read only when tokenizer_config.json
         # does not carry added_tokens_decoder, and then its entries win.
-        if "added_tokens_decoder" not in config and (root / _SPECIAL_TOKENS_MAP).is_file():
+        if "added_tokens_decoder" not in config and os.path.lexists(root / _SPECIAL_TOKENS_MAP):
             config = {**config, **_read_json(root / _SPECIAL_TOKENS_MAP)}
 
         special: dict[str, Any] = {name: config[name] for name in _NAMED_SPECIAL if name in config}

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError, UnsupportedModelError
+from .. import validate
+from ..errors import UnsupportedModelError
 from ..experts import expert_compute
 from ..kv_cache import KVCache
 from ..moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
@@ -61,25 +62,26 @@ class BaseModelArgs:
     aliases: ClassVar[dict[str, str]] = {}
 
     @classmethod
-    def from_dict(cls, d: dict) -> BaseModelArgs:
-        """Unknown keys are dropped; an alias fills its field when the canonical key is absent."""
+    def from_dict(cls, d: dict, where: str = "config.json") -> BaseModelArgs:
+        """Unknown keys are dropped; an alias fills its field when the canonical key is absent. Each value is
+        checked against its field's rule before the dataclass is built, the relations after (engine/validate.py):
+        a violation is a ConfigError naming `where`, the key, the value and what is allowed."""
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
+        spelled = {}
         for alias, name in cls.aliases.items():
             if alias in d and name not in kwargs:
                 kwargs[name] = d[alias]
-        return cls(**kwargs)
+                spelled[name] = alias
+        validate.check_common(d, where, skip=names | set(cls.aliases))
+        args = cls(**validate.check_fields(cls, kwargs, where, spelled))
+        validate.check_relations(args, where, d)
+        return args
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"config.json: {name} must be a positive integer, found {value!r}")
+        validate.check_explicit(self)  # built in code, not from_dict: the values given, by the same rules
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.hidden_act != "silu":
@@ -130,11 +132,8 @@ class BaseModelArgs:
     def checkpoint_dtype(self) -> str | None:
         return self.dtype or self.torch_dtype
 
-    def check_moe(self) -> None:
-        E, K, I = self.num_experts, self.top_k, self.moe_intermediate
-        if not (isinstance(E, int) and E > 0 and isinstance(K, int) and 0 < K <= E and isinstance(I, int) and I > 0):
-            raise ConfigError(f"config.json: needs experts > 0, 0 < top-k <= experts and an expert size > 0 "
-                              f"(found experts={E!r}, top-k={K!r}, expert size={I!r})")
+    def check_moe(self, where: str = "config.json") -> None:
+        validate.check_relations(self, where)
 
 
 ROPE_TYPES = ("default", "yarn")

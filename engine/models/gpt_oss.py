@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..moe import ExpertActivation
+from ..validate import Rule, cfg
 from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM, SparseMoeBlock
 
 _EXPERTS = "model.layers.{layer}.mlp.experts."
@@ -31,9 +32,9 @@ class GptOssArgs(BaseModelArgs):
     num_local_experts: int = 0
     num_experts_per_tok: int = 0
     intermediate_size: int = 0
-    swiglu_limit: float = 7.0
-    swiglu_alpha: float = 1.702
-    layer_types: list | None = None
+    swiglu_limit: float = cfg(7.0, gt=0)
+    swiglu_alpha: float = cfg(1.702, gt=0)
+    layer_types: list | None = cfg(None, items=Rule("str", choices=("sliding_attention", "full_attention")))
     attention_bias: bool = True
     sliding_window: int | None = 128
     quantization_config: dict | None = None

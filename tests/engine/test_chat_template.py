@@ -1071,10 +1071,10 @@ def test_no_template_returns_none(tmp_path):
 @pytest.mark.parametrize(
     ("filename", "content", "fragment"),
     [
-        ("tokenizer_config.json", '{"chat_template": "x",', "tokenizer_config.json is not valid JSON (line 1"),
+        ("tokenizer_config.json", '{"chat_template": "x",', "tokenizer_config.json is not valid JSON ("),
         ("tokenizer_config.json", "[1, 2]", "must hold a JSON object"),
-        ("tokenizer_config.json", '{"chat_template": 42}', "must be a string or a list of named templates"),
-        ("tokenizer_config.json", '{"chat_template": [{"name": "a"}]}', "list entries must be"),
+        ("tokenizer_config.json", '{"chat_template": 42}', "chat_template = 42 is not allowed: must be a string"),
+        ("tokenizer_config.json", '{"chat_template": [{"name": "a"}]}', "chat_template[0].template is missing"),
         ("chat_template.json", "{oops}", "chat_template.json is not valid JSON"),
         ("chat_template.json", '{"template": "x"}', 'with a "chat_template" key'),
         ("chat_template.jinja", b"\xff\xfe{{ x }}", "is not valid UTF-8"),

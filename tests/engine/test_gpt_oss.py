@@ -224,7 +224,8 @@ P = "model.layers.1.mlp.experts."
      CheckpointError, "down_proj_bias' is stored as I32; the mxfp4 expert format needs F32, F16 or BF16"),
     (lambda t, c: c["quantization_config"].__setitem__("quant_method", "awq"), UnsupportedModelError,
      "quant_method 'awq': AWQ checkpoints are not supported"),
-    (lambda t, c: c.__setitem__("quantization_config", "mxfp4"), ConfigError, "quantization_config must be an object"),
+    (lambda t, c: c.__setitem__("quantization_config", "mxfp4"), ConfigError,
+     "quantization_config = 'mxfp4' is not allowed: must be a JSON object"),
     (lambda t, c: c.pop("quantization_config"), CheckpointError, "gpt_oss experts cannot be read in the dense format"),
 ])
 def test_malformed_mxfp4_is_one_typed_error(tmp_path, edit, error, message):

@@ -1,0 +1,195 @@
+"""Files moechat reads from a model directory it did not write, and files it writes for itself.
+
+Reading: a model directory is untrusted input. `open_regular` opens with O_NONBLOCK and checks the
+opened descriptor (fstat, so a swap between check and open cannot fool it): a FIFO, a device, a socket
+or a directory is refused before one byte is read, where a plain `open` of a FIFO would wait forever
+for a writer. `read_json_file` adds a size cap (a 40 GB "config.json" is refused from its size, not by
+running out of memory) and turns every way JSON can fail, deep nesting (RecursionError) and 5,000-digit
+integers (ValueError) included, into one typed line naming the file.
+
+Writing: `atomic_write` writes a sibling temporary file, fsyncs it and renames it over the target, so a
+full disk, a read-only directory or a kill -9 mid-write leaves the previous file whole; the temporary
+file is removed on every failure it sees (a kill leaves one `.<name>.<pid>.*.tmp` file, which the next
+write removes once that pid is gone). No torch here: `moechat fit` and the app import this at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, MoechatError
+
+# config.json is a few KB, a big tokenizer_config.json a few MB, an index of 100k tensors ~10 MB.
+MAX_JSON_BYTES = 64 * 2**20
+_TEMP_SUFFIX = ".tmp"
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike, what: str, error: Callable[[str], MoechatError] = ConfigError) -> int:
+    """A read-only descriptor of a regular file, or `error(message)`; never blocks on a FIFO or a device.
+
+    FileNotFoundError is passed through for callers that treat a missing file on its own."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise error(f"{path}: {what} is a directory, not a file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot open {what}: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{path}: {what} is {file_kind(mode)}, not a regular file; refusing to read it "
+                        "(replace it with the real file)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike, what: str, *, max_bytes: int,
+                 error: Callable[[str], MoechatError] = ConfigError) -> bytes:
+    """The bytes of a regular file of at most max_bytes (checked from its size before reading)."""
+    fd = open_regular(path, what, error)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise error(f"{path}: {what} is {size:,} bytes, more than the {max_bytes:,} a {what} can sensibly be; "
+                        "the file is damaged or not what its name says")
+        chunks, total = [], 0
+        while True:  # read to EOF (the file may have grown since fstat): still capped
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > max_bytes:
+                raise error(f"{path}: {what} grew past {max_bytes:,} bytes while being read")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def parse_json(raw: bytes | str, where: str, what: str,
+               error: Callable[[str], MoechatError] = ConfigError) -> Any:
+    """json.loads, every failure one line: bad UTF-8, bad syntax, nesting too deep, an integer too long."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: {what} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{where}: {what} is not valid JSON (not UTF-8: {e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise error(f"{where}: {what} is JSON nested too deeply to be a real {what}; the file is damaged") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise error(f"{where}: {what} holds a value JSON cannot represent here ({e})") from None
+
+
+def read_json_file(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_BYTES,
+                   error: Callable[[str], MoechatError] = ConfigError) -> Any:
+    """Parse a JSON file (any top-level type), or raise `error` naming the file and the problem."""
+    try:
+        raw = read_regular(path, what, max_bytes=max_bytes, error=error)
+    except FileNotFoundError:
+        raise error(f"{path}: {what} not found") from None
+    return parse_json(raw, str(path), what, error)
+
+
+def read_json_object(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_BYTES,
+                     error: Callable[[str], MoechatError] = ConfigError) -> dict:
+    data = read_json_file(path, what, max_bytes=max_bytes, error=error)
+    if not isinstance(data, dict):
+        raise error(f"{path}: {what} must be a JSON object, found {type(data).__name__}")
+    return data
+
+
+# -- writing ---------------------------------------------------------------------------------------------
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+def sweep_temps(path: str | os.PathLike) -> None:
+    """Remove temporary files that writes of `path` by processes no longer alive left behind (a kill -9)."""
+    path = Path(path)
+    prefix = _temp_prefix(path)
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(prefix) and name.endswith(_TEMP_SUFFIX)):
+            continue
+        pid = name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Any], None], *, mode: int = 0o644,
+                 fsync: bool = True) -> None:
+    """Write `data` (bytes, text, or a function writing to a binary file object) to `path`, all or nothing.
+
+    Raises OSError (ENOSPC, EROFS, EACCES...) with the previous file intact and no temporary file left."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=_TEMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:  # the rename itself survives a crash once the directory is synced
+        try:
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
