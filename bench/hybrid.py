@@ -45,14 +45,14 @@ def qwen3_shaped(layers: int) -> Path:
     return path
 
 
-def bench(name: str, path: Path, device: str, runs: int, tokens: int) -> None:
+def bench(name: str, path: Path, device: str, runs: int, tokens: int, fractions=(0.10, 0.25, 0.50)) -> None:
     probe = Engine.load(path, device=device)
     a = probe.args
     total = len(probe.loaded.cls.moe_layers(a)) * a.num_experts
     prompt = list(range(3, 19))
     del probe
     rows = []
-    for frac in (0.10, 0.25, 0.50):
+    for frac in fractions:
         slots = max(1, int(total * frac))
         engines = {m: Engine.load(path, device=device, cache=CacheConfig(expert_slots=slots, on_miss=m,
                                                                           warm_start=False)) for m in MODES}
@@ -93,13 +93,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-shaped model")
     ap.add_argument("--skip-qwen", action="store_true")
     ap.add_argument("--skip-demo", action="store_true")
+    ap.add_argument("--fractions", default="0.1,0.25,0.5", help="shares of the experts in slots, comma-separated")
     args = ap.parse_args()
+    fractions = tuple(float(f) for f in args.fractions.split(","))
     if not args.skip_demo:
         bench("demo model (6 layers x 16 experts, top-2)", ROOT / "assets" / "demo-moe", args.device, args.runs,
-              args.tokens)
+              args.tokens, fractions)
     if not args.skip_qwen:
         bench(f"Qwen3-30B-A3B-shaped ({args.layers} layers x 128 experts, top-8, 9.4 MB experts)",
-              qwen3_shaped(args.layers), args.device, args.runs, args.tokens)
+              qwen3_shaped(args.layers), args.device, args.runs, args.tokens, fractions)
 
 
 if __name__ == "__main__":
