@@ -4,7 +4,6 @@ pinned copies with an event, the result copied back on the compute stream). Outp
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.generate import Engine
