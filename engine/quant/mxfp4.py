@@ -112,11 +112,14 @@ _TILES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] =
 _FACTORS: dict[tuple[int, int], torch.Tensor] = {}
 
 
+# Scratch buffers live across calls made inside and outside torch.inference_mode: they are made as normal
+# tensors (an inference tensor cannot be written outside inference mode; a normal one can be inside).
 def _tile_buffers(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     key = (rows, cols)
     if key not in _TILES:
-        codes = torch.empty(rows, cols // 2, dtype=torch.int32)  # [tile, in/2]: one byte (two codes) a lane
-        _TILES[key] = (codes, torch.empty_like(codes), torch.empty(rows, cols))  # + sign bits, fp32 tile
+        with torch.inference_mode(False):
+            codes = torch.empty(rows, cols // 2, dtype=torch.int32)  # [tile, in/2]: one byte (two codes) a lane
+            _TILES[key] = (codes, torch.empty_like(codes), torch.empty(rows, cols))  # + sign bits, fp32 tile
     return _TILES[key]
 
 
@@ -145,7 +148,8 @@ def scale_factors(scales: torch.Tensor) -> torch.Tensor:
     """scales [R, G] u8 -> 2^(s - 113) [R, G] fp32, built from the exponent bits (a scratch reused per shape)."""
     key = tuple(scales.shape)
     if key not in _FACTORS:
-        _FACTORS[key] = torch.empty(key, dtype=torch.int32)
+        with torch.inference_mode(False):
+            _FACTORS[key] = torch.empty(key, dtype=torch.int32)
     bits = _FACTORS[key]
     bits.copy_(scales)
     bits.add_(127 - 113).bitwise_left_shift_(23)  # fp32 exponent field s - 113 + 127, mantissa 0
@@ -200,10 +204,11 @@ _SCRATCH: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 def _pair_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     key = (dtype, device)
     if key not in _PAIR_LUT:
-        v = torch.tensor(FP4_VALUES, dtype=torch.float32)
-        b = torch.arange(256)
-        _PAIR_LUT[key] = torch.stack([v[b & 0xF], v[b >> 4]], dim=-1).to(dtype=dtype, device=device)  # [256, 2]
-        _SCALE_LUT[key] = torch.ldexp(torch.ones(256), torch.arange(256) - 127).to(dtype=dtype, device=device)
+        with torch.inference_mode(False):
+            v = torch.tensor(FP4_VALUES, dtype=torch.float32)
+            b = torch.arange(256)
+            _PAIR_LUT[key] = torch.stack([v[b & 0xF], v[b >> 4]], dim=-1).to(dtype=dtype, device=device)  # [256, 2]
+            _SCALE_LUT[key] = torch.ldexp(torch.ones(256), torch.arange(256) - 127).to(dtype=dtype, device=device)
     return _PAIR_LUT[key]
 
 

@@ -105,3 +105,15 @@ def test_expert_compute_on_cpu_matches_the_reference(kind, T):
     want = moe_reference(x, tw, ids, mxfp4.dequantize_reference(b13, s13), mxfp4.dequantize_reference(b2, s2),
                          act=act, w13_bias=bias13, w2_bias=bias2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_scratch_made_in_inference_mode_is_written_outside_it():
+    """The engine runs under torch.inference_mode, tests and benches outside it: buffers serve both."""
+    blocks, scales = _packed(40, 160, seed=9)  # a shape no other test uses: its buffers are made here
+    big = scales.clone()
+    big[0, 0] = 250  # the table path and its scratch
+    x1, x3 = torch.randn(1, 160), torch.randn(3, 160)
+    with torch.inference_mode():
+        want = [mxfp4.linear_cpu(x, blocks, s) for x in (x1, x3) for s in (scales, big)]
+    got = [mxfp4.linear_cpu(x, blocks, s) for x in (x1, x3) for s in (scales, big)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
