@@ -152,6 +152,30 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
+def check_finite(t: torch.Tensor, name: str, file: str | os.PathLike, what: str = "") -> None:
+    """CheckpointError naming the tensor when a floating tensor holds NaN or Inf; integer (packed) tensors pass.
+
+    One `aminmax` pass, which propagates NaN and shows an Inf as the min or max: ~10 GB/s on one CPU core for
+    bf16, against ~0.3 GB/s for `isfinite(t).all()`, so checking each weight once, as it is first read, costs
+    a fraction of reading it. FP8 has no Inf; its NaN is a bit pattern (E4M3: S.1111.111)."""
+    if t.numel() == 0:
+        return
+    if t.dtype == torch.float8_e4m3fn:
+        bad = bool(torch.bitwise_and(t.view(torch.uint8), 0x7F).eq_(0x7F).any())
+    elif t.dtype == torch.float8_e5m2:
+        bad = bool(torch.bitwise_and(t.view(torch.uint8), 0x7C).eq_(0x7C).any())
+    elif t.is_floating_point():
+        lo, hi = torch.aminmax(t)
+        bad = not (torch.isfinite(lo) and torch.isfinite(hi))
+    else:
+        return
+    if bad:
+        values = t.float() if t.dtype.itemsize == 1 else t
+        n = int((~torch.isfinite(values)).sum()) if t.dtype.itemsize > 1 else "some"
+        raise CheckpointError(f"{file}: tensor {name!r}{what} holds NaN or Inf ({n} of {t.numel():,} values); the "
+                              "weights are damaged: download the model again", path=str(file), tensor=name)
+
+
 class Checkpoint:
     """The safetensors weights of a model directory: validated headers plus lazy, memory-mapped reads."""
 

@@ -51,6 +51,10 @@ class PromptTooLongError(MoechatError):
     """The prompt (plus what is already in the conversation) does not fit the context."""
 
 
+class NonFiniteLogitsError(MoechatError):
+    """The model produced NaN or Inf logits: the generation ends with this, never with a made-up "stop"."""
+
+
 class GenerationCancelled(MoechatError):
     """Raised inside the engine when the caller cancels; never escapes the public API."""
 

@@ -19,6 +19,7 @@ earlier turns, like Qwen3 dropping old reasoning, just share a shorter prefix).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -33,7 +34,7 @@ from .cache.provider import CacheConfig, build_cached_provider
 from .cache.stats import CacheSnapshot
 from .chat_template import ChatTemplate
 from .checkpoint import read_json
-from .errors import ChatTemplateError, ConfigError, MoechatError, TokenizerError
+from .errors import ChatTemplateError, ConfigError, MoechatError, NonFiniteLogitsError, TokenizerError
 from .kv_cache import KVCache
 from .loader import LoadedModel, load_model
 from .moe import ExpertProvider
@@ -264,7 +265,7 @@ class Engine:
                 seen[: len(history)] = torch.tensor(history, dtype=torch.long)
             n_seen = len(history)
             while True:
-                token = int(sampler(logits, seen[:n_seen] if penalise else None))  # the one host sync per token
+                token = self._sample(sampler, logits, seen[:n_seen] if penalise else None, len(generated))
                 generated.append(token)
                 history.append(token)
                 if penalise:
@@ -298,6 +299,19 @@ class Engine:
                                           decode_rate, self.cache_snapshot())
                     return
                 logits = self._forward(seq, [token])
+
+    def _sample(self, sampler: Sampler, logits: torch.Tensor, seen: torch.Tensor | None, step: int) -> int:
+        """The next token id, read in the one host sync per token together with the logits' min and max: NaN or
+        Inf logits (damaged weights, an fp16 overflow) end the generation with a typed error, where argmax over
+        NaN would return an arbitrary token, often a stop that looks like a normal end."""
+        lo, hi = torch.aminmax(logits)  # [] [] (aminmax propagates NaN)
+        token, lo, hi = torch.stack([sampler(logits, seen).to(torch.float64), lo.double(), hi.double()]).tolist()
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise NonFiniteLogitsError(
+                f"the model produced NaN or Inf logits at generated token {step + 1}: its numbers overflowed or its "
+                f"weights are damaged; the reply was stopped there. Try --dtype bfloat16 or float32 (now "
+                f"{str(self.loaded.dtype).removeprefix('torch.')}), or download the model again")
+        return int(token)
 
     def retune_cache(self, *, expert_slots: int | None = None, policy: str | None = None,
                      ram_cache_bytes: int | None = None, prefetch: str | None = None,

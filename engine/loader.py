@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint, read_json
+from .checkpoint import Checkpoint, check_finite, read_json
 from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .models import ARCHITECTURES, DENSE, PLANNED_MOE, MoEForCausalLM
 from .models.base import BaseModelArgs
@@ -100,11 +100,13 @@ def validate(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint,
 
 
 def _dense_tensor(ckpt: Checkpoint, name: str, fmt: ExpertFormat) -> torch.Tensor:
+    """A dense weight as the model computes with it, checked for NaN/Inf as it is read (a typed error naming it)."""
     t = ckpt.get(name)
     if t.dtype == torch.float8_e4m3fn:
         from .quant.fp8 import dequantize_blocks
 
-        return dequantize_blocks(t, ckpt.get(name + fmt.scale_suffix), fmt.block)
+        t = dequantize_blocks(t, ckpt.get(name + fmt.scale_suffix), fmt.block)
+    check_finite(t, name, ckpt.info(name).file)
     return t
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import Checkpoint, TensorInfo
+from ..checkpoint import Checkpoint, TensorInfo, check_finite
 from ..errors import CheckpointError
 from ..models.base import MoEForCausalLM
 from ..quant.base import ExpertFormat, TensorSpec
@@ -46,6 +46,7 @@ class Segment:
     offset: int
     nbytes: int
     stored: torch.dtype  # the dtype of the bytes in the shard (converted on the way when it is not the slot's)
+    tensor: str = ""  # the checkpoint tensor the bytes belong to (named when they hold NaN or Inf)
 
 
 def expert_shapes(args, dtype: torch.dtype, fmt: ExpertFormat = DENSE) -> dict[str, TensorSpec]:
@@ -76,6 +77,7 @@ class DiskStore:
                 self._segments[(layer, e)] = per_expert(e)
         self._fds: dict[Path, int] = {}
         self._staging: dict[str, torch.Tensor] = {}
+        self._finite: set[tuple[int, int]] = set()  # experts whose weights were checked for NaN/Inf this run
 
     def _layer_segments(self, cls, args, ckpt: Checkpoint, layer: int):
         """expert -> its segments, after checking this layer's expert tensors."""
@@ -163,12 +165,12 @@ class DiskStore:
 
     @classmethod
     def _whole(cls, info: TensorInfo, name: str, r0: int, r1: int) -> Segment:
-        return Segment(name, r0, r1, info.file, info.start, info.nbytes, cls._stored(info))
+        return Segment(name, r0, r1, info.file, info.start, info.nbytes, cls._stored(info), info.name)
 
     @classmethod
     def _slice(cls, info: TensorInfo, name: str, r0: int, r1: int, expert: int) -> Segment:
         per = info.nbytes // info.shape[0]  # bytes of one expert in a fused [E, ...] tensor
-        return Segment(name, r0, r1, info.file, info.start + expert * per, per, cls._stored(info))
+        return Segment(name, r0, r1, info.file, info.start + expert * per, per, cls._stored(info), info.name)
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -180,15 +182,25 @@ class DiskStore:
         _read_exact(self._fd(seg.file), seg.file, out, seg.offset)
 
     def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
+        first = (layer, expert) not in self._finite  # every tier fills from here: one NaN/Inf check per expert
         for seg in self._segments[(layer, expert)]:
             target = dst[seg.name][seg.row_start : seg.row_end]
             if seg.stored == target.dtype and target.device.type == "cpu" and target.is_contiguous():
                 self._pread(seg, target)
+                if first:
+                    self._check_finite(seg, target, layer, expert)
             else:  # convert dtype and/or cross to the device through a host staging buffer
                 staging = self._staging_for(seg.name, seg.stored)[: seg.row_end - seg.row_start]
                 self._pread(seg, staging)
+                if first:
+                    self._check_finite(seg, staging, layer, expert)  # on the host copy: no device sync
                 target.copy_(staging)
+        self._finite.add((layer, expert))
         return DISK, self.expert_bytes
+
+    @staticmethod
+    def _check_finite(seg: Segment, data: torch.Tensor, layer: int, expert: int) -> None:
+        check_finite(data, seg.tensor or seg.name, seg.file, f" (expert {expert} of layer {layer})")
 
     def source_fingerprint(self) -> list:
         """The shards the experts come from (name, size, mtime): a repacked copy is valid while these hold."""
