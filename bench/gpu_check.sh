@@ -18,11 +18,11 @@ mkdir -p "$shim/moechat"
 ln -s "$PWD/engine" "$shim/moechat/engine"
 ln -s "$PWD/app" "$shim/moechat/app"
 export PYTHONPATH="$shim:$PYTHONPATH"
-timeout 300 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/quant/test_mxfp4_triton.py \
+timeout 220 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/quant/test_mxfp4_triton.py \
     tests/engine/test_gpu_hybrid.py -p no:cacheprovider 2>&1 | tail -8
 # hybrid execution: load over PCIe vs host (CPU while the GPU runs the resident experts) vs auto
-timeout 150 python bench/hybrid.py --device cuda --runs 3 --tokens 32 --fractions 0.25 --layers 1 2>&1 \
+timeout 90 python bench/hybrid.py --device cuda --runs 3 --tokens 32 --fractions 0.25 --layers 1 2>&1 \
     | grep -v "Writing model shards"
-timeout 90 python bench/prefetch.py --device cuda --tier ram --runs 3 --new 64 2>&1 | tail -18
-timeout 200 python bench/engine_vs_transformers.py --device cuda --runs 3 2>&1 | grep -v "Writing model shards"
-timeout 150 python bench/quantized_experts.py --device cuda
+timeout 50 python bench/prefetch.py --device cuda --tier ram --runs 3 --new 64 2>&1 | tail -18
+timeout 80 python bench/engine_vs_transformers.py --device cuda --runs 3 2>&1 | grep -v "Writing model shards"
+timeout 90 python bench/quantized_experts.py --device cuda
