@@ -52,6 +52,8 @@ class MoechatApp(App):
         self.hub = hub or HubOptions()
         # `moechat chat --reasoning-effort`: this session only, until a choice in the sampling dialog (saved)
         self.reasoning_effort = reasoning_effort
+        # `moechat chat MODEL --expert-format`: for that model in this session, until a choice in the panel (saved)
+        self.session_formats = {model: options.expert_format} if model and options.expert_format else {}
         self.startup_notices = [n for n in (*notices, settings.problem) if n]
 
     def on_mount(self) -> None:
@@ -65,6 +67,16 @@ class MoechatApp(App):
             self.push_screen(WelcomeScreen(self.settings.recent_models, self.welcome_reason))
         for notice in self.startup_notices:
             self.notify(notice, severity="warning", timeout=10)
+
+    def expert_format(self, model: str) -> str:
+        """The --expert-format to load `model` with: this session's flag, else the one saved for it, else native."""
+        return self.session_formats.get(model) or self.settings.expert_format(model)
+
+    def choose_expert_format(self, model: str, fmt: str) -> str | None:
+        """Remember `fmt` for `model` (saved; replaces this session's flag); returns a problem to show, or None."""
+        self.session_formats.pop(model, None)
+        self.settings.set_expert_format(model, fmt)
+        return self.settings.save()
 
     def open_model(self, model: str) -> None:
         """Chat on `model`: the chat screen on top reloads; any other (the welcome screen) is replaced by a chat."""

@@ -77,6 +77,7 @@ class LoadOptions:
     prefetch: str | None = None  # None: the engine's default when experts are cached
     prefetch_depth: int = 1
     warm_start: bool = True  # fill the slots from the model's saved routing profile
+    expert_format: str | None = None  # native, int8, int4 (None: native); int8/int4 convert once into a repacked file
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,18 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
                             ram_cache_bytes=ram_cache_bytes, prefetch=prefetch,
                             prefetch_depth=options.prefetch_depth, warm_start=options.warm_start, record_trace=True,
                             trace_max_rows=TRACE_ROWS)
-    progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
-    return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache)
+    fmt = options.expert_format or "native"
+    if fmt == "native":
+        progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
+    else:
+        from .fit import repacked_formats
+
+        first = fmt not in repacked_formats(path)
+        progress(f"loading {path.name} on {device} with {fmt} experts"
+                 + (" (the first start converts every expert into a repacked file: minutes for a big model)"
+                    if first else " (from the repacked file written at the first start)"))
+    return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache,
+                       expert_format=None if fmt == "native" else fmt)
 
 
 def leave_a_core_for_the_ui(torch) -> int:
@@ -188,7 +199,8 @@ def _cache_defaults(path: Path, device: str, options: LoadOptions, progress) -> 
     try:
         return cache_defaults(path, device=device, dtype=options.dtype, context=options.context,
                               expert_slots=options.expert_slots, ram_cache_mb=options.ram_cache_mb,
-                              warn=lambda message: progress(f"warning: {message}"))
+                              warn=lambda message: progress(f"warning: {message}"),
+                              expert_format=options.expert_format)
     except Exception:  # noqa: BLE001 - a model the planner cannot read still loads (the loader explains)
         return options.expert_slots, None if options.ram_cache_mb is None else options.ram_cache_mb << 20
 
@@ -227,9 +239,49 @@ def cache_state(engine, snap) -> CacheState | None:
                       getattr(snap, "prefetch_depth", 0))
 
 
+def format_info(engine, moe_layers: int | None) -> tuple[str, str, dict[str, int], frozenset[str]]:
+    """(format held, native format, every expert's bytes per format it can run in, formats already repacked).
+
+    The converted sizes come from the planner's byte formulas (engine/plan.py, equal to engine/quant's layouts);
+    native's from the checkpoint's own format. Best effort: what cannot be read is left out, never an error."""
+    loaded = getattr(engine, "loaded", None)
+    held = getattr(getattr(loaded, "expert_format", None), "name", None)
+    native = getattr(loaded, "native_format", None) or getattr(loaded, "expert_format", None)
+    native_name = getattr(native, "name", "")
+    fmt = "native" if held in (None, native_name) else held
+    args = engine.args
+    n = (moe_layers or int(args.num_hidden_layers)) * int(args.num_experts)
+    sizes: dict[str, int] = {}
+    try:
+        sizes["native"] = n * native.expert_bytes(args.hidden_size, args.moe_intermediate, loaded.dtype,
+                                                  args.expert_bias)
+    except Exception:  # noqa: BLE001 - a fake or partial engine: the store's size when it holds native experts
+        store_bytes = getattr(getattr(getattr(engine, "provider", None), "store", None), "expert_bytes", None)
+        if fmt == "native" and store_bytes:
+            sizes["native"] = n * store_bytes
+    try:
+        from moechat.engine.plan import FLOAT_SIZES, packed_expert_tensors
+
+        elem = FLOAT_SIZES[str(loaded.dtype).removeprefix("torch.")]
+        bias = bool(getattr(args, "expert_bias", False))
+        for name in ("int8", "int4"):
+            tensors = packed_expert_tensors(name, int(args.hidden_size), int(args.moe_intermediate), elem, bias)
+            sizes[name] = n * sum(t.nbytes for t in tensors)
+    except Exception:  # noqa: BLE001 - no sizes for a model whose widths the format cannot take (or a fake)
+        pass
+    try:
+        from .fit import repacked_formats
+
+        repacked = repacked_formats(getattr(loaded, "model_dir", None))
+    except Exception:  # noqa: BLE001 - an unreadable cache dir: nothing is known to be written
+        repacked = frozenset()
+    return fmt, native_name, sizes, repacked
+
+
 def describe(engine, model: str) -> ModelInfo:
     args = engine.args
     loaded = getattr(engine, "loaded", None)
+    fmt, native, sizes, repacked = format_info(engine, _moe_layer_count(engine))
     try:
         defaults = dataclasses.asdict(engine.sampling())
     except Exception:
@@ -249,6 +301,7 @@ def describe(engine, model: str) -> ModelInfo:
         has_chat_template=getattr(engine, "chat_template", True) is not None,
         reads_reasoning_effort=_template_reads(engine, "reasoning_effort"),
         cache=cache_state(engine, engine.cache_snapshot()),
+        expert_format=fmt, native_format=native, format_bytes=sizes, repacked=repacked,
     )
 
 
@@ -305,8 +358,15 @@ class EngineBridge(Widget):
                 self._lock.release()
 
     # -- loading --------------------------------------------------------------------------------------
+    def load(self, model: str, expert_format: str | None = None) -> None:
+        """Load `model` (the one loaded before is closed); `expert_format` replaces the options' for this load
+        and the next ones (the panel's format choice reloads through here)."""
+        if expert_format is not None:
+            self.options = dataclasses.replace(self.options, expert_format=expert_format)
+        self._load(model)
+
     @work(thread=True, exclusive=True, group="engine-load", exit_on_error=False)
-    def load(self, model: str) -> None:
+    def _load(self, model: str) -> None:
         t0 = time.monotonic()
 
         def progress(stage: str) -> None:

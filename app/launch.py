@@ -56,6 +56,11 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
                        "experts beyond it stream from disk (default: every expert in RAM)")
     cache.add_argument("--resident", action="store_true", help="no cache: every expert on the device (the "
                        "heatmap stays empty until slots are set in the panel)")
+    cache.add_argument("--expert-format", choices=["native", "int8", "int4"], default=None,
+                       help="how every tier holds the experts, for this session: native (as the checkpoint ships "
+                       "them), int8 or int4 (converted once into a repacked file under $XDG_CACHE_HOME/moechat/"
+                       "repacked); default: the one chosen for this model in the app's panel, else native. `moechat "
+                       "fit MODEL` says which one to use")
     from moechat.engine.cache.prefetch import MAX_PREFETCH_DEPTH, PREFETCH_MODES  # pure Python: no torch
 
     cache.add_argument("--prefetch", choices=list(PREFETCH_MODES), default=None,
@@ -72,7 +77,8 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> LoadOptions:
     return LoadOptions(dtype=args.dtype, device=args.device, context=args.context, expert_slots=args.expert_slots,
                        policy=args.policy, ram_cache_mb=args.ram_cache_mb, resident=args.resident,
-                       prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, warm_start=args.warm_start)
+                       prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, warm_start=args.warm_start,
+                       expert_format=args.expert_format)
 
 
 def _run(app) -> int:
@@ -121,11 +127,14 @@ def run_default() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .guard import guarded, take_debug_flag
+
+    debug, argv = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(prog="moechat")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_chat_parser(sub)
     args = parser.parse_args(argv)
-    return run_default() if args.command is None else args.handler(args)
+    return guarded(lambda: run_default() if args.command is None else args.handler(args), debug=debug)
 
 
 if __name__ == "__main__":

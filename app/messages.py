@@ -52,6 +52,10 @@ class ModelInfo:
     has_chat_template: bool = True
     reads_reasoning_effort: bool = False  # the chat template reads `reasoning_effort` (gpt-oss)
     cache: CacheState | None = None  # None: every expert resident (no cache)
+    expert_format: str = "native"  # the --expert-format the experts are held in: native, int8 or int4
+    native_format: str = ""  # how the checkpoint ships them, as the engine names it: dense, mxfp4, fp8
+    format_bytes: dict = field(default_factory=dict)  # every expert's bytes in each format it can run in
+    repacked: frozenset = frozenset()  # converted formats whose repacked file is already written (reused)
 
 
 # -- loading ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 
 The file holds what a user would expect to be remembered between runs: recent models, the system
 prompt, sampling overrides (absent keys mean "the model's generation_config.json default"), the
-reasoning effort for models whose template reads one (absent: the template's default), whether the
+reasoning effort for models whose template reads one (absent: the template's default), the expert
+format chosen per model (`[expert_format]`, model path -> int8 | int4; absent: native), whether the
 dashboard is shown. A writer of ~40 lines covers the types used here (str, int, float, bool, lists
 of str, one level of tables), so there is no TOML-writing dependency. A file that does not parse is
 not fatal: the defaults are used and `Settings.problem` says why, for a notice.
@@ -29,6 +30,7 @@ except ModuleNotFoundError:  # Python 3.10: settings are written, and read back 
 APP_NAME = "moechat"
 MAX_RECENT_MODELS = 10
 # The sampling overrides a user may set, with their types (the names of SamplingParams' fields).
+EXPERT_FORMATS = ("native", "int8", "int4")  # moechat run --expert-format
 SAMPLING_KEYS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
                                   "repetition_penalty": float, "seed": int}
 
@@ -108,6 +110,7 @@ class Settings:
     reasoning_effort: str | None = None  # "low" | "medium" | "high"; None: the chat template's default
     show_dashboard: bool = True
     theme: str = "textual-dark"
+    expert_formats: dict[str, str] = field(default_factory=dict)  # model -> int8 | int4 chosen for it (else native)
     problem: str | None = None  # why the file could not be read, for a notice
 
     @classmethod
@@ -139,6 +142,9 @@ class Settings:
             value = data.get("sampling", {}).get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 settings.sampling[key] = kind(value)
+        formats = data.get("expert_format", {})
+        if isinstance(formats, dict):
+            settings.expert_formats = {m: f for m, f in formats.items() if f in EXPERT_FORMATS[1:]}
         if isinstance(ui.get("show_dashboard"), bool):
             settings.show_dashboard = ui["show_dashboard"]
         if isinstance(ui.get("theme"), str):
@@ -148,6 +154,18 @@ class Settings:
     @property
     def last_model(self) -> str | None:
         return self.recent_models[0] if self.recent_models else None
+
+    def expert_format(self, model: str) -> str:
+        """The --expert-format chosen for `model` in the app ("native" unless int8/int4 was chosen)."""
+        return self.expert_formats.get(model, "native")
+
+    def set_expert_format(self, model: str, fmt: str) -> None:
+        if fmt not in EXPERT_FORMATS:
+            raise ValueError(f"expert format {fmt!r}: use one of {', '.join(EXPERT_FORMATS)}")
+        if fmt == "native":
+            self.expert_formats.pop(model, None)
+        else:
+            self.expert_formats[model] = fmt
 
     def remember_model(self, model: str) -> None:
         self.recent_models = [model, *[m for m in self.recent_models if m != model]][:MAX_RECENT_MODELS]
@@ -159,6 +177,7 @@ class Settings:
                      "reasoning_effort": self.reasoning_effort},
             "sampling": dict(self.sampling),
             "ui": {"show_dashboard": self.show_dashboard, "theme": self.theme},
+            "expert_format": dict(self.expert_formats),
         }
 
     def save(self) -> str | None:

@@ -299,10 +299,21 @@ class FitVerdict:
     download_bytes: int
     cached_bytes: int
     source: str  # "local snapshot" | "Hub safetensors headers" | "Hub config.json (estimate)"
+    formats: object | None = None  # format_plan.FormatAdvice: every expert format planned, the one to run
+
+    @property
+    def expert_format(self) -> str:
+        """The --expert-format to run it with: the recommended one ("native" when none fits)."""
+        return getattr(self.formats, "recommended", None) or "native"
+
+    @property
+    def best_plan(self):
+        """The plan in the recommended expert format (the native `plan` when none is recommended)."""
+        return self.formats.best.plan if self.formats is not None else self.plan
 
     @property
     def fits(self) -> bool:
-        return bool(self.plan.ok)
+        return bool(self.best_plan.ok)
 
     @property
     def verdict(self) -> str:
@@ -312,18 +323,20 @@ class FitVerdict:
 
     @property
     def decode_tok_s(self) -> tuple[float, float] | None:
-        d = self.plan.decode
+        d = self.best_plan.decode
         return None if d is None else (d.low, d.high)
 
     def summary(self) -> str:
         parts = []
         if not self.supported:
             parts.append(f"not supported yet ({self.why_unsupported})")
-        if self.plan.ok:
-            d = self.plan.decode
-            parts.append("fits" + (f", {d.low:.1f}-{d.high:.1f} tok/s predicted" if d is not None else ""))
+        plan = self.best_plan
+        if plan.ok:
+            d = plan.decode
+            how = "" if self.expert_format == "native" else f" with --expert-format {self.expert_format}"
+            parts.append(f"fits{how}" + (f", {d.low:.1f}-{d.high:.1f} tok/s predicted" if d is not None else ""))
         else:
-            parts.append(f"does not fit: {self.plan.refusal.message}")
+            parts.append(f"does not fit: {plan.refusal.message}")
         left = self.download_bytes - self.cached_bytes
         parts.append(f"{_fmt(left)} to download" if left > 0 else "downloaded")
         return "; ".join(parts)
@@ -332,7 +345,9 @@ class FitVerdict:
         return {"repo_id": self.repo_id, "revision": self.sha, "verdict": self.verdict, "fits": self.fits,
                 "supported": self.supported, "why_unsupported": self.why_unsupported,
                 "download_bytes": self.download_bytes, "cached_bytes": self.cached_bytes, "source": self.source,
-                "decode_tok_s": self.decode_tok_s, "plan": self.plan.to_json(), "spec": self.spec.to_json()}
+                "decode_tok_s": self.decode_tok_s, "plan": self.plan.to_json(), "spec": self.spec.to_json(),
+                "expert_format": self.expert_format,
+                "formats": None if self.formats is None else self.formats.to_json()}
 
 
 @dataclass(frozen=True)
@@ -714,8 +729,9 @@ class Hub:
         A complete local snapshot is planned from its own files; else config.json and the safetensors headers
         come from the Hub (`exact=False`: config.json alone, faster for long lists).
         """
+        from .format_plan import plan_formats
         from .hardware import probe
-        from .plan import Preferences, make_plan, read_model_spec
+        from .plan import Preferences, read_model_spec
 
         local = self.local_snapshot(repo_id, revision) if listing is None else None
         if local is not None:
@@ -728,11 +744,12 @@ class Hub:
             cached = self.cached_bytes(repo_id, listing)
             source = "Hub safetensors headers" if exact else "Hub config.json (estimate)"
         hw = hardware if hardware is not None else probe(self.cache)
-        plan = make_plan(spec, hw, prefs if prefs is not None else Preferences())
+        formats = plan_formats(spec, hw, prefs if prefs is not None else Preferences())  # native, int8, int4
         supported = spec.model_type in SUPPORTED_TYPES
         why = None if supported else MISSING_FEATURES.get(spec.model_type, f"model_type {spec.model_type} is "
                                                           "not implemented")
-        return FitVerdict(repo_id, sha, spec, plan, hw, supported, why, download, cached, source)
+        return FitVerdict(repo_id, sha, spec, formats.option("native").plan, hw, supported, why, download, cached,
+                          source, formats)
 
     # -- the catalog and search ----------------------------------------------------------------------------
     def catalog(self, hardware=None, prefs=None, *, entries: Sequence[CatalogEntry] = CATALOG, refresh: bool = True,

@@ -44,9 +44,9 @@ from ..widgets.dashboard import Dashboard
 from ..widgets.loading import LoadingPanel
 from ..widgets.prompt import PromptInput
 from ..widgets.transcript import AssistantMessage, Transcript
-from ..widgets.tuning import TuningPanel
+from ..widgets.tuning import NATIVE_NAMES, TuningPanel
 from .chats import ChatsScreen
-from .dialogs import OpenModelScreen, SamplingScreen, SystemPromptScreen
+from .dialogs import FormatScreen, OpenModelScreen, SamplingScreen, SystemPromptScreen, format_change_text
 
 # The panel redraws at most 4 times a second, whatever the governor says: a redraw repaints only the labels,
 # sparkline and heatmap rows that changed (~1-2 ms of the UI thread), and bench/tui_overhead.py measures it
@@ -119,7 +119,7 @@ class ChatScreen(Screen):
         self.info = None
         self.query_one(LoadingPanel).show_stage(Path(model).name, "starting", 0.0)
         self.dashboard.show_model(None, loading=f"loading {Path(model).name}…")
-        self.bridge.load(model)
+        self.bridge.load(model, expert_format=self.app.expert_format(model))
 
     # -- engine messages ------------------------------------------------------------------------------
     def on_load_progress(self, message: LoadProgress) -> None:
@@ -212,6 +212,28 @@ class ChatScreen(Screen):
             return
         self.bridge.retune(expert_slots=message.expert_slots, policy=message.policy,
                            ram_cache_bytes=message.ram_cache_bytes, prefetch=message.prefetch)
+
+    def on_tuning_panel_format_chosen(self, message: TuningPanel.FormatChosen) -> None:
+        """Another expert format: confirm (it reloads, and a first conversion writes a repacked file), then reload."""
+        info, tuning = self.info, self.query_one(TuningPanel)
+        if info is None:
+            tuning.reset_format()
+            return
+        fmt, model = message.expert_format, self.model
+        size, repacked = info.format_bytes.get(fmt), fmt in info.repacked
+        native = NATIVE_NAMES.get(info.native_format) or info.dtype
+
+        def done(confirmed: bool | None) -> None:
+            if not confirmed:
+                tuning.reset_format()
+                return
+            problem = self.app.choose_expert_format(model, fmt)
+            if problem:
+                self.notify(problem, severity="warning")
+            self.notify(format_change_text(info.name, fmt, size, repacked, native), title="Expert format", timeout=15)
+            self.call_later(self._reload, model)
+
+        self.app.push_screen(FormatScreen(info.name, fmt, size, repacked, native), done)
 
     # -- sending and replies --------------------------------------------------------------------------
     @on(PromptInput.Submitted)

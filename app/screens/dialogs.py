@@ -1,4 +1,5 @@
-"""Modal dialogs: the system prompt, the sampling parameters, and opening another model."""
+"""Modal dialogs: the system prompt, the sampling parameters, opening another model, and changing the expert
+format (a reload)."""
 
 from __future__ import annotations
 
@@ -144,6 +145,64 @@ class SamplingScreen(ModalScreen[SamplingChoice | None]):
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+REPACK_DIR = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py default_repack_dir
+
+
+def format_change_text(model: str, fmt: str, size: int | None, repacked: bool, native: str) -> str:
+    """What a switch to `fmt` costs: the notice shown when the reload starts (and the dialog's body)."""
+    from ..livestats import fmt_bytes
+
+    if fmt == "native":
+        return (f"Reloading {model} with its native experts ({native or 'as the checkpoint ships them'}); a "
+                "repacked file written for another format stays on disk for a later switch.")
+    where = f"{fmt_bytes(size)} repacked file" if size else "repacked file (as big as the experts in that format)"
+    if repacked:
+        return f"Reloading {model} with {fmt} experts, from the {where} written at an earlier start."
+    return (f"Reloading {model} with {fmt} experts. The first start converts every expert once into a {where} "
+            f"under {REPACK_DIR} (reused on later starts); for a big model that takes minutes.")
+
+
+def format_quality(fmt: str) -> str:
+    """The measured quality of a converted format (engine/format_plan.py's QUALITY), one line."""
+    from moechat.engine.format_plan import QUALITY, QUALITY_SOURCE  # pure Python, no torch
+
+    q = QUALITY.get(fmt)
+    return "" if q is None else f"Measured: {q.describe()} ({QUALITY_SOURCE})."
+
+
+class FormatScreen(ModalScreen[bool]):
+    """Confirm a change of expert format: it reloads the model (and the first start in int8/int4 converts it)."""
+
+    BINDINGS = CANCEL
+
+    def __init__(self, model: str, fmt: str, size: int | None, repacked: bool, native: str):
+        super().__init__(classes="dialog-screen")
+        self.model, self.fmt = model, fmt
+        self.text = format_change_text(model, fmt, size, repacked, native)
+
+    def compose(self):
+        with Vertical(classes="dialog") as box:
+            box.border_title = f"Expert format: {self.fmt}"
+            yield Label(self.text.replace("Reloading", "This reloads", 1), classes="hint", id="format-text",
+                        markup=False)
+            quality = format_quality(self.fmt)
+            if quality:
+                yield Label(quality, classes="hint", markup=False)
+            yield Label("The chat stays; the reply being written is stopped. `moechat fit MODEL` compares the formats.",
+                        classes="hint", markup=False)
+            with Horizontal(classes="buttons"):
+                yield Button("Reload", id="reload", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    @on(Button.Pressed, "#reload")
+    def _reload(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(False)
 
 
 class ModelPicker(Vertical):

@@ -45,8 +45,8 @@ from ..messages import (
     SetupFailed,
 )
 
-COLUMNS = (("Model", "model"), ("Verdict", "verdict"), ("Predicted", "speed"), ("Download", "download"),
-           ("Family", "family"), ("Params / active", "params"), ("Note", "note"))
+COLUMNS = (("Model", "model"), ("Verdict", "verdict"), ("Predicted", "speed"), ("Experts", "format"),
+           ("Download", "download"), ("Family", "family"), ("Params / active", "params"), ("Note", "note"))
 CHECK_WORKERS = 4  # rows checked at once: each is 2-3 small requests (listing, config.json, index)
 SEARCH_LIMIT = 20
 PICK_HINT = ("Enter on a model: its exact plan for this machine, read from the safetensors headers (no weights "
@@ -116,6 +116,33 @@ def _tok_s(verdict) -> str:
         return ""
     low, high = (_rate(x) for x in speed)
     return f"{low} tok/s" if low == high else f"{low}-{high} tok/s"
+
+
+def _format(verdict) -> str:
+    """The expert format a row's speed is predicted in: the recommended one ("native" is shown as stored)."""
+    formats = getattr(verdict, "formats", None) if verdict is not None else None
+    if formats is None or not verdict.fits:
+        return ""
+    if formats.recommended == "native":
+        return f"native {verdict.spec.expert_format_name}"
+    return formats.recommended
+
+
+def format_lines(verdict) -> list[str]:
+    """The plan's expert formats: the recommended one with why, then each format's line (engine/format_plan.py)."""
+    formats = getattr(verdict, "formats", None)
+    if formats is None:
+        return []
+    best = formats.option(formats.recommended) if formats.recommended else None
+    if best is None:
+        lines = [f"expert format: {formats.reason}"]
+    elif best.name == "native":
+        lines = [f"expert format: native {verdict.spec.expert_format_name}, recommended ({formats.reason})"]
+    else:
+        lines = [f"expert format: {best.headline()}, recommended: {formats.reason}. Download and chat loads it in "
+                 f"{best.name} (the first start converts the experts; the panel changes it)"]
+    lines += [f"  {'*' if o.name == formats.recommended else '-'} {o.name}: {o.describe()}" for o in formats.options]
+    return lines
 
 
 def _short(text: str, repo_id: str = "", limit: int = 60) -> str:
@@ -271,8 +298,8 @@ class SetupScreen(Screen[str | None]):
             note = _short(s.error, e.repo_id)
         else:
             note = e.note
-        cells = {"model": e.repo_id, "verdict": word, "speed": _tok_s(verdict), "download": download,
-                 "family": e.family, "params": _params(e), "note": note}
+        cells = {"model": e.repo_id, "verdict": word, "speed": _tok_s(verdict), "format": _format(verdict),
+                 "download": download, "family": e.family, "params": _params(e), "note": note}
         return tuple(cells[key] for _, key in COLUMNS)
 
     def _update_row(self, repo_id: str) -> None:
@@ -438,7 +465,20 @@ class SetupScreen(Screen[str | None]):
     def on_download_finished(self, message: DownloadFinished) -> None:
         self._download_ended()
         self.notify(f"{message.repo_id} is ready: opening the chat on it.", title="Downloaded", timeout=6)
-        self.dismiss(message.path)
+        self._finish(message.path)
+
+    def _finish(self, path: str) -> None:
+        """Dismiss with the model's path; a recommended conversion becomes that model's expert format (settings),
+        which the chat then loads it in, unless the user chose one for it before."""
+        verdict = self.verdict
+        fmt = verdict.expert_format if verdict is not None else "native"
+        settings = getattr(self.app, "settings", None)
+        if settings is not None and fmt != "native" and path not in settings.expert_formats:
+            settings.set_expert_format(path, fmt)
+            problem = settings.save()
+            if problem:
+                self.notify(problem, severity="warning")
+        self.dismiss(path)
 
     def on_setup_failed(self, message: SetupFailed) -> None:
         if message.what == "download":
@@ -493,7 +533,7 @@ class SetupScreen(Screen[str | None]):
         self.query_one("#setup-summary", Static).update("\n".join(x for x in lines if x is not None))
 
     def _show_plan(self, verdict, download, local: str | None) -> None:
-        spec, plan = verdict.spec, verdict.plan
+        spec, plan = verdict.spec, verdict.best_plan  # the plan in the recommended expert format
         head = {"fits": "FITS", "does not fit": "DOES NOT FIT", "unsupported": "NOT SUPPORTED YET"}[verdict.verdict]
         lines = [f"{verdict.repo_id}" + (f" at {verdict.sha[:12]}" if verdict.sha else "") + f" ({spec.model_type})"
                  f": {head} on this machine"]
@@ -512,6 +552,7 @@ class SetupScreen(Screen[str | None]):
         lines.append(f"sizes from {verdict.source}" + (" (estimates)" if spec.estimated else " (exact)")
                      + f"; plan: {plan.expert_slots} of {plan.total_experts} experts in device slots, "
                      f"{plan.host_tier}, context {plan.context:,}")
+        lines += format_lines(verdict)
         self.query_one("#setup-summary", Static).update("\n".join(lines))
         self.query_one("#setup-decisions", Static).update("\n".join(
             f"• {d.item}" + ("" if d.bytes is None else f" {_size(d.bytes)}") + ("" if d.where in ("", "-") else
@@ -579,7 +620,7 @@ class SetupScreen(Screen[str | None]):
             self.notify(f"{repo_id} is not supported yet: {verdict.why_unsupported}", severity="warning")
             return
         if self.local is not None:
-            self.dismiss(self.local)
+            self._finish(self.local)
             return
         self.downloading = repo_id
         self.last_progress = None

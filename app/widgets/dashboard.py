@@ -113,7 +113,9 @@ class Dashboard(Vertical):
             heatmap.set_placeholder("no expert cache: every expert is resident; set slots below to cache")
         else:
             heatmap.set_placeholder("no routing yet: send a message")
-        self.query_one(TuningPanel).show_state(info.cache)
+        tuning = self.query_one(TuningPanel)
+        tuning.show_state(info.cache)
+        tuning.show_format(info)
 
     def show_stats(self, s: DashboardStats) -> None:
         self.stats = s

@@ -1,4 +1,5 @@
-"""The tuning panel: expert slots, the RAM tier's size, the eviction policy and prefetch, changed live.
+"""The tuning panel: expert slots, the RAM tier's size, the eviction policy and prefetch, changed live; and the
+expert format (native, int8, int4), which takes a reload.
 
 Textual has no slider, so each knob is an integer `Input` (Enter or leaving the field applies it;
 Up/Down step it by a sixteenth of the range, like a slider's arrow keys); the policy and the cross-layer
@@ -10,6 +11,10 @@ Under the slots knob, the hit rate LRU would reach at the slot count shown, read
 stack-distance pass over the routing seen so far, computed by the bridge off the UI thread; see
 engine/cache/mrc.py): it follows the knob as it is stepped or typed, before anything is applied, so
 the knob can be set by the curve. Hidden until a curve has arrived.
+
+The format `Select` posts `TuningPanel.FormatChosen`: the chat screen confirms it (the first start in a
+converted format writes a repacked file as big as the experts in that format, shown beside the knob) and
+reloads the model through the bridge.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from textual.validation import Integer
 from textual.widgets import Input, Label, Select
 
 from ..livestats import fmt_bytes
-from ..messages import CacheState
+from ..messages import CacheState, ModelInfo
 
 if TYPE_CHECKING:
     from moechat.engine.cache.mrc import HitCurve
@@ -73,6 +78,20 @@ def describe_prediction(curve: HitCurve, slots: int | None) -> str:
     return f"{head}\n  ({curve.policy.upper()} on {curve.source or 'recorded routing'}, {curve.tokens:,} tokens)"
 
 
+EXPERT_FORMATS = ("native", "int8", "int4")
+NATIVE_NAMES = {"dense": "", "mxfp4": "MXFP4", "fp8": "FP8"}  # dense: the compute dtype says it
+
+
+def describe_format(info: ModelInfo | None, fmt: str) -> str:
+    """Beside the format knob: all the experts' size in that format (for native, MXFP4 or FP8 named too)."""
+    if info is None:
+        return ""
+    size = info.format_bytes.get(fmt)
+    what = NATIVE_NAMES.get(info.native_format, info.native_format) if fmt == "native" else ""  # bf16: the header
+    return " · ".join(x for x in (what, fmt_bytes(size) if size else "") if x)
+
+
+
 class TuningPanel(Vertical):
     @dataclass
     class Changed(Message):
@@ -81,12 +100,19 @@ class TuningPanel(Vertical):
         ram_cache_bytes: int | None = None  # 0: every expert in RAM
         prefetch: str | None = None
 
+    @dataclass
+    class FormatChosen(Message):
+        """The user picked another expert format: a reload, which the screen confirms first."""
+
+        expert_format: str  # native | int8 | int4
+
     def __init__(self, policies: tuple[str, ...], prefetch_modes: tuple[str, ...] = (), **kwargs):
         super().__init__(**kwargs)
         self.policies = policies
         self.prefetch_modes = prefetch_modes
         self.state: CacheState | None = None
         self.curve: HitCurve | None = None
+        self.info: ModelInfo | None = None  # the loaded model: its expert format and sizes
 
     def compose(self):
         with Horizontal(classes="knob"):
@@ -108,6 +134,10 @@ class TuningPanel(Vertical):
                 yield Label("fetch", classes="knob-label")
                 yield Select([(m, m) for m in self.prefetch_modes], id="prefetch", allow_blank=True, compact=True,
                              prompt="–")
+        with Horizontal(classes="knob"):
+            yield Label("format", classes="knob-label")
+            yield Select([(f, f) for f in EXPERT_FORMATS], id="format", allow_blank=True, compact=True, prompt="–")
+            yield Label("", id="format-of", classes="knob-note", markup=False)
         yield Label("now: waiting for the model…", id="effective")
 
     def on_mount(self) -> None:
@@ -159,6 +189,32 @@ class TuningPanel(Vertical):
         for prefetch in self.query("#prefetch").results(Select):
             with prefetch.prevent(Select.Changed):
                 prefetch.value = state.prefetch if state.prefetch in self.prefetch_modes else Select.BLANK
+
+    def show_format(self, info: ModelInfo | None) -> None:
+        """The loaded model's expert format on the knob, with the formats it can take (does not post)."""
+        self.info = info
+        select = self.query_one("#format", Select)
+        if info is None:
+            return
+        names = [f for f in EXPERT_FORMATS if f == "native" or f in info.format_bytes] if info.format_bytes else \
+            list(EXPERT_FORMATS)
+        with select.prevent(Select.Changed):
+            select.set_options([(f, f) for f in names])
+            select.value = info.expert_format if info.expert_format in names else Select.BLANK
+        self.query_one("#format-of", Label).update(describe_format(info, info.expert_format))
+
+    def reset_format(self) -> None:
+        """Back to the format the model is loaded in (a change that was not confirmed)."""
+        self.show_format(self.info)
+
+    @on(Select.Changed, "#format")
+    def _format(self, event: Select.Changed) -> None:
+        event.stop()
+        if event.value is Select.BLANK or self.info is None:
+            return
+        self.query_one("#format-of", Label).update(describe_format(self.info, str(event.value)))
+        if event.value != self.info.expert_format:
+            self.post_message(self.FormatChosen(str(event.value)))
 
     @on(Input.Submitted, "#slots")
     def _slots(self, event: Input.Submitted) -> None:

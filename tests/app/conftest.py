@@ -116,7 +116,9 @@ class FakeEngine:
 
     def __post_init__(self):
         L, E = self.num_layers, self.num_experts
-        self.args = SimpleNamespace(num_hidden_layers=L, num_experts=E, top_k=self.top_k, model_type="fake_moe")
+        # hidden 256 x expert width 128: the sizes the panel shows for each expert format (1 MiB a native expert)
+        self.args = SimpleNamespace(num_hidden_layers=L, num_experts=E, top_k=self.top_k, model_type="fake_moe",
+                                    hidden_size=256, moe_intermediate=128, expert_bias=False)
         self.loaded = SimpleNamespace(model_dir=Path("/models/fake-moe"), dtype="torch.float32", device="cpu",
                                       cls=None)
         self.provider = SimpleNamespace(store=SimpleNamespace(expert_bytes=self.expert_bytes))

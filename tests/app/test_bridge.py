@@ -50,3 +50,45 @@ def test_memory_probe_without_nvidia():
     reading = MemoryProbe().read()
     assert reading.ram_total_bytes > 0 and 0 < reading.process_rss_bytes < reading.ram_total_bytes
     assert reading.gpus or reading.vram_note  # a GPU's numbers, or why there are none
+
+
+def test_describe_says_the_expert_format_and_its_sizes(fakes):
+    info = describe(fakes.Engine(num_layers=4, num_experts=16), "/models/fake-moe")
+    n = 4 * 16
+    assert (info.expert_format, info.native_format, info.repacked) == ("native", "", frozenset())
+    # native from the store (1 MiB an expert); int8/int4 from the planner's formulas at hidden 256 x width 128, fp32
+    assert info.format_bytes == {"native": n << 20, "int8": n * (3 * 256 * 128 + 4 * (2 * 128 + 256)),
+                                 "int4": n * (3 * 256 * 128 // 2 + 4 * (2 * 128 * 256 // 32 + 256 * 128 // 32))}
+
+
+def test_load_engine_converts_the_experts_and_describes_them(tiny_models, monkeypatch, tmp_path):
+    import torch
+
+    from moechat.app.bridge import LoadOptions, load_engine
+    from moechat.app.fit import repack_dir
+    from moechat.engine.quant import get_format
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path, _ = tiny_models["qwen3_moe"]
+    stages = []
+    engine = load_engine(str(path), LoadOptions(device="cpu", expert_format="int8", prefetch="off"), stages.append)
+    try:
+        info = describe(engine, str(path))
+        args = engine.args
+        n = len(engine.loaded.cls.moe_layers(args)) * args.num_experts
+        assert info.expert_format == "int8" and info.native_format == "dense" and info.repacked == {"int8"}
+        assert (repack_dir(path, "int8") / "experts.bin").is_file()
+        for fmt in ("int8", "int4"):
+            want = get_format(fmt).expert_bytes(args.hidden_size, args.moe_intermediate, engine.loaded.dtype,
+                                                args.expert_bias)
+            assert info.format_bytes[fmt] == n * want
+        assert info.format_bytes["native"] == n * args.hidden_size * args.moe_intermediate * 3 * \
+            engine.loaded.dtype.itemsize
+        assert any("with int8 experts (the first start converts every expert" in s for s in stages)
+        assert engine.loaded.expert_format.name == "int8" and engine.loaded.dtype in (torch.float32, torch.bfloat16)
+    finally:
+        engine.close()
+    stages.clear()
+    engine = load_engine(str(path), LoadOptions(device="cpu", expert_format="int8", prefetch="off"), stages.append)
+    engine.close()
+    assert any("from the repacked file written at the first start" in s for s in stages)

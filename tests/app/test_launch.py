@@ -56,6 +56,21 @@ def test_run_chat_passes_the_reasoning_effort_for_the_session(captured, tmp_path
     with pytest.raises(SystemExit):
         _parse("chat", "x", "--reasoning-effort", "extreme")
 
+def test_run_chat_takes_the_expert_format_for_that_model_this_session(captured, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    assert launch.run_chat(_parse("chat", str(model), "--expert-format", "int4")) == 0
+    assert launch.run_chat(_parse("chat", str(model))) == 0
+    flagged, plain = captured
+    assert flagged.load_options.expert_format == "int4" and plain.load_options.expert_format is None
+    path = str(model.resolve())
+    assert flagged.expert_format(path) == "int4" and flagged.expert_format("/other/model") == "native"
+    assert flagged.settings.expert_formats == {}  # the flag is not written to the settings
+    assert plain.expert_format(path) == "native"
+    with pytest.raises(SystemExit):
+        _parse("chat", "x", "--expert-format", "int3")
+
+
 def test_run_chat_on_a_missing_dir_is_one_line(captured, capsys):
     assert launch.run_chat(_parse("chat", "/no/such/dir")) == 1
     assert capsys.readouterr().err.strip() == ("moechat: error: /no/such/dir: no such model directory; pass a "

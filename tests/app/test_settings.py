@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import tomllib
 
+import pytest
+
 from moechat.app.settings import Settings, config_dir, data_dir, dumps
 
 
@@ -67,3 +69,23 @@ def test_reasoning_effort_round_trips_and_bad_values_are_dropped(app_env):
     for bad in ('"extreme"', "3", '["low"]'):
         path.write_text(f"[chat]\nreasoning_effort = {bad}\n")
         assert Settings.load(path).reasoning_effort is None and Settings.load(path).problem is None
+
+
+def test_expert_format_per_model_round_trips_and_bad_values_are_dropped(app_env):
+    path = app_env / "settings.toml"
+    s = Settings(path=path)
+    assert s.expert_format("/models/qwen") == "native"
+    s.set_expert_format("/models/qwen", "int4")
+    s.set_expert_format('/models/with "quotes" and spaces', "int8")
+    s.set_expert_format("/models/oss", "int8")
+    s.set_expert_format("/models/oss", "native")  # native is the default: nothing kept
+    assert s.save() is None
+    t = Settings.load(path)
+    assert t.expert_formats == {"/models/qwen": "int4", '/models/with "quotes" and spaces': "int8"}
+    assert t.expert_format("/models/qwen") == "int4" and t.expert_format("/models/oss") == "native"
+    path.write_text('[expert_format]\n"/a" = "int3"\n"/b" = 4\n"/c" = "int8"\n"/d" = "native"\n')
+    assert Settings.load(path).expert_formats == {"/c": "int8"} and Settings.load(path).problem is None
+    path.write_text('expert_format = "int8"\n')  # not a table: ignored
+    assert Settings.load(path).expert_formats == {}
+    with pytest.raises(ValueError, match="native, int8, int4"):
+        s.set_expert_format("/m", "fp4")

@@ -104,6 +104,12 @@ async def test_from_the_chat_pick_see_the_verdict_download_and_chat_on_it(hub, a
         decisions = _text(setup, "#setup-decisions").splitlines()  # each decision of the plan with its reason
         assert len(decisions) >= 3 and all(d.startswith("• ") and d.split(": ", 1)[1] for d in decisions)
         assert any(d.startswith("• dense weights ") for d in decisions)
+        # the expert format it is planned in, and each format it can run in, the recommended one starred
+        verdict = setup.verdict
+        assert "\nexpert format: " in summary and setup.cell(hub.repo, "format") in ("native f32", "int8", "int4")
+        formats = [line for line in summary.splitlines() if line.startswith(("  * ", "  - "))]
+        assert [line[4:].split(":")[0] for line in formats] == ["native", "int8", "int4"]
+        assert [line[2] for line in formats].count("*") == 1 and verdict.best_plan is verdict.formats.best.plan
         assert _text(setup, "#setup-download-plan").endswith("to download: 0.9 MiB")
         # the exact verdict read the safetensors headers: ranged reads of each shard's first 100 kB, no weight body
         weights = _weight_requests(hub)
@@ -271,6 +277,7 @@ async def test_gpt_oss_rows_are_runnable_with_verdict_speed_and_download(hub, ap
             assert setup.cell(repo_id, "speed").endswith(" tok/s") and setup.cell(repo_id, "family") == "gpt_oss"
             assert setup.cell(repo_id, "download") == f"{left[repo_id] / (1 << 30):.2f} GiB"
             assert setup.cell(repo_id, "note").startswith("MXFP4 experts")
+            assert setup.cell(repo_id, "format") == "native MXFP4"  # int8/int4 would be larger, quality unmeasured
             plan = row.status.verdict.plan
             slots = next(d.reason for d in plan.decisions if d.item.startswith("expert slots"))
             assert slots.startswith("experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB: ")

@@ -197,3 +197,21 @@ def test_when_only_a_conversion_fits_it_is_recommended_and_when_none_fits_none_i
         pytest.fail("no VRAM size where only a conversion fits")
     nothing = plan_formats(s, machine(0.5, 64))
     assert nothing.recommended is None and nothing.best.name == "native" and "no format fits" in nothing.reason
+
+
+def test_a_hub_verdict_is_the_recommended_format_s():
+    from moechat.engine.hub import FitVerdict
+
+    s = real_spec(QWEN)
+    hw = machine(8, 32)
+    advice = plan_formats(s, hw)
+    v = FitVerdict("Qwen/Qwen3-30B-A3B", None, s, advice.option("native").plan, hw, True, None, s.checkpoint_bytes, 0,
+                   "Hub config.json (estimate)", advice)
+    best = advice.best.plan
+    assert v.expert_format == advice.recommended != "native" and v.best_plan is best
+    assert v.fits and v.decode_tok_s == (best.decode.low, best.decode.high)
+    assert v.summary().startswith(f"fits with --expert-format {advice.recommended}, {best.decode.low:.1f}-")
+    assert v.to_json()["formats"]["recommended"] == advice.recommended
+    none = plan_formats(s, machine(0.5, 32))
+    tight = FitVerdict("q", None, s, none.option("native").plan, hw, True, None, 1, 0, "x", none)
+    assert not tight.fits and tight.expert_format == "native" and tight.summary().startswith("does not fit: short by")

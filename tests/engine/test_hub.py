@@ -345,6 +345,10 @@ def test_fit_verdict_from_headers_alone_never_fetches_a_weight_file(hub, hub_rep
     assert verdict.cached_bytes == len(repo.files["config.json"]) + len(repo.files["model.safetensors.index.json"])
     assert verdict.supported and verdict.fits and verdict.verdict == "fits" and verdict.decode_tok_s is not None
     assert "fits" in verdict.summary() and "to download" in verdict.summary()
+    # every expert format planned from the same headers; the verdict is the recommended one's
+    assert [o.name for o in verdict.formats.options] == ["native", "int8", "int4"]
+    assert verdict.formats.option("native").plan is verdict.plan and verdict.best_plan is verdict.formats.best.plan
+    assert verdict.to_json()["expert_format"] == verdict.expert_format == verdict.formats.recommended
     # only ranged reads of the headers (huggingface_hub reads the first 100 kB), never a whole weight file
     weight_reqs = [r for r in hub.server.requests if r.file and r.file.endswith((".safetensors", ".bin"))]
     assert {r.file for r in weight_reqs} == set(_weights(hub_repo_dir))
