@@ -43,9 +43,7 @@ GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 
 def all_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """fp32 logits [T, V] for every position of ids, prefilled in one chunk."""
-    a = engine.args
-    kv = KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, len(ids), engine.loaded.dtype,
-                 engine.loaded.device)
+    kv = KVCache.for_model(engine.args, len(ids), engine.loaded.dtype, engine.loaded.device)
     with torch.inference_mode():
         hidden = engine.model(torch.tensor(ids, dtype=torch.long), kv, engine.provider)  # [T, H]
         return engine.model.logits(hidden).float()  # [T, V]

@@ -200,8 +200,7 @@ class Engine:
     # -- generation -----------------------------------------------------------------------------
     def new_sequence(self) -> SequenceState:
         a = self.args
-        return SequenceState(KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.context,
-                                     self.loaded.dtype, self.loaded.device))
+        return SequenceState(KVCache.for_model(a, self.context, self.loaded.dtype, self.loaded.device))
 
     def _forward(self, seq: SequenceState, ids: Sequence[int]) -> torch.Tensor:
         """Run ids through the model (chunked), append them to seq; last position's fp32 logits [V]."""

@@ -165,7 +165,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     disk = DiskStore(cls, args, ckpt, torch_dtype, fmt)  # checks every expert tensor before any weight is read
     with torch.device("meta"):
         model = cls(args)
-    state = {name: _dense_tensor(ckpt, name, fmt).to(device=device, dtype=torch_dtype) for name in dense}
+    state = {name: _dense_tensor(ckpt, name, fmt).to(device=device, dtype=torch.float32 if name.endswith(
+        cls.fp32_weights) else torch_dtype) for name in dense}
     model.load_state_dict(state, assign=True, strict=True)
     # The RoPE table and any KV cache built on this model cover at most the model's own context.
     model.finalize(min(max_positions or args.max_position_embeddings, args.max_position_embeddings))

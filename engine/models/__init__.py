@@ -8,9 +8,13 @@ gets a reason instead of "unknown model".
 from __future__ import annotations
 
 from .base import MoEForCausalLM
+from .deepseek_v2 import DeepseekV2ForCausalLM
+from .deepseek_v3 import DeepseekV3ForCausalLM
+from .glm4_moe import Glm4MoeForCausalLM
 from .gpt_oss import GptOssForCausalLM
 from .mixtral import MixtralForCausalLM
 from .olmoe import OlmoeForCausalLM
+from .qwen2_moe import Qwen2MoeForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[MoEForCausalLM]] = {
@@ -18,11 +22,15 @@ ARCHITECTURES: dict[str, type[MoEForCausalLM]] = {
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 # MoE families moechat knows of but does not implement yet.
-PLANNED_MOE = {"deepseek_v2", "deepseek_v3", "qwen2_moe", "glm4_moe", "phimoe", "granitemoe",
-               "jamba", "dbrx", "llama4", "qwen3_next", "ernie4_5_moe", "minimax", "hunyuan_v1_moe"}
+PLANNED_MOE = {"phimoe", "granitemoe", "jamba", "dbrx", "llama4", "qwen3_next", "ernie4_5_moe", "minimax",
+               "hunyuan_v1_moe"}
 # Dense families: nothing to offload, so nothing for moechat to do.
 DENSE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3", "gpt2", "olmo",
          "olmo2", "falcon", "gpt_neox", "starcoder2", "cohere", "granite", "smollm3"}

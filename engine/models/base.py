@@ -129,6 +129,23 @@ class BaseModelArgs:
         return True
 
     @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of a head RoPE rotates (fewer with GLM-4.5's partial rotary)."""
+        return self.head_dim
+
+    @property
+    def attention_qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def attention_out_bias(self) -> bool:
+        return self.attention_bias  # Qwen2-MoE and GLM-4.5 have biases on q/k/v only
+
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(heads, key dim, value dim) cached per token and layer (value dim 0: MLA reads values from its latent)."""
+        return self.num_key_value_heads, self.head_dim, self.head_dim
+
+    @property
     def checkpoint_dtype(self) -> str | None:
         return self.dtype or self.torch_dtype
 
@@ -218,6 +235,15 @@ def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x*cos + rotate_half(x)*sin on the first rotary_dim dims of x [..., D] (the rest pass through), with
+    rotate_half(x) == roll(x, R/2) * [-1..., +1...] and that sign folded into the sin table [T, 1, R]."""
+    if rotary_dim == x.shape[-1]:
+        return x * cos + x.roll(rotary_dim // 2, dims=-1) * sin
+    rot = x[..., :rotary_dim]
+    return torch.cat([rot * cos + rot.roll(rotary_dim // 2, dims=-1) * sin, x[..., rotary_dim:]], dim=-1)
+
+
 def _in_out(weight: torch.Tensor) -> torch.Tensor:
     """A linear layer's [out, in] weight as [in, out]: contiguous on CPU (faster one-row GEMMs), a view elsewhere."""
     return weight.t().contiguous() if weight.device.type == "cpu" else weight.t()
@@ -237,10 +263,11 @@ class Attention(nn.Module):
         self.window = args.layer_window(layer)
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if args.attention_sinks else None
         self.clip_qkv = getattr(args, "clip_qkv", None)
-        self.q_proj = nn.Linear(H, self.n_heads * D, bias=args.attention_bias)
-        self.k_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_bias)
-        self.v_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * D, H, bias=args.attention_bias)
+        self.rotary_dim = args.rotary_dim
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=args.attention_qkv_bias)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_qkv_bias)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=args.attention_out_bias)
         if qk_norm == "head":
             self.q_norm = RMSNorm(D, args.rms_norm_eps)
             self.k_norm = RMSNorm(D, args.rms_norm_eps)
@@ -290,8 +317,7 @@ class Attention(nn.Module):
             v = qkv[:, (nH + nKV) * D :]
         if self.qk_norm == "head":
             qk = rms_norm(qk, None, self.eps) * self.qk_norm_weight
-        # RoPE: x*cos + rotate_half(x)*sin, with rotate_half(x) == roll(x, D/2) * [-1..., +1...] folded into sin
-        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # [T, nH+nKV, D]
+        qk = apply_rope(qk, cos, sin, self.rotary_dim)  # [T, nH+nKV, D]
         end = start + T
         kc, vc = kv.k[self.layer], kv.v[self.layer]  # [nKV, S, D]
         first = 0 if self.window is None else max(0, start - self.window + 1)  # oldest key any query sees
@@ -407,10 +433,14 @@ class SparseMoeBlock(nn.Module):
         self.gate_weight = router.weight.detach()
         self.gate_bias = None if router.bias is None else router.bias.detach()
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> topk_weights [T, K], topk_ids [T, K] (model files with other routing override this)."""
+        router_logits = F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
+        return softmax_topk(router_logits, self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor, provider: ExpertProvider, residual: torch.Tensor) -> torch.Tensor:
         """residual + MoE(x) [T, H]."""
-        router_logits = F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
-        topk_weights, topk_ids = softmax_topk(router_logits, self.top_k, self.renormalize)  # [T, K], [T, K]
+        topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
         provider.observe(self.layer, residual)  # the residual stream here predicts the next layers' routing
         for batch in provider.batches(self.layer, topk_ids):  # one batch unless the slots are too few
             residual = expert_compute(x, topk_weights, batch, residual=residual, act=self.act)
@@ -419,9 +449,9 @@ class SparseMoeBlock(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: BaseModelArgs, layer: int, moe_attr: str, qk_norm: str | None,
-                 moe_block: type[SparseMoeBlock] = SparseMoeBlock):
+                 moe_block: type[SparseMoeBlock] = SparseMoeBlock, attention: type[nn.Module] = Attention):
         super().__init__()
-        self.self_attn = Attention(args, qk_norm, layer)
+        self.self_attn = attention(args, qk_norm, layer)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.is_moe = args.is_moe_layer(layer)
@@ -455,10 +485,10 @@ class DecoderLayer(nn.Module):
 
 class DecoderBody(nn.Module):
     def __init__(self, args: BaseModelArgs, moe_attr: str, qk_norm: str | None,
-                 moe_block: type[SparseMoeBlock] = SparseMoeBlock):
+                 moe_block: type[SparseMoeBlock] = SparseMoeBlock, attention: type[nn.Module] = Attention):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, moe_attr, qk_norm, moe_block)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, moe_attr, qk_norm, moe_block, attention)
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -470,14 +500,23 @@ class MoEForCausalLM(nn.Module):
     moe_attr: ClassVar[str] = "mlp"
     qk_norm: ClassVar[str | None] = None
     moe_block: ClassVar[type[SparseMoeBlock]] = SparseMoeBlock
+    attention: ClassVar[type[nn.Module]] = Attention
     expert_naming: ClassVar[ExpertNaming]
+    # Dense tensors loaded in fp32 whatever the model's dtype (name suffixes): transformers keeps DeepSeek's
+    # router and its correction bias in fp32, and the bias steers the choice by differences below bf16's step.
+    fp32_weights: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()
         self.args = args
-        self.model = DecoderBody(args, self.moe_attr, self.qk_norm, self.moe_block)
+        self.model = DecoderBody(args, self.moe_attr, self.qk_norm_for(args), self.moe_block, self.attention)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @classmethod
+    def qk_norm_for(cls, args: BaseModelArgs) -> str | None:
+        """The q/k norm kind (None, "head", "full"); a config flag in some families (GLM-4.5's use_qk_norm)."""
+        return cls.qk_norm
 
     def finalize(self, max_positions: int) -> None:
         """After the weights are assigned: fused weights and the RoPE table for max_positions."""
@@ -493,17 +532,17 @@ class MoEForCausalLM(nn.Module):
         self.lm_weight_t = _in_out(lm_weight)  # [H, V] (a transposed copy on CPU, see Attention.finalize)
         if not self.args.tie_word_embeddings:  # the embedding table must stay [V, H] for lookups
             self.lm_head.weight.data = self.lm_weight_t.t()
-        D = self.args.head_dim
+        R = self.args.rotary_dim  # RoPE dims of a head (all of them unless partial rotary)
         device = self.model.embed_tokens.weight.device
         dtype = self.model.embed_tokens.weight.dtype
-        inv_freq, attention_factor = rope_frequencies(self.args.rope, D)  # [D/2]
+        inv_freq, attention_factor = rope_frequencies(self.args.rope, R)  # [R/2]
         pos = torch.arange(max_positions, dtype=torch.int64).float()  # [S]
-        freqs = pos[:, None] * inv_freq[None, :]  # [S, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-        sign = torch.cat([-torch.ones(D // 2), torch.ones(D // 2)])  # [D]
-        cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor  # [S, D] (YaRN scales both)
-        self.rope_cos = cos.to(dtype).to(device)[:, None, :]  # [S, 1, D]
-        self.rope_sin = (sin.to(dtype) * sign.to(dtype)).to(device)[:, None, :]  # [S, 1, D]
+        freqs = pos[:, None] * inv_freq[None, :]  # [S, R/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [S, R]
+        sign = torch.cat([-torch.ones(R // 2), torch.ones(R // 2)])  # [R]
+        cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor  # [S, R] (YaRN scales both)
+        self.rope_cos = cos.to(dtype).to(device)[:, None, :]  # [S, 1, R]
+        self.rope_sin = (sin.to(dtype) * sign.to(dtype)).to(device)[:, None, :]  # [S, 1, R]
         self.max_positions = max_positions
 
     def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:
@@ -512,7 +551,7 @@ class MoEForCausalLM(nn.Module):
         T = input_ids.shape[0]
         kv.reserve(T)
         x = F.embedding(input_ids, self.embed_weight)  # [T, H]
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, D]
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, R]
         for layer in self.layer_list:
             x = layer.forward(x, cos, sin, kv, start, provider)
         kv.length = start + T
