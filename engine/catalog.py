@@ -38,12 +38,7 @@ SUPPORTED_TYPES = _registered_types()
 
 # model_type -> what the engine lacks for it (shown next to the entry, and for Hub search results).
 MISSING_FEATURES: dict[str, str] = {
-    "deepseek_v3": "needs MLA attention (latent KV cache), sigmoid group-limited routing with a bias, fp8 "
-                   "block-scaled weights and shared experts",
-    "deepseek_v2": "needs MLA attention (latent KV cache), group-limited routing and shared experts",
-    "qwen2_moe": "needs a gated shared expert per layer",
     "qwen3_next": "needs hybrid linear attention (Gated DeltaNet) and a gated shared expert",
-    "glm4_moe": "needs sigmoid routing with a correction bias and shared experts",
     "phimoe": "needs SparseMixer routing",
     "granitemoe": "needs Granite's scaled residuals and routing",
     "llama4": "needs interleaved dense/MoE layers with a shared expert, chunked attention and NoPE layers",
@@ -87,6 +82,7 @@ class CatalogEntry:
 
 _SOFTMAX = "softmax top-k routing"
 _OSS_ROUTING = "top-k then softmax routing, router bias"
+_GROUPED = "sigmoid group-limited routing + bias"
 CATALOG: tuple[CatalogEntry, ...] = (
     # -- runs today ---------------------------------------------------------------------------------------
     CatalogEntry("allenai/OLMoE-1B-7B-0125-Instruct", "olmoe", 6.9, 1.3, "bf16",
@@ -113,16 +109,22 @@ CATALOG: tuple[CatalogEntry, ...] = (
                  (_OSS_ROUTING, "128 experts top-4", "MXFP4 experts", "attention sinks", "alternating sliding window",
                   "clamped SwiGLU"),
                  note="MXFP4 experts, 56.8 GiB in all (bf16 would be 213.6 GiB)"),
-    # -- popular, not yet ---------------------------------------------------------------------------------
-    CatalogEntry("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3", 671.0, 37.0, "fp8 (128x128 block scales)",
-                 ("MLA", "sigmoid group-limited routing", "shared experts", "fp8 block scales")),
     CatalogEntry("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek_v2", 15.7, 2.4, "bf16",
-                 ("MLA", "group-limited routing", "shared experts")),
+                 (_SOFTMAX, "64 experts top-6", "2 shared experts", "MLA (latent KV cache)"),
+                 note="small: KV 30 KiB a token"),
+    CatalogEntry("Qwen/Qwen1.5-MoE-A2.7B-Chat", "qwen2_moe", 14.3, 2.7, "bf16",
+                 (_SOFTMAX, "60 experts top-4", "gated shared expert")),
     CatalogEntry("zai-org/GLM-4.5-Air", "glm4_moe", 106.9, 12.0, "bf16",
-                 ("sigmoid routing + bias", "shared experts")),
+                 (_GROUPED, "128 experts top-8", "shared expert", "partial rotary", "GQA")),
+    CatalogEntry("deepseek-ai/DeepSeek-V3-0324", "deepseek_v3", 671.0, 37.0, "fp8 (128x128 block scales)",
+                 (_GROUPED, "256 experts top-8", "shared expert", "MLA (latent KV cache)", "FP8 experts"),
+                 note="FP8 experts, 609 GiB in all; KV 69 KiB a token"),
+    CatalogEntry("deepseek-ai/DeepSeek-R1-0528", "deepseek_v3", 671.0, 37.0, "fp8 (128x128 block scales)",
+                 (_GROUPED, "256 experts top-8", "shared expert", "MLA (latent KV cache)", "FP8 experts"),
+                 note="reasoning; FP8 experts, 609 GiB in all"),
+    # -- popular, not yet ---------------------------------------------------------------------------------
     CatalogEntry("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 80.0, 3.0, "bf16",
                  ("Gated DeltaNet", "gated shared expert", "512 experts top-10")),
-    CatalogEntry("Qwen/Qwen1.5-MoE-A2.7B-Chat", "qwen2_moe", 14.3, 2.7, "bf16", ("gated shared expert",)),
     CatalogEntry("microsoft/Phi-3.5-MoE-instruct", "phimoe", 41.9, 6.6, "bf16", ("SparseMixer routing",)),
     CatalogEntry("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama4", 109.0, 17.0, "bf16",
                  ("shared expert", "chunked attention", "multimodal"), gated=True),
