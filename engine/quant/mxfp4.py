@@ -30,7 +30,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 def dequantize_reference(blocks: torch.Tensor, scales: torch.Tensor,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The slow obvious decoding: blocks [..., G, 16] u8, scales [..., G] u8 -> [..., G*32] in `dtype`."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     lo = lut[(blocks & 0x0F).long()]  # [..., G, 16] even elements
     hi = lut[(blocks >> 4).long()]  # [..., G, 16] odd elements
     vals = torch.stack([lo, hi], dim=-1).flatten(-2)  # [..., G, 32]
