@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def _number(text: str, parse, kind: str, minimum: float, inclusive: bool):
@@ -10,6 +11,8 @@ def _number(text: str, parse, kind: str, minimum: float, inclusive: bool):
         value = parse(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     if value < minimum or (value == minimum and not inclusive):
         raise argparse.ArgumentTypeError(f"expected a number {'>=' if inclusive else '>'} {minimum:g}, got {value:g}")
     return value
@@ -25,3 +28,20 @@ def non_negative_int(text: str) -> int:
 
 def non_negative_float(text: str) -> float:
     return _number(text, float, "a number", 0, inclusive=True)
+
+
+def finite_float(text: str) -> float:
+    return _number(text, float, "a number", -math.inf, inclusive=True)
+
+
+def utf8_text(text: str) -> str:
+    """Text that can be encoded: bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape) and
+    would fail deep in the tokenizer; here they are one usage line naming where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text ({byte} at character {e.start}); pass UTF-8, or "
+                                         "token ids with --prompt-ids") from None
+    return text

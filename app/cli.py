@@ -17,8 +17,11 @@ import sys
 
 from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 
+from .argtypes import finite_float as _finite_float
+from .argtypes import non_negative_float as _non_negative_float
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
+from .argtypes import utf8_text as _utf8_text
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -39,16 +42,18 @@ def _token_ids(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moechat", description="Run Mixture-of-Experts models bigger than "
                                      "your GPU, and see what the expert cache does.")
+    parser.add_argument("--debug", action="store_true", help="print the full traceback of an unexpected error "
+                        "(accepted after any subcommand too; or set MOECHAT_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="generate a reply from a local model directory",
                          description="Generate from a local Hugging Face MoE model directory (safetensors).")
     run.add_argument("model_dir", metavar="MODEL_DIR", help="directory with config.json and *.safetensors, or a Hub "
                      "repo id downloaded with moechat pull")
     src = run.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the user message (the chat template is applied unless --raw)")
+    src.add_argument("--prompt", type=_utf8_text, help="the user message (the chat template is applied unless --raw)")
     src.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="token ids, e.g. 1,2,3 (no template)")
     run.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
-    run.add_argument("--system", help="system prompt (chat template only)")
+    run.add_argument("--system", type=_utf8_text, help="system prompt (chat template only)")
     run.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, help="how hard a reasoning model thinks, "
                      "passed to the chat template as reasoning_effort (gpt-oss; default: the template's own, "
                      "medium for gpt-oss)")
@@ -56,12 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "(dimmed on a terminal); by default only the answer is printed")
     run.add_argument("--max-tokens", type=_positive_int, metavar="N", help="tokens to generate at most "
                      "(default: the model's max_new_tokens, else 512)")
-    run.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's "
-                     "generation_config.json)")
-    run.add_argument("--top-k", type=int, metavar="K")
-    run.add_argument("--top-p", type=float, metavar="P")
-    run.add_argument("--min-p", type=float, metavar="P")
-    run.add_argument("--repetition-penalty", type=float, metavar="R")
+    run.add_argument("--temperature", type=_non_negative_float, metavar="T", help="0 = greedy (default: the "
+                     "model's generation_config.json)")
+    run.add_argument("--top-k", type=_non_negative_int, metavar="K")
+    run.add_argument("--top-p", type=_finite_float, metavar="P")
+    run.add_argument("--min-p", type=_finite_float, metavar="P")
+    run.add_argument("--repetition-penalty", type=_finite_float, metavar="R")
     run.add_argument("--seed", type=int, metavar="S", help="sampling seed (same seed, same reply)")
     run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                      help="compute dtype (default: the checkpoint's)")
@@ -121,6 +126,19 @@ def _default_policy() -> str:
     return DEFAULT_POLICY
 
 
+def _check_run_args(args: argparse.Namespace, device: str) -> None:
+    from moechat.engine.files import check_writable
+    from moechat.engine.loader import resolve_device
+    from moechat.engine.sampling import SamplingParams
+
+    resolve_device(device)  # a typo, or cuda where there is none
+    SamplingParams.from_generation_config({}, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                          seed=args.seed)  # each override's range
+    if args.record_trace:
+        check_writable(args.record_trace, "routing trace")  # not after the reply: the trace would be lost
+
+
 def _run(args: argparse.Namespace) -> int:
     import threading
 
@@ -135,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
     from moechat.engine.generate import Engine
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_run_args(args, device)  # a bad value fails here, in one line, before the model loads
     from moechat.app.fit import cache_defaults, warn
 
     slots, ram_cache_bytes = cache_defaults(args.model_dir, device=device, dtype=args.dtype, context=args.context,
@@ -206,8 +225,14 @@ def _run(args: argparse.Namespace) -> int:
         shown.close()
     engine.close()  # in-flight loads stopped, routing profile saved for --warm-start
     snapshot = engine.cache_snapshot()
+    status = 0
     if args.record_trace:
-        engine.provider.recorder.to_trace().save(args.record_trace)
+        try:
+            engine.provider.recorder.to_trace().save(args.record_trace)  # all or nothing (atomic_write)
+        except OSError as e:  # checked writable at start; the disk filled or the folder went away since
+            print(f"moechat: error: {args.record_trace}: cannot write the routing trace: {e.strerror or e}",
+                  file=sys.stderr)
+            status = EXIT_ERROR
     if args.json:
         cache_json = snapshot.to_json() if snapshot is not None else {
             "slots": None, "mode": "resident", "hits": 0, "misses": 0, "bytes_from_ram": 0, "bytes_from_disk": 0,
@@ -247,7 +272,7 @@ def _run(args: argparse.Namespace) -> int:
                           f"prediction precision {snapshot.prefetch_precision:.0%} recall "
                           f"{snapshot.prefetch_recall:.0%}; {snapshot.warm_loaded} experts warm-started]",
                           file=sys.stderr)
-    return 0
+    return status
 
 
 class _ThinkingPrinter:
@@ -274,42 +299,31 @@ class _ThinkingPrinter:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Every path ends in one line and an exit status (app/guard.py); --debug (anywhere) or MOECHAT_DEBUG=1 adds
+    the traceback of an unexpected error."""
+    from .guard import guarded, take_debug_flag
+
+    debug, argv = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(argv)
+    return guarded(lambda: _dispatch(args), debug=debug)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command is None:
         from moechat.app.launch import run_default
 
         return run_default()  # the chat app on the bundled demo model
-    from moechat.engine.errors import MoechatError
+    if args.command == "fit":
+        from moechat.app.fit import run_fit
 
-    try:
-        if args.command == "fit":
-            from moechat.app.fit import run_fit
+        return run_fit(args)
+    if args.command == "chat":
+        return args.handler(args)
+    if args.command == "pull":
+        from moechat.app.pull import run_pull
 
-            return run_fit(args)
-        if args.command == "chat":
-            return args.handler(args)
-        if args.command == "pull":
-            from moechat.app.pull import run_pull
-
-            return run_pull(args)
-        return _run(args)
-    except MoechatError as e:
-        print(f"moechat: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    except torch_oom_errors() as e:  # pragma: no cover - needs a device to run out of memory
-        print(f"moechat: error: out of memory: {str(e).splitlines()[0]}; lower --context or use a smaller "
-              "--dtype", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("moechat: stopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def torch_oom_errors() -> tuple[type[BaseException], ...]:
-    """torch's OOM error type, only if torch is already imported (start-up must not import it)."""
-    torch = sys.modules.get("torch")
-    return (torch.OutOfMemoryError, MemoryError) if torch is not None else (MemoryError,)
+        return run_pull(args)
+    return _run(args)
 
 
 if __name__ == "__main__":

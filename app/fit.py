@@ -72,10 +72,11 @@ def _load_curve(path: str | None, num_experts: int):
     if path is None:
         return None
     from moechat.engine.errors import ConfigError
+    from moechat.engine.files import read_json_file
     from moechat.engine.plan import MissRatioCurve
 
+    data = read_json_file(path, "miss-ratio curve")  # a FIFO refused, deep nesting typed
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
         return MissRatioCurve.from_json(data, num_experts)
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
         raise ConfigError(f"{path}: not a miss-ratio curve ({e})") from None

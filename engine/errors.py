@@ -6,9 +6,57 @@ written for a person: the file, the tensor, the number, and the fix.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
 
 class MoechatError(Exception):
     """Base class of every error moechat raises on purpose."""
+
+
+class UnexpectedError(MoechatError):
+    """An exception moechat did not type (a bug, or a library's own error), caught at an engine entry point:
+    the message says what was being done and what was raised, in one line; `__cause__` keeps the original
+    and its traceback (the CLI prints it with --debug)."""
+
+
+def typed_errors(what: str):
+    """Decorate an engine entry point (a function or a generator): an untyped exception becomes an UnexpectedError
+    saying `what` failed. MoechatErrors pass through, and so does running out of memory (callers say what to
+    lower) and anything that is not an Exception (Ctrl+C, a generator being closed)."""
+    def passes(e: Exception) -> bool:
+        torch = sys.modules.get("torch")
+        oom = (MemoryError,) if torch is None else (MemoryError, torch.OutOfMemoryError)
+        return isinstance(e, (MoechatError, *oom))
+
+    def wrap(e: Exception) -> UnexpectedError:
+        text = " ".join(str(e).split()) or "(no message)"
+        return UnexpectedError(f"{what} failed: unexpected {type(e).__name__}: {text}")
+
+    def decorate(fn):
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def generator(*args, **kwargs):
+                try:
+                    return (yield from fn(*args, **kwargs))
+                except Exception as e:
+                    if passes(e):
+                        raise
+                    raise wrap(e) from e
+            return generator
+
+        @functools.wraps(fn)
+        def function(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if passes(e):
+                    raise
+                raise wrap(e) from e
+        return function
+
+    return decorate
 
 
 class ConfigError(MoechatError):

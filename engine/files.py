@@ -193,3 +193,22 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Any], No
                 os.close(dfd)
         except OSError:
             pass
+
+
+def check_writable(path: str | os.PathLike, what: str) -> Path:
+    """Fail now, with one line, if `path` cannot be written later (a missing or read-only folder, a directory
+    in the way): a file to write after a long run (a routing trace) is checked before the run starts. The
+    check creates and removes a temporary file beside it, the only test a read-only mount cannot fool."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise MoechatError(f"{path}: {what} must be a file name, not a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise MoechatError(f"{path}: cannot write the {what}: the folder {parent} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=_TEMP_SUFFIX, dir=parent)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise MoechatError(f"{path}: cannot write the {what} there: {e.strerror or e}") from None
+    return path

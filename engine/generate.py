@@ -34,7 +34,14 @@ from .cache.provider import CacheConfig, build_cached_provider
 from .cache.stats import CacheSnapshot
 from .chat_template import ChatTemplate
 from .checkpoint import read_json
-from .errors import ChatTemplateError, ConfigError, MoechatError, NonFiniteLogitsError, TokenizerError
+from .errors import (
+    ChatTemplateError,
+    ConfigError,
+    MoechatError,
+    NonFiniteLogitsError,
+    TokenizerError,
+    typed_errors,
+)
 from .kv_cache import KVCache
 from .loader import LoadedModel, load_model
 from .moe import ExpertProvider
@@ -104,6 +111,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
 
     @classmethod
+    @typed_errors("loading the model")
     def load(cls, model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu",
              context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
              cache: CacheConfig | None = None, expert_format: str | None = None) -> Engine:
@@ -166,10 +174,12 @@ class Engine:
                                  "encoded; pass token ids with --prompt-ids")
         return self.tokenizer
 
+    @typed_errors("tokenizing the prompt")
     def encode(self, text: str) -> list[int]:
         """A raw prompt, with the tokenizer's own special tokens (e.g. BOS)."""
         return self._need_tokenizer().encode(text, add_special_tokens=True)
 
+    @typed_errors("rendering the chat prompt")
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         """Render with the model's chat template and tokenize as transformers' apply_chat_template does."""
         if self.chat_template is None:
@@ -212,6 +222,7 @@ class Engine:
             seq.tokens.extend(chunk)
         return self.model.logits(hidden[-1:])[0]  # [V]
 
+    @typed_errors("generating")
     def generate(self, prompt_ids: Sequence[int], *, sampling: SamplingParams | None = None,
                  max_tokens: int | None = None, cancel: threading.Event | None = None,
                  sequence: SequenceState | None = None, stop_on_eos: bool = True,
@@ -304,7 +315,8 @@ class Engine:
         Inf logits (damaged weights, an fp16 overflow) end the generation with a typed error, where argmax over
         NaN would return an arbitrary token, often a stop that looks like a normal end."""
         lo, hi = torch.aminmax(logits)  # [] [] (aminmax propagates NaN)
-        token, lo, hi = torch.stack([sampler(logits, seen).to(torch.float64), lo.double(), hi.double()]).tolist()
+        token = torch.as_tensor(sampler(logits, seen), dtype=torch.float64, device=logits.device)  # []
+        token, lo, hi = torch.stack([token, lo.double(), hi.double()]).tolist()
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise NonFiniteLogitsError(
                 f"the model produced NaN or Inf logits at generated token {step + 1}: its numbers overflowed or its "
@@ -312,6 +324,7 @@ class Engine:
                 f"{str(self.loaded.dtype).removeprefix('torch.')}), or download the model again")
         return int(token)
 
+    @typed_errors("retuning the expert cache")
     def retune_cache(self, *, expert_slots: int | None = None, policy: str | None = None,
                      ram_cache_bytes: int | None = None, prefetch: str | None = None,
                      prefetch_depth: int | None = None) -> CacheSnapshot:

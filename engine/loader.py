@@ -59,6 +59,24 @@ def read_model_config(model_dir: str | os.PathLike) -> tuple[type[MoEForCausalLM
     return cls, args, raw
 
 
+def resolve_device(name: str | torch.device) -> torch.device:
+    """A device moechat can compute on, or a ConfigError saying why not (a typo, no CUDA, no such GPU)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device {str(name)!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {str(name)!r}: CUDA is not available here (a CPU-only torch build, or no GPU "
+                              "driver); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {str(name)!r}: there are {torch.cuda.device_count()} CUDA devices (cuda:0.."
+                              f"cuda:{torch.cuda.device_count() - 1})")
+    elif device.type != "cpu":
+        raise ConfigError(f"device {str(name)!r}: moechat computes on cpu or cuda")
+    return device
+
+
 def resolve_dtype(name: str | None, args: BaseModelArgs) -> torch.dtype:
     """--dtype if given, else the checkpoint's own dtype, else float32."""
     name = name or args.checkpoint_dtype or "float32"
@@ -154,7 +172,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     model_dir = Path(model_dir)
     cls, args, raw = read_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, args)
-    device = torch.device(device)
+    device = resolve_device(device)
     fmt = checkpoint_format(raw, model_dir)
     target = target_format(expert_format, fmt)
     ckpt = Checkpoint.open(model_dir)

@@ -33,6 +33,7 @@ _HF_DEFAULTS: dict[str, Any] = {
     "repetition_penalty": 1.0,
 }
 _FROM_CONFIG = tuple(_HF_DEFAULTS)
+MIN_TEMPERATURE = 1e-3  # a logit gap of 0.1 is already 1e-43 of probability at this temperature
 
 
 def _is_number(value: Any) -> bool:
@@ -63,6 +64,9 @@ def _check(name: str, value: Any, where: str) -> Any:
     value = float(value)
     if name == "temperature" and value < 0:
         raise bad(">= 0 (0 means greedy)")
+    if name == "temperature" and 0 < value < MIN_TEMPERATURE:
+        # logits / 1e-45 overflow to inf, softmax turns them to NaN and argmax returns token 0
+        raise bad(f"0 (greedy) or at least {MIN_TEMPERATURE:g}; below that sampling is greedy anyway")
     if name in ("top_p", "min_p") and not 0.0 <= value <= 1.0:
         raise bad("in [0, 1]")
     if name == "repetition_penalty" and value <= 0:

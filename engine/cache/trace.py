@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import atomic_write
+
 Key = tuple[int, int]  # (layer, expert)
 
 FORMAT = "moechat-routing-trace"
@@ -96,9 +98,11 @@ class RoutingTrace:
     def save(self, path) -> None:
         meta = dict(format=FORMAT, version=VERSION, num_layers=self.num_layers, num_experts=self.num_experts,
                     top_k=self.top_k, model=self.model)
-        with open(path, "wb") as f:  # a file object: numpy would append .npz to a name without it
-            np.savez_compressed(f, layer=self.layer, token=self.token, phase=self.phase, topk_ids=self.topk_ids,
-                                sequence=self.sequence, meta_json=np.array(json.dumps(meta)))
+        # To a file object (numpy would append .npz to a name without it), written whole or not at all: a full
+        # disk or a kill leaves any earlier trace at `path` as it was (OSError says why).
+        atomic_write(path, lambda f: np.savez_compressed(
+            f, layer=self.layer, token=self.token, phase=self.phase, topk_ids=self.topk_ids, sequence=self.sequence,
+            meta_json=np.array(json.dumps(meta))))
 
     @classmethod
     def load(cls, path) -> RoutingTrace:
