@@ -274,3 +274,17 @@ def test_repacked_store_and_warm_start_hold_packed_experts(gpt_oss, tmp_path):
     assert second.provider.warm_loaded == K
     assert _greedy(second, ids) == resident
     second.close()
+
+
+@pytest.mark.parametrize("on_miss, host_layers", [("host", 0), ("auto", 0), ("load", 2)])
+def test_hybrid_execution_on_packed_mxfp4_experts(gpt_oss, on_miss, host_layers):
+    from moechat.engine.cache.provider import CacheConfig
+
+    path, _, _ = gpt_oss
+    ids = _prompt(10, seed=12)
+    resident = _greedy(Engine.load(path, dtype="float32"), ids)
+    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=K, on_miss=on_miss,
+                                                                  host_layers=host_layers))
+    assert _greedy(engine, ids) == resident
+    assert sum(engine.provider.snapshot().host_computed) > 0
+    engine.close()
