@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how every tier holds the experts: native (as the checkpoint ships them: bf16, MXFP4 or "
                        "FP8), int8 (per-channel, ~half of bf16) or int4 (groups of 32, ~0.3 of bf16); converted once "
                        "into a repacked file (--repack-dir, default under $XDG_CACHE_HOME/moechat/repacked)")
+    cache.add_argument("--on-miss", choices=_on_miss_modes(), default="auto",
+                       help="where an expert that is not in a slot runs: load (copy it into a slot), host (compute "
+                       "it on the CPU straight from the RAM tier, sending only activations), or auto (a cost model "
+                       "from measured numbers decides per miss; on a CPU-only machine that is always host: no copy). "
+                       "Default: auto")
+    cache.add_argument("--host-layers", type=_non_negative_int, default=0, metavar="N",
+                       help="keep every expert of the first N MoE layers on the host, never slotted (like "
+                       "llama.cpp's --n-cpu-moe)")
     cache.add_argument("--repack-dir", metavar="DIR", help="stream experts from a repacked copy kept in DIR "
                        "(one read per expert; written on first use, needs as much disk as the experts)")
     cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
@@ -118,6 +126,12 @@ def _prefetch_modes() -> list[str]:
     from moechat.engine.cache.prefetch import PREFETCH_MODES  # no torch at import time either
 
     return list(PREFETCH_MODES)
+
+
+def _on_miss_modes() -> list[str]:
+    from moechat.engine.cache.hybrid import ON_MISS  # pure Python
+
+    return list(ON_MISS)
 
 
 def _default_policy() -> str:
@@ -170,7 +184,8 @@ def _run(args: argparse.Namespace) -> int:
             raise MoechatError(str(e)) from None
         cache = CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
                             record_trace=bool(args.record_trace), repack_dir=args.repack_dir, prefetch=prefetch,
-                            prefetch_depth=args.prefetch_depth, warm_start=args.warm_start)
+                            prefetch_depth=args.prefetch_depth, warm_start=args.warm_start, on_miss=args.on_miss,
+                            host_layers=args.host_layers)
     engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
                          expert_format=args.expert_format)
     sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

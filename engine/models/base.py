@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import validate
 from ..errors import UnsupportedModelError
-from ..experts import expert_compute
+from ..experts import HostJob, expert_compute
 from ..kv_cache import KVCache
 from ..moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
 
@@ -442,8 +442,14 @@ class SparseMoeBlock(nn.Module):
         """residual + MoE(x) [T, H]."""
         topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
         provider.observe(self.layer, residual)  # the residual stream here predicts the next layers' routing
+        host_jobs = []
         for batch in provider.batches(self.layer, topk_ids):  # one batch unless the slots are too few
+            if batch.on_host and x.is_cuda:  # hybrid: start the host's copy now, compute after the device's launch
+                host_jobs.append(HostJob(x, topk_weights, batch))
+                continue
             residual = expert_compute(x, topk_weights, batch, residual=residual, act=self.act)
+        for job in host_jobs:
+            residual = job.finish(residual, self.act)
         return residual
 
 
