@@ -46,6 +46,8 @@ class MoechatApp(App):
         self.load_options = options
         self.settings = settings
         self.store = store
+        # the chat DB stopped taking writes (locked, full, read-only): the session goes on in memory; say so
+        store.on_problem = lambda message: self.notify(message, title="Chats", severity="error", timeout=20)
         self.memory_probe = memory_probe
         self.export_dir = export_dir
         self.welcome_reason = welcome_reason

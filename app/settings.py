@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
+from moechat.engine.errors import MoechatError  # pure Python, no torch
+from moechat.engine.files import atomic_write, read_regular
+from moechat.engine.reasoning import REASONING_EFFORTS
 
 try:
     import tomllib
@@ -29,6 +32,7 @@ except ModuleNotFoundError:  # Python 3.10: settings are written, and read back 
 
 APP_NAME = "moechat"
 MAX_RECENT_MODELS = 10
+MAX_SETTINGS_BYTES = 4 * 2**20  # a settings file is a few hundred bytes; a 1 GB one is not read
 # The sampling overrides a user may set, with their types (the names of SamplingParams' fields).
 EXPERT_FORMATS = ("native", "int8", "int4")  # moechat run --expert-format
 SAMPLING_KEYS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
@@ -112,6 +116,7 @@ class Settings:
     theme: str = "textual-dark"
     expert_formats: dict[str, str] = field(default_factory=dict)  # model -> int8 | int4 chosen for it (else native)
     problem: str | None = None  # why the file could not be read, for a notice
+    keep_file: bool = field(default=False, repr=False, compare=False)  # a bad file that could not be set aside
 
     @classmethod
     def load(cls, path: Path | None = None) -> Settings:
@@ -122,34 +127,89 @@ class Settings:
                 settings.problem = f"{path}: reading settings needs Python 3.11 (tomllib); using the defaults"
             return settings
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            data = tomllib.loads(read_regular(path, "settings file", max_bytes=MAX_SETTINGS_BYTES).decode("utf-8"))
         except FileNotFoundError:
             return settings
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            settings.problem = f"{path}: cannot read the settings ({e}); using the defaults"
+        except (MoechatError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            settings._set_aside(f"cannot read the settings ({e})", kept_any=False)
             return settings
-        models = data.get("models", {})
-        chat = data.get("chat", {})
-        ui = data.get("ui", {})
-        settings.recent_models = [m for m in models.get("recent", []) if isinstance(m, str)][:MAX_RECENT_MODELS]
-        if isinstance(chat.get("system_prompt"), str):
-            settings.system_prompt = chat["system_prompt"]
-        if isinstance(chat.get("max_tokens"), int) and chat["max_tokens"] > 0:
-            settings.max_tokens = chat["max_tokens"]
-        if chat.get("reasoning_effort") in REASONING_EFFORTS:
-            settings.reasoning_effort = chat["reasoning_effort"]
-        for key, kind in SAMPLING_KEYS.items():
-            value = data.get("sampling", {}).get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                settings.sampling[key] = kind(value)
-        formats = data.get("expert_format", {})
-        if isinstance(formats, dict):
-            settings.expert_formats = {m: f for m, f in formats.items() if f in EXPERT_FORMATS[1:]}
-        if isinstance(ui.get("show_dashboard"), bool):
-            settings.show_dashboard = ui["show_dashboard"]
-        if isinstance(ui.get("theme"), str):
-            settings.theme = ui["theme"]
+        problems = settings._apply(data)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            settings._set_aside(problems[0] + more, kept_any=True)
         return settings
+
+    def _apply(self, data: dict) -> list[str]:
+        """Take every valid value of a parsed file; the problems with the others (a wrong type, an unknown key)."""
+        problems: list[str] = []
+
+        def table(name: str) -> dict:
+            value = data.get(name, {})
+            if isinstance(value, dict):
+                return value
+            problems.append(f"{name} must be a table ([{name}]), found {type(value).__name__}")
+            return {}
+
+        def bad(key: str, value, allowed: str) -> None:
+            problems.append(f"{key} = {value!r} is not allowed: {allowed}")
+
+        models, chat, sampling, ui, formats = (table(n) for n in ("models", "chat", "sampling", "ui", "expert_format"))
+        recent = models.get("recent", [])
+        if isinstance(recent, list) and all(isinstance(m, str) for m in recent):
+            self.recent_models = recent[:MAX_RECENT_MODELS]
+        else:
+            bad("models.recent", recent, "a list of model paths (strings)")
+        checks = [("chat", chat, "system_prompt", lambda v: isinstance(v, str), "a string"),
+                  ("chat", chat, "max_tokens", lambda v: type(v) is int and v > 0, "a whole number > 0"),
+                  ("chat", chat, "reasoning_effort", lambda v: v in REASONING_EFFORTS,
+                   "one of " + ", ".join(REASONING_EFFORTS)),
+                  ("ui", ui, "show_dashboard", lambda v: isinstance(v, bool), "true or false"),
+                  ("ui", ui, "theme", lambda v: isinstance(v, str), "a string")]
+        checks += [("sampling", sampling, key, lambda v: type(v) in (int, float) and math.isfinite(v), "a number")
+                   for key in SAMPLING_KEYS]
+        for where, values, key, ok, allowed in checks:
+            if key not in values:
+                continue
+            if not ok(values[key]):
+                bad(f"{where}.{key}", values[key], allowed)
+            elif where == "sampling":
+                self.sampling[key] = SAMPLING_KEYS[key](values[key])
+            else:
+                setattr(self, key, values[key])  # the field has the key's name
+        for model, fmt in formats.items():
+            if fmt in EXPERT_FORMATS[1:]:
+                self.expert_formats[model] = fmt
+            else:
+                bad(f"expert_format.{model!r}", fmt, "int8 or int4")
+        known = {"models": {"recent"}, "chat": {"system_prompt", "max_tokens", "reasoning_effort"},
+                 "sampling": set(SAMPLING_KEYS), "ui": {"show_dashboard", "theme"}}
+        for name in data:
+            if name not in known and name != "expert_format":
+                problems.append(f"unknown setting {name!r} (a typo?)")
+        for name, keys in known.items():
+            for key in (data.get(name) if isinstance(data.get(name), dict) else {}):
+                if key not in keys:
+                    problems.append(f"unknown setting {name}.{key} (a typo?)")
+        return problems
+
+    def _set_aside(self, reason: str, *, kept_any: bool) -> None:
+        """A file with problems is renamed settings.toml.bad-<time>, never overwritten: what the user typed is kept
+        there. When it cannot be renamed, it is left alone and this session does not save over it."""
+        path = self.path
+        aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+        loaded = "its valid settings were loaded" if kept_any else "using the defaults"
+        try:
+            os.rename(path, aside)
+        except OSError as e:
+            self.keep_file = True
+            self.problem = (f"{path}: {reason}; {loaded}; the file could not be set aside ({e.strerror or e}) and "
+                            "is not overwritten this session")
+            return
+        self.problem = f"{path}: {reason}; the file was kept as {aside.name} and {loaded}"
 
     @property
     def last_model(self) -> str | None:
@@ -184,11 +244,10 @@ class Settings:
         """Write the file atomically; returns a problem to show, or None."""
         if self.path is None:
             return None
+        if self.keep_file:
+            return f"not saving the settings: {self.path} could not be read and is kept as it is"
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".toml.tmp")
-            tmp.write_text(dumps(self.to_dict()), encoding="utf-8")
-            os.replace(tmp, self.path)
+            atomic_write(self.path, dumps(self.to_dict()))  # a full disk or a kill leaves the old file whole
         except OSError as e:
             return f"cannot save the settings to {self.path}: {e.strerror or e}"
         return None

@@ -324,7 +324,6 @@ class Engine:
                 f"{str(self.loaded.dtype).removeprefix('torch.')}), or download the model again")
         return int(token)
 
-    @typed_errors("retuning the expert cache")
     def retune_cache(self, *, expert_slots: int | None = None, policy: str | None = None,
                      ram_cache_bytes: int | None = None, prefetch: str | None = None,
                      prefetch_depth: int | None = None) -> CacheSnapshot:

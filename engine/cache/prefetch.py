@@ -31,6 +31,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..errors import MoechatError
+from ..files import atomic_write, read_regular
+
 if TYPE_CHECKING:
     import torch
 
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 PREFETCH_MODES = ("off", "next-layer", "previous-token", "both")
 DEFAULT_PREFETCH = "next-layer"
 MAX_PREFETCH_DEPTH = 4
+MAX_PROFILE_ENTRIES = 1 << 24  # (layer, expert) counts in a routing profile: far past any model
 
 
 def default_prefetch(device: str) -> str:
@@ -163,11 +167,16 @@ def profile_path(model_dir: str | os.PathLike, directory: str | os.PathLike | No
 
 
 def load_profile(path: Path, num_layers: int, num_experts: int) -> np.ndarray | None:
-    """Saved usage counts [L, E], or None when there is none or it does not match the model."""
+    """Saved usage counts [L, E], or None when there is none or it does not match the model. Anything damaged
+    (bad JSON, nested 200k deep, a FIFO, a 1 GB file, wrong shapes) is ignored, never fatal: the next save
+    replaces it."""
+    if num_layers * num_experts > MAX_PROFILE_ENTRIES:
+        return None
     try:
-        data = json.loads(path.read_text())
+        raw = read_regular(path, "routing profile", max_bytes=64 * num_layers * num_experts + 4096)
+        data = json.loads(raw)
         counts = np.asarray(data["counts"], dtype=np.float64)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, MoechatError):
         return None
     if counts.shape != (num_layers, num_experts) or not np.isfinite(counts).all() or (counts < 0).any():
         return None
@@ -183,7 +192,5 @@ def save_profile(path: Path, counts: np.ndarray, *, decay: float = 0.5) -> None:
     old = load_profile(path, *counts.shape)
     if old is not None:
         counts = counts + decay * old
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": 1, "counts": np.round(counts, 3).tolist()}))
-    os.replace(tmp, path)
+    # all or nothing: a full disk, a read-only dir or a kill leaves the previous profile and no temporary file
+    atomic_write(path, json.dumps({"format": 1, "counts": np.round(counts, 3).tolist()}), fsync=False)
