@@ -37,8 +37,10 @@ from .checkpoint import read_json
 from .errors import (
     ChatTemplateError,
     ConfigError,
+    GenerationCancelled,
     MoechatError,
     NonFiniteLogitsError,
+    PromptTooLongError,
     TokenizerError,
     typed_errors,
 )
@@ -54,6 +56,7 @@ DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 512
 # Prompt tokens decoded to tell where a reasoning parser starts: "<|start|>assistant" or "<think>\n" is 2-3.
 _PROMPT_TAIL_TOKENS = 8
+_PIECE_CHARS = 1 << 16  # a long prompt is counted in pieces this big before it is tokenized whole
 
 
 @dataclass(frozen=True)
@@ -177,16 +180,50 @@ class Engine:
     @typed_errors("tokenizing the prompt")
     def encode(self, text: str) -> list[int]:
         """A raw prompt, with the tokenizer's own special tokens (e.g. BOS)."""
-        return self._need_tokenizer().encode(text, add_special_tokens=True)
+        return self._encode_bounded(text, "prompt", add_special_tokens=True)
+
+    def _char_bound(self) -> int:
+        """Characters that cannot fit the context whatever they say: context x the longest token x 4 (slack for
+        normalizers that drop characters). A prompt past it is refused without tokenizing it."""
+        return self.context * self._need_tokenizer().max_token_chars * 4
+
+    def _encode_bounded(self, text: str, what: str, *, add_special_tokens: bool) -> list[int]:
+        """Tokenize, refusing a text that cannot fit the context before tokenizing it whole: a 10 MB paste costs
+        milliseconds, not 30 s and gigabytes. Past the sound bound (`_char_bound`) at once; a long text under it
+        is counted in 64k-character pieces first, refused once they hold twice the context (a piece boundary
+        changes a count by a token or two, never by half)."""
+        tokenizer = self._need_tokenizer()
+        bound = self._char_bound()
+        too_long = PromptTooLongError(f"the {what} is {len(text):,} characters, more than a context of "
+                                      f"{self.context:,} tokens can hold: shorten it, start a new chat, or raise "
+                                      "--context")
+        if len(text) > bound:
+            raise too_long
+        if len(text) > _PIECE_CHARS:
+            counted = 0
+            for start in range(0, len(text), _PIECE_CHARS):
+                counted += len(tokenizer.encode(text[start : start + _PIECE_CHARS], add_special_tokens=False))
+                if counted > 2 * self.context:
+                    raise too_long
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @typed_errors("rendering the chat prompt")
-    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
-        """Render with the model's chat template and tokenize as transformers' apply_chat_template does."""
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    cancel: threading.Event | None = None, **template_kwargs) -> list[int]:
+        """Render with the model's chat template and tokenize as transformers' apply_chat_template does.
+        Rendering is bounded and stops when `cancel` is set (GenerationCancelled); a conversation that cannot
+        fit the context is refused before it is rendered or tokenized."""
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.loaded.model_dir}: the model has no chat template; use --raw to send "
                                     "the prompt as plain text")
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return self._need_tokenizer().encode(text, add_special_tokens=False)
+        chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+        if chars > self._char_bound():
+            raise PromptTooLongError(f"the conversation is {chars:,} characters, more than a context of "
+                                     f"{self.context:,} tokens can hold: shorten it, start a new chat, or raise "
+                                     "--context")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, cancel=cancel,
+                                         **template_kwargs)
+        return self._encode_bounded(text, "chat prompt", add_special_tokens=False)
 
     def reasoning_parser(self, prompt_ids: Sequence[int]) -> ReasoningParser | None:
         """A parser splitting thinking from the answer for a reply to this chat prompt; None when the model's
@@ -399,7 +436,11 @@ class Conversation:
         """
         self.messages.append({"role": "user", "content": content})
         try:
-            ids = self.engine.encode_chat(self.messages, add_generation_prompt=True, **template_kwargs)
+            ids = self.engine.encode_chat(self.messages, add_generation_prompt=True, cancel=cancel, **template_kwargs)
+        except GenerationCancelled:  # stopped while the template rendered: a cancelled turn, not an error
+            self.messages.pop()
+            yield GenerationChunk("", (), "cancelled")
+            return
         except MoechatError:
             self.messages.pop()
             raise

@@ -17,6 +17,7 @@ Design:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -182,6 +183,12 @@ class Tokenizer:
                 if token_id is not None:
                     ids.add(token_id)
         return frozenset(ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its longest vocabulary entry, added tokens included), so
+        a text longer than N x this cannot be N tokens: known without tokenizing it."""
+        return max((len(token) for token in self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:
