@@ -6,7 +6,7 @@ import argparse
 import math
 
 
-def _number(text: str, parse, kind: str, minimum: float, inclusive: bool):
+def _number(text: str, parse, kind: str, minimum: float, inclusive: bool, maximum: float = math.inf):
     try:
         value = parse(text)
     except ValueError:
@@ -15,6 +15,8 @@ def _number(text: str, parse, kind: str, minimum: float, inclusive: bool):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     if value < minimum or (value == minimum and not inclusive):
         raise argparse.ArgumentTypeError(f"expected a number {'>=' if inclusive else '>'} {minimum:g}, got {value:g}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"expected a number <= {maximum:g}, got {value:g}")
     return value
 
 
@@ -27,7 +29,8 @@ def non_negative_int(text: str) -> int:
 
 
 def non_negative_float(text: str) -> float:
-    return _number(text, float, "a number", 0, inclusive=True)
+    # capped: GiB and GB/s what-ifs past a billion are typos, and would overflow the byte arithmetic
+    return _number(text, float, "a number", 0, inclusive=True, maximum=1e9)
 
 
 def finite_float(text: str) -> float:

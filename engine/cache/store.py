@@ -304,8 +304,12 @@ class RepackedStore:
         import zlib
 
         need = self.expert_bytes * len(keys)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.path.parent).free
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.path.parent).free
+        except OSError as e:  # a --repack-dir that cannot be a folder (read-only, a file in the way, /proc)
+            raise CheckpointError(f"{self.path.parent}: cannot hold the repacked experts ({e.strerror or e}); use "
+                                  "another --repack-dir", path=str(self.path)) from None
         if free < need:
             raise CheckpointError(f"{self.path.parent}: repacking the experts needs {need / 2**30:.2f} GiB, "
                                   f"{free / 2**30:.2f} GiB free: free {(need - free) / 2**30:.2f} GiB, use another "
