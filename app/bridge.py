@@ -51,6 +51,7 @@ from .messages import (
     GenerationFailed,
     GenerationFinished,
     HitCurveReady,
+    PolicyPredicted,
     LoadProgress,
     ModelInfo,
     RetuneFailed,
@@ -78,6 +79,8 @@ class LoadOptions:
     prefetch_depth: int = 1
     warm_start: bool = True  # fill the slots from the model's saved routing profile
     expert_format: str | None = None  # native, int8, int4 (None: native); int8/int4 convert once into a repacked file
+    on_miss: str = "auto"  # where a miss runs: load (into a slot), host (from the RAM tier, in place), auto
+    host_layers: int = 0  # the first N MoE layers' experts stay on the host
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
         cache = CacheConfig(expert_slots=slots, policy=options.policy or default_policy(),
                             ram_cache_bytes=ram_cache_bytes, prefetch=prefetch,
                             prefetch_depth=options.prefetch_depth, warm_start=options.warm_start, record_trace=True,
-                            trace_max_rows=TRACE_ROWS)
+                            trace_max_rows=TRACE_ROWS, on_miss=options.on_miss, host_layers=options.host_layers)
     fmt = options.expert_format or "native"
     if fmt == "native":
         progress(f"loading {path.name} on {device} (weights, tokenizer, expert cache)")
@@ -343,6 +346,7 @@ class EngineBridge(Widget):
         self._rung = False  # a TokensArrived is on its way and the UI has not taken the outbox since
         self._outbox_lock = threading.Lock()
         self._curve_rows = -1  # trace rows the last posted hit curve was computed from
+        self._curve_trace = None  # the routing that curve came from (and its source), for `predict`
 
     @property
     def ready(self) -> bool:
@@ -386,6 +390,7 @@ class EngineBridge(Widget):
             self._engine = engine
             self._tracker = StatsTracker()
             self._curve_rows = -1
+            self._curve_trace = None
             self.post_message(EngineReady(info, time.monotonic() - t0))
             self._post_stats(engine)
         if info.cache is not None:  # workers start from the UI thread; call_later posts a message (thread-safe)
@@ -508,8 +513,24 @@ class EngineBridge(Widget):
         if trace is None:
             return
         curve = lru_hit_curve(trace, source=source)
+        self._curve_trace = (trace, source)
         if curve.requests:
             self.post_message(HitCurveReady(curve))
+
+    @work(thread=True, exclusive=True, group="engine-predict", exit_on_error=False)
+    def predict(self, policy: str, slots: int) -> None:
+        """Post a `PolicyPredicted`: `policy` at `slots` slots replayed over the routing of the last hit curve."""
+        from moechat.engine.cache.replay import replay_policy
+
+        if self._curve_trace is None or slots < 1:
+            return
+        trace, source = self._curve_trace
+        try:
+            result = replay_policy(trace, policy, slots)
+        except ValueError:  # a policy the engine does not know: the panel keeps LRU's curve
+            return
+        if result.requests:
+            self.post_message(PolicyPredicted(result, source))
 
     # -- tuning ---------------------------------------------------------------------------------------
     def retune(self, *, expert_slots: int | None = None, policy: str | None = None,

@@ -70,6 +70,15 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
                        metavar="N", help=f"predict N MoE layers ahead (1-{MAX_PREFETCH_DEPTH}, default 1)")
     cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
                        help="fill the slots at start from this model's saved routing profile (default: on)")
+    from moechat.engine.cache.hybrid import ON_MISS  # pure Python
+
+    cache.add_argument("--on-miss", choices=list(ON_MISS), default="auto",
+                       help="where an expert that is not in a slot runs: load (copy it into a slot), host (compute "
+                       "it on the CPU from the RAM tier), or auto (a cost model decides per miss; on a CPU-only "
+                       "machine that is host). The heatmap shows where each expert ran. Default: auto")
+    cache.add_argument("--host-layers", type=_non_negative_int, default=0, metavar="N",
+                       help="keep every expert of the first N MoE layers on the host, never slotted (like "
+                       "llama.cpp's --n-cpu-moe)")
     chat.set_defaults(handler=run_chat)
     return chat
 
@@ -78,7 +87,7 @@ def options_from_args(args: argparse.Namespace) -> LoadOptions:
     return LoadOptions(dtype=args.dtype, device=args.device, context=args.context, expert_slots=args.expert_slots,
                        policy=args.policy, ram_cache_mb=args.ram_cache_mb, resident=args.resident,
                        prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, warm_start=args.warm_start,
-                       expert_format=args.expert_format)
+                       expert_format=args.expert_format, on_miss=args.on_miss, host_layers=args.host_layers)
 
 
 def _run(app) -> int:

@@ -29,7 +29,10 @@ class DashboardStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     # cache (None / empty when every expert is resident and there is no cache)
-    hit_rate: float | None = None
+    hit_rate: float | None = None  # since load (the session)
+    turn_hit_rate: float | None = None  # this reply (or the last one), read beside the session's after a retune
+    turn_hits: int = 0
+    turn_misses: int = 0
     layer_hit_rates: tuple[float, ...] = ()  # NaN: no request yet (or a dense layer)
     hits: int = 0
     misses: int = 0
@@ -47,8 +50,11 @@ class DashboardStats:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     stall_ms_per_token: float | None = None  # the forward pass waiting for expert bytes, last window
+    on_miss: str = "load"  # where a miss runs: load | host | auto (hybrid execution)
+    host_computed: int = 0  # misses computed on the host from the RAM tier, since load
     resident: np.ndarray | None = field(default=None, compare=False)  # [L, E] bool
     recent: np.ndarray | None = field(default=None, compare=False)  # [L, E] float in [0, 1]
+    hosted: np.ndarray | None = field(default=None, compare=False)  # [L, E] bool: ran on the host (session)
 
     @property
     def has_cache(self) -> bool:
@@ -57,6 +63,14 @@ class DashboardStats:
 
 def _nan_to_none(x: float) -> float | None:
     return None if x is None or math.isnan(x) else x
+
+
+def _hosted(snap) -> np.ndarray | None:
+    """[L, E] bool: experts the host computed this session (the snapshot's `where_ran` bit 2), or None."""
+    where = getattr(snap, "where_ran", None)
+    if where is None or not getattr(snap, "host_computed", ()) or not sum(snap.host_computed):
+        return None
+    return (np.asarray(where) & 2).astype(bool)
 
 
 class StatsTracker:
@@ -77,11 +91,13 @@ class StatsTracker:
         self._per_token: tuple[float | None, float | None] = (None, None)
         self._stall_per_token: float | None = None
         self._cache_stats: dict = {}
+        self._turn_base: tuple[int, int] | None = None  # (hits, misses) since load when this reply began
 
     # -- inputs ---------------------------------------------------------------------------------------
     def start_generation(self) -> None:
         self._gen_base = self.tokens
         self.prompt_tokens = self.generated_tokens = 0
+        self._turn_base = (self._cache_stats.get("hits", 0), self._cache_stats.get("misses", 0))
 
     def observe_chunk(self, prompt_tokens: int, generated_tokens: int, prefill_tps: float,
                       decode_tps: float) -> None:
@@ -120,8 +136,13 @@ class StatsTracker:
             self._stall_per_token = max(stall - prev_stall, 0.0) * 1000 / dt
         self._prev, self._prev_tokens = snap, self.tokens
         hits, misses = sum(snap.hits), sum(snap.misses)
+        turn_hits = turn_misses = 0
+        if self._turn_base is not None:
+            turn_hits, turn_misses = max(hits - self._turn_base[0], 0), max(misses - self._turn_base[1], 0)
         self._cache_stats = dict(
             hit_rate=_nan_to_none(hits / (hits + misses)) if hits + misses else None,
+            turn_hit_rate=turn_hits / (turn_hits + turn_misses) if turn_hits + turn_misses else None,
+            turn_hits=turn_hits, turn_misses=turn_misses,
             layer_hit_rates=tuple(h / (h + m) if h + m else math.nan
                                   for h, m in zip(snap.hits, snap.misses, strict=True)),
             hits=hits, misses=misses, bytes_from_ram=snap.bytes_from_ram, bytes_from_disk=snap.bytes_from_disk,
@@ -130,7 +151,8 @@ class StatsTracker:
             prefetch=getattr(snap, "prefetch", "off"), prefetch_issued=sum(getattr(snap, "prefetch_issued", ())),
             prefetch_used=sum(getattr(snap, "prefetch_used", ())),
             prefetch_wasted=sum(getattr(snap, "prefetch_wasted", ())),
-            resident=np.asarray(snap.resident, dtype=bool).copy())
+            on_miss=getattr(snap, "on_miss", "load"), host_computed=sum(getattr(snap, "host_computed", ())),
+            hosted=_hosted(snap), resident=np.asarray(snap.resident, dtype=bool).copy())
 
     # -- output ---------------------------------------------------------------------------------------
     def stats(self) -> DashboardStats:

@@ -43,6 +43,16 @@ def prefetch_text(s: DashboardStats) -> str:
     return f"{s.prefetch_used:,}/{s.prefetch_issued:,} used"
 
 
+def hit_counts_text(s: DashboardStats) -> str:
+    """'1,204 hits · 96 misses' and, when misses may run on the host, '(40 on host)'."""
+    if not s.has_cache:
+        return "no cache"
+    text = f"{s.hits:,} hits · {s.misses:,} misses"
+    if s.on_miss != "load" or s.host_computed:
+        text += f" ({s.host_computed:,} on host)"
+    return text
+
+
 def _used_free(used: int, free: int) -> str:
     """'12.0 GiB used · 20.0 free' (the unit once when both share it)."""
     a, b = fmt_bytes(used), fmt_bytes(free)
@@ -125,7 +135,7 @@ class Dashboard(Vertical):
         history = list(s.decode_history[-SPARK_POINTS:])
         q("#decode-spark", FastSparkline).set_data([0.0] * (SPARK_POINTS - len(history)) + history if history else [])
         self._set("hit-rate", fmt_pct(s.hit_rate))
-        self._set("hit-counts", f"{s.hits:,} hits · {s.misses:,} misses" if s.has_cache else "no cache")
+        self._set("hit-counts", hit_counts_text(s))
         if s.has_cache:
             self._set("slots-used", f"{s.slots_used}/{s.num_slots} used · {s.policy}")
         self._set("bytes-ram", f"RAM {fmt_bytes(s.bytes_per_token_ram)}/tok")
@@ -136,4 +146,8 @@ class Dashboard(Vertical):
         heatmap = q(CacheHeatmap)
         if s.has_cache and s.resident is not None and s.resident.size:
             rates = s.layer_hit_rates or tuple(math.nan for _ in range(s.resident.shape[0]))
-            heatmap.set_data(s.resident, s.recent, rates)
+            heatmap.set_data(s.resident, s.recent, rates, s.hosted)
+            legend = q(HeatmapLegend)
+            hosting = s.on_miss != "load" or s.host_computed > 0
+            if legend.hosting != hosting:
+                legend.hosting = hosting

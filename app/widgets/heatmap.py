@@ -2,8 +2,9 @@
 
 A cell's glyph says how much of it is in a slot (█ all; for a group of experts a bar ▁..▇ as high as
 the fraction in slots; · none) and its brightness how much it was used over the last tokens (hot,
-warm, idle). An expert used lately but not in a slot (loaded, then evicted again) is a red dot. Each
-row ends with that layer's hit rate.
+warm, idle). An expert used lately but not in a slot is a red dot when it was loaded and evicted
+again, and a ring when the host computed it in place from the RAM tier (`--on-miss host|auto`,
+`--host-layers`): the map shows where each expert ran. Each row ends with that layer's hit rate.
 
 Readable from 32 experts x 24 layers to 256 x 60: experts are grouped by a power of two so the row
 fits the panel's width (256 experts in a 40-column panel: 1 cell = 8 experts), layers scroll
@@ -40,41 +41,47 @@ def group_size(num_experts: int, columns: int) -> int:
     return g
 
 
-def aggregate(resident: np.ndarray, recent: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per cell of g experts: fraction in a slot and the hottest recent use. [L, E] -> [L, ceil(E/g)] x 2."""
+def aggregate(resident: np.ndarray, recent: np.ndarray, g: int,
+              hosted: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per cell of g experts: fraction in a slot, the hottest recent use, and the hottest recent use of an
+    expert the host computed (0 without `hosted`). [L, E] -> [L, ceil(E/g)] x 3."""
     E = resident.shape[1]
     starts = np.arange(0, E, g)  # [N]
     sizes = np.diff(np.append(starts, E))  # [N]
     frac = np.add.reduceat(resident.astype(np.float64), starts, axis=1) / sizes  # [L, N]
     heat = np.maximum.reduceat(recent.astype(np.float64), starts, axis=1)  # [L, N]
-    return frac, heat
+    if hosted is None:
+        return frac, heat, np.zeros_like(heat)
+    host_heat = np.maximum.reduceat(np.where(hosted, recent, 0.0).astype(np.float64), starts, axis=1)  # [L, N]
+    return frac, heat, host_heat
 
 
-CLASSES = ("heatmap--hot", "heatmap--warm", "heatmap--cold", "heatmap--miss", "heatmap--absent")
-GLYPHS = "█" + PARTIAL + "•·"
+CLASSES = ("heatmap--hot", "heatmap--warm", "heatmap--cold", "heatmap--miss", "heatmap--absent", "heatmap--host")
+GLYPHS = "█" + PARTIAL + "•·○"
 
 
-def classify(frac: np.ndarray, heat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def classify(frac: np.ndarray, heat: np.ndarray, host_heat: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per cell: an index into GLYPHS and one into CLASSES (vectorised: 15k cells in microseconds)."""
     level = np.where(heat >= HOT, 0, np.where(heat >= WARM, 1, 2))  # hot, warm, cold
     bar = np.clip(np.ceil(frac * 8) - 1, 0, 6).astype(np.int64)  # PARTIAL index for a part-resident group
     glyph = np.where(frac >= 1, 0, 1 + bar)
     absent = frac <= 0
     missed = absent & (heat >= WARM)
-    glyph = np.where(absent, np.where(missed, 8, 9), glyph)
-    cls = np.where(absent, np.where(missed, 3, 4), level)
+    hosted = missed & (host_heat >= WARM) if host_heat is not None else np.zeros_like(missed)
+    glyph = np.where(absent, np.where(hosted, 10, np.where(missed, 8, 9)), glyph)
+    cls = np.where(absent, np.where(hosted, 5, np.where(missed, 3, 4)), level)
     return glyph, cls
 
 
-def cell_kind(frac: float, heat: float) -> tuple[str, str]:
+def cell_kind(frac: float, heat: float, host_heat: float = 0.0) -> tuple[str, str]:
     """(glyph, component class) of one cell."""
-    glyph, cls = classify(np.array([frac]), np.array([heat]))
+    glyph, cls = classify(np.array([frac]), np.array([heat]), np.array([host_heat]))
     return GLYPHS[int(glyph[0])], CLASSES[int(cls[0])]
 
 
 class CacheHeatmap(ScrollView, can_focus=True):
     COMPONENT_CLASSES = {"heatmap--label", "heatmap--rate", "heatmap--hot", "heatmap--warm", "heatmap--cold",
-                         "heatmap--miss", "heatmap--absent", "heatmap--empty"}
+                         "heatmap--miss", "heatmap--absent", "heatmap--host", "heatmap--empty"}
     BINDINGS = [Binding("z", "toggle_zoom", "Zoom heatmap")]
 
     zoomed = reactive(False)
@@ -83,6 +90,7 @@ class CacheHeatmap(ScrollView, can_focus=True):
         super().__init__(**kwargs)
         self.resident: np.ndarray | None = None  # [L, E] bool
         self.recent: np.ndarray | None = None  # [L, E] in [0, 1]
+        self.hosted: np.ndarray | None = None  # [L, E] bool: computed on the host this session
         self.rates: tuple[float, ...] = ()
         self.placeholder = "waiting for the model…"
         self.group = 1
@@ -90,11 +98,14 @@ class CacheHeatmap(ScrollView, can_focus=True):
         self._rows: list[tuple[str, list[int], str]] = []  # per layer: cells' glyphs, class per cell, rate
 
     # -- data -----------------------------------------------------------------------------------------
-    def set_data(self, resident: np.ndarray | None, recent: np.ndarray | None, rates=()) -> None:
+    def set_data(self, resident: np.ndarray | None, recent: np.ndarray | None, rates=(),
+                 hosted: np.ndarray | None = None) -> None:
         self.resident = None if resident is None else np.asarray(resident, dtype=bool)
         if self.resident is not None and (recent is None or np.shape(recent) != self.resident.shape):
             recent = np.zeros(self.resident.shape)
         self.recent = recent
+        self.hosted = None if hosted is None or self.resident is None or np.shape(hosted) != self.resident.shape \
+            else np.asarray(hosted, dtype=bool)
         self.rates = tuple(rates)
         self._rebuild()
 
@@ -119,8 +130,8 @@ class CacheHeatmap(ScrollView, can_focus=True):
             return
         L, E = self.resident.shape
         group = 1 if self.zoomed else group_size(E, self._cell_columns())
-        frac, heat = aggregate(self.resident, self.recent, group)
-        glyph, cls = classify(frac, heat)  # [L, N] x 2
+        frac, heat, host_heat = aggregate(self.resident, self.recent, group, self.hosted)
+        glyph, cls = classify(frac, heat, host_heat)  # [L, N] x 2
         rates = [self.rates[i] if i < len(self.rates) else math.nan for i in range(L)]
         rows = [("".join(GLYPHS[g] for g in grow), crow, "   –" if math.isnan(rate) else f"{rate:4.0%}")
                 for grow, crow, rate in zip(glyph.tolist(), cls.tolist(), rates, strict=True)]
@@ -204,15 +215,18 @@ class HeatmapLegend(Widget):
     """One line under the heatmap, drawn with the heatmap's own cell styles."""
 
     COMPONENT_CLASSES = {"heatmap--hot", "heatmap--warm", "heatmap--cold", "heatmap--miss", "heatmap--absent",
-                         "heatmap--label"}
+                         "heatmap--host", "heatmap--label"}
     grouped = reactive(False)
+    hosting = reactive(False)  # misses may run on the host (--on-miss host|auto, --host-layers)
 
     def render(self) -> Text:
         style = self.get_component_rich_style
         parts = [("█", "heatmap--hot"), ("hot ", "heatmap--label"), ("█", "heatmap--warm"),
                  ("warm ", "heatmap--label"), ("█", "heatmap--cold"), ("idle ", "heatmap--label"),
-                 ("•", "heatmap--miss"), ("evicted ", "heatmap--label"), ("·", "heatmap--absent"),
-                 ("out", "heatmap--label")]
+                 ("•", "heatmap--miss"), ("evicted ", "heatmap--label")]
+        if self.hosting:
+            parts += [("○", "heatmap--host"), ("host ", "heatmap--label")]
+        parts += [("·", "heatmap--absent"), ("out", "heatmap--label")]
         if self.grouped:
             parts += [(" ▄", "heatmap--warm"), ("part", "heatmap--label")]
         return Text.assemble(*((text, style(cls)) for text, cls in parts))

@@ -21,8 +21,8 @@ async def test_real_engine_streams_and_fills_the_panel(tiny_chat_model, app_env,
     path = tiny_chat_model[0]
     settings = Settings(path=app_env / "settings.toml", max_tokens=12, sampling={"temperature": 0.0})
     store = ChatStore(app_env / "chats.sqlite3")
-    app = make_app(path, options=LoadOptions(dtype="float32", expert_slots=6), settings=settings, store=store,
-                   memory_probe=fakes.Memory(), export_dir=app_env)
+    app = make_app(path, options=LoadOptions(dtype="float32", expert_slots=6, on_miss="load"), settings=settings,
+                   store=store, memory_probe=fakes.Memory(), export_dir=app_env)
     async with app.run_test(size=(120, 36)) as pilot:
         screen = app.screen
         await fakes.wait_for(pilot, lambda: screen.info is not None, timeout=120, what="the model to load")
@@ -54,3 +54,32 @@ async def test_real_engine_streams_and_fills_the_panel(tiny_chat_model, app_env,
         # The engine recorded this reply's routing; the tuning panel predicts LRU's hit rate from it.
         await fakes.wait_for(pilot, lambda: "this session's routing" in value("#predicted"), what="a prediction")
         assert re.match(r"predicted (decode )?hit ~\d+% at 6 slots", value("#predicted"))
+
+
+async def test_panel_shows_where_experts_ran(tiny_chat_model, app_env, fakes):
+    """--on-miss host in the app: misses run on the host from the RAM tier, and the panel says so: a count
+    beside the hits, a ring in the heatmap for each expert used lately that ran on the host, and a legend."""
+    from moechat.app.app import make_app
+    from moechat.app.store import ChatStore
+    from moechat.app.widgets.heatmap import HeatmapLegend
+
+    path = tiny_chat_model[0]
+    settings = Settings(path=app_env / "settings.toml", max_tokens=12, sampling={"temperature": 0.0})
+    store = ChatStore(app_env / "chats.sqlite3")
+    app = make_app(path, options=LoadOptions(dtype="float32", expert_slots=3, on_miss="host", warm_start=False),
+                   settings=settings, store=store, memory_probe=fakes.Memory(), export_dir=app_env)
+    async with app.run_test(size=(120, 36)) as pilot:
+        screen = app.screen
+        await fakes.wait_for(pilot, lambda: screen.info is not None, timeout=120, what="the model to load")
+        screen.query_one("#prompt").load_text("Hello world")
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: screen.gen_id is None and len(screen.session.turns) == 2, timeout=60,
+                             what="the reply")
+        counts = lambda: str(screen.query_one("#hit-counts", Label).content)  # noqa: E731
+        await fakes.wait_for(pilot, lambda: re.search(r"\(([1-9][\d,]*) on host\)", counts()),
+                             what="host-computed misses in the panel")
+        heatmap = screen.query_one("#heatmap")
+        assert heatmap.hosted is not None and heatmap.hosted.any()
+        assert not (heatmap.hosted & ~heatmap.resident).sum() == 0  # host-run experts are the ones not in slots
+        assert any("○" in glyphs for glyphs, _, _ in heatmap._rows)
+        assert screen.query_one(HeatmapLegend).hosting

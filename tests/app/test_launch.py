@@ -25,7 +25,11 @@ def test_chat_parser_mirrors_run_options(tmp_path):
     assert launch.options_from_args(args) == LoadOptions(dtype="bfloat16", context=2048, expert_slots=64,
                                                          policy="lfu", ram_cache_mb=512)
     assert _parse("chat", "x").policy == default_policy()
-    for bad in (["--expert-slots", "0"], ["--policy", "nope"], ["--ram-cache-mb", "-1"]):
+    hybrid = launch.options_from_args(_parse("chat", "x", "--on-miss", "host", "--host-layers", "2"))
+    assert (hybrid.on_miss, hybrid.host_layers) == ("host", 2)
+    assert launch.options_from_args(_parse("chat", "x")).on_miss == "auto"  # as `moechat run`
+    for bad in (["--expert-slots", "0"], ["--policy", "nope"], ["--ram-cache-mb", "-1"], ["--on-miss", "gpu"],
+                ["--host-layers", "-1"]):
         with pytest.raises(SystemExit):
             _parse("chat", "x", *bad)
 
