@@ -193,6 +193,11 @@ def format_plan(plan, spec, hw, runnable: bool, advice=None, expert_format: str 
         d = plan.decode
         out.append(f"  decode    {d.low:.1f}-{d.high:.1f} tok/s predicted   (bound {d.bound:.1f} tok/s, set by "
                    f"{d.bound_by}; formula in docs/plan.md)")
+        if plan.placements:
+            best = plan.best_placement
+            ways = (f"{p.mode} {p.low:.1f}-{p.high:.1f} (bound {p.bound:.1f}, {p.bound_by})" for p in plan.placements)
+            out.append("  misses    " + " · ".join(ways)
+                       + f" tok/s; best: --on-miss {best.mode}" + (" (the default)" if best.mode == "auto" else ""))
     if plan.refusal is not None:
         out.append(f"  REFUSED   {plan.refusal.message}")
     if advice is not None:

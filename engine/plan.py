@@ -841,6 +841,7 @@ class Preferences:
     device: str | None = None  # "cpu", "cuda", "cuda:N"; None: the GPU with most free memory, else the CPU
     hit_curve: MissRatioCurve | None = None
     disk_read_gbps: float | None = None
+    host_read_gbps: float | None = None  # the CPU's read rate over packed experts (None: ASSUMED_RAM_GBPS)
     override: bool = False  # load anyway: a refused plan is still made, best effort, and check() passes
     # True: sliding-window layers are allocated `window` tokens, as a ring would need; False: every layer the
     # whole context, as engine/kv_cache.py allocates today (the plan then names the saving a ring would bring)
@@ -932,6 +933,14 @@ class MemoryPlan:
     overridden: bool = False
     estimated: bool = False
     notes: tuple[str, ...] = ()
+    placements: tuple[MissPlacement, ...] = ()  # decode per --on-miss mode (a GPU with misses from RAM)
+
+    @property
+    def best_placement(self) -> MissPlacement | None:
+        """The --on-miss mode predicted fastest (auto when it ties the better of load and host)."""
+        if not self.placements:
+            return None
+        return max(self.placements, key=lambda p: (round(p.low, 6), p.mode == "auto"))
 
     @property
     def ok(self) -> bool:
@@ -967,6 +976,8 @@ class MemoryPlan:
         out["decisions"] = [{"item": d.item, "bytes": d.bytes, "where": d.where, "reason": d.reason}
                             for d in self.decisions]
         out["decode"] = None if self.decode is None else self.decode.to_json()
+        out["placements"] = [p.to_json() for p in self.placements]
+        out["best_on_miss"] = None if self.best_placement is None else self.best_placement.mode
         out["refusal"] = None if self.refusal is None else {
             "resource": self.refusal.resource, "short_bytes": self.refusal.short_bytes,
             "need_bytes": self.refusal.need_bytes, "have_bytes": self.refusal.have_bytes,
@@ -1057,6 +1068,59 @@ def _decode(spec: ModelSpec, kind: str, context: int, slots: int, ram_experts: i
         hit_rate_high=h_hi, hit_source=source, device_bytes=int(dev_bytes), link_bytes_low=int(link_lo),
         link_bytes_high=int(link_hi), disk_bytes_low=int(disk_lo), disk_bytes_high=int(disk_hi),
         device_gbps=devbw * eff, link_gbps=link if kind == "gpu" else None, disk_gbps=diskbw, compute_efficiency=f)
+
+
+@dataclass(frozen=True)
+class MissPlacement:
+    """Predicted decode tok/s with every miss served one way (`--on-miss`): load (over the link into a slot),
+    host (computed on the CPU from the RAM tier while the GPU computes the slotted experts) or auto (per miss,
+    the cheaper of the two: at least the better of them, which is what is predicted)."""
+
+    mode: str  # load | host | auto
+    low: float
+    high: float
+    bound: float
+    bound_by: str
+    host_experts: float = 0.0  # experts computed on the host per token, at the low hit rate
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _placements(spec: ModelSpec, decode: DecodeEstimate, hostbw: float) -> tuple[MissPlacement, ...]:
+    """load / host / auto on a GPU with a RAM tier (docs/plan.md, "Where misses run").
+
+    Host: per MoE layer the GPU computes its slotted experts while the CPU computes the missed ones from RAM
+    (reading their packed bytes at `hostbw` x the format's CPU compute efficiency), so the layer costs the
+    longer of the two plus two activation copies; nothing crosses the link but activations. Attention and
+    the dense weights do not overlap with it. Disk reads (experts beyond the RAM tier) cost the same either
+    way."""
+    from .cache.hybrid import ACTIVATION_COPY_S  # pure Python
+
+    Lm, K, eb = spec.num_moe_layers, spec.top_k, spec.expert_bytes
+    active = Lm * K * eb
+    f_dev = decode.compute_efficiency
+    f_host = compute_efficiency(spec, "cpu")
+    dev_rate = decode.device_gbps * GB
+    out = [MissPlacement("load", decode.low, decode.high, decode.bound, decode.bound_by)]
+    rates = []
+    for h, disk_b in ((decode.hit_rate_low, decode.disk_bytes_low), (decode.hit_rate_high, decode.disk_bytes_high)):
+        dense_t = (decode.device_bytes - active) / dev_rate
+        dev_experts_t = active * h / f_dev / dev_rate
+        host_t = active * (1 - h) / (hostbw * GB * f_host)
+        copies = Lm * (1 - h ** K) * 2 * ACTIVATION_COPY_S  # layers with at least one miss
+        t = (dense_t + max(dev_experts_t, host_t) + copies + disk_b / (decode.disk_gbps * GB)
+             + spec.num_layers * OVERHEAD_PER_LAYER_S["gpu"])
+        limits = {"device memory": dense_t + dev_experts_t, "host RAM": host_t + dense_t}
+        if disk_b:
+            limits["disk"] = disk_b / (decode.disk_gbps * GB)
+        rates.append((1 / t, limits, Lm * K * (1 - h)))
+    (lo, _, n_host), (hi, limits, _) = rates
+    bound_by = max(limits, key=limits.get)
+    host = MissPlacement("host", lo, hi, 1 / limits[bound_by], bound_by, host_experts=n_host)
+    best = max((out[0], host), key=lambda p: p.low)
+    out += [host, replace(best, mode="auto")]
+    return tuple(out)
 
 
 def compute_efficiency(spec: ModelSpec, kind: str) -> float:
@@ -1336,6 +1400,17 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
                                   + (f" ({spec.format_key} experts compute at {decode.compute_efficiency:.0%} of "
                                      "that rate today)" if decode.compute_efficiency < 1 else "")
                                   + ("; " + ", ".join(moved) if moved else "")))
+    placements: tuple[MissPlacement, ...] = ()
+    if decode is not None and gpu and slots < N and ram_experts:
+        placements = _placements(spec, decode, prefs.host_read_gbps or ASSUMED_RAM_GBPS)
+        load, host_p = placements[0], placements[1]
+        decisions.append(Decision("where misses run", None, "-",
+                                  f"load {load.low:.1f}-{load.high:.1f} tok/s (bound {load.bound:.1f}, {load.bound_by})"
+                                  f" | host {host_p.low:.1f}-{host_p.high:.1f} (bound {host_p.bound:.1f}, "
+                                  f"{host_p.bound_by}; {host_p.host_experts:.0f} experts/token on the CPU at "
+                                  f"{prefs.host_read_gbps or ASSUMED_RAM_GBPS:g} GB/s"
+                                  f"{'' if prefs.host_read_gbps else ' assumed'}) | auto: per miss the cheaper, "
+                                  f"at least the better ({placements[2].low:.1f}-{placements[2].high:.1f})"))
     if overridden:
         decisions.append(Decision("override", None, "-", f"loading anyway as asked: {refusal.message}"))
     return MemoryPlan(
@@ -1343,7 +1418,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         total_experts=N, expert_bytes=eb, host_tier=host, ram_cache_bytes=ram_cache, dense_bytes=dense, kv_bytes=kv,
         workspace_bytes=ws, device_budget_bytes=budget, device_used_bytes=dev_used, ram_budget_bytes=ram_budget,
         ram_used_bytes=ram_used, disk_free_bytes=disk_free, disk_needed_bytes=disk_need, decisions=tuple(decisions),
-        decode=decode, refusal=refusal, overridden=overridden, estimated=spec.estimated, notes=tuple(notes))
+        decode=decode, refusal=refusal, overridden=overridden, estimated=spec.estimated, notes=tuple(notes),
+        placements=placements)
 
 
 def _device_refusal(spec: ModelSpec, hw: Hardware, prefs: Preferences, gpu: GpuInfo | None, budget: int,

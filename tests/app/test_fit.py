@@ -45,6 +45,9 @@ def test_table_shows_every_decision_and_the_bound_next_to_the_prediction(capsys)
     assert len(decode) == 2  # the decision row, and the summary with the bound next to the prediction
     assert "tok/s predicted" in decode[1] and "(bound " in decode[1] and "docs/plan.md" in decode[1]
     assert "--expert-slots" in out  # how to run it
+    misses = [line for line in out.splitlines() if line.startswith("  misses ")]  # load | host | auto, and the best
+    assert len(misses) == 1 and all(f"{m} " in misses[0] for m in ("load", "host", "auto"))
+    assert "best: --on-miss auto (the default)" in misses[0]
 
 
 @needs_configs

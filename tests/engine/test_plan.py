@@ -427,6 +427,43 @@ def test_qwen3_30b_on_12_gib_by_hand():
 
 
 @needs_configs
+def test_where_misses_run_load_host_auto_by_hand():
+    """`moechat fit` predicts --on-miss load, host and auto (issue 16), each with its bound, and picks the best."""
+    from moechat.engine.cache.hybrid import ACTIVATION_COPY_S
+    from moechat.engine.plan import compute_efficiency
+
+    s = spec("qwen3-30b-a3b")
+    plan = make_plan(s, machine(12, 128, link=25.2, membw=500), Preferences(host_read_gbps=40.0))
+    load, host, auto = plan.placements
+    d = plan.decode
+    assert (load.mode, load.low, load.high, load.bound_by) == ("load", d.low, d.high, d.bound_by)
+    active = 48 * 8 * 9_437_184
+    dense = d.device_bytes - active
+
+    def host_tok_s(h):  # per MoE layer the longer of the GPU's slotted experts and the CPU's missed ones
+        gpu = active * h / 350e9
+        cpu = active * (1 - h) / (40e9 * compute_efficiency(s, "cpu"))
+        return 1 / (dense / 350e9 + max(gpu, cpu) + 48 * (1 - h ** 8) * 2 * ACTIVATION_COPY_S
+                    + 48 * OVERHEAD_PER_LAYER_S["gpu"])
+
+    assert host.low == pytest.approx(host_tok_s(d.hit_rate_low))
+    assert host.high == pytest.approx(host_tok_s(d.hit_rate_high))
+    assert host.bound_by == "host RAM" and host.host_experts == pytest.approx(48 * 8 * (1 - d.hit_rate_low))
+    assert auto.mode == "auto" and auto.low == max(load.low, host.low)
+    assert plan.best_placement.mode == "auto"
+    # A slow link makes the host the better way; a fast one and a slow CPU the load.
+    slow_link = make_plan(s, machine(12, 128, link=2.0), Preferences(host_read_gbps=40.0))
+    assert slow_link.placements[1].low > slow_link.placements[0].low == pytest.approx(slow_link.decode.low)
+    assert slow_link.placements[2].low == slow_link.placements[1].low
+    fast_link = make_plan(s, machine(12, 128, link=50.0), Preferences(host_read_gbps=5.0))
+    assert fast_link.placements[0].low > fast_link.placements[1].low
+    assert "where misses run" in [x.item for x in plan.decisions]
+    assert plan.to_json()["best_on_miss"] == "auto" and len(plan.to_json()["placements"]) == 3
+    # No placements where there is no choice: every expert resident, or a CPU-only machine.
+    assert make_plan(s, machine(80, 128)).placements == () and make_plan(s, machine(None, 32)).placements == ()
+
+
+@needs_configs
 def test_cpu_only_plans():
     s = spec("qwen3-30b-a3b")
     small = make_plan(s, machine(None, 32))
