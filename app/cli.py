@@ -22,6 +22,7 @@ from .argtypes import non_negative_float as _non_negative_float
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
 from .argtypes import utf8_text as _utf8_text
+from .engine_args import add_load_args
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -68,76 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=_finite_float, metavar="P")
     run.add_argument("--repetition-penalty", type=_finite_float, metavar="R")
     run.add_argument("--seed", type=int, metavar="S", help="sampling seed (same seed, same reply)")
-    run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                     help="compute dtype (default: the checkpoint's)")
-    run.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
-                     "cache for (default 4096, at most the model's)")
-    run.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
-    cache = run.add_argument_group("expert cache", "keep only N experts on the compute device, the rest in RAM "
-                                   "or on disk (default: every expert resident)")
-    cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")
-    cache.add_argument("--policy", choices=_policies(), help="eviction policy of the slots (default: %(default)s)",
-                       default=_default_policy())
-    cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
-                       "experts beyond it stream from disk (default: every expert in RAM)")
-    cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
-    cache.add_argument("--expert-format", choices=["native", "int8", "int4"], default="native",
-                       help="how every tier holds the experts: native (as the checkpoint ships them: bf16, MXFP4 or "
-                       "FP8), int8 (per-channel, ~half of bf16) or int4 (groups of 32, ~0.3 of bf16); converted once "
-                       "into a repacked file (--repack-dir, default under $XDG_CACHE_HOME/moechat/repacked)")
-    cache.add_argument("--on-miss", choices=_on_miss_modes(), default="auto",
-                       help="where an expert that is not in a slot runs: load (copy it into a slot), host (compute "
-                       "it on the CPU straight from the RAM tier, sending only activations), or auto (a cost model "
-                       "from measured numbers decides per miss; on a CPU-only machine that is always host: no copy). "
-                       "Default: auto")
-    cache.add_argument("--host-layers", type=_non_negative_int, default=0, metavar="N",
-                       help="keep every expert of the first N MoE layers on the host, never slotted (like "
-                       "llama.cpp's --n-cpu-moe)")
-    cache.add_argument("--repack-dir", metavar="DIR", help="stream experts from a repacked copy kept in DIR "
-                       "(one read per expert; written on first use, needs as much disk as the experts)")
-    cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
-                       help="load the experts later layers will want while this layer computes: next-layer "
-                       "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or off "
-                       "(default: next-layer; on a CPU, off unless experts stream from disk and torch leaves a "
-                       "core free)")
-    cache.add_argument("--prefetch-depth", type=_positive_int, default=1, metavar="N",
-                       help="predict N MoE layers ahead (1-4, default 1)")
-    cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
-                       help="fill the slots at start with the experts this model used most in earlier runs "
-                       "(a routing profile saved at exit under $XDG_CACHE_HOME/moechat; default: on)")
+    add_load_args(run)  # --dtype --context --device and the expert cache: the same flags as `moechat serve`
     from moechat.app.fit import add_fit_parser  # no torch, no engine
     from moechat.app.launch import add_chat_parser
     from moechat.app.pull import add_pull_parser
+    from moechat.app.serve import add_serve_parser
 
     add_fit_parser(sub)
     add_chat_parser(sub)
     add_pull_parser(sub)
+    add_serve_parser(sub)
     return parser
-
-
-def _policies() -> list[str]:
-    from moechat.engine.cache.policy import POLICIES  # pure Python: no torch at start-up
-
-    return list(POLICIES)
-
-
-def _prefetch_modes() -> list[str]:
-    from moechat.engine.cache.prefetch import PREFETCH_MODES  # no torch at import time either
-
-    return list(PREFETCH_MODES)
-
-
-def _on_miss_modes() -> list[str]:
-    from moechat.engine.cache.hybrid import ON_MISS  # pure Python
-
-    return list(ON_MISS)
-
-
-def _default_policy() -> str:
-    from moechat.engine.cache.policy import DEFAULT_POLICY
-
-    return DEFAULT_POLICY
 
 
 def _check_run_args(args: argparse.Namespace, device: str) -> None:
@@ -156,38 +99,10 @@ def _check_run_args(args: argparse.Namespace, device: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     import threading
 
-    from moechat.app.pull import resolve_model_arg
+    from moechat.app.engine_args import load_engine_from_args
 
-    args.model_dir = resolve_model_arg(args.model_dir)  # a Hub repo id: its downloaded snapshot, no network
-
-    import torch
-
-    from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.errors import MoechatError
-    from moechat.engine.generate import Engine
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    _check_run_args(args, device)  # a bad value fails here, in one line, before the model loads
-    from moechat.app.fit import cache_defaults, warn
-
-    slots, ram_cache_bytes = cache_defaults(args.model_dir, device=device, dtype=args.dtype, context=args.context,
-                                            expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn,
-                                            expert_format=args.expert_format)
-    cache = None
-    if slots or ram_cache_bytes is not None or args.record_trace or args.repack_dir:
-        from moechat.engine.cache.prefetch import check_prefetch, default_prefetch
-
-        prefetch = args.prefetch or default_prefetch(device)
-        try:
-            check_prefetch(prefetch, args.prefetch_depth)
-        except ValueError as e:
-            raise MoechatError(str(e)) from None
-        cache = CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
-                            record_trace=bool(args.record_trace), repack_dir=args.repack_dir, prefetch=prefetch,
-                            prefetch_depth=args.prefetch_depth, warm_start=args.warm_start, on_miss=args.on_miss,
-                            host_layers=args.host_layers)
-    engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
-                         expert_format=args.expert_format)
+    # a Hub repo id resolved to its snapshot; a bad value fails in one line before the model loads
+    engine = load_engine_from_args(args, check=_check_run_args)
     sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     reasoning = None
@@ -332,7 +247,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from moechat.app.fit import run_fit
 
         return run_fit(args)
-    if args.command == "chat":
+    if args.command in ("chat", "serve"):
         return args.handler(args)
     if args.command == "pull":
         from moechat.app.pull import run_pull

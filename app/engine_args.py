@@ -1,0 +1,126 @@
+"""The flags that say how to load a model, shared by `moechat run` and `moechat serve`, and the load itself.
+
+    add_load_args(parser)                     # --dtype --context --device and the "expert cache" group
+    engine = load_engine_from_args(args)      # resolve MODEL, check values, plan the cache, Engine.load
+
+One definition, so the two commands cannot drift: a flag added here exists in both, with the same
+meaning, default and checks. Nothing here imports torch at import time (the parsers are built at
+start-up); `load_engine_from_args` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .argtypes import non_negative_int as _non_negative_int
+from .argtypes import positive_int as _positive_int
+
+
+def _policies() -> list[str]:
+    from moechat.engine.cache.policy import POLICIES  # pure Python: no torch at start-up
+
+    return list(POLICIES)
+
+
+def _default_policy() -> str:
+    from moechat.engine.cache.policy import DEFAULT_POLICY
+
+    return DEFAULT_POLICY
+
+
+def _prefetch_modes() -> list[str]:
+    from moechat.engine.cache.prefetch import PREFETCH_MODES  # no torch at import time either
+
+    return list(PREFETCH_MODES)
+
+
+def _on_miss_modes() -> list[str]:
+    from moechat.engine.cache.hybrid import ON_MISS  # pure Python
+
+    return list(ON_MISS)
+
+
+def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True) -> None:
+    """--dtype, --context, --device and the "expert cache" argument group (with --record-trace when asked)."""
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="compute dtype (default: the checkpoint's)")
+    parser.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
+                        "cache for (default 4096, at most the model's)")
+    parser.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    cache = parser.add_argument_group("expert cache", "keep only N experts on the compute device, the rest in RAM "
+                                      "or on disk (default: every expert resident)")
+    cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")
+    cache.add_argument("--policy", choices=_policies(), help="eviction policy of the slots (default: %(default)s)",
+                       default=_default_policy())
+    cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
+                       "experts beyond it stream from disk (default: every expert in RAM)")
+    if record_trace:
+        cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
+    cache.add_argument("--expert-format", choices=["native", "int8", "int4"], default="native",
+                       help="how every tier holds the experts: native (as the checkpoint ships them: bf16, MXFP4 or "
+                       "FP8), int8 (per-channel, ~half of bf16) or int4 (groups of 32, ~0.3 of bf16); converted once "
+                       "into a repacked file (--repack-dir, default under $XDG_CACHE_HOME/moechat/repacked)")
+    cache.add_argument("--on-miss", choices=_on_miss_modes(), default="auto",
+                       help="where an expert that is not in a slot runs: load (copy it into a slot), host (compute "
+                       "it on the CPU straight from the RAM tier, sending only activations), or auto (a cost model "
+                       "from measured numbers decides per miss; on a CPU-only machine that is always host: no copy). "
+                       "Default: auto")
+    cache.add_argument("--host-layers", type=_non_negative_int, default=0, metavar="N",
+                       help="keep every expert of the first N MoE layers on the host, never slotted (like "
+                       "llama.cpp's --n-cpu-moe)")
+    cache.add_argument("--repack-dir", metavar="DIR", help="stream experts from a repacked copy kept in DIR "
+                       "(one read per expert; written on first use, needs as much disk as the experts)")
+    cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
+                       help="load the experts later layers will want while this layer computes: next-layer "
+                       "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or off "
+                       "(default: next-layer; on a CPU, off unless experts stream from disk and torch leaves a "
+                       "core free)")
+    cache.add_argument("--prefetch-depth", type=_positive_int, default=1, metavar="N",
+                       help="predict N MoE layers ahead (1-4, default 1)")
+    cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                       help="fill the slots at start with the experts this model used most in earlier runs "
+                       "(a routing profile saved at exit under $XDG_CACHE_HOME/moechat; default: on)")
+
+
+def cache_config_from_args(args: argparse.Namespace, device: str):
+    """The CacheConfig the flags ask for (None: every expert resident); unset sizes come from the memory plan."""
+    from moechat.app.fit import cache_defaults, warn
+    from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.errors import MoechatError
+
+    record = bool(getattr(args, "record_trace", None))
+    slots, ram_cache_bytes = cache_defaults(args.model_dir, device=device, dtype=args.dtype, context=args.context,
+                                            expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn,
+                                            expert_format=args.expert_format)
+    if not (slots or ram_cache_bytes is not None or record or args.repack_dir):
+        return None
+    from moechat.engine.cache.prefetch import check_prefetch, default_prefetch
+
+    prefetch = args.prefetch or default_prefetch(device)
+    try:
+        check_prefetch(prefetch, args.prefetch_depth)
+    except ValueError as e:
+        raise MoechatError(str(e)) from None
+    return CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
+                       record_trace=record, repack_dir=args.repack_dir, prefetch=prefetch,
+                       prefetch_depth=args.prefetch_depth, warm_start=args.warm_start, on_miss=args.on_miss,
+                       host_layers=args.host_layers)
+
+
+def load_engine_from_args(args: argparse.Namespace, check=None):
+    """Resolve args.model_dir (a Hub repo id: its downloaded snapshot), run `check(args, device)` (values refused
+    before the model loads), then load the engine the flags describe."""
+    from moechat.app.pull import resolve_model_arg
+
+    args.model_dir = resolve_model_arg(args.model_dir)  # no network
+
+    import torch
+
+    from moechat.engine.generate import Engine
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if check is not None:
+        check(args, device)
+    cache = cache_config_from_args(args, device)
+    return Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
+                       expert_format=args.expert_format)
