@@ -71,6 +71,14 @@ RETRIES = 5  # attempts per file without progress before giving up (as huggingfa
 RETRY_DELAY_S = 0.5  # first back-off; doubles up to RETRY_DELAY_MAX_S
 RETRY_DELAY_MAX_S = 8.0
 READ_TIMEOUT_S = 30.0  # a silent connection is dropped (and resumed) after this
+CONNECT_TIMEOUT_S = 10.0  # a server that never accepts, for every Hub call (huggingface_hub's client has none)
+MAX_REDIRECTS = 10  # a CDN or proxy that redirects more is in a loop
+# A connection that delivers less than MIN_RATE_BPS over STALL_WINDOW_S (a server trickling a byte every few
+# seconds) is dropped and resumed, like a silent one; RETRIES such attempts in a row end the pull with the bytes
+# kept. A file also gets at most FILE_DEADLINE_S + size / MIN_RATE_BPS in all, so no pull runs without end.
+MIN_RATE_BPS = 16 * 1024
+STALL_WINDOW_S = 30.0
+FILE_DEADLINE_S = 300.0
 DISK_MARGIN_BYTES = 512 * MiB  # free space kept after the download, at least...
 DISK_MARGIN_FRACTION = 0.02  # ...or this fraction of the download
 PROGRESS_EVERY_S = 0.1
@@ -396,6 +404,32 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return (err,) if isinstance(err, type) else ()
 
 
+def _bounded_session():
+    """huggingface_hub's shared HTTP client, with a connect and read timeout on every request and a redirect
+    limit. Its default client has no timeout, and HfApi passes `timeout=None` (none at all) to most calls, so a
+    request hook puts the bounds back on each request that has none: an API that never answers fails after
+    READ_TIMEOUT_S, a redirect loop after MAX_REDIRECTS hops."""
+    from huggingface_hub.utils import get_session
+
+    session = get_session()
+    hooks = getattr(session, "event_hooks", None)
+    if isinstance(hooks, dict) and _bound_request not in hooks.get("request", []):
+        session.event_hooks = {**hooks, "request": [*hooks.get("request", []), _bound_request]}
+    if getattr(session, "max_redirects", MAX_REDIRECTS) != MAX_REDIRECTS:
+        session.max_redirects = MAX_REDIRECTS
+    return session
+
+
+def _bound_request(request) -> None:
+    timeout = request.extensions.get("timeout") or {}
+    bounds = {"connect": CONNECT_TIMEOUT_S, "read": READ_TIMEOUT_S, "write": READ_TIMEOUT_S, "pool": READ_TIMEOUT_S}
+    request.extensions["timeout"] = {k: timeout.get(k) or v for k, v in bounds.items()}
+
+
+def _redirect_loop(e: BaseException) -> bool:
+    return type(e).__name__ == "TooManyRedirects"
+
+
 def _status(e: BaseException) -> int | None:
     response = getattr(e, "response", None)
     return getattr(response, "status_code", None)
@@ -447,6 +481,10 @@ def _translate(e: BaseException, ctx: _Ctx) -> MoechatError:
                             repo_id=repo)
     if isinstance(e, hfe.HfHubHTTPError):
         return HubError(f"{repo}: the Hub answered {status}: {str(e).splitlines()[0]}", repo_id=repo)
+    if _redirect_loop(e):
+        return NetworkError(f"{url} for {repo}: the server redirected more than {MAX_REDIRECTS} times (a redirect "
+                            "loop at the Hub's CDN or a proxy); nothing more was written: try again later, or check "
+                            "HF_ENDPOINT and the proxy settings", repo_id=repo)
     if isinstance(e, hfe.LocalEntryNotFoundError) or isinstance(e, _transport_errors()) or isinstance(
             e, ConnectionError | TimeoutError):
         return NetworkError(f"cannot reach {url} for {repo} ({type(e).__name__}): check the connection or proxy, "
@@ -529,6 +567,7 @@ class Hub:
     def api(self):
         from huggingface_hub import HfApi
 
+        _bounded_session()
         return HfApi(endpoint=self.endpoint_url, token=self.token, library_name="moechat")
 
     def token_in_use(self) -> bool:
@@ -603,7 +642,8 @@ class Hub:
         ctx = _Ctx(self, repo_id, revision)
         self._check_online(ctx)
         with _hub_errors(ctx):
-            info = self.api.model_info(repo_id, revision=revision or "main", files_metadata=True)
+            info = self.api.model_info(repo_id, revision=revision or "main", files_metadata=True,
+                                       timeout=READ_TIMEOUT_S)  # None would mean no timeout at all
             siblings = [(s.rfilename, s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
                         for s in (info.siblings or [])]
             if any(size is None for path, size, _, _ in siblings if wanted_file(path)):
@@ -633,7 +673,7 @@ class Hub:
         """A small JSON file of the listing, verified against its checksum and kept in the cache (as a pull
         would), without huggingface_hub's download (which names the blob after the server's ETag)."""
         from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import get_session, hf_raise_for_status
+        from huggingface_hub.utils import hf_raise_for_status
 
         f = listing.file(filename)
         if f is None:
@@ -647,8 +687,8 @@ class Hub:
             url = hf_hub_url(repo_id, filename, revision=listing.sha, endpoint=self.endpoint_url)
             ctx = _Ctx(self, repo_id, listing.sha)
             body = bytearray()
-            with _hub_errors(ctx), get_session().stream("GET", url, headers=self._auth_headers(),
-                                                         timeout=READ_TIMEOUT_S, follow_redirects=True) as r:
+            with _hub_errors(ctx), _bounded_session().stream("GET", url, headers=self._auth_headers(),
+                                                              follow_redirects=True) as r:
                 if r.status_code >= 400:
                     r.read()
                     hf_raise_for_status(r)
@@ -1020,21 +1060,36 @@ class _Transfer:
                 while chunk := fh.read(4 * MiB):
                     st.hasher.update(chunk)
         failures, reason = 0, ""
+        started = time.monotonic()
+        deadline = started + FILE_DEADLINE_S + (f.size - st.have) / MIN_RATE_BPS
         while True:
             self._check_cancel(f, st.have)
             before = st.have
             try:
-                self._stream(f, url, auth, partial, st)
+                self._stream(f, url, auth, partial, st, deadline)
                 break
             except _transport_errors() as e:  # dropped, reset, timed out: resume from what arrived
                 reason = f"{type(e).__name__}: {str(e) or 'connection lost'}"
             except _RangeMismatch as e:  # resumed at the wrong offset: the partial file is useless
                 partial.unlink(missing_ok=True)
                 st.have, st.hasher, reason = 0, self._new_hasher(f), str(e)
-            failures = 0 if st.have > before else failures + 1
-            if failures >= RETRIES:
-                raise NetworkError(f"the connection dropped {RETRIES} times in a row during {f.path} ({reason}) after "
-                                   f"{_fmt(st.have)} of {_fmt(f.size)}; the bytes are kept: run moechat pull "
+            except _Stalled as e:  # trickling: counts as a drop unless it brought a window's worth
+                reason = str(e)
+            except Exception as e:
+                if not _redirect_loop(e):
+                    raise
+                raise NetworkError(f"{f.path}: the download server redirected more than {MAX_REDIRECTS} times (a "
+                                   f"redirect loop at the CDN or a proxy) after {_fmt(st.have)} of {_fmt(f.size)}; "
+                                   f"the bytes are kept: run moechat pull {self.listing.repo_id} again later to "
+                                   "resume", repo_id=self.listing.repo_id) from None
+            progressed = st.have - before >= min(MIN_RATE_BPS * STALL_WINDOW_S, f.size - before)
+            failures = 0 if progressed and st.have > before else failures + 1
+            if failures >= RETRIES or time.monotonic() >= deadline:
+                elapsed = time.monotonic() - started
+                why = (f"the connection dropped or stalled {failures} times in a row ({reason})" if failures >= RETRIES
+                       else f"it is too slow: {_fmt(st.have)} of {_fmt(f.size)} after {elapsed:.0f} s, the most "
+                       f"moechat waits for a file this size ({reason})")
+                raise NetworkError(f"{f.path}: {why}; {_fmt(st.have)} of {_fmt(f.size)} kept: run moechat pull "
                                    f"{self.listing.repo_id} again to resume", repo_id=self.listing.repo_id)
             delay = min(RETRY_DELAY_MAX_S, RETRY_DELAY_S * (2 ** max(0, failures - 1)))
             self.report("download", f, st.have, f.size, note=f"connection dropped during {f.path} at "
@@ -1087,6 +1142,7 @@ class _Transfer:
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
         url = hf_hub_url(self.listing.repo_id, f.path, revision=self.listing.sha, endpoint=self.hub.endpoint_url)
+        _bounded_session()
         with _hub_errors(self.ctx):
             meta = get_hf_file_metadata(url, token=self.hub.token, endpoint=self.hub.endpoint_url,
                                         library_name="moechat")
@@ -1106,15 +1162,18 @@ class _Transfer:
         same = _origin(location) == _origin(url)
         return location, same  # the token goes to the Hub only, never to the CDN
 
-    def _stream(self, f: RepoFile, url: str, auth: bool, partial: Path, st: _FileState) -> None:
-        """One GET from `st.have` on; `st` follows every byte written, so a drop mid-way loses nothing."""
-        from huggingface_hub.utils import get_session, hf_raise_for_status
+    def _stream(self, f: RepoFile, url: str, auth: bool, partial: Path, st: _FileState, deadline: float) -> None:
+        """One GET from `st.have` on; `st` follows every byte written, so a drop mid-way loses nothing. A
+        connection that trickles (under MIN_RATE_BPS over STALL_WINDOW_S) or outlives the file's deadline is
+        dropped with _Stalled."""
+        from huggingface_hub.utils import hf_raise_for_status
 
         headers = dict(self.hub._auth_headers()) if auth else {"user-agent": "moechat"}
         headers["Accept-Encoding"] = "identity"
         if st.have:
             headers["Range"] = f"bytes={st.have}-"
-        with get_session().stream("GET", url, headers=headers, timeout=READ_TIMEOUT_S, follow_redirects=True) as r:
+        window_start, window_have = time.monotonic(), st.have
+        with _bounded_session().stream("GET", url, headers=headers, follow_redirects=True) as r:
             if r.status_code >= 400:
                 r.read()
                 with _hub_errors(self.ctx):
@@ -1146,6 +1205,16 @@ class _Transfer:
                         self.transferred += len(chunk)
                         self.report("download", f, st.have, f.size, force=False)
                         self._check_cancel(f, st.have)
+                        now = time.monotonic()
+                        if now >= deadline:
+                            raise _Stalled(f"{_fmt(st.have)} of {_fmt(f.size)} by the file's deadline")
+                        if now - window_start >= STALL_WINDOW_S:
+                            rate = (st.have - window_have) / (now - window_start)
+                            if rate < MIN_RATE_BPS:
+                                self.report("download", f, st.have, f.size, note=f"{f.path}: the server sends "
+                                            f"{_fmt(rate)}/s: dropping the connection and resuming")
+                                raise _Stalled(f"the server sent {_fmt(rate)}/s, under {_fmt(MIN_RATE_BPS)}/s")
+                            window_start, window_have = now, st.have
             except OSError as e:
                 if e.errno == 28:  # ENOSPC: the disk filled up under us (another program wrote to it)
                     raise DiskSpaceError(f"the disk filled up while writing {f.path} ({_fmt(st.have)} kept): free "
@@ -1171,6 +1240,10 @@ class _Transfer:
 
 class _RangeMismatch(Exception):
     pass
+
+
+class _Stalled(Exception):
+    """The connection delivers too slowly to finish the file in bounded time: drop it and resume."""
 
 
 @dataclass

@@ -81,6 +81,9 @@ class Faults:
     size_delta: dict[str, int] = field(default_factory=dict)  # serve this many bytes more (or fewer) than listed
     slow_s: float = 0.0  # sleep between 16 KiB pieces of LFS bodies
     slow_paths: tuple[str, ...] = LFS_SUFFIXES
+    piece: int = 16 * 1024  # bytes written between two slow_s sleeps (1: a trickle)
+    redirect_loop: set[str] = field(default_factory=set)  # files whose CDN location redirects to itself forever
+    api_hang_s: float = 0.0  # the model API waits this long before answering (an API that never answers)
     listing_patch: dict[str, dict] = field(default_factory=dict)  # file -> fields replaced in its listing entry
     etag: dict[str, str] = field(default_factory=dict)  # file -> the ETag headers a resolve answers with
 
@@ -240,6 +243,8 @@ class _Handler(BaseHTTPRequestHandler):
         if p == "/api/models":
             return self._search()
         m = _API_MODEL.match(p)
+        if m and self.hub.faults.api_hang_s:
+            time.sleep(self.hub.faults.api_hang_s)
         if m:
             repo = self._repo(m.group("repo"), m.group("rev") or m.group("tree") or "main")
             if repo is None:
@@ -303,6 +308,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, None, "NoSuchKey")
         repo, file = found
         self._file = file
+        if file in self.hub.faults.redirect_loop:  # a misconfigured CDN: the same URL again, forever
+            return self._reply(302, headers={"Location": f"{self.hub.cdn_url}{self.path}"})
         self._body(repo, file, {"ETag": f'"{repo.sha256(file)}"'})
 
     def _body(self, repo: Repo, file: str, headers: dict):
@@ -344,7 +351,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             drop = None
         slow = f.slow_s if file.endswith(f.slow_paths) else 0.0
-        piece = 16 * 1024
+        piece = f.piece if slow else 16 * 1024
         for i in range(0, len(body), piece):
             self.wfile.write(body[i:i + piece])
             self.wfile.flush()

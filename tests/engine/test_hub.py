@@ -102,7 +102,7 @@ def test_network_gone_mid_file_keeps_the_bytes_and_the_next_pull_resumes(hub, mo
     monkeypatch.setattr(hubmod, "RETRY_DELAY_S", 0.01)
     hub.server.faults.drop_at[SHARD] = 100_000
     hub.server.faults.hang_up_from[SHARD] = 100_000
-    with pytest.raises(NetworkError, match=r"dropped 5 times in a row during model-00001.*bytes are kept: run "
+    with pytest.raises(NetworkError, match=r"^model-00001.*dropped or stalled 5 times in a row.*kept: run "
                        r"moechat pull tiny-org/chat-moe again to resume"):
         hub.client.download(hub.repo)
     _assert_not_complete(hub)
@@ -114,6 +114,64 @@ def test_network_gone_mid_file_keeps_the_bytes_and_the_next_pull_resumes(hub, mo
     path = hub.client.download(hub.repo)
     assert [g.range for g in _weight_gets(hub)] == ["bytes=100000-"]
     assert (path / SHARD).read_bytes() == hub.server.repos[hub.repo].files[SHARD]
+
+
+def test_a_trickling_server_is_dropped_resumed_and_the_file_bounded_in_time(hub, monkeypatch):
+    """A server that sends a few bytes at a time never times out a read; the pull drops it when a window brings
+    less than the minimum rate, resumes, gives up after RETRIES such windows with the bytes kept, and the next
+    pull resumes from them."""
+    monkeypatch.setattr(hubmod, "RETRY_DELAY_S", 0.01)
+    monkeypatch.setattr(hubmod, "STALL_WINDOW_S", 0.3)
+    monkeypatch.setattr(hubmod, "MIN_RATE_BPS", 1 << 20)  # 1 MiB/s wanted, ~10 KiB/s sent
+    hub.server.faults.slow_s, hub.server.faults.piece = 0.05, 512
+    events = []
+    start = time.monotonic()
+    with pytest.raises(NetworkError, match=r"^model-00001.*dropped or stalled 5 times in a row \(the server sent "
+                       r".*/s, under 1.0 MiB/s\).*kept: run moechat pull tiny-org/chat-moe again to resume"):
+        hub.client.download(hub.repo, progress=events.append)
+    assert time.monotonic() - start < WEIGHT_TIMEOUT
+    assert 2 <= len(_weight_gets(hub)) <= 5 and any(e.note and "dropping the connection and resuming" in e.note
+                                                     for e in events)
+    _assert_not_complete(hub)
+    kept = next(f for f in hub.client.plan_download(hub.repo).files if f.path == SHARD).kept_bytes
+    assert kept > 0
+    hub.server.reset()
+    path = hub.client.download(hub.repo)
+    assert _weight_gets(hub)[0].range == f"bytes={kept}-"
+    assert (path / SHARD).read_bytes() == hub.server.repos[hub.repo].files[SHARD]
+
+
+def test_a_file_has_a_deadline_even_when_each_window_is_fast_enough(hub, monkeypatch):
+    monkeypatch.setattr(hubmod, "FILE_DEADLINE_S", 0.2)
+    monkeypatch.setattr(hubmod, "MIN_RATE_BPS", 1 << 30)  # the size term: nothing
+    monkeypatch.setattr(hubmod, "STALL_WINDOW_S", 1e9)
+    hub.server.faults.slow_s = 0.05
+    with pytest.raises(NetworkError, match=r"^model-00001.*it is too slow: .* after \d+ s, the most moechat waits "
+                       r"for a file this size.*kept: run moechat pull tiny-org/chat-moe again to resume"):
+        hub.client.download(hub.repo)
+    _assert_not_complete(hub)
+
+
+def test_a_cdn_redirect_loop_is_one_clear_error(hub):
+    hub.server.faults.redirect_loop.add(hub.server.repos[hub.repo].sha256(SHARD) and SHARD)
+    with pytest.raises(NetworkError, match=r"^model-00001.*redirected more than 10 times \(a redirect loop at the "
+                       r"CDN or a proxy\).*run moechat pull tiny-org/chat-moe again later to resume"):
+        hub.client.download(hub.repo)
+    assert 1 < len(_weight_gets(hub)) <= 12
+    _assert_not_complete(hub)
+    hub.server.reset()
+    assert (hub.client.download(hub.repo) / SHARD).read_bytes() == hub.server.repos[hub.repo].files[SHARD]
+
+
+def test_an_api_that_never_answers_times_out(hub, monkeypatch):
+    monkeypatch.setattr(hubmod, "READ_TIMEOUT_S", 0.5)
+    hub.server.faults.api_hang_s = 5.0
+    start = time.monotonic()
+    with pytest.raises(NetworkError, match=r"cannot reach .* for tiny-org/chat-moe \((Read)?Timeout"):
+        hub.client.download(hub.repo)
+    assert time.monotonic() - start < 4.0
+    with pytest.raises(NetworkError):
+        hub.client.listing(hub.repo)
 
 
 _KILLED = """
