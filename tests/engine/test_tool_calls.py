@@ -1,0 +1,114 @@
+"""Tool calls parsed out of generated text (engine/tool_calls.py), fed in every split the stream can make."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moechat.engine.tool_calls import (
+    HARMONY,
+    HERMES,
+    HarmonyToolParser,
+    HermesToolParser,
+    ToolCall,
+    make_tool_parser,
+    tool_call_format,
+)
+
+QWEN3_TEMPLATE_BITS = ("{%- if tools %}<tools>{{ tool | tojson }}</tools> ... <tool_call>\\n{\"name\": ...}"
+                       "</tool_call>{%- endif %}<think>\\n\\n</think>")
+GPT_OSS_TEMPLATE_BITS = "<|start|>assistant<|channel|>final<|message|>{{ content }}<|end|> to=functions."
+
+
+def _feed(parser, text: str, step: int):
+    thinking, answer, calls = [], [], []
+    for i in range(0, len(text), step):
+        d = parser.feed(text[i : i + step])
+        thinking.append(d.thinking)
+        answer.append(d.answer)
+        calls += parser.take_calls()
+    d = parser.flush()
+    thinking.append(d.thinking)
+    answer.append(d.answer)
+    calls += parser.take_calls()
+    return "".join(thinking), "".join(answer), calls
+
+
+def test_formats_follow_the_template():
+    assert tool_call_format(QWEN3_TEMPLATE_BITS) == HERMES
+    assert tool_call_format(GPT_OSS_TEMPLATE_BITS) == HARMONY
+    assert tool_call_format("{{ messages }}") is None
+    assert make_tool_parser("{{ messages }}") is None
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_qwen3_thinking_answer_and_two_calls(step):
+    text = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+            '"arguments": {}}\n</tool_call>')
+    parser = make_tool_parser(QWEN3_TEMPLATE_BITS, "<|im_start|>assistant\n")
+    thinking, answer, calls = _feed(parser, text, step)
+    assert thinking == "The user wants weather."
+    assert answer.strip() == "Let me check."
+    assert calls == [ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "c"})), ToolCall("get_time", "{}")]
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_hermes_keeps_a_block_that_is_not_a_call(step):
+    text = "Use <tool_call>not json</tool_call> like so, and <tool_c"
+    thinking, answer, calls = _feed(HermesToolParser(), text, step)
+    assert (thinking, calls) == ("", [])
+    assert answer == text  # nothing the model said is lost, a trailing partial marker included
+
+
+def test_hermes_unterminated_call_at_the_end_is_parsed():
+    _, answer, calls = _feed(HermesToolParser(), '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n', 5)
+    assert answer == "" and calls == [ToolCall("f", '{"x": 1}')]
+
+
+@pytest.mark.parametrize("step", [1, 3, 11, 1000])
+def test_gpt_oss_analysis_then_a_function_call(step):
+    # generation starts after the prompt's "<|start|>assistant"; <|call|> is a stop token (never in the text)
+    text = ('<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant to=functions.get_weather'
+            '<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}')
+    parser = make_tool_parser(GPT_OSS_TEMPLATE_BITS, "<|end|><|start|>assistant")
+    assert isinstance(parser, HarmonyToolParser)
+    thinking, answer, calls = _feed(parser, text, step)
+    assert thinking == "Need the weather tool."
+    assert answer == ""
+    assert calls == [ToolCall("get_weather", '{"city": "Paris"}')]
+
+
+def test_gpt_oss_recipient_after_the_channel_and_a_final_answer_without_calls():
+    text = ('<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>{"q": 1}<|end|>'
+            '<|start|>assistant<|channel|>final<|message|>Done.')
+    thinking, answer, calls = _feed(HarmonyToolParser("<|start|>assistant"), text, 2)
+    assert calls == [ToolCall("lookup", '{"q": 1}')]
+    assert (thinking, answer) == ("", "Done.")
+    _, answer, calls = _feed(HarmonyToolParser("<|start|>assistant"),
+                             "<|channel|>final<|message|>Just text.", 3)
+    assert (answer, calls) == ("Just text.", [])
+
+
+def test_real_qwen3_template_renders_tools_and_its_calls_parse():
+    """The Qwen3 template transformers ships (quoted in test_chat_template.py): tools in the prompt, hermes calls."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from moechat.engine.chat_template import ChatTemplate
+
+    spec = importlib.util.spec_from_file_location("_templates", Path(__file__).with_name("test_chat_template.py"))
+    templates = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, templates)  # its dataclasses look their module up
+    spec.loader.exec_module(templates)
+    template = ChatTemplate.from_string(templates.QWEN3, templates.QWEN_TOKENS)
+    assert "tools" in template.variables
+    prompt = template.render(templates.SIMPLE, add_generation_prompt=True, tools=templates.TOOLS)
+    assert '"name": "get_weather"' in prompt and "<tool_call>" in prompt
+    assert tool_call_format(templates.QWEN3) == HERMES
+    parser = make_tool_parser(templates.QWEN3, prompt[-40:])
+    _, answer, calls = _feed(parser, '<think>\nok\n</think>\n\n<tool_call>\n{"name": "now", "arguments": {}}\n'
+                             "</tool_call>", 6)
+    assert answer.strip() == "" and calls == [ToolCall("now", "{}")]
