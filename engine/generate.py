@@ -406,8 +406,15 @@ class Engine:
         snapshot = getattr(self.provider, "snapshot", None)
         return snapshot() if snapshot is not None else None
 
-    def conversation(self, system: str | None = None) -> Conversation:
-        return Conversation(self, system)
+    def conversation(self, system: str | None = None, *, overflow: str = "drop-oldest") -> Conversation:
+        return Conversation(self, system, overflow=overflow)
+
+    def context_advice(self) -> str:
+        """What a user can do about a full context: raise --context only while the model allows more."""
+        most = int(getattr(self.args, "max_position_embeddings", 0) or 0)
+        if most > self.context:
+            return f"start a new chat, or raise --context (this model allows up to {most:,})"
+        return f"start a new chat ({self.context:,} tokens is this model's maximum)"
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -418,14 +425,64 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class Conversation:
-    """A chat whose KV cache persists across turns; each turn prefills only its new tokens."""
+OVERFLOW = ("drop-oldest", "error")
 
-    def __init__(self, engine: Engine, system: str | None = None):
+
+class Conversation:
+    """A chat whose KV cache persists across turns; each turn prefills only its new tokens.
+
+    A conversation outgrows the context. With `overflow="drop-oldest"` (the chat app's way) a turn whose
+    prompt plus room for the reply (`reply_reserve`) does not fit leaves the oldest whole turns (a user message
+    and what followed it) out of what the model sees, never the system prompt or the new message; they are kept
+    in `forgotten`, and `dropped_turns` says how many the last `send` left out. A new message that cannot fit
+    even alone is a PromptTooLongError that says so. `overflow="error"` (an API caller, whose request is the
+    whole conversation) refuses instead.
+    """
+
+    def __init__(self, engine: Engine, system: str | None = None, *, overflow: str = "drop-oldest"):
+        if overflow not in OVERFLOW:
+            raise ValueError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
         self.engine = engine
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.sequence = engine.new_sequence()
         self.last_prefill_tokens = 0
+        self.overflow = overflow
+        self.dropped_turns = 0  # oldest turns the last send left out of the prompt
+        self.forgotten: list[dict] = []  # every message left out so far, oldest first
+
+    def reply_reserve(self, max_tokens: int | None) -> int:
+        """Context positions kept free for the reply when fitting the prompt: the reply's limit, at most a
+        quarter of the context (a longer reply then ends "length", as it would have anyway)."""
+        limit = self.engine.default_max_tokens() if max_tokens is None else max_tokens
+        return max(1, min(int(limit), self.engine.context // 4))
+
+    def _oldest_turn(self) -> tuple[int, int] | None:
+        """[start, end) of the oldest whole turn before the new message (the last one), or None."""
+        users = [i for i, m in enumerate(self.messages) if m.get("role") == "user"]
+        if len(users) < 2:
+            return None
+        return users[0], users[1]
+
+    def _fit(self, ids: list[int], max_tokens: int | None, cancel, template_kwargs) -> list[int]:
+        """`ids` for the conversation, leaving out the oldest turns while prompt + reserve overflow."""
+        context, reserve = self.engine.context, self.reply_reserve(max_tokens)
+        self.dropped_turns = 0
+        while len(ids) + reserve > context:
+            cut = self._oldest_turn() if self.overflow == "drop-oldest" else None
+            if cut is None:
+                if len(ids) < context:
+                    break  # what is left fits, with less room for the reply: it may end "length" sooner
+                what = "this message" if self.overflow == "drop-oldest" else "the conversation"
+                raise PromptTooLongError(
+                    f"{what} is {len(ids):,} tokens, more than the context of {context:,} leaves room for: "
+                    f"shorten it, or {self.engine.context_advice()}")
+            a, b = cut
+            self.forgotten += self.messages[a:b]
+            del self.messages[a:b]
+            self.dropped_turns += 1
+            ids = self.engine.encode_chat(self.messages, add_generation_prompt=True, cancel=cancel,
+                                          **template_kwargs)
+        return ids
 
     def send(self, content: str, *, sampling: SamplingParams | None = None, max_tokens: int | None = None,
              cancel: threading.Event | None = None, **template_kwargs) -> Iterator[GenerationChunk]:
@@ -435,13 +492,17 @@ class Conversation:
         `thinking`, which is where templates read it back from (gpt-oss refuses channel markers in content).
         """
         self.messages.append({"role": "user", "content": content})
+        before = list(self.messages), list(self.forgotten)
         try:
             ids = self.engine.encode_chat(self.messages, add_generation_prompt=True, cancel=cancel, **template_kwargs)
+            ids = self._fit(ids, max_tokens, cancel, template_kwargs)
         except GenerationCancelled:  # stopped while the template rendered: a cancelled turn, not an error
+            (self.messages, self.forgotten), self.dropped_turns = before, 0
             self.messages.pop()
             yield GenerationChunk("", (), "cancelled")
             return
         except MoechatError:
+            (self.messages, self.forgotten), self.dropped_turns = before, 0
             self.messages.pop()
             raise
         # Reuse the cached prefix; at least one token must be fed to get logits.

@@ -132,3 +132,45 @@ def test_greedy_with_repetition_penalty_matches_transformers(tiny_models, penalt
         ref = hf.generate(torch.tensor([prompt]), do_sample=False, repetition_penalty=penalty, max_new_tokens=24,
                           min_new_tokens=24)[0, len(prompt):].tolist()
     assert ours == ref
+
+
+def test_a_full_conversation_goes_on_without_its_oldest_turns(tiny_chat_model):
+    """Issue 19: the turn that fills the context ends "length"; the next one ("hi") leaves the oldest whole turns
+    out of the prompt (never the system prompt or the new message), says how many, and its reply equals a fresh
+    generation on what the model now sees."""
+    path, _, _ = tiny_chat_model
+    engine = Engine.load(path, dtype="float32", context=128)
+    chat = engine.conversation(system="Be brief.")
+    chunks = list(chat.send("Tell me a long story about experts " * 3, sampling=GREEDY, max_tokens=400))
+    assert chunks[-1].finish_reason == "length"  # the reply ran into the end of the context
+    assert chat.dropped_turns == 0 and chat.sequence.kv.free == 0
+    drops = []
+    for n in range(3):
+        got = _tokens(chat.send("hi", sampling=GREEDY, max_tokens=8))
+        drops.append(chat.dropped_turns)
+        assert got, f"turn {n}"
+        assert chat.messages[0] == {"role": "system", "content": "Be brief."}
+        assert chat.messages[-2]["content"] == "hi" and chat.messages[-1]["role"] == "assistant"
+        fresh = _tokens(engine.generate(engine.encode_chat(chat.messages[:-1]), sampling=GREEDY, max_tokens=8))
+        assert got == fresh
+    assert chat.forgotten[0]["content"].startswith("Tell me a long story")
+    assert drops[0] == 1 and sum(drops) * 2 == len(chat.forgotten)  # whole turns only, counted
+
+
+def test_a_message_that_cannot_fit_alone_says_so_and_how(tiny_chat_model):
+    path, _, _ = tiny_chat_model
+    engine = Engine.load(path, dtype="float32", context=96)
+    chat = engine.conversation()
+    _tokens(chat.send("Hi", sampling=GREEDY, max_tokens=4))
+    before = [dict(m) for m in chat.messages]
+    most = engine.args.max_position_embeddings
+    with pytest.raises(PromptTooLongError, match=rf"^this message is [\d,]+ tokens, more than the context of 96 "
+                       rf"leaves room for: shorten it, or start a new chat, or raise --context \(this model allows up "
+                       rf"to {most:,}\)"):
+        _tokens(chat.send("zq xv jk " * 40, sampling=GREEDY))
+    assert chat.messages == before and chat.forgotten == []  # nothing dropped for a turn that never ran
+    api = engine.conversation(overflow="error")
+    with pytest.raises(PromptTooLongError, match="^the conversation is"):
+        _tokens(api.send("zq xv jk " * 40, sampling=GREEDY))
+    with pytest.raises(ValueError):
+        engine.conversation(overflow="truncate")
