@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: the `gpu` tests (engine on CUDA, the fused MXFP4 kernel at GPT-OSS-20B widths), prefetch off vs
+# The GPU check: the `gpu` tests (engine on CUDA, the fused MXFP4 kernel at GPT-OSS-20B widths, the fused
+# FP8/int8/int4 kernel at Qwen3-30B-A3B widths), prefetch off vs
 # on (copy stream), the engine benchmark on CUDA, then the fused MXFP4 MoE kernel's GB/s against the device's
 # copy bandwidth: a short table last.
 # Run only on a machine with a CUDA GPU (under 8 minutes on one H200). Needs torch and transformers;
@@ -20,6 +21,8 @@ ln -s "$PWD/app" "$shim/moechat/app"
 export PYTHONPATH="$shim:$PYTHONPATH"
 timeout 220 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/quant/test_mxfp4_triton.py \
     tests/engine/test_gpu_hybrid.py -p no:cacheprovider 2>&1 | tail -8
+# the fused FP8 / int8 / int4 MoE kernel at Qwen3-30B-A3B widths, and expert_compute dispatching to it
+timeout 100 python -m pytest -q -m gpu tests/engine/quant/test_quant_triton.py -p no:cacheprovider 2>&1 | tail -4
 # hybrid execution: load over PCIe vs host (CPU while the GPU runs the resident experts) vs auto
 timeout 90 python bench/hybrid.py --device cuda --runs 3 --tokens 32 --fractions 0.25 --layers 1 2>&1 \
     | grep -v "Writing model shards"

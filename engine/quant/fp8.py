@@ -5,6 +5,9 @@ ceil(in/b1)]; despite the name the weight is `weight * scale`, block by block, w
 edges. An expert stores `w13` [2I, H] (gate rows then up rows) and `w13_scale` [2 ceil(I/b0), ceil(H/b1)]
 (gate's scale rows then up's: each half keeps its own blocking), `w2` [H, I] and `w2_scale`. Half the bytes
 of bf16: a Qwen3-30B-A3B expert is 4.7 MB + 1 KB of scales.
+
+Compute: on the CPU row tiles decoded exactly with integer ops (the e4m3 byte as an fp16 bit pattern) and
+multiplied in cache (quant/cpu.py); on CUDA the MoE is one fused Triton kernel pair (kernels/quant_moe.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .base import ExpertFormat, TensorSpec
+from .cpu import fp8_linear
+from .kernels import quant_fused_moe
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -71,7 +76,16 @@ class Fp8Format(ExpertFormat):
                           dequantize_blocks(w[half:], scale[sh:], self.block, dtype)])
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
+        if x.device.type == "cpu":  # row tiles decoded with integer ops, each multiplied in cache (quant/cpu.py)
+            w = tensors[which]
+            return fp8_linear(x, w, tensors[f"{which}_scale"], self.block, w.shape[0] // 2 if which == "w13" else None,
+                              tensors.get(f"{which}_bias"))
         return F.linear(x, self.weight(tensors, which, x.dtype), tensors.get(f"{which}_bias"))
+
+    @property
+    def fused_moe(self):
+        """The fused Triton MoE on CUDA (kernels/quant_moe.py); None where triton is not installed."""
+        return quant_fused_moe("fp8", self.block)
 
 
 @cache

@@ -7,6 +7,10 @@ int4: symmetric in groups of 32 along the input (16 or 8 when the input size is 
 `*_scale` fp32 [out, in/group]; the group is the input size over the scale's columns. A Qwen3-30B-A3B expert:
 9.4 MB in bf16, 4.7 MB in int8 (+12 KB of scales), 2.4 MB + 0.3 MB in int4.
 
+Compute: on the CPU int8 runs torch's fused `_weight_int8pack_mm` (bf16 activations, the row scale rounded to
+bf16: the fastest path measured, bench/format_compute.py), int4 row tiles decoded exactly with integer ops and
+multiplied in cache (quant/cpu.py); on CUDA the MoE is one fused Triton kernel pair (kernels/quant_moe.py).
+
 Quantization happens once, when the repacked store is written (engine/cache/store.py); `quantize` here
 is the packer and `weight` the slow reference every compute path is tested against.
 """
@@ -20,6 +24,8 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .base import ExpertFormat, TensorSpec, projection_shape, register
+from .cpu import int4_linear
+from .kernels import quant_fused_moe
 
 INT4_GROUP = 32
 
@@ -64,6 +70,11 @@ class Int8Format(ExpertFormat):
         bias = tensors.get(f"{which}_bias")
         return y if bias is None else y + bias
 
+    @property
+    def fused_moe(self):
+        """The fused Triton MoE on CUDA (kernels/quant_moe.py); None where triton is not installed."""
+        return quant_fused_moe("int8")
+
 
 class Int4Format(ExpertFormat):
     name = "int4"
@@ -98,6 +109,8 @@ class Int4Format(ExpertFormat):
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
         q, scale = tensors[f"{which}_q"], tensors[f"{which}_scale"]
+        if x.device.type == "cpu":  # row tiles decoded with integer ops, each multiplied in cache (quant/cpu.py)
+            return int4_linear(x, q, scale, tensors.get(f"{which}_bias"))
         rows, cols = q.shape[0], q.shape[1] * 2
         w = _scratch(rows, cols, x.dtype, x.device)  # [out, in], reused
         pair = _int4_pair_lut(x.dtype, x.device)
@@ -105,6 +118,11 @@ class Int4Format(ExpertFormat):
         groups = scale.shape[1]
         torch.mul(vals.view(rows, groups, -1), scale.to(x.dtype)[..., None], out=w.view(rows, groups, -1))
         return F.linear(x, w, tensors.get(f"{which}_bias"))
+
+    @property
+    def fused_moe(self):
+        """The fused Triton MoE on CUDA (kernels/quant_moe.py); None where triton is not installed."""
+        return quant_fused_moe("int4")
 
 
 _PAIRS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

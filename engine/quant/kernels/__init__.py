@@ -2,3 +2,29 @@
 interpreter runs them on CPU tensors in the tests). Importing a kernel module imports triton: formats
 import them lazily, when a CUDA tensor first needs one.
 """
+
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+
+
+@cache
+def has_triton() -> bool:
+    """triton is installed (found, not imported: a CPU-only run never loads it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@cache
+def quant_fused_moe(fmt: str, block: tuple[int, int] | None = None):
+    """The fused MoE that `expert_compute` runs on CUDA tensors of an fp8/int8/int4 batch: (hidden_states,
+    topk_weights, batch, residual, act) -> residual + MoE output (kernels/quant_moe.py); None without triton."""
+    if not has_triton():
+        return None
+
+    def run(hidden_states, topk_weights, batch, residual, act):
+        from .quant_moe import quant_moe
+
+        return quant_moe(hidden_states, topk_weights, batch.slot_ids, batch.tensors, act, fmt, block=block,
+                         residual=residual, pairs=batch.pairs)
+    return run

@@ -1,0 +1,144 @@
+"""Packed-expert compute on the CPU: decode a row tile into fp32 scratch, multiply it while it is in cache.
+
+A projection's rows are decoded `tile_rows` at a time into a 4 MB fp32 tile; for one token (decode) each tile is
+multiplied at once (a GEMV sums each output in the same order whatever the number of rows: equal to one F.linear
+over the dequantized matrix), so only the packed bytes come from RAM. More tokens (prefill) decode every tile into
+one reused [R, in] fp32 scratch and run one GEMM, whose cost there is the multiply, not the bytes. A CPU without
+native bf16 runs an fp32 GEMV faster than a bf16 one, so the tile is fp32 and the result is rounded once.
+
+The decoders (int4, fp8 below; MXFP4 has its own in mxfp4.py) are whole-tensor integer ops that build float bit
+patterns, no table gathers (a gather costs ~1 ns a byte in torch); each is exact: bit for bit the format's
+`weight()` in fp32. `bench/format_compute.py` measures them in GB/s of packed bytes against the machine's read
+bandwidth: a handful of passes over the tile in torch ops each cost more than reading the packed bytes, so these
+paths reach a fraction of the bandwidth that only a fused native kernel (torch's `_weight_int8pack_mm`, which the
+int8 format uses) gets near.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+_TILE_BYTES = 4 << 20  # fp32 tile of decoded rows: fewer, longer ops (each costs ~5 us to dispatch), still in L3
+_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A scratch tensor reused per (name, shape, dtype). Made as a normal tensor: calls come from inside and outside
+    torch.inference_mode (an inference tensor cannot be written outside it; a normal one can be inside)."""
+    key = (name, shape, dtype)
+    buf = _BUFFERS.get(key)
+    if buf is None:
+        with torch.inference_mode(False):
+            buf = _BUFFERS[key] = torch.empty(shape, dtype=dtype)
+    return buf
+
+
+def tile_rows(cols: int) -> int:
+    """Rows of a projection with `cols` inputs decoded at a time (a 4 MB fp32 tile, a multiple of 8)."""
+    return max(8, _TILE_BYTES // (4 * cols) // 8 * 8)
+
+
+def tiled_linear(x: torch.Tensor, rows: int, cols: int, decode: Callable[[int, int, torch.Tensor], torch.Tensor],
+                 bias: torch.Tensor | None = None, tile: int | None = None) -> torch.Tensor:
+    """x [n, cols] @ W^T (+ bias) -> [n, rows] in x's dtype; decode(r0, r1, out) writes W[r0:r1] (fp32) into
+    out [r1 - r0, cols] (or returns another fp32 tensor of that shape holding it)."""
+    xf = x.float()
+    b = None if bias is None else bias.float()
+    step = tile or tile_rows(cols)
+    if x.shape[0] == 1:
+        out_tile = buffer("tile", (step, cols), torch.float32)  # [tile, in]
+        y = torch.empty(1, rows)  # [1, R] fp32
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            w = decode(r0, r1, out_tile[: r1 - r0])  # [n, in] fp32
+            if b is None:
+                torch.mm(xf, w.t(), out=y[:, r0:r1])
+            else:
+                torch.addmm(b[r0:r1], xf, w.t(), out=y[:, r0:r1])
+    else:
+        full = buffer("full", (rows, cols), torch.float32)  # [R, in]
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            w = decode(r0, r1, full[r0:r1])
+            if w.data_ptr() != full[r0:r1].data_ptr():
+                full[r0:r1].copy_(w)
+        y = F.linear(xf, full, b)  # [n, R]
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+# -- int4: bytes [R, in/2] (low nibble the even element, code = q + 8), fp32 group scales [R, in/g] ---------------
+# Each byte becomes an int64 lane holding two fp32 bit patterns 0x4B000000 | code = 2^23 + code (low half the even
+# element); minus 2^23 + 8 that is q exactly, and x its group's scale it is weight() bit for bit.
+_INT4_SPREAD = (1 << 28) + 1  # byte b -> b | b << 28: the high nibble lands at bit 32
+_INT4_MASK = 0xF0000000F
+_INT4_MAGIC = 0x4B0000004B000000
+_INT4_BIAS = float(2**23 + 8)
+
+
+def int4_decode(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q [n, in/2] u8, scale [n, G] fp32 -> out [n, in] fp32 (written in place through an int64 view)."""
+    n, half = q.shape
+    lanes = out.view(torch.int64)  # [n, in/2]: the tile's own bytes
+    lanes.copy_(q)
+    lanes.mul_(_INT4_SPREAD).bitwise_and_(_INT4_MASK).bitwise_or_(_INT4_MAGIC)
+    out.sub_(_INT4_BIAS)
+    out.view(n, scale.shape[1], -1).mul_(scale[:, :, None])
+    return out
+
+
+def int4_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] @ W^T (+ bias) -> [n, R], W the int4 projection q [R, in/2] / scale [R, in/g]."""
+    rows, cols = q.shape[0], q.shape[1] * 2
+    return tiled_linear(x, rows, cols, lambda r0, r1, out: int4_decode(q[r0:r1], scale[r0:r1], out), bias)
+
+
+# -- fp8 e4m3: bytes [R, in], fp32 block scales [ceil(R/b0), ceil(in/b1)] (w13: per half) -------------------------
+# The e4m3 byte read as int8 and widened to int16 sign-extends; << 7 puts its exponent and mantissa in the fp16
+# exponent (5 bits) and mantissa fields and the sign at bit 15 (bit 14, a copy of the sign, is cleared). That fp16
+# is the e4m3 value x 2^-8 exactly (subnormals included), and x (block scale x 2^8) gives weight() bit for bit.
+def fp8_decode(w8: torch.Tensor, factors: torch.Tensor, b1: int, lanes: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
+    """w8 [n, in] int8 (the e4m3 bytes), factors [n, ceil(in/b1)] fp32 (block scale x 256 per row) -> out [n, in]."""
+    n, cols = w8.shape
+    lanes.copy_(w8)
+    lanes.bitwise_left_shift_(7).bitwise_and_(-16385)  # clear bit 14 (0xBFFF)
+    out.copy_(lanes.view(torch.float16))
+    full = cols // b1 * b1
+    if full:
+        out[:, :full].view(n, cols // b1, b1).mul_(factors[:, : cols // b1, None])
+    if full < cols:  # a partial block at the edge
+        out[:, full:].mul_(factors[:, -1:])
+    return out
+
+
+def fp8_scale_rows(rows: int, b0: int, split: int | None) -> torch.Tensor:
+    """The scale row of each weight row [rows] (long): r // b0, and for w13 the up half (rows >= split) blocked from
+    its own start."""
+    key = ("fp8_rows", rows, b0, split)
+    idx = _BUFFERS.get(key)
+    if idx is None:
+        r = torch.arange(rows)
+        idx = r // b0 if split is None else torch.where(r < split, r // b0, -(-split // b0) + (r - split) // b0)
+        _BUFFERS[key] = idx
+    return idx
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], split: int | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, in] @ W^T (+ bias) -> [n, R], W the e4m3 projection w [R, in] with block scales (split: w13's half)."""
+    rows, cols = w.shape
+    b0, b1 = block
+    w8 = w.view(torch.int8)
+    srow = fp8_scale_rows(rows, b0, split)
+    factors = scale.float() * 256.0  # [ceil(R/b0) (x2 for w13), ceil(in/b1)], exact
+    step = tile_rows(cols)
+    lanes = buffer("fp8_lanes", (step, cols), torch.int16)  # [tile, in]
+
+    def decode(r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        return fp8_decode(w8[r0:r1], factors.index_select(0, srow[r0:r1]), b1, lanes[: r1 - r0], out)
+
+    return tiled_linear(x, rows, cols, decode, bias, tile=step)

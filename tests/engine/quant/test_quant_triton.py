@@ -1,0 +1,232 @@
+"""The fused FP8 / int8 / int4 MoE kernel (kernels/quant_moe.py) against moe_reference on each format's `weight()`.
+
+On the CPU the Triton interpreter runs it (small shapes, one config), in a subprocess (this file as a script)
+so TRITON_INTERPRET never reaches the rest of the suite. The `gpu` tests run the compiled kernel at
+Qwen3-30B-A3B's widths, and check that `expert_compute` takes it for CUDA batches of each format.
+
+Shapes leave partial FP8 blocks (block 16 x 32 over I = 40 and H = 96) and an int4 group of 8 along I = 40;
+experts sit in shuffled slots of a pool larger than E whose other slots hold junk, so a wrong slot shows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moechat.engine.moe import ExpertActivation, ExpertBatch, moe_reference
+from moechat.engine.quant import get_format
+from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
+from moechat.engine.quant.kernels import has_triton
+
+# T = tokens, K = top-k, E = experts, C = slots, H = hidden, I = intermediate
+
+
+@dataclass(frozen=True)
+class Case:
+    fmt: str
+    kind: str = "swiglu"
+    T: int = 1
+    mode: str | None = None  # "gemv" / "grouped" / None: the kernel's own choice
+    pairs: str = "all"  # "all", "some" (left-out pairs point at real slots), "some-absent" (left-out: slot -1)
+    residual: bool = False
+    dtype: torch.dtype = torch.float32
+    bias: bool = False
+    H: int = 96
+    I: int = 40
+    E: int = 4
+    K: int = 2
+    block: tuple[int, int] = (16, 32)  # fp8 only
+
+    @property
+    def name(self) -> str:
+        return (f"{self.fmt}-{self.kind}-T{self.T}-{self.mode or 'auto'}-{self.pairs}{'-res' if self.residual else ''}"
+                f"{'-bias' if self.bias else ''}-{str(self.dtype).removeprefix('torch.')}-H{self.H}-I{self.I}")
+
+
+def format_of(case: Case):
+    return fp8_format(case.block) if case.fmt == "fp8" else get_format(case.fmt)
+
+
+def pack(case: Case, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One expert's dense w13 [2I, H] / w2 [H, I] in the case's format (FP8: gate and up blocked apart)."""
+    if case.fmt == "fp8":
+        gate, gs = quantize_blocks(w13[: case.I], case.block)
+        up, us = quantize_blocks(w13[case.I :], case.block)
+        down, ds = quantize_blocks(w2, case.block)
+        return {"w13": torch.cat([gate, up]), "w13_scale": torch.cat([gs, us]), "w2": down, "w2_scale": ds}
+    fmt = get_format(case.fmt)
+    return {f"{which}_{part}": t for which, w in (("w13", w13), ("w2", w2)) for part, t in fmt.quantize(w).items()}
+
+
+def junk_like(t: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:
+    if t.dtype == torch.float32 or t.dtype == torch.bfloat16:
+        return torch.randn((n, *t.shape), generator=g).to(t.dtype)
+    return torch.randint(0, 256, (n, *t.shape), generator=g, dtype=torch.uint8).view(t.dtype)
+
+
+def make_problem(case: Case, device: str = "cpu", seed: int = 0):
+    """Slot buffers, routing and the reference output (on `device`) of one case."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, E, K, T = case.H, case.I, case.E, case.K, case.T
+    C = E + 2
+    fmt = format_of(case)
+    # rows of different magnitudes, O(1) activations
+    experts = [pack(case, torch.randn(2 * I, H, generator=g) * torch.rand(2 * I, 1, generator=g) * 1.6 / H**0.5,
+                    torch.randn(H, I, generator=g) * torch.rand(H, 1, generator=g) * 1.2 / I**0.5) for _ in range(E)]
+    perm = torch.randperm(C, generator=g)
+    slot_of, free = perm[:E], perm[E:]  # expert e lives in slot slot_of[e]; the free slots hold junk
+    tensors = {}
+    for name in experts[0]:
+        t = experts[0][name]
+        tensors[name] = torch.empty((C, *t.shape), dtype=t.dtype)  # [C, ...]
+        tensors[name][slot_of] = torch.stack([ex[name] for ex in experts])
+        tensors[name][free] = junk_like(t, len(free), g)
+    if case.bias:
+        tensors["w13_bias"] = (torch.randn(C, 2 * I, generator=g) * 0.2).to(case.dtype)
+        tensors["w2_bias"] = (torch.randn(C, H, generator=g) * 0.2).to(case.dtype)
+    x = torch.randn(T, H, generator=g).to(case.dtype)
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
+    topk_weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)  # [T, K] fp32
+    slot_ids = slot_of[topk_ids]  # [T, K]
+    residual = torch.randn(T, H, generator=g).to(case.dtype) if case.residual else None
+    pairs = None
+    used = torch.ones(T * K, dtype=torch.bool)
+    if case.pairs != "all":
+        used = torch.rand(T * K, generator=g) < 0.6
+        used[0] = True
+        used[-1] = False
+        pairs = used.nonzero().flatten()  # [P]
+        if case.pairs == "some-absent":
+            slot_ids = slot_ids.clone()
+            slot_ids.view(-1)[~used] = -1
+    # the reference: each expert's slow dequantized weights, in fp32 from the same (rounded) inputs
+    w13 = torch.stack([fmt.weight(ex, "w13", torch.float32) for ex in experts])  # [E, 2I, H]
+    w2 = torch.stack([fmt.weight(ex, "w2", torch.float32) for ex in experts])  # [E, H, I]
+    bias = {}
+    if case.bias:
+        bias = {"w13_bias": tensors["w13_bias"][slot_of].float(), "w2_bias": tensors["w2_bias"][slot_of].float()}
+    want = moe_reference(x.float(), topk_weights * used.view(T, K), topk_ids, w13, w2, act=ExpertActivation(case.kind),
+                         **bias)
+    if residual is not None:
+        want = want + residual.float()
+    to = lambda t: None if t is None else t.to(device)
+    return ({k: to(v) for k, v in tensors.items()}, to(x), to(topk_weights), to(slot_ids), to(residual), to(pairs),
+            want)
+
+
+def run_case(case: Case, device: str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    from moechat.engine.quant.kernels.quant_moe import quant_moe
+
+    tensors, x, tw, slot_ids, residual, pairs, want = make_problem(case, device, seed)
+    got = quant_moe(x, tw, slot_ids, tensors, ExpertActivation(case.kind), case.fmt,
+                    block=case.block if case.fmt == "fp8" else None, residual=residual, pairs=pairs, mode=case.mode)
+    assert got.dtype == case.dtype and got.shape == want.shape
+    return got.float().cpu(), want
+
+
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 2e-2)}  # atol, rtol
+
+
+def excess(case: Case, got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest error as a fraction of what the tolerance allows there (<= 1 passes)."""
+    atol, rtol = TOLERANCE[case.dtype]
+    return float(((got - want).abs() / (atol + rtol * want.abs())).max())
+
+
+INTERPRETED = [Case(fmt, kind, T, mode, pairs, residual, bias=bias)
+               for fmt in ("fp8", "int8", "int4")
+               for kind, T, mode, pairs, residual, bias in [
+                   ("swiglu", 1, None, "all", False, False), ("swiglu", 5, "gemv", "all", True, False),
+                   ("swiglu", 5, "grouped", "all", False, False), ("swiglu", 5, "grouped", "some", True, False),
+                   ("swiglu", 1, None, "some-absent", False, False), ("clamped_swiglu", 5, "gemv", "some", False, True),
+                   ("clamped_swiglu", 5, "grouped", "some-absent", True, True)]]
+INTERPRETED += [Case(fmt, "swiglu", 4, mode, "all", True, torch.bfloat16)
+                for fmt in ("fp8", "int8", "int4") for mode in ("gemv", "grouped")]
+INTERPRETED += [Case("fp8", "swiglu", 3, "grouped", block=(32, 16)), Case("int4", "swiglu", 3, "gemv", H=64, I=48)]
+
+
+def _interpreted_main() -> None:
+    """Run as a script under TRITON_INTERPRET=1: one line per case, its name and its error's `excess`."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    for case in INTERPRETED:
+        got, want = run_case(case)
+        print(case.name, excess(case, got, want), flush=True)
+
+
+if __name__ == "__main__":
+    _interpreted_main()
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, float]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    errors = {}
+    for line in result.stdout.splitlines():
+        name, err = line.split()
+        errors[name] = float(err)
+    return errors
+
+
+@pytest.mark.parametrize("case", INTERPRETED, ids=lambda c: c.name)
+def test_interpreted_kernel_matches_the_reference(interpreted, case):
+    assert interpreted[case.name] <= 1.0
+
+
+def test_case_names_are_unique():
+    assert len({c.name for c in INTERPRETED}) == len(INTERPRETED)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+def test_formats_offer_the_fused_kernel_where_triton_is_installed(name):
+    fmt = fp8_format((128, 128)) if name == "fp8" else get_format(name)
+    assert (fmt.fused_moe is not None) == has_triton()
+
+
+QWEN3_30B = dict(H=2048, I=768, E=16, K=8, block=(128, 128))
+GPU_CASES = [Case(fmt, "swiglu", T, None, pairs, residual, dtype, **QWEN3_30B)
+             for fmt in ("fp8", "int8", "int4")
+             for T, pairs, residual, dtype in [(1, "all", True, torch.bfloat16), (1, "all", False, torch.float32),
+                                               (4, "some", True, torch.bfloat16), (64, "all", True, torch.bfloat16),
+                                               (64, "some-absent", False, torch.float32),
+                                               (300, "all", True, torch.bfloat16)]
+             if fmt == "int8" or T != 1 or dtype == torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_cuda_kernel_matches_the_reference_at_qwen3_30b_widths(case):
+    got, want = run_case(case, device="cuda")
+    atol, rtol = TOLERANCE[case.dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("T", [1, 40])
+def test_expert_compute_runs_the_fused_kernel_on_cuda(fmt, T, monkeypatch):
+    """expert_compute on a CUDA batch of each format goes through quant_moe and equals the per-expert path."""
+    from moechat.engine import experts
+    from moechat.engine.quant.kernels import quant_moe as kernel
+
+    case = Case(fmt, "swiglu", T, None, "all", True, torch.bfloat16, **QWEN3_30B)
+    tensors, x, tw, slot_ids, residual, _, want = make_problem(case, "cuda")
+    batch = ExpertBatch(tensors, slot_ids, slot_ids_cpu=slot_ids.cpu(), format=format_of(case))
+    calls = []
+    real = kernel.quant_moe
+    monkeypatch.setattr(kernel, "quant_moe", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    got = experts.expert_compute(x, tw, batch, residual)
+    assert calls == [fmt]
+    slow = experts._general_compute(x, tw, batch, residual, ExpertActivation())
+    atol, rtol = TOLERANCE[case.dtype]
+    torch.testing.assert_close(got.float().cpu(), want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got.float(), slow.float(), atol=atol, rtol=rtol)
