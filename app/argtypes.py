@@ -24,6 +24,13 @@ def positive_int(text: str) -> int:
     return _number(text, int, "a whole number", 0, inclusive=False)
 
 
+def prefetch_depth(text: str) -> int:
+    """--prefetch-depth of `run`, `serve` and `chat`: one type, so a bad value is the same usage error (exit 2)."""
+    from moechat.engine.cache.prefetch import MAX_PREFETCH_DEPTH  # pure Python
+
+    return _number(text, int, "a whole number", 1, inclusive=True, maximum=MAX_PREFETCH_DEPTH)
+
+
 def non_negative_int(text: str) -> int:
     return _number(text, int, "a whole number", 0, inclusive=True)
 

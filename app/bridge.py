@@ -30,7 +30,6 @@ text. The engine object is duck-typed (the app's tests pass a fake): `conversati
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import threading
 import time
@@ -42,6 +41,8 @@ from typing import Any
 from textual import work
 from textual.widget import Widget
 
+from moechat.engine.hardware import leave_a_core as leave_a_core_for_the_ui  # no torch; shared with `run`
+
 from .livestats import StatsTracker
 from .messages import (
     CacheRetuned,
@@ -51,9 +52,9 @@ from .messages import (
     GenerationFailed,
     GenerationFinished,
     HitCurveReady,
-    PolicyPredicted,
     LoadProgress,
     ModelInfo,
+    PolicyPredicted,
     RetuneFailed,
     StatsUpdated,
     TokensArrived,
@@ -175,24 +176,6 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
                     if first else " (from the repacked file written at the first start)"))
     return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache,
                        expert_format=None if fmt == "native" else fmt)
-
-
-def leave_a_core_for_the_ui(torch) -> int:
-    """Give torch's CPU thread pool every core but one; returns the pool's size.
-
-    torch runs an op on one thread per core, and an OpenMP op waits at its barrier for its slowest
-    thread: when the UI thread takes a core, a descheduled worker stalls the whole op. On a 2-core
-    machine that made the shown panel cost 11% of decode speed where one torch thread lost 2%
-    (bench/tui_overhead.py). An explicit OMP_NUM_THREADS / MKL_NUM_THREADS is left alone.
-    """
-    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
-        return torch.get_num_threads()
-    from moechat.engine.hardware import usable_cores
-
-    cores = usable_cores()
-    if cores > 1 and torch.get_num_threads() >= cores:
-        torch.set_num_threads(cores - 1)
-    return torch.get_num_threads()
 
 
 def _cache_defaults(path: Path, device: str, options: LoadOptions, progress) -> tuple[int | None, int | None]:

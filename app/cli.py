@@ -41,15 +41,20 @@ def _token_ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moechat", description="Run Mixture-of-Experts models bigger than "
-                                     "your GPU, and see what the expert cache does.")
+    parser = argparse.ArgumentParser(
+        prog="moechat", description="Run Mixture-of-Experts models bigger than your GPU, and see what the expert cache "
+        "does. `moechat` alone opens the chat app on the bundled demo model (else the model used last).",
+        epilog="Start with: moechat run --prompt \"What does json.dumps do?\" --temperature 0   (the demo model); "
+        "moechat fit MODEL says whether a model runs here before you download it.")
+    parser.add_argument("--version", action=_Version, help="print moechat's version and exit")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of an unexpected error "
                         "(accepted after any subcommand too; or set MOECHAT_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run = sub.add_parser("run", help="generate a reply from a local model directory",
-                         description="Generate from a local Hugging Face MoE model directory (safetensors).")
-    run.add_argument("model_dir", metavar="MODEL_DIR", help="directory with config.json and *.safetensors, or a Hub "
-                     "repo id downloaded with moechat pull")
+    run = sub.add_parser("run", help="generate a reply from a model (default: the bundled demo model)",
+                         description="Generate from a local Hugging Face MoE model directory (safetensors), a Hub repo "
+                         "id downloaded with moechat pull, or without MODEL_DIR the bundled demo model.")
+    run.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", help="directory with config.json and *.safetensors, "
+                     "or a Hub repo id downloaded with moechat pull (default: the bundled demo model)")
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=_utf8_text, help="the user message (the chat template is applied unless --raw)")
     src.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="token ids, e.g. 1,2,3 (no template)")
@@ -64,10 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the model's max_new_tokens, else 512)")
     run.add_argument("--temperature", type=_non_negative_float, metavar="T", help="0 = greedy (default: the "
                      "model's generation_config.json)")
-    run.add_argument("--top-k", type=_non_negative_int, metavar="K")
-    run.add_argument("--top-p", type=_finite_float, metavar="P")
-    run.add_argument("--min-p", type=_finite_float, metavar="P")
-    run.add_argument("--repetition-penalty", type=_finite_float, metavar="R")
+    run.add_argument("--top-k", type=_non_negative_int, metavar="K", help="sample among the K likeliest tokens "
+                     "only (0 = all; default: the model's generation_config.json)")
+    run.add_argument("--top-p", type=_finite_float, metavar="P", help="sample among the likeliest tokens whose "
+                     "probabilities add up to P, in (0, 1] (default: the model's)")
+    run.add_argument("--min-p", type=_finite_float, metavar="P", help="drop tokens less likely than P x the likeliest "
+                     "one, in [0, 1] (default: the model's, else 0)")
+    run.add_argument("--repetition-penalty", type=_finite_float, metavar="R", help="divide the scores of tokens "
+                     "already in the text by R > 0; 1 = off (default: the model's, else 1)")
     run.add_argument("--seed", type=int, metavar="S", help="sampling seed (same seed, same reply)")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     add_load_args(run)  # --dtype --context --device and the expert cache: the same flags as `moechat serve`
@@ -192,7 +201,8 @@ def _run(args: argparse.Namespace) -> int:
             if hidden:
                 print(f"[thinking: {hidden} characters not shown; --show-thinking prints them]", file=sys.stderr)
             if snapshot is not None:
-                print(f"[cache: {snapshot.num_slots} slots, {snapshot.policy}, hit rate {snapshot.hit_rate:.1%}, "
+                slots = f"{snapshot.num_slots} slot" + ("" if snapshot.num_slots == 1 else "s")
+                print(f"[cache: {slots}, {snapshot.policy}, hit rate {snapshot.hit_rate:.1%}, "
                       f"{snapshot.bytes_from_ram / 2**20:.1f} MiB from RAM, {snapshot.bytes_from_disk / 2**20:.1f} MiB "
                       "from disk]", file=sys.stderr)
                 if snapshot.prefetch != "off":
@@ -203,6 +213,23 @@ def _run(args: argparse.Namespace) -> int:
                           f"{snapshot.prefetch_recall:.0%}; {snapshot.warm_loaded} experts warm-started]",
                           file=sys.stderr)
     return status
+
+
+class _Version(argparse.Action):
+    """--version: read from the installed package's metadata when asked, not at every start-up."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("moechat")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            text = "unknown (not installed)"
+        print(f"moechat {text}")  # stdout, as argparse's own version action
+        parser.exit()
 
 
 class _ThinkingPrinter:

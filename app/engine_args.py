@@ -14,6 +14,7 @@ import argparse
 
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
+from .argtypes import prefetch_depth as _prefetch_depth
 
 
 def _policies() -> list[str]:
@@ -72,10 +73,10 @@ def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True)
                        "(one read per expert; written on first use, needs as much disk as the experts)")
     cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
                        help="load the experts later layers will want while this layer computes: next-layer "
-                       "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or off "
-                       "(default: next-layer; on a CPU, off unless experts stream from disk and torch leaves a "
-                       "core free)")
-    cache.add_argument("--prefetch-depth", type=_positive_int, default=1, metavar="N",
+                       "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or off. "
+                       "Default: next-layer on a GPU; off on a CPU, where bench/prefetch.py measured it slower. It "
+                       "acts only when some experts have no slot (--expert-slots below the expert count)")
+    cache.add_argument("--prefetch-depth", type=_prefetch_depth, default=1, metavar="N",
                        help="predict N MoE layers ahead (1-4, default 1)")
     cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
                        help="fill the slots at start with the experts this model used most in earlier runs "
@@ -93,6 +94,10 @@ def cache_config_from_args(args: argparse.Namespace, device: str):
                                             expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn,
                                             expert_format=args.expert_format)
     if not (slots or ram_cache_bytes is not None or record or args.repack_dir):
+        if args.prefetch not in (None, "off"):
+            warn(f"--prefetch {args.prefetch} does nothing here: every expert is resident on the {device} (no "
+                 "--expert-slots or --ram-cache-mb, and they all fit), so there is nothing to load ahead; pass "
+                 "--expert-slots N to keep only N experts there and prefetch the rest")
         return None
     from moechat.engine.cache.prefetch import check_prefetch, default_prefetch
 
@@ -117,10 +122,34 @@ def load_engine_from_args(args: argparse.Namespace, check=None):
     import torch
 
     from moechat.engine.generate import Engine
+    from moechat.engine.hardware import leave_a_core
 
+    leave_a_core(torch)  # as the app does: an op on every core collapses when anything else takes one
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if check is not None:
         check(args, device)
     cache = cache_config_from_args(args, device)
-    return Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
-                       expert_format=args.expert_format)
+    engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
+                         expert_format=args.expert_format)
+    if cache is not None and cache.expert_slots is None and args.ram_cache_mb is not None:
+        _explain_ram_cache_alone(engine, args.ram_cache_mb)
+    return engine
+
+
+def _explain_ram_cache_alone(engine, ram_cache_mb: int) -> None:
+    """--ram-cache-mb without --expert-slots: the provider chose the slots; say how many, why, and what the RAM tier
+    then holds, so a tiny budget is not a silent surprise."""
+    from moechat.app.fit import warn
+
+    snap, provider = engine.cache_snapshot(), engine.provider
+    if snap is None:
+        return
+    eb = getattr(provider.store, "expert_bytes", 0)
+    held = f"{_count(snap.ram_cache_bytes // eb, 'expert')} ({eb / 2**10:,.0f} KiB each)" if eb else "what fits"
+    warn(f"--ram-cache-mb {ram_cache_mb} without --expert-slots: {_count(snap.num_slots, 'slot')} chosen (on a CPU "
+         f"with a bounded RAM tier: two decode steps' worth of experts), and the {ram_cache_mb} MiB RAM tier holds "
+         f"{held}; every other expert is read from disk when used. Pass --expert-slots N to choose")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")

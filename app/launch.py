@@ -22,12 +22,12 @@ from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
-from .bridge import LoadOptions, default_policy, looks_like_repo_id, policy_names
+from .argtypes import prefetch_depth as _prefetch_depth
+from .pull import DEMO_MODEL  # noqa: F401 - re-exported: the app and the tests read it here
 
+# No Textual here either (app/bridge.py imports it): `moechat run` builds this parser, and Textual's import is
+# 0.3 s of its start-up. The bridge and the app are imported when `chat` or bare `moechat` runs.
 EXIT_ERROR = 1
-DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-moe"
-
-
 
 
 def add_chat_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,8 +37,8 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
         description="Open the chat app on a local Hugging Face MoE model directory (or a Hub repo id downloaded "
                     "with moechat pull). The experts are kept in a slot cache so the panel can show it; "
                     "retune it live from the panel.")
-    chat.add_argument("model", metavar="MODEL", help="directory with config.json and *.safetensors, or a "
-                      "downloaded Hub repo id")
+    chat.add_argument("model", metavar="MODEL", nargs="?", help="directory with config.json and *.safetensors, or a "
+                      "downloaded Hub repo id (default: the bundled demo model)")
     chat.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                       help="compute dtype (default: the checkpoint's)")
     chat.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
@@ -50,7 +50,9 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     cache = chat.add_argument_group("expert cache", "N slots on the compute device over a RAM tier and the disk "
                                     "(default: a slot for every expert, every expert in RAM)")
     cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")
-    cache.add_argument("--policy", choices=list(policy_names()), default=default_policy(),
+    from moechat.engine.cache.policy import DEFAULT_POLICY, POLICIES  # pure Python and numpy: no torch
+
+    cache.add_argument("--policy", choices=list(POLICIES), default=DEFAULT_POLICY,
                        help="eviction policy of the slots (default: %(default)s)")
     cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
                        "experts beyond it stream from disk (default: every expert in RAM)")
@@ -64,10 +66,12 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     from moechat.engine.cache.prefetch import MAX_PREFETCH_DEPTH, PREFETCH_MODES  # pure Python: no torch
 
     cache.add_argument("--prefetch", choices=list(PREFETCH_MODES), default=None,
-                       help="load the experts later layers will want while this layer computes (default: "
-                       "next-layer)")
-    cache.add_argument("--prefetch-depth", type=int, choices=range(1, MAX_PREFETCH_DEPTH + 1), default=1,
-                       metavar="N", help=f"predict N MoE layers ahead (1-{MAX_PREFETCH_DEPTH}, default 1)")
+                       help="load the experts later layers will want while this layer computes: next-layer "
+                       "(their routers on this layer's hidden state), previous-token (temporal reuse), both, or off. "
+                       "Default: next-layer on a GPU; off on a CPU, where bench/prefetch.py measured it slower. It "
+                       "acts only when some experts have no slot (--expert-slots below the expert count)")
+    cache.add_argument("--prefetch-depth", type=_prefetch_depth, default=1, metavar="N",
+                       help=f"predict N MoE layers ahead (1-{MAX_PREFETCH_DEPTH}, default 1)")
     cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
                        help="fill the slots at start from this model's saved routing profile (default: on)")
     from moechat.engine.cache.hybrid import ON_MISS  # pure Python
@@ -83,7 +87,9 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     return chat
 
 
-def options_from_args(args: argparse.Namespace) -> LoadOptions:
+def options_from_args(args: argparse.Namespace):
+    from .bridge import LoadOptions
+
     return LoadOptions(dtype=args.dtype, device=args.device, context=args.context, expert_slots=args.expert_slots,
                        policy=args.policy, ram_cache_mb=args.ram_cache_mb, resident=args.resident,
                        prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, warm_start=args.warm_start,
@@ -96,17 +102,20 @@ def _run(app) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    model = str(args.model)
-    if not Path(model).expanduser().is_dir() and not looks_like_repo_id(model):
+    from .bridge import looks_like_repo_id
+
+    model = args.model
+    if model is not None and not Path(model).expanduser().is_dir() and not looks_like_repo_id(model):
         print(f"moechat: error: {model}: no such model directory; pass a directory with config.json and "
               "*.safetensors", file=sys.stderr)
         return EXIT_ERROR
-    if Path(model).expanduser().is_dir():
+    if model is not None and Path(model).expanduser().is_dir():
         model = str(Path(model).expanduser().resolve())
     else:
         from .pull import resolve_model_arg
 
-        model = resolve_model_arg(model)  # the complete cached snapshot, or an error naming `moechat pull`
+        # None: the bundled demo; a repo id: the complete cached snapshot, or an error naming `moechat pull`
+        model = resolve_model_arg(model)
     from .app import make_app
 
     return _run(make_app(model, options=options_from_args(args), reasoning_effort=args.reasoning_effort))
@@ -121,6 +130,8 @@ def default_model(demo: Path | None = None, settings=None) -> str | None:
         from .settings import Settings
 
         settings = Settings.load()
+    from .bridge import looks_like_repo_id
+
     for model in settings.recent_models:
         if Path(model).is_dir() or looks_like_repo_id(model):
             return model

@@ -113,14 +113,39 @@ def run_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_model_arg(model: str) -> str:
-    """MODEL as `run`, `chat` and `fit` take it: a local folder as is, a Hub repo id as its complete cached
-    snapshot (no network; a missing or partial download is a NotDownloadedError naming `moechat pull`)."""
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-moe"  # the source tree's, or the wheel's copy
+
+
+def resolve_model_arg(model: str | None) -> str:
+    """MODEL as `run` and `chat` take it: None is the bundled demo model; a local folder as is; a Hub repo id as its
+    complete cached snapshot (no network). A name that is neither is one error that says which it could have been:
+    `assets/demo-moe` run from /tmp is a relative path that does not exist there, and also a well-formed repo id that
+    is not downloaded; the message says both, and what would do."""
+    from moechat.engine.errors import ConfigError, NotDownloadedError
     from moechat.engine.hub import Hub, looks_like_repo_id
 
-    if Path(model).expanduser().exists() or not looks_like_repo_id(model):
+    if model is None:
+        if not (DEMO_MODEL / "config.json").is_file():
+            raise ConfigError(f"the bundled demo model is not at {DEMO_MODEL} (a partial install?); pass MODEL_DIR, "
+                              "or reinstall moechat")
+        return str(DEMO_MODEL)
+    path = Path(model).expanduser()
+    if path.exists():
         return model
-    return str(Hub().resolve(model))
+    where = "" if path.is_absolute() else f" in {Path.cwd()}"
+    demo = (f"; the bundled demo model is what `moechat run` and `moechat chat` open without MODEL ({DEMO_MODEL})"
+            if path.name == DEMO_MODEL.name else "")
+    if not looks_like_repo_id(model):
+        raise ConfigError(f"{model}: no such model directory{where}; pass a directory with config.json and "
+                          f"*.safetensors{demo}")
+    try:
+        return str(Hub().resolve(model))
+    except NotDownloadedError as e:
+        if "partly downloaded" in str(e):
+            raise
+        raise NotDownloadedError(f"{model}: no such directory{where}, and no Hub model of that name is downloaded: "
+                                 f"pass the model's directory (an absolute path works from anywhere), or run moechat "
+                                 f"pull {model} if it is a Hub repo id{demo}", repo_id=model) from None
 
 
 def fit_spec(model: str):

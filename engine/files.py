@@ -110,8 +110,21 @@ def read_json_file(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_J
     try:
         raw = read_regular(path, what, max_bytes=max_bytes, error=error)
     except FileNotFoundError:
-        raise error(f"{path}: {what} not found") from None
+        raise error(f"{path}: {what} not found{_near_misses(Path(path))}") from None
     return parse_json(raw, str(path), what, error)
+
+
+def _near_misses(path: Path) -> str:
+    """A hint when the folder holds the file under another name (the Hub's model-configs keep config.json saved as
+    config.reserialized.json or config.finetune-derived.json): which file would do, and what to do with it."""
+    try:
+        others = sorted(p.name for p in path.parent.glob(f"{path.stem}.*{path.suffix}") if p.is_file())
+    except OSError:
+        return ""
+    if not others:
+        return ""
+    return (f"; {', '.join(others)} {'is' if len(others) == 1 else 'are'} there: moechat reads only {path.name}, so "
+            f"copy the one that describes this model to {path.name} (cp {path.parent / others[0]} {path})")
 
 
 def read_json_object(path: str | os.PathLike, what: str, *, max_bytes: int = MAX_JSON_BYTES,

@@ -53,6 +53,28 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def leave_a_core(torch) -> int:
+    """Give torch's CPU thread pool every core but one; returns the pool's size. `moechat run`, `serve` and the app
+    (where the spare core is the UI thread's) all call this before the first op.
+
+    torch runs an op on one thread per core, and an OpenMP op waits at its barrier for its slowest thread: when
+    any other thread (the app's UI, another process) takes a core, a descheduled worker stalls every op. On the
+    2-core CI machine the demo model decoded at 67-78 tok/s on 1 thread and 7.8-8.1 on 2 with the machine merely
+    busy, 2.9-3.5 on 2 with a busy-loop neighbour (1 thread: 26-78); in the app the shown panel cost 11% of decode
+    speed on 2 threads and 2% on 1 (bench/tui_overhead.py, bench/startup.py). An explicit OMP_NUM_THREADS or
+    MKL_NUM_THREADS is left alone.
+    """
+    if any(os.environ.get(name) for name in THREAD_ENV):
+        return torch.get_num_threads()
+    cores = usable_cores()
+    if cores > 1 and torch.get_num_threads() >= cores:
+        torch.set_num_threads(cores - 1)
+    return torch.get_num_threads()
+
+
 def pcie_link_gbps(generation: int | None, width: int | None) -> float | None:
     """Usable host->device GB/s of a PCIe link, or None when either number is unknown."""
     if not generation or not width or generation not in PCIE_LANE_GBPS:
@@ -108,6 +130,7 @@ class HostMemory:
     cgroup_limit_bytes: int | None = None
     cgroup_available_bytes: int | None = None
     source: str = "psutil"
+    free_now_bytes: int | None = None  # set by `Hardware.on_total_ram`: what was available at the probe
 
 
 @dataclass(frozen=True)
@@ -180,6 +203,16 @@ class Hardware:
             disk = DiskInfo(disk.path if disk else ".", int(disk_gb * GiB), None, source="what-if")
             what_if.append(f"disk {disk_gb:g} GiB free")
         return Hardware(gpus, ram, disk, self.notes, tuple(what_if), gpu_notes)
+
+    def on_total_ram(self) -> Hardware:
+        """The same machine planned on all of its RAM (the cgroup limit in a container), not on what is free at this
+        instant: other programs come and go (15-22 GiB free within minutes on one 23 GiB machine), so a plan on the
+        instant's figure changes from one run to the next. The instant's figure is kept in `ram.free_now_bytes`, for
+        a note. A RAM what-if is kept as given."""
+        ram = self.ram
+        if ram.source == "what-if" or ram.total_bytes is None:
+            return self
+        return replace(self, ram=replace(ram, available_bytes=ram.total_bytes, free_now_bytes=ram.available_bytes))
 
     def to_json(self) -> dict:
         return {
