@@ -6,7 +6,9 @@ weights written to disk). On a CPU "load" is a memcpy from the RAM tier into a R
 in place; on CUDA (`--device cuda`) load crosses the PCIe link and host runs on the CPU while the GPU runs
 the resident experts. The three modes are interleaved (ABAB) over --runs rounds; medians and spread.
 
-    python bench/hybrid.py [--device cpu|cuda] [--runs 5] [--tokens 48] [--layers 2] [--skip-qwen]
+    python bench/hybrid.py [--device cpu|cuda] [--runs 5] [--tokens 48] [--layers 2] [--skip-qwen] [--threads]
+
+`--threads` adds a sweep of torch's intra-op pool size (the host experts' threads) with misses on the host.
 """
 
 from __future__ import annotations
@@ -85,6 +87,46 @@ def bench(name: str, path: Path, device: str, runs: int, tokens: int, fractions=
               f"{'yes' if same else 'NO'} |")
 
 
+def thread_sweep(path: Path, device: str, runs: int, tokens: int, fraction: float = 0.10) -> None:
+    """Host experts run on the forward thread through torch's intra-op pool: its size is the choice. Decode tok/s
+    with misses on the host at each pool size from 1 to the usable cores, interleaved, next to the size
+    `leave_a_core` picks (every core but one, which the UI, the transfer worker and the CUDA driver use)."""
+    from moechat.engine.hardware import leave_a_core, usable_cores
+
+    saved = torch.get_num_threads()
+    cores = usable_cores()
+    torch.set_num_threads(cores)
+    chosen = leave_a_core(torch)
+    probe = Engine.load(path, device=device)
+    total = len(probe.loaded.cls.moe_layers(probe.args)) * probe.args.num_experts
+    del probe
+    engine = Engine.load(path, device=device, cache=CacheConfig(expert_slots=max(1, int(total * fraction)),
+                                                                on_miss="host", warm_start=False))
+    prompt = list(range(3, 19))
+    sizes = list(range(1, cores + 1))
+    times = {n: [] for n in sizes}
+    for _ in range(runs):
+        for n in sizes:
+            torch.set_num_threads(n)
+            t0 = time.perf_counter()
+            got = sum(len(c.token_ids) for c in engine.generate(prompt, sampling=GREEDY, max_tokens=tokens,
+                                                                stop_on_eos=False))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[n].append(got / (time.perf_counter() - t0))
+    engine.close()
+    torch.set_num_threads(saved)
+    print(f"\nhost-expert thread pool on {device} ({path.name}, {fraction:.0%} of experts in slots, misses on the "
+          f"host): {cores} usable cores, leave_a_core picks {chosen}")
+    print("| torch threads | tok/s median | spread | vs 1 thread | chosen |")
+    print("|---:|---:|---|---:|---|")
+    one = statistics.median(times[1])
+    for n in sizes:
+        med = statistics.median(times[n])
+        print(f"| {n} | {med:.1f} | {min(times[n]):.1f}-{max(times[n]):.1f} | {med / one:.2f}x | "
+              f"{'<-' if n == chosen else ''} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -94,14 +136,19 @@ def main() -> None:
     ap.add_argument("--skip-qwen", action="store_true")
     ap.add_argument("--skip-demo", action="store_true")
     ap.add_argument("--fractions", default="0.1,0.25,0.5", help="shares of the experts in slots, comma-separated")
+    ap.add_argument("--threads", action="store_true", help="also sweep the host pool's size (Qwen3-shaped)")
     args = ap.parse_args()
     fractions = tuple(float(f) for f in args.fractions.split(","))
     if not args.skip_demo:
         bench("demo model (6 layers x 16 experts, top-2)", ROOT / "assets" / "demo-moe", args.device, args.runs,
               args.tokens, fractions)
+    qwen = None
     if not args.skip_qwen:
+        qwen = qwen3_shaped(args.layers)
         bench(f"Qwen3-30B-A3B-shaped ({args.layers} layers x 128 experts, top-8, 9.4 MB experts)",
-              qwen3_shaped(args.layers), args.device, args.runs, args.tokens, fractions)
+              qwen, args.device, args.runs, args.tokens, fractions)
+    if args.threads:
+        thread_sweep(qwen or qwen3_shaped(args.layers), args.device, args.runs, args.tokens)
 
 
 if __name__ == "__main__":
