@@ -125,6 +125,23 @@ def test_cached_equals_resident(fp8_model, slots):
     engine.close()
 
 
+@pytest.mark.parametrize("on_miss, host_layers", [("host", 0), ("auto", 0), ("load", 1)])
+def test_hybrid_execution_on_fp8_experts(fp8_model, on_miss, host_layers):
+    """Issue 16 on FP8 experts: misses computed on the host straight from the RAM tier's FP8 bytes give the
+    resident engine's greedy tokens."""
+    from moechat.engine.cache.provider import CacheConfig
+
+    path, _ = fp8_model
+    ids = _prompt(9, seed=7)
+    resident = _greedy(Engine.load(path, dtype="float32"), ids)
+    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=2, on_miss=on_miss,
+                                                                  host_layers=host_layers))
+    assert _greedy(engine, ids) == resident
+    snap = engine.provider.snapshot()
+    assert sum(snap.host_computed) > 0 or on_miss == "load" and not host_layers
+    engine.close()
+
+
 def _edit(tmp_path, edit):
     path = tmp_path / "m"
     write_fp8(path, "qwen3_moe", seed=1)
