@@ -83,10 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     from moechat.app.fit import add_fit_parser  # no torch, no engine
     from moechat.app.launch import add_chat_parser
     from moechat.app.pull import add_pull_parser
+    from moechat.app.remote import add_remote_args
     from moechat.app.serve import add_serve_parser
 
     add_fit_parser(sub)
-    add_chat_parser(sub)
+    add_remote_args(add_chat_parser(sub))  # chat --remote URL: the app on any OpenAI-compatible server
     add_pull_parser(sub)
     add_serve_parser(sub)
     return parser

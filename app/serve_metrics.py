@@ -66,6 +66,11 @@ class _CacheCollector:
         if snap is None:
             return
         layers = [str(i) for i in range(len(snap.hits))]
+        config = GaugeMetricFamily("moechat_expert_cache_config", "The cache's current policy, prefetch mode and "
+                                   "depth, and where misses run", labels=["policy", "prefetch", "prefetch_depth",
+                                                                          "on_miss"])
+        config.add_metric([snap.policy, snap.prefetch, str(snap.prefetch_depth), snap.on_miss], 1)
+        yield config
 
         def per_layer(name, doc, values, counter=True):
             family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["layer"])

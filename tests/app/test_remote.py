@@ -1,0 +1,91 @@
+"""`moechat chat --remote`: the chat app on a real `moechat serve` subprocess (loopback), in a Pilot test."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from moechat.app.remote import RemoteEngine, api_base, snapshot_from_metrics
+from moechat.app.screens.chat import ChatScreen
+from moechat.app.settings import Settings
+from moechat.app.widgets.prompt import PromptInput
+from moechat.app.widgets.transcript import AssistantMessage
+from moechat.engine.errors import MoechatError
+
+openai = pytest.importorskip("openai")
+
+_spec = importlib.util.spec_from_file_location("serveproc", Path(__file__).parents[1] / "serveproc.py")
+serveproc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serveproc)
+
+KEY = "remote-key"
+SIZE = (120, 36)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serveproc.ServeProcess(["--expert-slots", "32", "--no-warm-start"], api_key=KEY,
+                                cache_dir=tmp_path_factory.mktemp("remote_cache")) as s:
+        yield s
+
+
+@pytest.mark.anyio
+async def test_chat_app_on_a_served_model_shows_its_metrics(server, build_app, app_env, fakes):
+    engine = RemoteEngine.connect(server.url, api_key=KEY)  # http://host:port: /v1 is added
+    assert engine.is_moechat and engine.model == "demo-moe"
+    settings = Settings(path=app_env / "settings.toml")
+    settings.sampling = {"temperature": 0}  # greedy, to compare with the server's own answer
+    app, store = build_app(engine, model=engine.label, settings=settings)
+    app.startup_notices.append(engine.panel_note)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = pilot.app.screen
+        assert isinstance(screen, ChatScreen)
+        await fakes.wait_for(pilot, lambda: screen.info is not None, timeout=30, what="the remote model")
+        info = screen.info
+        assert (info.name, info.num_layers, info.num_experts, info.top_k) == ("demo-moe", 6, 16, 2)
+        assert info.cache is not None and info.cache.slots == 32
+        assert any("/metrics" in n.message for n in pilot.app._notifications)
+        prompt = screen.query_one(PromptInput)
+        prompt.focus()
+        prompt.load_text("What is an expert cache?")
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: screen.gen_id is None and screen.session.turns
+                             and screen.session.turns[-1].status != "streaming", timeout=60, what="the reply")
+        (reply,) = screen.query(AssistantMessage)
+        assert reply.status == "done" and reply.text
+        direct = openai.OpenAI(base_url=server.base_url, api_key=KEY).chat.completions.create(
+            model="demo-moe", messages=[{"role": "user", "content": "What is an expert cache?"}], temperature=0,
+            max_tokens=screen.info.default_max_tokens)
+        assert reply.text == direct.choices[0].message.content
+        saved = store.load(screen.session.conversation_id)
+        assert [(m.role, m.status) for m in saved.messages] == [("user", "done"), ("assistant", "done")]
+        # the panel's numbers are the server's: hits and misses from its /metrics
+        await fakes.wait_for(pilot, lambda: screen.last_stats is not None and screen.last_stats.hits
+                             + screen.last_stats.misses > 0, timeout=10, what="the server's cache stats")
+        snap = engine.cache_snapshot()
+        assert snap.num_slots == 32 and len(snap.hits) == 6 and not math.isnan(snap.hit_rate)
+        # retuning is refused with a notice, the app stays up
+        with pytest.raises(MoechatError, match="tuned where it runs"):
+            engine.retune_cache(expert_slots=8)
+    engine.close()
+
+
+def test_metrics_rebuild_the_snapshot_and_bad_servers_are_one_line(server):
+    import httpx
+
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    snap = snapshot_from_metrics(text)
+    assert snap.num_slots == 32 and snap.policy and snap.resident.shape == (6, 16)
+    with pytest.raises(MoechatError, match="HTTP 401.*--api-key"):
+        RemoteEngine.connect(server.base_url)
+    with pytest.raises(MoechatError, match="does not serve 'gpt-4'; it serves: demo-moe"):
+        RemoteEngine.connect(server.base_url, model="gpt-4", api_key=KEY)
+    with pytest.raises(MoechatError, match="expected a URL"):
+        api_base("localhost:8000")
+    assert api_base("http://h:1/") == api_base("http://h:1/v1") == "http://h:1/v1"
+    plain = RemoteEngine("http://h:1/v1", "some-model", None)  # what a vLLM or llama-server says: no moechat info
+    assert plain.cache_snapshot() is None and "not a moechat server" in plain.panel_note
+    plain.close()
