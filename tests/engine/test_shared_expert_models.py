@@ -267,6 +267,23 @@ def test_cached_equals_resident_at_any_slot_count(variants, name, slots):
     engine.close()
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2_lite", "glm4_moe", "qwen2_moe"])
+def test_hybrid_execution_keeps_the_output(variants, name):
+    """Issue 16 on the shared-expert families: misses on the host (in place, from the RAM tier), by the cost
+    model, or every expert of the first MoE layer on the host; the shared experts stay in the dense model."""
+    from moechat.engine.cache.provider import CacheConfig
+
+    path, _ = variants(name)
+    ids = _prompt(9, seed=9)
+    resident = _greedy(Engine.load(path, dtype="float32"), ids, 10)
+    for on_miss, host_layers in (("host", 0), ("auto", 0), ("load", 1)):
+        engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=3, on_miss=on_miss,
+                                                                      host_layers=host_layers))
+        assert _greedy(engine, ids, 10) == resident, (on_miss, host_layers)
+        assert sum(engine.provider.snapshot().host_computed) > 0
+        engine.close()
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen2_moe"])
 def test_prefetch_keeps_the_output(variants, name):
     """Next-layer prediction reads the routers of MoE layers only (dense first layers have none) and never changes
