@@ -112,6 +112,7 @@ def run_fit(args: argparse.Namespace) -> int:
         print(json.dumps({"model": args.model, "fits": plan.ok, "runnable": runnable, "expert_format": chosen.name,
                           "plan": plan.to_json(), "spec": spec.to_json(), "formats": advice.to_json(),
                           "hardware": hw.to_json(),
+                          "scale_out": None if plan.ok else _scale_out(spec).to_json(),
                           "run_flags": _run_flags(plan, spec, chosen.name) if plan.ok or plan.overridden else None},
                          indent=1))
     else:
@@ -200,6 +201,8 @@ def format_plan(plan, spec, hw, runnable: bool, advice=None, expert_format: str 
                        + f" tok/s; best: --on-miss {best.mode}" + (" (the default)" if best.mode == "auto" else ""))
     if plan.refusal is not None:
         out.append(f"  REFUSED   {plan.refusal.message}")
+        if not plan.overridden:
+            out += _scale_out_lines(spec)
     if advice is not None:
         out += _format_lines(advice, expert_format)
     if (plan.ok or plan.overridden) and runnable:
@@ -212,6 +215,28 @@ def format_plan(plan, spec, hw, runnable: bool, advice=None, expert_format: str 
         out.append("  notes")
         out += [f"    - {n}" for n in plan.notes]
     return "\n".join(out)
+
+
+def _scale_out(spec):
+    from moechat.engine.scaleout import scale_out
+
+    return scale_out(spec, spec.path or spec.name)
+
+
+def _scale_out_lines(spec) -> list[str]:
+    """Beside a refusal: the GPUs that would serve it with vLLM or SGLang (expert parallel), and their launch lines."""
+    from moechat.engine.plan import gib
+
+    s = _scale_out(spec)
+    if s.recommended is None:
+        return ["  scale out more than 4 nodes of the largest GPUs: beyond what moechat can plan"]
+    out = [f"  scale out {gib(s.weights_bytes)} of weights + {gib(s.kv_bytes)} of KV for "
+           f"{s.context:,} tokens, served with expert parallelism on any of:"]
+    out += [f"            {'*' if o == s.recommended else ' '} {o.describe()}" for o in s.options]
+    out.append(f"    vLLM    {s.vllm_command()}")
+    out.append(f"    SGLang  {s.sglang_command()}")
+    out.append("            then: moechat chat --remote http://HOST:PORT (vLLM's default port 8000, SGLang's 30000)")
+    return out
 
 
 def _format_lines(advice, shown: str) -> list[str]:
