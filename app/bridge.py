@@ -463,6 +463,7 @@ class EngineBridge(Widget):
                 return
             tracker.sample_rate()
             self._post_stats(engine, last.cache if last is not None else None)
+            self._tell_dropped(conversation, len(history))
             if last is not None:
                 self.post_message(GenerationFinished(gen_id, last.finish_reason or "stop", last.prompt_tokens,
                                                      last.generated_tokens, last.prefill_tokens_per_s,
@@ -470,6 +471,20 @@ class EngineBridge(Widget):
             else:
                 self.post_message(GenerationFinished(gen_id, "stop", 0, 0, 0.0, 0.0))
         self.call_later(self.update_hit_curve)
+
+    def _tell_dropped(self, conversation, history_len: int) -> None:
+        """Once per change: the chat outgrew the context, so its oldest turns were left out of the prompt."""
+        dropped = getattr(conversation, "dropped_turns", 0)
+        if history_len == 0 or not dropped:
+            self._dropped_told = 0
+        if not dropped or dropped == getattr(self, "_dropped_told", 0):
+            return
+        self._dropped_told = dropped
+        turns = "turn was" if dropped == 1 else f"{dropped} turns were"
+        self.app.call_from_thread(
+            self.app.notify, f"This chat is longer than the model's context: its oldest {turns} left out of what "
+            "the model sees (they stay in the chat). Start a new chat for a fresh context.",
+            title="context full", severity="warning", timeout=8)
 
     # -- predicted hit rate ---------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="engine-curve", exit_on_error=False)

@@ -51,9 +51,10 @@ async def test_real_engine_streams_and_fills_the_panel(tiny_chat_model, app_env,
                                  what=f"{field} to become a number")
         heatmap = screen.query_one("#heatmap")
         assert heatmap.resident.shape == (3, 8) and heatmap.resident.sum() == 6
-        # The engine recorded this reply's routing; the tuning panel predicts LRU's hit rate from it.
-        await fakes.wait_for(pilot, lambda: "this session's routing" in value("#predicted"), what="a prediction")
-        assert re.match(r"predicted (decode )?hit ~\d+% at 6 slots", value("#predicted"))
+        # The engine recorded this reply's routing; the tuning panel predicts the policy's hit rate from it.
+        await fakes.wait_for(pilot, lambda: "this session's routing" in value("#predicted")
+                             and re.match(r"predicted ~\d+% at 6 slots \(\S+\)", value("#predicted")),
+                             what="a prediction")
 
 
 async def test_panel_shows_where_experts_ran(tiny_chat_model, app_env, fakes):
@@ -83,3 +84,29 @@ async def test_panel_shows_where_experts_ran(tiny_chat_model, app_env, fakes):
         assert not (heatmap.hosted & ~heatmap.resident).sum() == 0  # host-run experts are the ones not in slots
         assert any("○" in glyphs for glyphs, _, _ in heatmap._rows)
         assert screen.query_one(HeatmapLegend).hosting
+
+
+async def test_a_chat_longer_than_the_context_goes_on_and_says_so(tiny_chat_model, app_env, fakes):
+    """Issue 19: once a chat outgrows the context, the next message ("hi") is answered with the oldest turns
+    left out of the prompt, the transcript keeps them, and a notice says what happened, once."""
+    from moechat.app.app import make_app
+    from moechat.app.store import ChatStore
+
+    path = tiny_chat_model[0]
+    settings = Settings(path=app_env / "settings.toml", max_tokens=400, sampling={"temperature": 0.0})
+    store = ChatStore(app_env / "chats.sqlite3")
+    app = make_app(path, options=LoadOptions(dtype="float32", context=128), settings=settings, store=store,
+                   memory_probe=fakes.Memory(), export_dir=app_env)
+    async with app.run_test(size=(120, 36)) as pilot:
+        screen = app.screen
+        await fakes.wait_for(pilot, lambda: screen.info is not None, timeout=120, what="the model to load")
+        notices = lambda: [n.message for n in app._notifications if "longer than the model's context" in n.message]  # noqa: E731
+        for i, text in enumerate(["Tell me a long story about experts " * 3, "hi", "hi again"]):
+            screen.query_one("#prompt").load_text(text)
+            await pilot.press("enter")
+            await fakes.wait_for(pilot, lambda n=i: screen.gen_id is None and len(screen.session.turns) == 2 * n + 2,
+                                 timeout=60, what=f"reply {i}")
+            assert screen.session.turns[-1].status == "done", i
+        assert len(screen.session.turns) == 6  # nothing lost from the transcript
+        # told when it starts, and again only when more turns are left out (not on every message)
+        assert 1 <= len(notices()) <= 2 and "its oldest turn was left out" in notices()[0]
