@@ -86,6 +86,31 @@ class ProgressBar:
 
 
 def run_pull(args: argparse.Namespace) -> int:
+    """With --json, stdout is one JSON object whatever happens: the snapshot, or {"error": ..., "exit_status": ...}
+    (the same line as on stderr), so a script never has to parse text."""
+    from moechat.engine.errors import MoechatError
+
+    if not args.json:
+        return _pull(args)
+    try:
+        return _pull(args)
+    except KeyboardInterrupt:
+        _json_error(args, "stopped", "KeyboardInterrupt", EXIT_INTERRUPTED)
+        raise
+    except MoechatError as e:
+        _json_error(args, str(e), type(e).__name__, 1)
+        raise
+
+
+def _json_error(args: argparse.Namespace, message: str, kind: str, status: int) -> None:
+    from .guard import one_line
+
+    print(json.dumps({"repo_id": args.repo, "revision": args.revision, "error": one_line(message), "error_type": kind,
+                      "exit_status": status}))
+    sys.stdout.flush()
+
+
+def _pull(args: argparse.Namespace) -> int:
     from moechat.engine.errors import ConfigError
     from moechat.engine.hub import Hub, looks_like_repo_id
 
@@ -101,6 +126,9 @@ def run_pull(args: argparse.Namespace) -> int:
         cancel.set()
         bar.finish()
         print(f"moechat: stopped; what arrived is kept: moechat pull {args.repo} resumes it", file=sys.stderr)
+        if args.json:
+            _json_error(args, f"stopped; what arrived is kept: moechat pull {args.repo} resumes it",
+                        "KeyboardInterrupt", EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     finally:
         bar.finish()
@@ -143,9 +171,9 @@ def resolve_model_arg(model: str | None) -> str:
     except NotDownloadedError as e:
         if "partly downloaded" in str(e):
             raise
-        raise NotDownloadedError(f"{model}: no such directory{where}, and no Hub model of that name is downloaded: "
-                                 f"pass the model's directory (an absolute path works from anywhere), or run moechat "
-                                 f"pull {model} if it is a Hub repo id{demo}", repo_id=model) from None
+        raise NotDownloadedError(f"{model} is not downloaded, and no such directory is{where or ' there'}: run "
+                                 f"moechat pull {model} if it is a Hub repo id, or pass the model's directory (an "
+                                 f"absolute path works from anywhere){demo}", repo_id=model) from None
 
 
 def fit_spec(model: str):

@@ -67,13 +67,12 @@ def test_every_flag_has_help_text():
 
 def test_a_relative_path_that_does_not_exist_is_not_taken_for_a_repo_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # resolving is local: no network either way
     with pytest.raises(NotDownloadedError) as e:
         pull.resolve_model_arg("assets/demo-moe")
     msg = str(e.value)
-    assert f"assets/demo-moe: no such directory in {tmp_path}, and no Hub model of that name is downloaded" in msg
-    assert "moechat pull assets/demo-moe if it is a Hub repo id" in msg
+    assert msg.startswith(f"assets/demo-moe is not downloaded, and no such directory is in {tmp_path}: run moechat "
+                          "pull assets/demo-moe if it is a Hub repo id, or pass the model's directory")
     assert f"without MODEL ({DEMO})" in msg  # the demo's own name: what would open it
     with pytest.raises(ConfigError, match=rf"^\./nope: no such model directory in {tmp_path}; pass a directory"):
         pull.resolve_model_arg("./nope")
@@ -104,3 +103,15 @@ def test_run_start_up_imports_neither_textual_nor_torch_dynamo():
         == "False"
     assert _python(f"import sys; from moechat.engine.generate import Engine; Engine.load({str(DEMO)!r}); "
                    "print('torch._dynamo' in sys.modules)") == "False"
+
+
+def test_pull_json_prints_json_on_error(capsys):
+    # (a Hub error takes the same path: tests/app/test_pull.py's local Hub covers the download itself)
+    import json
+
+    assert cli.main(["pull", "not-a-repo", "--json"]) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["repo_id"] == "not-a-repo" and out["exit_status"] == 1 and out["error_type"] == "ConfigError"
+    assert out["error"].startswith("not-a-repo: not a Hub repo id")
+    assert captured.err.strip() == f"moechat: error: {out['error']}"
