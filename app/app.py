@@ -17,22 +17,25 @@ import sqlite3
 from pathlib import Path
 
 from textual.app import App
+from textual.binding import Binding
 
 from .bridge import EngineFactory, LoadOptions, load_engine
 from .launch import DEMO_MODEL
 from .screens.chat import ChatScreen
 from .screens.setup import HubOptions, SetupScreen
 from .screens.welcome import NO_MODEL, WelcomeScreen
-from .settings import Settings
+from .settings import Settings, data_dir
 from .store import ChatStore
 from .sysmon import MemoryProbe
 
-DEMO_NOTICE = ("This is the bundled 10 M-parameter demo model. F5 opens the model setup: MoE models with a verdict "
-               "and a predicted speed for this machine, then the download, straight into the chat.")
+DEMO_NOTICE = ("This is the bundled 10 M-parameter demo model. F5: real MoE models with a verdict and a predicted "
+               "speed for this machine, then the download, straight into the chat.")
 
 
 class MoechatApp(App):
     CSS_PATH = "moechat.tcss"
+    # Quit shown in every footer (Textual's own Ctrl+Q binding is hidden)
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
     TITLE = "moechat"
     ENABLE_COMMAND_PALETTE = False
 
@@ -49,7 +52,8 @@ class MoechatApp(App):
         # the chat DB stopped taking writes (locked, full, read-only): the session goes on in memory; say so
         store.on_problem = lambda message: self.notify(message, title="Chats", severity="error", timeout=20)
         self.memory_probe = memory_probe
-        self.export_dir = export_dir
+        self.export_dir = export_dir  # where Ctrl+S offers to write (the data dir's exports/ unless given)
+        self.reopen_last_chat = True  # the chat screen opens the chat the app was closed on
         self.welcome_reason = welcome_reason
         self.hub = hub or HubOptions()
         # `moechat chat --reasoning-effort`: this session only, until a choice in the sampling dialog (saved)
@@ -62,13 +66,16 @@ class MoechatApp(App):
         if self.settings.theme in self.available_themes:
             self.theme = self.settings.theme
         if self.model:
-            self.push_screen(ChatScreen(self.model))
-            if Path(self.model) == DEMO_MODEL:  # first start: say where real models come from
-                self.notify(DEMO_NOTICE, title="Demo model", timeout=12)
+            # the demo model: a line above the prompt says where real models come from (not a toast over the knobs)
+            self.push_screen(ChatScreen(self.model, hint=DEMO_NOTICE if Path(self.model) == DEMO_MODEL else ""))
         else:
             self.push_screen(WelcomeScreen(self.settings.recent_models, self.welcome_reason))
         for notice in self.startup_notices:
             self.notify(notice, severity="warning", timeout=10)
+
+    def prompt_history(self) -> list[str]:
+        """What the user sent before, oldest first (the prompt's Up key walks it back): kept in the chat store."""
+        return self.store.recent_prompts()
 
     def expert_format(self, model: str) -> str:
         """The --expert-format to load `model` with: this session's flag, else the one saved for it, else native."""
@@ -110,7 +117,7 @@ def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFa
     """The app on `model` (a directory or cached Hub repo id), or the welcome screen when None.
 
     Defaults: settings from the XDG config dir, chats in the XDG data dir, the real engine, psutil (+
-    NVML when present) for memory, exports to the current directory, the Hub and cache of the environment
+    NVML when present) for memory, exports offered in the data dir's exports/, the Hub and cache of the environment
     (`hub`: another endpoint, cache, catalog or what-if hardware for the setup wizard), and the reasoning
     effort saved in the settings (`reasoning_effort` overrides it for this session).
     """
@@ -125,6 +132,6 @@ def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFa
     return MoechatApp(None if model is None else str(model), engine_factory=engine_factory or load_engine,
                       options=options or LoadOptions(), settings=settings, store=store,
                       memory_probe=memory_probe if memory_probe is not None else MemoryProbe(),
-                      export_dir=Path(export_dir) if export_dir is not None else Path.cwd(),
+                      export_dir=Path(export_dir) if export_dir is not None else data_dir() / "exports",
                       welcome_reason=welcome_reason, notices=tuple(notices), hub=hub,
                       reasoning_effort=reasoning_effort)

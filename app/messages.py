@@ -128,6 +128,17 @@ class HitCurveReady(Message):
 
 
 @dataclass
+class PolicyPredicted(Message):
+    """The chosen policy's predicted hit rate at one slot count (engine/cache/replay.py), replayed off the UI thread."""
+
+    result: object  # engine.cache.replay.PolicyReplay
+    source: str  # where the routing came from
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, PolicyPredicted)
+
+
+@dataclass
 class CacheRetuned(Message):
     state: CacheState
     at_token: int | None  # tokens generated in the running reply when it applied; None when idle

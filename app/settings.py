@@ -6,9 +6,11 @@
 The file holds what a user would expect to be remembered between runs: recent models, the system
 prompt, sampling overrides (absent keys mean "the model's generation_config.json default"), the
 reasoning effort for models whose template reads one (absent: the template's default), the expert
-format chosen per model (`[expert_format]`, model path -> int8 | int4; absent: native), whether the
-dashboard is shown. A writer of ~40 lines covers the types used here (str, int, float, bool, lists
-of str, one level of tables), so there is no TOML-writing dependency. A file that does not parse is
+format chosen per model (`[expert_format]`, model path -> int8 | int4; absent: native), the cache tuning
+set in the panel per model (`[tuning."<model path>"]`: slots, policy, ram_cache_mb, prefetch; applied
+when that model loads unless the command line sets them), whether the dashboard is shown. A writer of
+~40 lines covers the types used here (str, int, float, bool, lists of str, two levels of tables), so
+there is no TOML-writing dependency. A file that does not parse is
 not fatal: the defaults are used and `Settings.problem` says why, for a notice.
 """
 
@@ -35,6 +37,11 @@ MAX_RECENT_MODELS = 10
 MAX_SETTINGS_BYTES = 4 * 2**20  # a settings file is a few hundred bytes; a 1 GB one is not read
 # The sampling overrides a user may set, with their types (the names of SamplingParams' fields).
 EXPERT_FORMATS = ("native", "int8", "int4")  # moechat run --expert-format
+# The tuning panel's values saved per model: key -> (check, what is allowed).
+TUNING_KEYS = {"slots": (lambda v: type(v) is int and v > 0, "a whole number > 0"),
+               "policy": (lambda v: isinstance(v, str) and 0 < len(v) < 64, "a policy name"),
+               "ram_cache_mb": (lambda v: type(v) is int and v >= 0, "a whole number >= 0 (0: every expert in RAM)"),
+               "prefetch": (lambda v: isinstance(v, str) and 0 < len(v) < 64, "a prefetch mode")}
 SAMPLING_KEYS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
                                   "repetition_penalty": float, "seed": int}
 
@@ -93,13 +100,19 @@ def _key(k: str) -> str:
 
 
 def dumps(data: dict) -> str:
-    """TOML for a dict of scalars, lists and one level of tables (None values are left out)."""
+    """TOML for a dict of scalars, lists and two levels of tables (None values are left out)."""
     lines = [f"{_key(k)} = {_value(v)}" for k, v in data.items() if v is not None and not isinstance(v, dict)]
     for name, table in data.items():
         if isinstance(table, dict):
             lines.append("")
             lines.append(f"[{_key(name)}]")
-            lines.extend(f"{_key(k)} = {_value(v)}" for k, v in table.items() if v is not None)
+            lines.extend(f"{_key(k)} = {_value(v)}" for k, v in table.items()
+                         if v is not None and not isinstance(v, dict))
+            for sub, values in table.items():
+                if isinstance(values, dict):
+                    lines.append("")
+                    lines.append(f"[{_key(name)}.{_key(sub)}]")
+                    lines.extend(f"{_key(k)} = {_value(v)}" for k, v in values.items() if v is not None)
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
@@ -115,6 +128,7 @@ class Settings:
     show_dashboard: bool = True
     theme: str = "textual-dark"
     expert_formats: dict[str, str] = field(default_factory=dict)  # model -> int8 | int4 chosen for it (else native)
+    tunings: dict[str, dict] = field(default_factory=dict)  # model -> the panel's slots, policy, ram_cache_mb, prefetch
     problem: str | None = None  # why the file could not be read, for a notice
     keep_file: bool = field(default=False, repr=False, compare=False)  # a bad file that could not be set aside
 
@@ -153,7 +167,8 @@ class Settings:
         def bad(key: str, value, allowed: str) -> None:
             problems.append(f"{key} = {value!r} is not allowed: {allowed}")
 
-        models, chat, sampling, ui, formats = (table(n) for n in ("models", "chat", "sampling", "ui", "expert_format"))
+        models, chat, sampling, ui, formats, tunings = (
+            table(n) for n in ("models", "chat", "sampling", "ui", "expert_format", "tuning"))
         recent = models.get("recent", [])
         if isinstance(recent, list) and all(isinstance(m, str) for m in recent):
             self.recent_models = recent[:MAX_RECENT_MODELS]
@@ -181,10 +196,25 @@ class Settings:
                 self.expert_formats[model] = fmt
             else:
                 bad(f"expert_format.{model!r}", fmt, "int8 or int4")
+        for model, tuning in tunings.items():
+            if not isinstance(tuning, dict):
+                bad(f"tuning.{model!r}", tuning, "a table of slots, policy, ram_cache_mb, prefetch")
+                continue
+            kept = {}
+            for key, value in tuning.items():
+                ok = TUNING_KEYS.get(key)
+                if ok is None:
+                    problems.append(f"unknown setting tuning.{model!r}.{key} (a typo?)")
+                elif not ok[0](value):
+                    bad(f"tuning.{model!r}.{key}", value, ok[1])
+                else:
+                    kept[key] = value
+            if kept:
+                self.tunings[model] = kept
         known = {"models": {"recent"}, "chat": {"system_prompt", "max_tokens", "reasoning_effort"},
                  "sampling": set(SAMPLING_KEYS), "ui": {"show_dashboard", "theme"}}
         for name in data:
-            if name not in known and name != "expert_format":
+            if name not in known and name not in ("expert_format", "tuning"):
                 problems.append(f"unknown setting {name!r} (a typo?)")
         for name, keys in known.items():
             for key in (data.get(name) if isinstance(data.get(name), dict) else {}):
@@ -227,6 +257,13 @@ class Settings:
         else:
             self.expert_formats[model] = fmt
 
+    def tuning(self, model: str) -> dict:
+        """The expert cache tuning saved for `model` (slots, policy, ram_cache_mb, prefetch); {} when none."""
+        return dict(self.tunings.get(model, {}))
+
+    def set_tuning(self, model: str, **values) -> None:
+        self.tunings[model] = {k: v for k, v in values.items() if k in TUNING_KEYS and v is not None}
+
     def remember_model(self, model: str) -> None:
         self.recent_models = [model, *[m for m in self.recent_models if m != model]][:MAX_RECENT_MODELS]
 
@@ -238,6 +275,7 @@ class Settings:
             "sampling": dict(self.sampling),
             "ui": {"show_dashboard": self.show_dashboard, "theme": self.theme},
             "expert_format": dict(self.expert_formats),
+            "tuning": {model: dict(values) for model, values in self.tunings.items()},
         }
 
     def save(self) -> str | None:

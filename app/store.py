@@ -160,7 +160,7 @@ class ChatStore:
         why = (f"it stayed locked by another program for {self.BUSY_TIMEOUT_S:g} s" if "locked" in str(error)
                else str(error))
         self.problem = (f"Chats can no longer be saved to {self.path} ({why}); this session keeps them in memory "
-                        "only: export a chat (Ctrl+E) to keep it")
+                        "only: export a chat (Ctrl+S) to keep it")
         if self.on_problem is not None:
             self.on_problem(self.problem)
 
@@ -225,6 +225,33 @@ class ChatStore:
             "SELECT c.id, c.title, c.model, c.updated, COUNT(m.id) AS n FROM conversations c "
             "LEFT JOIN messages m ON m.conversation_id = c.id GROUP BY c.id "
             "ORDER BY c.updated DESC, c.id DESC LIMIT ?", (limit,)).fetchall())
+        return [ConversationSummary(r["id"], r["title"] or "(untitled)", r["model"], r["updated"], r["n"])
+                for r in rows]
+
+    def recent_prompts(self, limit: int = 200) -> list[str]:
+        """The user's last `limit` distinct messages over every chat, oldest first: the prompt's history."""
+        rows = self._read(lambda db: db.execute(
+            "SELECT content, MAX(id) AS last FROM messages WHERE role = 'user' AND content != '' "
+            "GROUP BY content ORDER BY last DESC LIMIT ?", (limit,)).fetchall())
+        return [r["content"] for r in reversed(rows)]
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        """A title the user chose (kept as typed, one line); the chat's place in the list does not move."""
+        title = " ".join(title.split())
+        self._write(lambda db: db.execute("UPDATE conversations SET title = ? WHERE id = ?",
+                                          (title, conversation_id)))
+
+    def search_conversations(self, text: str, limit: int = 200) -> list[ConversationSummary]:
+        """Chats whose title or any message contains `text` (case-insensitive for ASCII), newest first."""
+        if not text.strip():
+            return self.list_conversations(limit)
+        pattern = "%" + text.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self._read(lambda db: db.execute(
+            "SELECT c.id, c.title, c.model, c.updated, "
+            "(SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n FROM conversations c "
+            "WHERE c.title LIKE ?1 ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m "
+            "WHERE m.conversation_id = c.id AND m.content LIKE ?1 ESCAPE '\\') "
+            "ORDER BY c.updated DESC, c.id DESC LIMIT ?2", (pattern, limit)).fetchall())
         return [ConversationSummary(r["id"], r["title"] or "(untitled)", r["model"], r["updated"], r["n"])
                 for r in rows]
 

@@ -21,10 +21,10 @@ from textual import on
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, Header
+from textual.widgets import Header, Label
 
 from ..bridge import EngineBridge, policy_names, prefetch_modes
-from ..livestats import RefreshGovernor, fmt_rate
+from ..livestats import RefreshGovernor, fmt_pct, fmt_rate
 from ..messages import (
     CacheRetuned,
     EngineFailed,
@@ -34,6 +34,7 @@ from ..messages import (
     HitCurveReady,
     LoadProgress,
     ModelInfo,
+    PolicyPredicted,
     RetuneFailed,
     StatsUpdated,
     TokensArrived,
@@ -41,12 +42,20 @@ from ..messages import (
 from ..session import ChatSession
 from ..store import export_file
 from ..widgets.dashboard import Dashboard
+from ..widgets.keyfooter import KeyFooter
 from ..widgets.loading import LoadingPanel
 from ..widgets.prompt import PromptInput
 from ..widgets.transcript import AssistantMessage, Transcript
-from ..widgets.tuning import NATIVE_NAMES, TuningPanel
+from ..widgets.tuning import NATIVE_NAMES, StepInput, TuningPanel
 from .chats import ChatsScreen
-from .dialogs import FormatScreen, OpenModelScreen, SamplingScreen, SystemPromptScreen, format_change_text
+from .dialogs import (
+    ExportScreen,
+    FormatScreen,
+    OpenModelScreen,
+    SamplingScreen,
+    SystemPromptScreen,
+    format_change_text,
+)
 
 # The panel redraws at most 4 times a second, whatever the governor says: a redraw repaints only the labels,
 # sparkline and heatmap rows that changed (~1-2 ms of the UI thread), and bench/tui_overhead.py measures it
@@ -54,24 +63,51 @@ from .dialogs import FormatScreen, OpenModelScreen, SamplingScreen, SystemPrompt
 STATS_MIN_INTERVAL_S = 0.25
 
 
+def summary_line(stats, info: ModelInfo | None) -> str:
+    """The collapsed panel: 'hit 28% turn · 93% session · 8/96 slots lrfu-layered · 41.7 tok/s · F4 panel'."""
+    if info is None:
+        return "model loading… · F4 panel"
+    parts = []
+    if stats is not None and stats.has_cache:
+        parts.append(f"hit {fmt_pct(stats.turn_hit_rate)} turn · {fmt_pct(stats.hit_rate)} session")
+        parts.append(f"{stats.num_slots}/{info.cache.max_slots if info.cache else '?'} slots {stats.policy}")
+    elif info.cache is None:
+        parts.append("every expert resident")
+    else:
+        parts.append(f"{info.cache.slots}/{info.cache.max_slots} slots {info.cache.policy}")
+    if stats is not None and stats.decode_tps is not None:
+        parts.append(f"{fmt_rate(stats.decode_tps)} tok/s")
+    return " · ".join(parts) + " · F4 panel"
+
+
 class ChatScreen(Screen):
+    # Every control has a key in the footer, and the footer fits 80 columns (tests/app/test_snapshots.py).
+    # Escape stops a reply; otherwise it brings focus back to the prompt (and closes an opened panel).
     BINDINGS = [
         Binding("escape", "stop", "Stop", show=True),
-        Binding("ctrl+n", "new_chat", "New chat"),
-        Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("escape", "focus_prompt", "Prompt", show=True),
+        Binding("ctrl+n", "new_chat", "New"),
+        Binding("ctrl+r", "regenerate", "Redo", tooltip="Regenerate the last reply"),
         Binding("ctrl+o", "open_chats", "Chats"),
         Binding("ctrl+s", "export", "Export"),
         Binding("f2", "system_prompt", "System"),
         Binding("f3", "sampling", "Sampling"),
         Binding("f4", "toggle_dashboard", "Panel"),
+        Binding("f6", "tune", "Tune", priority=True),  # before the prompt's own F6 (select line)
         Binding("ctrl+l", "open_model", "Open model", show=False),
-        Binding("f5", "setup", "Get models"),
-    ]
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (110, "-normal"), (170, "-wide")]
+        Binding("f5", "setup", "Models", tooltip="Get models: the setup wizard"),
+    ]  # and the app's Ctrl+Q Quit
+    # Under 100 columns or 30 rows the panel collapses to one summary line above the prompt; F4/F6 open it
+    # in place of the transcript (the prompt stays).
+    HORIZONTAL_BREAKPOINTS = [(0, "-collapsed"), (100, "-narrow"), (110, "-normal"), (170, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, hint: str = ""):
         super().__init__()
         self.model = model
+        self.hint = hint  # a line above the prompt until the first message (the demo model: where models come from)
+        self.queued: str | None = None  # a message sent while the model loads: sent when it is ready
+        self.loading = False
         self.info: ModelInfo | None = None
         self.gen_id: int | None = None
         self.reply: AssistantMessage | None = None
@@ -89,10 +125,12 @@ class ChatScreen(Screen):
             with Vertical(id="chat"):
                 yield LoadingPanel(id="loading")
                 yield Transcript(id="transcript")
-                yield PromptInput(id="prompt")
+                yield Label(self.hint, id="chat-hint", classes="hint", markup=False)
+                yield Label("", id="summary", markup=False)
+                yield PromptInput(self.app.prompt_history(), id="prompt")
             yield Dashboard(policy_names(), memory_probe=self.app.memory_probe, prefetch_modes=prefetch_modes(),
                             id="dashboard")
-        yield Footer()
+        yield KeyFooter(compact=True)
         yield self.bridge
 
     @property
@@ -107,9 +145,13 @@ class ChatScreen(Screen):
         # One interval timer draws the newest stats: a Timer per StatsUpdated cost an asyncio task each.
         self.set_interval(STATS_MIN_INTERVAL_S, self._show_stats)
         self.sub_title = f"{Path(self.model).name} · loading"
-        self.dashboard.display = self.app.settings.show_dashboard
+        self.set_class(not self.app.settings.show_dashboard, "-panel-hidden")
+        self.query_one("#chat-hint", Label).display = bool(self.hint)
         self.query_one(PromptInput).focus()
         self.load(self.model)
+        last = self.app.store.list_conversations(limit=1)
+        if last and self.app.reopen_last_chat:  # the chat the app was closed on, as it was left
+            self.call_later(self.open_conversation, last[0].id)
 
     def on_unmount(self) -> None:
         self.bridge.stop()
@@ -117,6 +159,7 @@ class ChatScreen(Screen):
     def load(self, model: str) -> None:
         self.model = model
         self.info = None
+        self.loading = True
         self.query_one(LoadingPanel).show_stage(Path(model).name, "starting", 0.0)
         self.dashboard.show_model(None, loading=f"loading {Path(model).name}…")
         self.bridge.load(model, expert_format=self.app.expert_format(model))
@@ -135,6 +178,8 @@ class ChatScreen(Screen):
         self.query_one(LoadingPanel).hide()
         self.sub_title = f"{info.name} · {info.model_type} · {info.device} · {info.dtype}"
         self.dashboard.show_model(info)
+        self.loading = False
+        self._restore_tuning(info)
         settings = self.app.settings
         settings.remember_model(info.path)
         problem = settings.save()
@@ -143,8 +188,14 @@ class ChatScreen(Screen):
         if not info.has_chat_template:
             self.notify("This model has no chat template, so it cannot chat here; `moechat run --raw` completes "
                         "plain text.", severity="warning", timeout=12)
+        if self.queued is not None:  # typed while it loaded: answer it now
+            self.queued = None
+            self.call_later(self._start_reply)
 
     def on_engine_failed(self, message: EngineFailed) -> None:
+        self.loading = False
+        if self.queued is not None:  # the message stays in the chat (saved); it is answered after a load that works
+            self.queued = None
         self.sub_title = f"{Path(self.model).name} · not loaded"
         self.query_one(LoadingPanel).show_error(Path(self.model).name, message.error)
         self.dashboard.show_model(None, loading="no model loaded")
@@ -190,17 +241,33 @@ class ChatScreen(Screen):
         self._stats_pending = True
 
     def _show_stats(self) -> None:
-        if self._stats_pending and self.dashboard.display and self.last_stats is not None:
+        if not self._stats_pending or self.last_stats is None:
+            return
+        if self.dashboard.display:
             self._stats_pending = False
             self.dashboard.show_stats(self.last_stats)
+        elif self.query_one("#summary", Label).display:
+            self._stats_pending = False
+            self._show_summary()
+
+    def _show_summary(self) -> None:
+        """The collapsed panel's one line: hit rates (this reply, session), slots and policy, decode tok/s."""
+        self.query_one("#summary", Label).update(summary_line(self.last_stats, self.info), layout=False)
 
     def on_hit_curve_ready(self, message: HitCurveReady) -> None:
         self.query_one(TuningPanel).show_curve(message.curve)
 
+    def on_tuning_panel_prediction_wanted(self, message: TuningPanel.PredictionWanted) -> None:
+        self.bridge.predict(message.policy, message.slots)
+
+    def on_policy_predicted(self, message: PolicyPredicted) -> None:
+        r = message.result
+        self.query_one(TuningPanel).show_replay(r.policy, r.slots, r.warm_rate)
+
     def on_cache_retuned(self, message: CacheRetuned) -> None:
-        self.query_one(TuningPanel).show_state(message.state)
-        when = f" at token {message.at_token}" if message.at_token is not None else ""
-        self.notify(f"expert cache retuned{when}: {message.state.slots} slots, {message.state.policy}", timeout=3)
+        # Said in the panel's "now:" line, not a toast: a toast would cover the knobs being used.
+        self.query_one(TuningPanel).show_state(message.state, at_token=message.at_token)
+        self._save_tuning(message.state)
 
     def on_retune_failed(self, message: RetuneFailed) -> None:
         self.notify(message.error, title="Cache not changed", severity="error", timeout=8)
@@ -208,10 +275,40 @@ class ChatScreen(Screen):
             self.query_one(TuningPanel).show_state(self.query_one(TuningPanel).state)
 
     def on_tuning_panel_changed(self, message: TuningPanel.Changed) -> None:
+        if message.done:  # a value applied with Enter, or a pick in a dropdown: typing goes to the prompt again
+            self.query_one(PromptInput).focus()
         if self.info is None:
             return
         self.bridge.retune(expert_slots=message.expert_slots, policy=message.policy,
                            ram_cache_bytes=message.ram_cache_bytes, prefetch=message.prefetch)
+
+    def _save_tuning(self, state) -> None:
+        """The effective slots, policy, RAM tier and prefetch, saved for this model (applied at its next load)."""
+        if state is None or self.info is None:
+            return
+        self.app.settings.set_tuning(self.info.path, slots=state.slots, policy=state.policy,
+                                     ram_cache_mb=state.ram_budget_bytes >> 20, prefetch=state.prefetch)
+        problem = self.app.settings.save()
+        if problem:
+            self.notify(problem, severity="warning")
+
+    def _restore_tuning(self, info: ModelInfo) -> None:
+        """The tuning saved for this model, unless this session's command line set it."""
+        saved, options, state = self.app.settings.tuning(info.path), self.app.load_options, info.cache
+        if not saved or state is None or options.resident:
+            return
+        changes = {}
+        if options.expert_slots is None and saved.get("slots") and saved["slots"] != state.slots:
+            changes["expert_slots"] = min(saved["slots"], state.max_slots)
+        if options.policy is None and saved.get("policy") and saved["policy"] != state.policy:
+            changes["policy"] = saved["policy"]
+        if options.ram_cache_mb is None and "ram_cache_mb" in saved and saved["ram_cache_mb"] << 20 != \
+                state.ram_budget_bytes:
+            changes["ram_cache_bytes"] = saved["ram_cache_mb"] << 20
+        if options.prefetch is None and saved.get("prefetch") and saved["prefetch"] != state.prefetch:
+            changes["prefetch"] = saved["prefetch"]
+        if changes:
+            self.bridge.retune(**changes)
 
     def on_tuning_panel_format_chosen(self, message: TuningPanel.FormatChosen) -> None:
         """Another expert format: confirm (it reloads, and a first conversion writes a repacked file), then reload."""
@@ -238,16 +335,22 @@ class ChatScreen(Screen):
     # -- sending and replies --------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     async def _send(self, event: PromptInput.Submitted) -> None:
-        if self.info is None:
-            self.notify("The model is not loaded yet; your message is kept in the prompt.", severity="warning")
+        if self.info is None and not (self.loading and self.queued is None):
+            why = "one message already waits for it" if self.queued is not None else "it failed to load"
+            self.notify(f"The model is not loaded ({why}); your message is kept in the prompt.", severity="warning")
             return
         if self.gen_id is not None:
             self.notify("Still replying: press Escape to stop it first.", severity="warning")
             return
         event.prompt.remember(event.text)
         event.prompt.clear()
+        self.query_one("#chat-hint", Label).display = False
         self.session.add_user(event.text)
         await self.transcript.add_user(event.text)
+        if self.info is None:  # still loading: sent when it is ready
+            self.queued = event.text
+            self.notify("Queued: sent when the model has loaded.", timeout=4)
+            return
         await self._start_reply()
 
     async def _start_reply(self) -> None:
@@ -261,6 +364,7 @@ class ChatScreen(Screen):
         settings = self.app.settings
         self.gen_id = self.bridge.generate(history, text, settings.sampling, settings.max_tokens,
                                            self.template_kwargs())
+        self.refresh_bindings()  # Escape: Stop
 
     def template_kwargs(self) -> dict:
         """Chat template variables for the next reply: the reasoning effort, when the template reads one.
@@ -277,16 +381,48 @@ class ChatScreen(Screen):
             self._flush_timer.stop()
         await self.flush_reply()
         self.gen_id = None
+        self.refresh_bindings()  # Escape: Prompt
         self.session.finish_reply(status, stats)
         reply, self.reply = self.reply, None
         if reply is not None:
             await reply.finish(status, footer, error=footer if status == "error" else "")
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # Escape is "Stop" while a reply streams and "Prompt" otherwise; the footer shows the one that applies.
+        if action == "stop":
+            return self.gen_id is not None
+        if action == "focus_prompt":
+            return self.gen_id is None
+        return True
 
     async def action_stop(self) -> None:
         if self.gen_id is None:
             return
         self.bridge.stop()
         await self._end_reply("stopped")
+        self.action_focus_prompt()
+
+    def action_focus_prompt(self) -> None:
+        """Back to the prompt from anywhere (an opened panel in a small terminal closes)."""
+        self.remove_class("-panel-open")
+        self.query_one(PromptInput).focus()
+
+    def action_tune(self) -> None:
+        """The knobs: the panel shown (opened over the transcript in a small terminal), the slots knob focused."""
+        self.remove_class("-panel-hidden")
+        if self.collapsed:
+            self.add_class("-panel-open")
+        self._draw_panel()
+        knob = self.query_one("#slots", StepInput)
+        if knob.disabled:
+            self.notify("The knobs work once the model has loaded with an expert cache.", severity="warning")
+            return
+        self.call_after_refresh(knob.focus)
+
+    @property
+    def collapsed(self) -> bool:
+        """A small terminal: the panel is one line above the prompt unless opened with F4/F6."""
+        return self.has_class("-collapsed") or self.has_class("-short")
 
     async def action_regenerate(self) -> None:
         if self.info is None:
@@ -325,6 +461,7 @@ class ChatScreen(Screen):
                           if "generated_tokens" in stats else "")
                 await transcript.add_assistant(turn.content, turn.status, footer, turn.thinking)
         transcript.scroll_end(animate=False)
+        self.query_one("#chat-hint", Label).display = self.hint != "" and not session.turns
         self.query_one(PromptInput).focus()
 
     # -- dialogs --------------------------------------------------------------------------------------
@@ -338,7 +475,12 @@ class ChatScreen(Screen):
             else:
                 self._export(conversation_id)
 
-        self.app.push_screen(ChatsScreen(self.app.store), done)
+        def forget(conversation_id: int) -> None:
+            """The list deleted a chat: if it is the one on screen, the screen starts a new one."""
+            if conversation_id == self.session.conversation_id:
+                self.call_later(self.action_new_chat)
+
+        self.app.push_screen(ChatsScreen(self.app.store, on_delete=forget), done)
 
     def action_export(self) -> None:
         if self.session.conversation_id is None:
@@ -347,12 +489,20 @@ class ChatScreen(Screen):
         self._export(self.session.conversation_id)
 
     def _export(self, conversation_id: int) -> None:
-        try:
-            path = export_file(self.app.store, conversation_id, self.app.export_dir)
-        except OSError as e:
-            self.notify(f"Export failed: {e.strerror or e}", severity="error")
-            return
-        self.notify(f"Exported to {path}", title="Export", timeout=6)
+        """Ask where (the data dir's exports folder offered), then write the Markdown there."""
+
+        def done(directory: str | None) -> None:
+            if directory is None:
+                return
+            try:
+                path = export_file(self.app.store, conversation_id, Path(directory).expanduser())
+            except OSError as e:
+                self.notify(f"Export failed: {e.strerror or e}", severity="error")
+                return
+            self.app.export_dir = path.parent
+            self.notify(f"Exported to {path}", title="Export", timeout=8)
+
+        self.app.push_screen(ExportScreen(str(self.app.export_dir)), done)
 
     def action_system_prompt(self) -> None:
         def done(text: str | None) -> None:
@@ -388,13 +538,24 @@ class ChatScreen(Screen):
         self.app.push_screen(dialog, done)
 
     def action_toggle_dashboard(self) -> None:
-        dashboard = self.dashboard
-        dashboard.display = not dashboard.display
-        self.app.settings.show_dashboard = dashboard.display
-        self.app.settings.save()
-        if dashboard.display and self.last_stats is not None:
-            self._stats_pending = False
-            dashboard.show_stats(self.last_stats)
+        if self.collapsed:  # a small terminal: open the panel over the transcript, or close it
+            self.toggle_class("-panel-open")
+            if not self.has_class("-panel-open"):
+                self.query_one(PromptInput).focus()
+        else:
+            self.toggle_class("-panel-hidden")
+            self.app.settings.show_dashboard = not self.has_class("-panel-hidden")
+            self.app.settings.save()
+        self._draw_panel()
+
+    def _draw_panel(self) -> None:
+        """Draw the latest stats on whichever is shown now (panel or summary line), once the CSS has applied."""
+
+        def draw() -> None:
+            self._stats_pending = self.last_stats is not None
+            self._show_stats()
+
+        self.call_after_refresh(draw)
 
     def action_open_model(self) -> None:
         def done(model: str | None) -> None:

@@ -61,10 +61,11 @@ class SamplingChoice:
 class SamplingScreen(ModalScreen[SamplingChoice | None]):
     """Overrides of the model's defaults; an empty field means "the model's default", shown beside it.
 
-    For a model whose chat template reads `reasoning_effort` (gpt-oss), a last row picks it.
+    For a model whose chat template reads `reasoning_effort` (gpt-oss), a last row picks it. Ctrl+S, or
+    Enter in a field, saves.
     """
 
-    BINDINGS = CANCEL
+    BINDINGS = [*CANCEL, Binding("ctrl+s", "save", "Save")]
 
     def __init__(self, defaults: dict, generation_config: dict, overrides: dict, max_tokens: int | None,
                  default_max_tokens: int, *, reasoning_effort: str | None = None, reads_reasoning_effort: bool = False):
@@ -83,8 +84,8 @@ class SamplingScreen(ModalScreen[SamplingChoice | None]):
     def compose(self):
         with Vertical(classes="dialog sampling") as box:
             box.border_title = "Sampling"
-            yield Label("An empty field uses the model's default, shown on the right. Temperature 0 = greedy.",
-                        classes="hint")
+            yield Label("An empty field uses the model's default, shown on the right. Temperature 0 = greedy. "
+                        "Enter or Ctrl+S saves, Escape cancels.", classes="hint")
             with Grid(id="sampling-grid"):
                 yield Label("")
                 yield Label("yours", classes="column-title")
@@ -108,6 +109,14 @@ class SamplingScreen(ModalScreen[SamplingChoice | None]):
                 yield Button("Save", id="save", variant="primary")
                 yield Button("Model defaults", id="reset")
                 yield Button("Cancel", id="cancel")
+
+    @on(Input.Submitted)
+    def _enter(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.save()
+
+    def action_save(self) -> None:
+        self.save()
 
     @on(Button.Pressed, "#save")
     def save(self) -> None:
@@ -203,6 +212,42 @@ class FormatScreen(ModalScreen[bool]):
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
         self.dismiss(False)
+
+
+class ExportScreen(ModalScreen[str | None]):
+    """Where to write a chat as Markdown: a folder, the data dir's exports/ offered. Enter or Ctrl+S writes."""
+
+    BINDINGS = [*CANCEL, Binding("ctrl+s", "save", "Export")]
+
+    def __init__(self, directory: str):
+        super().__init__(classes="dialog-screen")
+        self.directory = directory
+
+    def compose(self):
+        with Vertical(classes="dialog") as box:
+            box.border_title = "Export to Markdown"
+            yield Label("Folder to write the chat into (made if missing); the file is named after the chat.",
+                        classes="hint")
+            yield Input(self.directory, id="export-dir")
+            with Horizontal(classes="buttons"):
+                yield Button("Export", id="save", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#export-dir", Input).focus()
+
+    @on(Input.Submitted, "#export-dir")
+    @on(Button.Pressed, "#save")
+    def action_save(self) -> None:
+        directory = self.query_one("#export-dir", Input).value.strip()
+        if not directory:
+            self.notify("Type a folder to export into.", severity="warning")
+            return
+        self.dismiss(directory)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
 
 
 class ModelPicker(Vertical):

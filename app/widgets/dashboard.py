@@ -54,10 +54,8 @@ def hit_counts_text(s: DashboardStats) -> str:
 
 
 def _used_free(used: int, free: int) -> str:
-    """'12.0 GiB used · 20.0 free' (the unit once when both share it)."""
-    a, b = fmt_bytes(used), fmt_bytes(free)
-    unit = a.rsplit(" ", 1)[-1]
-    return f"{a} used · {b.removesuffix(' ' + unit) if b.endswith(' ' + unit) else b} free"
+    """'12.0 GiB used · 20.0 GiB free' (every number with its unit)."""
+    return f"{fmt_bytes(used)} used · {fmt_bytes(free)} free"
 
 
 class Dashboard(Vertical):
@@ -72,7 +70,9 @@ class Dashboard(Vertical):
     def compose(self):
         yield _row("tok/s", ("prefill-tps", "prefill –"), ("decode-tps", "decode –"))
         yield FastSparkline(id="decode-spark")
-        yield _row("cache", ("hit-rate", "–"), ("hit-counts", ""))
+        # this reply's hit rate beside the session's: after a retune the session's hides what the cache does now
+        yield _row("hits", ("turn-hit-rate", "turn –"), ("hit-rate-label", "session"), ("hit-rate", "–"))
+        yield _row("", ("hit-counts", ""))
         yield _row("slots", ("slots-used", "–"))
         yield _row("moved", ("bytes-ram", "RAM –"), ("bytes-disk", "disk –"))
         yield _row("fetch", ("prefetch-used", "–"), ("stall", ""))
@@ -134,6 +134,7 @@ class Dashboard(Vertical):
         self._set("decode-tps", f"decode {fmt_rate(s.decode_tps)}")
         history = list(s.decode_history[-SPARK_POINTS:])
         q("#decode-spark", FastSparkline).set_data([0.0] * (SPARK_POINTS - len(history)) + history if history else [])
+        self._set("turn-hit-rate", f"turn {fmt_pct(s.turn_hit_rate)}")
         self._set("hit-rate", fmt_pct(s.hit_rate))
         self._set("hit-counts", hit_counts_text(s))
         if s.has_cache:

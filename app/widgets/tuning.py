@@ -1,16 +1,19 @@
 """The tuning panel: expert slots, the RAM tier's size, the eviction policy and prefetch, changed live; and the
 expert format (native, int8, int4), which takes a reload.
 
-Textual has no slider, so each knob is an integer `Input` (Enter or leaving the field applies it;
-Up/Down step it by a sixteenth of the range, like a slider's arrow keys); the policy and the cross-layer
-prefetch mode are `Select`s.
-A change is posted as `TuningPanel.Changed`; the bridge applies it between two tokens, and the line
-under the knobs shows the *effective* configuration the engine reports back, not what was typed.
+Textual has no slider, so each knob is an integer `Input` that steps like one: Up/Down by a sixteenth of
+the range, +/- by one; Enter applies it (and focus goes back to the prompt), so does leaving it with Tab.
+The policy and the cross-layer prefetch mode are `Select`s (Enter opens, arrows pick, Enter applies). F6
+in the chat focuses the first knob. A change is posted as `TuningPanel.Changed`; the bridge applies it
+between two tokens, and the line under the knobs shows the *effective* configuration the engine reports
+back, not what was typed.
 
-Under the slots knob, the hit rate LRU would reach at the slot count shown, read off a `HitCurve` (one
-stack-distance pass over the routing seen so far, computed by the bridge off the UI thread; see
-engine/cache/mrc.py): it follows the knob as it is stepped or typed, before anything is applied, so
-the knob can be set by the curve. Hidden until a curve has arrived.
+Under the slots knob, the hit rate predicted at the slot count shown, for a warm cache (each expert's first
+use left out): LRU's from a `HitCurve` (one stack-distance pass over the routing seen so far, computed by
+the bridge off the UI thread; see engine/cache/mrc.py), read off at once as the knob moves; and the
+chosen policy's, replayed through the real policy class at that slot count (engine/cache/replay.py, a
+bridge worker asked a quarter second after the knob or the policy settles: `PredictionWanted`). Hidden
+until a curve has arrived.
 
 The format `Select` posts `TuningPanel.FormatChosen`: the chat screen confirms it (the first start in a
 converted format writes a repacked file as big as the experts in that format, shown beside the knob) and
@@ -36,26 +39,35 @@ if TYPE_CHECKING:
 
 
 class StepInput(Input):
-    """An integer input whose Up/Down keys step the value within [minimum, maximum]."""
+    """An integer input that steps like a slider within [minimum, maximum]: Up/Down by a sixteenth of the
+    range, + and - by one. Stepping only moves the value (the prediction follows); Enter applies it."""
 
     def __init__(self, *args, minimum: int = 0, maximum: int = 1 << 40, **kwargs):
         super().__init__(*args, type="integer", compact=True, **kwargs)
         self.minimum, self.maximum = minimum, maximum
 
-    def step(self, direction: int) -> None:
+    def step(self, direction: int, fine: bool = False) -> None:
         try:
             value = int(self.value or self.placeholder or 0)
         except ValueError:
             value = self.minimum
-        delta = max((self.maximum - self.minimum) // 16, 1)
+        delta = 1 if fine else max((self.maximum - self.minimum) // 16, 1)
         self.value = str(min(max(value + direction * delta, self.minimum), self.maximum))
-        self.post_message(Input.Submitted(self, self.value))
+        self.cursor_position = len(self.value)
 
     def key_up(self) -> None:
         self.step(+1)
 
     def key_down(self) -> None:
         self.step(-1)
+
+    async def _on_key(self, event) -> None:
+        if event.character in ("+", "-", "=", "_"):  # = and _: the same keys unshifted / shifted
+            event.stop()
+            event.prevent_default()
+            self.step(+1 if event.character in "+=" else -1, fine=True)
+            return
+        await super()._on_key(event)
 
 
 def describe_state(state: CacheState | None) -> str:
@@ -70,12 +82,30 @@ def describe_state(state: CacheState | None) -> str:
     return f"now: {state.slots}/{state.max_slots} slots{pct} · {state.policy} · {ram}{fetch}"
 
 
-def describe_prediction(curve: HitCurve, slots: int | None) -> str:
-    """'predicted decode hit ~87% at 24 slots' and, on a second line, where the curve comes from."""
-    what = "decode hit" if curve.phase == "decode" else "hit"
-    rate = curve.hit_rate(slots) if slots is not None and slots >= 1 else None
-    head = f"predicted {what} –" if rate is None else f"predicted {what} ~{rate:.0%} at {slots} slots"
-    return f"{head}\n  ({curve.policy.upper()} on {curve.source or 'recorded routing'}, {curve.tokens:,} tokens)"
+def lru_warm_rate(curve: HitCurve, slots: int) -> float | None:
+    """LRU's hit rate at `slots` once the cache is warm: each key's first use (a miss at any size) left out.
+
+    Past the curve's end every key fits, so hits there are every request but the first uses."""
+    warm = int(curve.hits[-1])
+    return curve.hits_at(slots) / warm if warm else None
+
+
+def describe_prediction(curve: HitCurve, slots: int | None, policy: str | None = None,
+                        policy_rate: float | None = None) -> str:
+    """'predicted ~42% at 24 slots (lrfu-layered)', then LRU's rate beside it and where the routing comes from.
+
+    `policy_rate`: the chosen policy replayed at `slots` (None while it is being replayed)."""
+    what = "decode, warm cache" if curve.phase == "decode" else "warm cache"
+    where = f"  on {curve.source or 'recorded routing'}, {curve.tokens:,} tokens"
+    if slots is None or slots < 1:
+        return f"predicted –\n{where}"
+    lru = lru_warm_rate(curve, slots)
+    lru_text = "–" if lru is None else f"{lru:.0%}"
+    if policy in (None, "", "lru"):
+        return f"predicted ~{lru_text} at {slots} slots (lru)\n  {what}\n{where}"
+    head = (f"predicted {policy} at {slots} slots: replaying…" if policy_rate is None
+            else f"predicted ~{policy_rate:.0%} at {slots} slots ({policy})")
+    return f"{head}\n  LRU ~{lru_text} · {what}\n{where}"
 
 
 EXPERT_FORMATS = ("native", "int8", "int4")
@@ -99,6 +129,14 @@ class TuningPanel(Vertical):
         policy: str | None = None
         ram_cache_bytes: int | None = None  # 0: every expert in RAM
         prefetch: str | None = None
+        done: bool = True  # applied with Enter or a pick (focus goes back to the prompt); False: left with Tab
+
+    @dataclass
+    class PredictionWanted(Message):
+        """Replay `policy` at `slots` over the recorded routing (the screen asks the bridge)."""
+
+        policy: str
+        slots: int
 
     @dataclass
     class FormatChosen(Message):
@@ -113,15 +151,19 @@ class TuningPanel(Vertical):
         self.state: CacheState | None = None
         self.curve: HitCurve | None = None
         self.info: ModelInfo | None = None  # the loaded model: its expert format and sizes
+        self._sent: dict[str, int] = {}  # knob id -> the value last posted (a blur after Enter does not repeat it)
+        self.replayed: dict[tuple[str, int], float | None] = {}  # (policy, slots) -> warm rate, this curve
+        self._predict_timer = None
 
     def compose(self):
+        yield Label("↑↓ step · +/- by 1 · Enter apply · Tab next", id="tuning-keys", classes="hint", markup=False)
         with Horizontal(classes="knob"):
             yield Label("slots", classes="knob-label")
             yield StepInput(id="slots", minimum=1, validators=[Integer(minimum=1)], valid_empty=False)
             yield Label("", id="slots-of", classes="knob-note")
         yield Label("", id="predicted", markup=False)
         with Horizontal(classes="knob"):
-            yield Label("RAM MB", classes="knob-label")
+            yield Label("RAM MiB", classes="knob-label")
             yield StepInput(id="ram-mb", minimum=0, placeholder="all", validators=[Integer(minimum=0)],
                             valid_empty=True)
             yield Label("", id="ram-of", classes="knob-note")
@@ -145,30 +187,56 @@ class TuningPanel(Vertical):
         self.query_one("#predicted", Label).display = False
 
     def show_curve(self, curve: HitCurve) -> None:
-        """A new hit-rate curve: predict at the slot count the knob shows now."""
+        """A new hit-rate curve (new routing): predict at the slot count the knob shows now."""
         self.curve = curve
+        self.replayed = {}
         self._show_prediction()
 
-    def _show_prediction(self) -> None:
+    def show_replay(self, policy: str, slots: int, warm_rate: float | None) -> None:
+        """The bridge's replay of `policy` at `slots` (engine/cache/replay.py)."""
+        self.replayed[(policy, slots)] = warm_rate
+        self._show_prediction(ask=False)
+
+    def knob_policy(self) -> str | None:
+        value = self.query_one("#policy", Select).value
+        return str(value) if isinstance(value, str) else (self.state.policy if self.state else None)
+
+    def knob_slots(self) -> int | None:
+        try:
+            return int(self.query_one("#slots", StepInput).value)
+        except ValueError:
+            return None
+
+    def _show_prediction(self, ask: bool = True) -> None:
         label = self.query_one("#predicted", Label)
         if self.curve is None:
             return
-        try:
-            slots = int(self.query_one("#slots", StepInput).value)
-        except ValueError:
-            slots = None
-        label.update(describe_prediction(self.curve, slots))
+        slots, policy = self.knob_slots(), self.knob_policy()
+        replayed = self.replayed.get((policy, slots)) if policy and slots else None
+        label.update(describe_prediction(self.curve, slots, policy, replayed))
         label.display = True
+        if ask and policy and policy != "lru" and slots and slots >= 1 and (policy, slots) not in self.replayed:
+            if self._predict_timer is not None:
+                self._predict_timer.stop()
+            self._predict_timer = self.set_timer(0.25, self._ask_prediction)
+
+    def _ask_prediction(self) -> None:
+        self._predict_timer = None
+        slots, policy = self.knob_slots(), self.knob_policy()
+        if policy and slots and slots >= 1 and (policy, slots) not in self.replayed:
+            self.post_message(self.PredictionWanted(policy, slots))
 
     @on(Input.Changed, "#slots")
     def _slots_moved(self, event: Input.Changed) -> None:
         event.stop()
         self._show_prediction()
 
-    def show_state(self, state: CacheState | None) -> None:
-        """Show what the engine runs with (after load or a retune); does not post Changed."""
+    def show_state(self, state: CacheState | None, at_token: int | None = None) -> None:
+        """Show what the engine runs with (after load or a retune: `at_token`, the reply's token it applied at);
+        does not post Changed."""
         self.state = state
-        self.query_one("#effective", Label).update(describe_state(state))
+        applied = "" if at_token is None else f" (applied at token {at_token})"
+        self.query_one("#effective", Label).update(describe_state(state) + applied)
         self.disabled = False
         slots = self.query_one("#slots", StepInput)
         ram = self.query_one("#ram-mb", StepInput)
@@ -179,13 +247,14 @@ class TuningPanel(Vertical):
         slots.maximum = state.max_slots
         slots.value = str(state.slots)
         self._show_prediction()
-        self.query_one("#slots-of", Label).update(f"of {state.max_slots}")
+        self.query_one("#slots-of", Label).update(f"of {state.max_slots:,}")
         if state.all_experts_bytes:
             ram.maximum = -(-state.all_experts_bytes // (1 << 20))
-            self.query_one("#ram-of", Label).update(f"of {ram.maximum} (empty: all)")
+            self.query_one("#ram-of", Label).update(f"of {ram.maximum:,} MiB (empty: all)")
         ram.value = str(state.ram_budget_bytes >> 20) if state.ram_budget_bytes else ""
         with policy.prevent(Select.Changed):
             policy.value = state.policy if state.policy in self.policies else Select.BLANK
+        self._show_prediction()
         for prefetch in self.query("#prefetch").results(Select):
             with prefetch.prevent(Select.Changed):
                 prefetch.value = state.prefetch if state.prefetch in self.prefetch_modes else Select.BLANK
@@ -216,29 +285,36 @@ class TuningPanel(Vertical):
         if event.value != self.info.expert_format:
             self.post_message(self.FormatChosen(str(event.value)))
 
-    @on(Input.Submitted, "#slots")
-    def _slots(self, event: Input.Submitted) -> None:
-        event.stop()
-        if event.validation_result is not None and not event.validation_result.is_valid:
-            self.notify(f"slots: {'; '.join(event.validation_result.failure_descriptions)}", severity="warning")
+    def _apply(self, knob: StepInput, done: bool) -> None:
+        """Post the knob's value as a change (Enter: done, focus back to the prompt; Tab away: not done)."""
+        result = knob.validate(knob.value)
+        name = "slots" if knob.id == "slots" else "RAM MiB"
+        if result is not None and not result.is_valid:
+            if done:
+                self.notify(f"{name}: {'; '.join(result.failure_descriptions)}", severity="warning")
             return
-        value = int(event.value)
-        if self.state is None or value != self.state.slots:
-            self.post_message(self.Changed(expert_slots=value))
+        if knob.id == "slots":
+            value = int(knob.value)
+            change = {"expert_slots": value} if self.state is None or value != self.state.slots else {}
+        else:
+            value = (int(knob.value) if knob.value else 0) << 20
+            change = {"ram_cache_bytes": value} if self.state is None or value != self.state.ram_budget_bytes else {}
+        if change and self._sent.get(knob.id) == value and not done:
+            return  # Enter sent it and focus left the knob: not twice
+        if change:
+            self._sent[knob.id] = value
+        if change or done:  # unchanged with Enter: still back to the prompt
+            self.post_message(self.Changed(**change, done=done))
 
-    @on(Input.Submitted, "#ram-mb")
-    def _ram(self, event: Input.Submitted) -> None:
+    @on(Input.Submitted, "#slots, #ram-mb")
+    def _submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        if event.validation_result is not None and not event.validation_result.is_valid:
-            self.notify(f"RAM MB: {'; '.join(event.validation_result.failure_descriptions)}", severity="warning")
-            return
-        mb = int(event.value) if event.value else 0
-        if self.state is None or mb << 20 != self.state.ram_budget_bytes:
-            self.post_message(self.Changed(ram_cache_bytes=mb << 20))
+        self._apply(event.input, done=True)
 
     @on(Select.Changed, "#policy")
     def _policy(self, event: Select.Changed) -> None:
         event.stop()
+        self._show_prediction()
         if event.value is not Select.BLANK and (self.state is None or event.value != self.state.policy):
             self.post_message(self.Changed(policy=str(event.value)))
 
@@ -250,6 +326,5 @@ class TuningPanel(Vertical):
 
     @on(Input.Blurred)
     def _blurred(self, event: Input.Blurred) -> None:
-        if event.input.id in ("slots", "ram-mb") and event.input.is_valid:
-            event.input.post_message(Input.Submitted(event.input, event.input.value,
-                                                     event.input.validate(event.input.value)))
+        if event.input.id in ("slots", "ram-mb") and isinstance(event.input, StepInput):
+            self._apply(event.input, done=False)

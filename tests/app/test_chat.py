@@ -193,7 +193,8 @@ async def test_tuning_mid_generation_applies_at_the_next_token(build_app, fakes)
         assert thread == engine.sends[0].thread  # on the generating thread, between two tokens
         await fakes.wait_for(pilot, lambda: "8/64 slots" in str(panel.query_one("#effective", Label).content))
         assert "lfu" in str(panel.query_one("#effective", Label).content)
-        assert any("at token 3" in n for n in _notices(app))
+        assert "applied at token 3" in str(panel.query_one("#effective", Label).content)  # said there, no toast
+        assert isinstance(app.focused, PromptInput)  # Enter in a knob applies it and returns to the prompt
         engine.release(2)
         await fakes.wait_for(pilot, lambda: _done(screen))
         assert len(engine.retunes) == 1
@@ -252,7 +253,7 @@ async def test_model_load_failure_is_a_notice(build_app, fakes):
     async with app.run_test(size=SIZE) as pilot:
         screen = pilot.app.screen
         await fakes.wait_for(pilot, lambda: screen.query_one(LoadingPanel).has_class("-error"))
-        assert any("truncated" in n for n in _notices(app))
+        await fakes.wait_for(pilot, lambda: any("truncated" in n for n in _notices(app)), what="the notice")
         assert "truncated" in str(screen.query_one("#loading-stage", Label).content)
         await _send(pilot, "hello?")
         await pilot.pause()
@@ -302,7 +303,11 @@ async def test_export_writes_markdown(build_app, fakes, app_env):
         screen = await _ready(pilot)
         await _send(pilot, "Export me")
         await fakes.wait_for(pilot, lambda: _done(screen))
-        await pilot.press("ctrl+s")
+        await pilot.press("ctrl+s")  # asks where, the export folder offered; Enter writes there
+        await pilot.pause()
+        assert app.screen.query_one("#export-dir").value == str(app_env / "exports")
+        assert not (app_env / "exports").exists()  # nothing written before the answer
+        await pilot.press("enter")
         await pilot.pause()
         (path,) = (app_env / "exports").glob("*.md")
         assert "## You\n\nExport me" in path.read_text() and "## Assistant\n\nA reply." in path.read_text()

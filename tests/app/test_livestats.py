@@ -54,3 +54,19 @@ def test_formatting():
     assert fmt_bytes(300 * 2**20) == "300 MiB" and fmt_bytes(12.25 * 2**30) == "12.2 GiB"
     assert fmt_rate(None) == "–" and fmt_rate(41.66) == "41.7" and fmt_rate(812.4) == "812"
     assert fmt_pct(None) == "–" and fmt_pct(float("nan")) == "–" and fmt_pct(0.8734) == "87.3%"
+
+
+def test_turn_hit_rate_beside_the_session():
+    """After a retune the session's rate hides what the cache does now; this reply's rate shows it."""
+    t = StatsTracker()
+    t.observe_snapshot(snap([[9, 0]], hits=(932, 0), misses=(68, 0)))  # the first replies: 93.2%
+    assert t.stats().turn_hit_rate is None  # no reply yet
+    t.start_generation()
+    t.observe_chunk(5, 10, 100.0, 20.0)
+    t.observe_snapshot(snap([[19, 0]], hits=(932 + 28, 0), misses=(68 + 72, 0)))  # this reply: 28 of 100
+    s = t.stats()
+    assert s.turn_hit_rate == 0.28 and (s.turn_hits, s.turn_misses) == (28, 72)
+    assert s.hit_rate == 960 / 1100
+    t.start_generation()  # the next reply starts from the counts so far
+    t.observe_snapshot(snap([[20, 0]], hits=(960 + 3, 0), misses=(140 + 1, 0)))
+    assert t.stats().turn_hit_rate == 0.75

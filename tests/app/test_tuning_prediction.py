@@ -1,4 +1,5 @@
-"""The tuning panel's predicted hit rate: from the session's recorded routing, following the slots knob."""
+"""The tuning panel's predicted hit rate: from the session's recorded routing, following the slots knob, for the
+chosen policy (replayed) beside LRU's (the stack-distance curve), both for a warm cache."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import re
 import pytest
 from textual.widgets import Label
 
-from moechat.app.widgets.tuning import StepInput
+from moechat.app.widgets.tuning import StepInput, lru_warm_rate
 from moechat.engine.cache.mrc import lru_hit_curve
+from moechat.engine.cache.replay import replay_policy
 from moechat.engine.cache.trace import DECODE, TraceRecorder
 
 pytestmark = pytest.mark.anyio
@@ -54,9 +56,9 @@ async def test_moving_the_slots_knob_moves_the_predicted_hit_rate(build_app, fak
         await pilot.press("enter")
         await fakes.wait_for(pilot, lambda: label.display and _predicted(screen) is not None,
                              what="the curve from the session's routing")
-        assert "LRU on this session's routing, 40 tokens" in str(label.content)
+        assert "(lru)" in str(label.content) and "on this session's routing, 40 tokens" in str(label.content)
         curve = lru_hit_curve(engine.provider.recorder.to_trace())
-        assert _predicted(screen) == (24, round(100 * curve.hit_rate(24)))
+        assert _predicted(screen) == (24, round(100 * lru_warm_rate(curve, 24)))
 
         knob = screen.query_one("#slots", StepInput)
         knob.focus()
@@ -66,12 +68,21 @@ async def test_moving_the_slots_knob_moves_the_predicted_hit_rate(build_app, fak
             await fakes.wait_for(pilot, lambda: _predicted(screen) is not None
                                  and _predicted(screen)[0] == int(knob.value), what="the label to follow")
             slots, pct = _predicted(screen)
-            assert pct == round(100 * curve.hit_rate(slots))
+            assert pct == round(100 * lru_warm_rate(curve, slots))
             seen[slots] = pct
         assert min(seen) == 1 and max(seen) == 64
         rates = [seen[s] for s in sorted(seen)]
         assert rates == sorted(rates)  # monotone non-decreasing in slots
-        assert rates[0] < rates[-1]  # and the knob does move it
+        assert rates[0] < rates[-1] == 100  # the knob moves it; with every expert in a slot a warm cache always hits
+        assert engine.retunes == []  # stepping only moves the value: Enter applies it
+
+        # another policy: replayed through its class at the knob's slot count, LRU's curve beside it
+        knob.value = "10"
+        screen.query_one("#policy").value = "lfu"
+        want = replay_policy(engine.provider.recorder.to_trace(), "lfu", 10).warm_rate
+        await fakes.wait_for(pilot, lambda: "(lfu)" in str(label.content), what="the replay")
+        assert _predicted(screen) == (10, round(100 * want))
+        assert f"LRU ~{lru_warm_rate(curve, 10):.0%}" in str(label.content)
 
 
 async def test_the_demo_model_predicts_from_its_bundled_trace_before_any_reply(app_env, fakes):
@@ -89,8 +100,10 @@ async def test_the_demo_model_predicts_from_its_bundled_trace_before_any_reply(a
                    memory_probe=fakes.Memory(), export_dir=app_env)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen
-        await fakes.wait_for(pilot, lambda: _predicted(screen) is not None, timeout=120, what="the prediction")
+        await fakes.wait_for(pilot, lambda: _predicted(screen) is not None and "lrfu-layered)" in str(
+            screen.query_one("#predicted", Label).content), timeout=120, what="the prediction")
         label = str(screen.query_one("#predicted", Label).content)
-        assert "LRU on the model's bundled routing trace" in label
-        curve = lru_hit_curve(RoutingTrace.load(demo / "routing_trace.npz"))
-        assert _predicted(screen) == (24, round(100 * curve.hit_rate(24)))
+        assert "on the model's bundled routing trace" in label and "(lrfu-layered)" in label  # the default policy
+        trace = RoutingTrace.load(demo / "routing_trace.npz")
+        assert _predicted(screen) == (24, round(100 * replay_policy(trace, "lrfu-layered", 24).warm_rate))
+        assert f"LRU ~{lru_warm_rate(lru_hit_curve(trace), 24):.0%}" in label
