@@ -417,7 +417,12 @@ class ChatScreen(Screen):
         if knob.disabled:
             self.notify("The knobs work once the model has loaded with an expert cache.", severity="warning")
             return
-        self.call_after_refresh(knob.focus)
+
+        def show() -> None:
+            knob.focus(scroll_visible=False)
+            self.dashboard.scroll_to_widget(self.query_one(TuningPanel), top=True, animate=False)
+
+        self.call_after_refresh(show)
 
     @property
     def collapsed(self) -> bool:

@@ -35,8 +35,9 @@ def describe(c: ConversationSummary) -> Text:
 class ChatsScreen(ModalScreen[tuple[str, int] | None]):
     """Dismisses with ("open", id) or ("export", id), or None. `on_delete(id)` is told of each deleted chat."""
 
-    BINDINGS = [Binding("escape", "cancel", "Close"), Binding("ctrl+e", "export", "Export to Markdown"),
-                Binding("f2", "rename", "Rename"), Binding("ctrl+d", "delete", "Delete")]
+    # priority: before the search field's own Ctrl+E (end of line) and Ctrl+D (delete right)
+    BINDINGS = [Binding("escape", "cancel", "Close"), Binding("ctrl+e", "export", "Export to Markdown", priority=True),
+                Binding("f2", "rename", "Rename", priority=True), Binding("ctrl+d", "delete", "Delete", priority=True)]
 
     def __init__(self, store: ChatStore, on_delete: Callable[[int], None] | None = None):
         super().__init__(classes="dialog-screen")

@@ -1,4 +1,4 @@
-"""Screenshots of the chat screen with the live panel, at fixed terminal sizes, fed fixed stats.
+"""Screenshots of the chat screen with the live panel at fixed terminal sizes (80x24, 130x40, 200x50), fed fixed stats.
 
 The fake engine streams a reply (code block included); then the panel is given deterministic
 `DashboardStats` (a seeded pattern of residency and recent use), so every run draws the same frame.
@@ -31,13 +31,14 @@ def fixed_stats(L: int, E: int, slots: int) -> DashboardStats:
     history = tuple(30 + 12 * math.sin(i / 4.0) + (i % 5) for i in range(40))
     return DashboardStats(
         prefill_tps=812.4, decode_tps=41.7, decode_history=history, prompt_tokens=37, generated_tokens=64,
-        hit_rate=0.873, layer_hit_rates=rates, hits=12_345, misses=1_796, bytes_per_token_ram=3.4 * 2**20,
+        hit_rate=0.873, turn_hit_rate=0.281, turn_hits=281, turn_misses=719,
+        layer_hit_rates=rates, hits=12_345, misses=1_796, bytes_per_token_ram=3.4 * 2**20,
         bytes_per_token_disk=0.6 * 2**20, bytes_from_ram=900 * 2**20, bytes_from_disk=120 * 2**20,
         num_slots=slots, slots_used=slots, policy="lru", ram_cache_bytes=0,
         resident=resident, recent=recent)
 
 
-def _scenario(fakes, L: int, E: int, slots: int):
+def _scenario(fakes, L: int, E: int, slots: int, keys: tuple[str, ...] = ()):
     async def run_before(pilot) -> None:
         screen = pilot.app.screen
         await fakes.wait_for(pilot, lambda: screen.info is not None)
@@ -47,8 +48,14 @@ def _scenario(fakes, L: int, E: int, slots: int):
         await fakes.wait_for(pilot, lambda: screen.gen_id is None and len(screen.session.turns) == 2)
         await fakes.wait_for(pilot, lambda: not screen._stats_pending)  # the engine's last stats are drawn
         screen.last_stats = fixed_stats(L, E, slots)
-        screen.dashboard.show_stats(screen.last_stats)
+        screen._stats_pending = True  # drawn by the panel's clock, on the panel or its summary line
+        await fakes.wait_for(pilot, lambda: not screen._stats_pending)
         prompt.cursor_blink = False
+        for key in keys:
+            await pilot.press(key)
+        await pilot.pause(0.1)
+        for knob in screen.query("StepInput"):
+            knob.cursor_blink = False
         await pilot.pause(0.1)
 
     return run_before
@@ -59,11 +66,18 @@ def test_chat_with_dashboard_32_experts_24_layers(snap_compare, build_app, fakes
     assert snap_compare(app, terminal_size=(130, 40), run_before=_scenario(fakes, 24, 32, 300))
 
 
-def test_chat_with_dashboard_256_experts_60_layers(snap_compare, build_app, fakes):
+def test_chat_with_dashboard_256_experts_60_layers_200x50(snap_compare, build_app, fakes):
     app, _ = build_app(fakes.Engine(num_layers=60, num_experts=256, slots=4096, replies=[fakes.Reply(REPLY)]))
-    assert snap_compare(app, terminal_size=(160, 50), run_before=_scenario(fakes, 60, 256, 4096))
+    assert snap_compare(app, terminal_size=(200, 50), run_before=_scenario(fakes, 60, 256, 4096))
 
 
-def test_chat_narrow_terminal(snap_compare, build_app, fakes):
+def test_chat_80x24_panel_is_one_line(snap_compare, build_app, fakes):
+    """80x24: the panel collapses to its summary line above the prompt; the footer's keys take two rows, none cut."""
     app, _ = build_app(fakes.Engine(num_layers=24, num_experts=32, slots=300, replies=[fakes.Reply(REPLY)]))
-    assert snap_compare(app, terminal_size=(90, 26), run_before=_scenario(fakes, 24, 32, 300))
+    assert snap_compare(app, terminal_size=(80, 24), run_before=_scenario(fakes, 24, 32, 300))
+
+
+def test_chat_80x24_f6_opens_the_knobs(snap_compare, build_app, fakes):
+    """80x24, F6: the panel over the transcript, scrolled to the focused slots knob, the prompt still above."""
+    app, _ = build_app(fakes.Engine(num_layers=24, num_experts=32, slots=300, replies=[fakes.Reply(REPLY)]))
+    assert snap_compare(app, terminal_size=(80, 24), run_before=_scenario(fakes, 24, 32, 300, keys=("f6",)))
