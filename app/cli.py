@@ -165,6 +165,11 @@ def _run(args: argparse.Namespace) -> int:
         shown.close()
     engine.close()  # in-flight loads stopped, routing profile saved for --warm-start
     snapshot = engine.cache_snapshot()
+    if snapshot is None and last is not None and engine.loaded.device.type == "cpu":
+        from moechat.engine.calibration import record_run
+
+        # what `moechat fit` predicts this machine's decode from (engine/calibration.py); never a failure
+        record_run(args.model_dir, last.decode_tokens_per_s, len(token_ids))
     status = 0
     if args.record_trace:
         try:

@@ -61,11 +61,80 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
     return fit
 
 
-def _runnable(model_type: str) -> bool:
-    """moechat runs a model_type registered in engine/models' ARCHITECTURES (read without importing torch)."""
-    from moechat.engine.catalog import SUPPORTED_TYPES
+def why_not_runnable(spec) -> str | None:
+    """Why `moechat run` would refuse this checkpoint (the loader's architectures and quantization methods, read
+    without importing torch); None when it loads it."""
+    from moechat.engine.catalog import why_not_runnable as why
 
-    return model_type in SUPPORTED_TYPES
+    return why(spec.model_type, spec.quant_method, spec.remote_code)
+
+
+def headline(plan, spec, hw, why_not: str | None, expert_format: str, plan_now=None,
+             need_ram: int | None = None) -> tuple[str, int]:
+    """The first line's verdict and the exit status that goes with it: exactly one of "runs", "runs with ..." (the
+    flags or conditions it needs) and "cannot run: <why>" (exit 3; 0 with --force, which loads anyway).
+
+    `plan` is made on the machine's total RAM; `plan_now` on what is free at this instant. A cache uses what RAM
+    it is given, so the model runs now unless even the smallest plan needs more than is free: then the headline
+    says how much RAM must be free (`need_ram`, from `least_free_ram`)."""
+    from moechat.engine.plan import gib
+
+    if why_not is not None:
+        return f"cannot run: {why_not}", EXIT_REFUSED
+    if not plan.ok:
+        text = f"cannot run: {plan.refusal.message}"
+        if plan.overridden:
+            return text + " (--force: below is the plan loading anyway would use)", 0
+        return text, EXIT_REFUSED
+    needs = []
+    if expert_format != "native":
+        needs.append(f"--expert-format {expert_format}")
+    free = hw.ram.free_now_bytes
+    if free is not None and plan_now is not None and not plan_now.ok:
+        needs.append(f"{gib(need_ram or hw.ram.total_bytes)} of RAM free (this machine has "
+                     f"{gib(hw.ram.total_bytes)}, {gib(free)} is free now: close programs first)")
+    return ("runs with " + " and ".join(needs) if needs else "runs"), 0
+
+
+def least_free_ram(spec, hw, prefs) -> int:
+    """The least free RAM with which `spec` plans on `hw` (bisection over make_plan, which is pure arithmetic: ~20
+    plans, milliseconds), from what is free now up to the total."""
+    from dataclasses import replace
+
+    from moechat.engine.plan import make_plan
+
+    def ok(avail: int) -> bool:
+        return make_plan(spec, replace(hw, ram=replace(hw.ram, available_bytes=avail)), prefs).ok
+
+    lo, hi = hw.ram.free_now_bytes, hw.ram.total_bytes
+    while hi - lo > max(16 << 20, hi // 200):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def _plan_on_free_ram(option, hw, prefs):
+    """The same format planned on the RAM free at this instant (None: no instant figure, or a what-if)."""
+    from dataclasses import replace
+
+    from moechat.engine.plan import make_plan
+
+    free = hw.ram.free_now_bytes
+    if free is None or option.spec is None:
+        return None
+    return make_plan(option.spec, replace(hw, ram=replace(hw.ram, available_bytes=free)), prefs)
+
+
+def _calibration(hw, measure: bool):
+    """Measured numbers for the decode prediction (engine/calibration.py): the RAM read rate (measured here once and
+    kept in the cache dir) and the CPU's seconds per layer from earlier `moechat run` decodes."""
+    from moechat.engine import calibration
+    from moechat.engine.hardware import GiB
+
+    free = hw.ram.free_now_bytes if hw.ram.free_now_bytes is not None else hw.ram.available_bytes
+    if measure and (free or 0) > 2 * GiB:  # the probe reads 256 MiB
+        return calibration.ensure_ram_read_gbps()
+    return calibration.load()
 
 
 def _load_curve(path: str | None, num_experts: int):
@@ -95,31 +164,39 @@ def run_fit(args: argparse.Namespace) -> int:
     if args.dtype:
         spec = spec.in_dtype(FLOAT_SIZES[args.dtype], args.dtype)
     where = spec.path or (args.model if Path(args.model).expanduser().exists() else default_cache_dir())
-    hw = probe(where).with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb,
-                                                       disk_gb=args.disk_gb, link_gbps=args.link_gbps)
+    # Planned on the machine's total RAM (what is free changes by the minute), the free figure kept for a note
+    hw = probe(where).on_total_ram().with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb,
+                                                    disk_gb=args.disk_gb, link_gbps=args.link_gbps)
     if args.margin >= 1:
         raise ConfigError(f"--margin {args.margin:g}: a fraction below 1, e.g. 0.05")
+    cal = _calibration(hw, measure=args.ram_gb is None)
     prefs = Preferences(context=args.context, prefer=args.prefer, device=args.device, margin=args.margin,
                         hit_curve=_load_curve(args.hit_curve, spec.num_experts), disk_read_gbps=args.disk_read_gbps,
-                        override=args.force, repacked=repacked_formats(spec.path))
+                        override=args.force, repacked=repacked_formats(spec.path), host_read_gbps=cal.ram_read_gbps,
+                        cpu_layer_s=cal.cpu_layer_s)
     advice = plan_formats(spec, hw, prefs)
     chosen = advice.option(args.expert_format) if args.expert_format else advice.best
     if chosen.plan is None:
         raise ConfigError(f"--expert-format {chosen.name}: {chosen.note}")
     plan = chosen.plan
-    runnable = _runnable(spec.model_type)
+    why_not = why_not_runnable(spec)
+    plan_now = _plan_on_free_ram(chosen, hw, prefs) if plan.ok else None
+    need = least_free_ram(chosen.spec, hw, prefs) if plan_now is not None and not plan_now.ok else None
+    verdict, status = headline(plan, spec, hw, why_not, chosen.name, plan_now, need)
     if args.json:
-        print(json.dumps({"model": args.model, "fits": plan.ok, "runnable": runnable, "expert_format": chosen.name,
+        print(json.dumps({"model": args.model, "headline": verdict, "verdict": verdict.partition(":")[0].partition(
+                          " with")[0] + (" with" if verdict.startswith("runs with") else ""),
+                          "fits": plan.ok, "runnable": why_not is None, "why_not_runnable": why_not,
+                          "expert_format": chosen.name, "calibration": cal.describe() or None,
                           "plan": plan.to_json(), "spec": spec.to_json(), "formats": advice.to_json(),
                           "hardware": hw.to_json(),
                           "scale_out": None if plan.ok else _scale_out(spec).to_json(),
                           "run_flags": _run_flags(plan, spec, chosen.name) if plan.ok or plan.overridden else None},
                          indent=1))
     else:
-        print(format_plan(plan, spec, hw, runnable, advice, chosen.name))
-    if plan.ok or plan.overridden:
-        return 0
-    return EXIT_REFUSED
+        print(format_plan(plan, spec, hw, why_not, advice, chosen.name, verdict=verdict, calibration=cal,
+                          plan_now=plan_now))
+    return status
 
 
 def repacked_formats(model_dir) -> frozenset[str]:
@@ -155,14 +232,13 @@ def _run_flags(plan, spec, expert_format: str = "native") -> list[str]:
     return flags
 
 
-def format_plan(plan, spec, hw, runnable: bool, advice=None, expert_format: str = "native") -> str:
-    from moechat.engine.plan import gib
+def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format: str = "native", *,
+                verdict: str | None = None, calibration=None, plan_now=None) -> str:
+    from moechat.engine.plan import gib, rate, rate_range
 
-    verdict = "fits" if plan.ok else ("does NOT fit (loading anyway: --force)" if plan.overridden else "does NOT fit")
-    if expert_format != "native":
-        verdict += f" with --expert-format {expert_format}"
-        if advice is not None and advice.recommended == expert_format:
-            verdict += " (recommended)"
+    if verdict is None:
+        verdict = headline(plan, spec, hw, why_not, expert_format)[0]
+    runnable = why_not is None
     out = [f"moechat fit {spec.name} ({spec.model_type}): {verdict}"]
     ts = " + ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in spec.expert_tensors)
     out.append(f"  model     {spec.num_layers} layers, {spec.num_moe_layers} MoE x {spec.num_experts} experts, "
@@ -173,13 +249,15 @@ def format_plan(plan, spec, hw, runnable: bool, advice=None, expert_format: str 
     out.append(f"            dense {gib(spec.dense_bytes)}; KV {gib(spec.kv_bytes_per_token())}/token "
                f"({spec.kv_kind}); checkpoint {gib(spec.checkpoint_bytes)}; sizes from {spec.source}"
                + (" (ESTIMATES)" if spec.estimated else " (exact)"))
-    out.append(f"            moechat run: {'supported' if runnable else 'not supported yet (planning only)'}")
+    out.append(f"            moechat run: {'supported' if runnable else 'cannot load it (planning only)'}")
     def mark(source: str) -> str:
         return " (what-if)" if source == "what-if" else ""
 
     gpus = "; ".join(f"{g.label} {g.name} {gib(g.free_bytes)} free{mark(g.source)}" for g in hw.gpus if g.usable)
     disk = "disk unknown" if hw.disk is None else f"disk {gib(hw.disk.free_bytes)} free on {hw.disk.path}"
     ram = f"RAM {gib(hw.ram.available_bytes)} available{mark(hw.ram.source)}"
+    if hw.ram.free_now_bytes is not None:
+        ram = f"RAM {gib(hw.ram.available_bytes)} in all, planned on ({gib(hw.ram.free_now_bytes)} free now)"
     out.append(f"  hardware  {gpus or 'no usable GPU'}; {ram}; {disk}{mark(hw.disk.source if hw.disk else '')}")
     rows = [(d.item, "" if d.bytes is None else gib(d.bytes), d.where, d.reason) for d in plan.decisions]
     w0 = max(len(r[0]) for r in rows)
@@ -192,11 +270,19 @@ def format_plan(plan, spec, hw, runnable: bool, advice=None, expert_format: str 
     out.append("")
     if plan.decode is not None:
         d = plan.decode
-        out.append(f"  decode    {d.low:.1f}-{d.high:.1f} tok/s predicted   (bound {d.bound:.1f} tok/s, set by "
+        out.append(f"  decode    {rate_range(d.low, d.high)} tok/s predicted   (bound {rate(d.bound)} tok/s, set by "
                    f"{d.bound_by}; formula in docs/plan.md)")
+        now = plan_now.decode if plan_now is not None and plan_now.ok else None
+        if now is not None and (now.low, now.high) != (d.low, d.high):
+            out.append(f"            with the {gib(hw.ram.free_now_bytes)} of RAM free now: "
+                       f"{rate_range(now.low, now.high)} tok/s ({plan_now.expert_slots:,} slots)")
+        if calibration is not None and plan.device == "cpu":
+            out.append("            " + (f"measured here: {calibration.describe()}" if calibration.describe() else
+                                         "assumed figures: no RAM read rate measured yet"))
         if plan.placements:
             best = plan.best_placement
-            ways = (f"{p.mode} {p.low:.1f}-{p.high:.1f} (bound {p.bound:.1f}, {p.bound_by})" for p in plan.placements)
+            ways = (f"{p.mode} {rate_range(p.low, p.high)} (bound {rate(p.bound)}, {p.bound_by})"
+                    for p in plan.placements)
             out.append("  misses    " + " · ".join(ways)
                        + f" tok/s; best: --on-miss {best.mode}" + (" (the default)" if best.mode == "auto" else ""))
     if plan.refusal is not None:

@@ -50,6 +50,29 @@ MISSING_FEATURES: dict[str, str] = {
 }
 
 
+# quantization_config.quant_method values the loader reads (engine/quant/base.py QUANT_METHODS; a test keeps the
+# two equal); no quantization_config at all is a full-precision checkpoint.
+LOADABLE_QUANT_METHODS = ("mxfp4", "fp8")
+
+
+def why_not_runnable(model_type: str, quant_method: str | None = None, remote_code: bool = False) -> str | None:
+    """Why `moechat run` would refuse a checkpoint with this config, in the loader's terms (None: it loads it).
+    Torch-free, so `moechat fit` and the wizard never call "runs" what the engine cannot load."""
+    if model_type not in SUPPORTED_TYPES:
+        if remote_code and model_type not in MISSING_FEATURES:
+            return (f"model_type {model_type!r} needs trust_remote_code (custom Python code shipped with the model), "
+                    "and moechat never runs code from a checkpoint")
+        why = MISSING_FEATURES.get(model_type)
+        return (f"model_type {model_type!r} is not supported yet ({why})" if why else
+                f"model_type {model_type!r} is not a Mixture-of-Experts architecture moechat knows") + \
+            f"; moechat runs {', '.join(sorted(SUPPORTED_TYPES))}"
+    if quant_method is not None and quant_method not in LOADABLE_QUANT_METHODS:
+        return (f"its weights are quantized with {quant_method!r}, which moechat does not read; it reads MXFP4 and FP8 "
+                "checkpoints and full-precision ones (bf16/fp16/fp32, which --expert-format int8|int4 converts): use "
+                "the model's original or FP8 checkpoint")
+    return None
+
+
 @dataclass(frozen=True)
 class CatalogEntry:
     """One curated model. Parameter counts in billions; `features` are the engine features it needs."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 from .hardware import Hardware
-from .plan import CONVERTIBLE_FORMATS, MemoryPlan, ModelSpec, Preferences, gib, make_plan
+from .plan import CONVERTIBLE_FORMATS, MemoryPlan, ModelSpec, Preferences, gib, make_plan, rate, rate_range
 
 FORMATS = ("native", *CONVERTIBLE_FORMATS)  # most precise first
 SPEEDUP = 1.1  # a less precise format must be predicted this much faster to be advised
@@ -121,8 +121,7 @@ class FormatOption:
 def tok_s(plan: MemoryPlan) -> str:
     """"11.0-14.2 tok/s predicted (bound 16.0)"."""
     d = plan.decode
-    low, high = f"{d.low:.1f}", f"{d.high:.1f}"
-    return f"{low if low == high else f'{low}-{high}'} tok/s predicted (bound {d.bound:.1f})"
+    return f"{rate_range(d.low, d.high)} tok/s predicted (bound {rate(d.bound)})"
 
 
 def where_experts_live(plan: MemoryPlan) -> str:

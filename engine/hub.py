@@ -340,9 +340,11 @@ class FitVerdict:
             parts.append(f"not supported yet ({self.why_unsupported})")
         plan = self.best_plan
         if plan.ok:
+            from .plan import rate_range
+
             d = plan.decode
             how = "" if self.expert_format == "native" else f" with --expert-format {self.expert_format}"
-            parts.append(f"fits{how}" + (f", {d.low:.1f}-{d.high:.1f} tok/s predicted" if d is not None else ""))
+            parts.append(f"fits{how}" + (f", {rate_range(d.low, d.high)} tok/s predicted" if d is not None else ""))
         else:
             parts.append(f"does not fit: {plan.refusal.message}")
         left = self.download_bytes - self.cached_bytes

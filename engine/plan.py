@@ -60,7 +60,9 @@ CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context + cuBLAS workspace + allocator sl
 PROCESS_RAM_GPU = int(1.5 * GiB)  # Python + torch + CUDA runtime host memory, when computing on a GPU
 PROCESS_RAM_CPU = 1 * GiB  # Python + torch, CPU only
 GPU_EFFICIENCY = 0.7  # fraction of peak memory bandwidth decode mat-vecs reach
-OVERHEAD_PER_LAYER_S = {"gpu": 0.15e-3, "cpu": 0.10e-3}  # eager PyTorch launch/dispatch per decoder layer
+# Eager PyTorch launch/dispatch per decoder layer. The CPU's is measured by `moechat run` where it has run
+# (engine/calibration.py: 1.0-1.5 ms on the 2-core CI machine, the demo model); this is the figure before that.
+OVERHEAD_PER_LAYER_S = {"gpu": 0.15e-3, "cpu": 1.0e-3}
 OVERHEAD_PER_MISS_S = {"gpu": 0.03e-3, "cpu": 0.05e-3}  # policy + copy call (+ preadv) per expert load
 TRACED_MISS_FACTOR = 0.6  # best LRU miss rate / uniform-routing miss rate seen on ../shared/traces
 # Expert formats moechat converts a checkpoint's experts into (`--expert-format`), kept equal to
@@ -179,6 +181,8 @@ class ModelSpec:
     notes: tuple[str, ...] = ()
     config_dtype: str | None = None  # the float dtype config.json names (None: none, and the loader takes float32)
     converted_from: str | None = None  # the checkpoint's format when moechat converts the experts (--expert-format)
+    quant_method: str | None = None  # config.json's quantization_config.quant_method, as written
+    remote_code: bool = False  # config.json has an auto_map (custom code shipped with the model)
 
     @property
     def expert_bytes(self) -> int:
@@ -629,7 +633,14 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         kv_elems_full=full, kv_elems_window=win, window=window, kv_detail=kv_detail, float_bytes=s.float_bytes,
         float_dtype=s.float_dtype, max_context=s.max_context, checkpoint_bytes=checkpoint,
         stored_expert_bytes=sum(t.nbytes for t in expert), weights_present=False,
-        present_bytes=present_bytes, unused_bytes=int(unused), notes=tuple(notes), config_dtype=_config_dtype(c))
+        present_bytes=present_bytes, unused_bytes=int(unused), notes=tuple(notes), config_dtype=_config_dtype(c),
+        quant_method=_quant_method(c), remote_code=bool(c.get("auto_map")))
+
+
+def _quant_method(config: dict) -> str | None:
+    qc = config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return str(method) if method is not None else None
 
 
 _PER_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:.*\.)?experts\.(\d+)\.(.+)$")
@@ -842,6 +853,7 @@ class Preferences:
     hit_curve: MissRatioCurve | None = None
     disk_read_gbps: float | None = None
     host_read_gbps: float | None = None  # the CPU's read rate over packed experts (None: ASSUMED_RAM_GBPS)
+    cpu_layer_s: float | None = None  # measured seconds per layer on the CPU beyond the reads (engine/calibration.py)
     override: bool = False  # load anyway: a refused plan is still made, best effort, and check() passes
     # True: sliding-window layers are allocated `window` tokens, as a ring would need; False: every layer the
     # whole context, as engine/kv_cache.py allocates today (the plan then names the saving a ring would bring)
@@ -1024,7 +1036,7 @@ def _hit_rates(spec: ModelSpec, fraction: float, curve: MissRatioCurve | None) -
 
 
 def _decode(spec: ModelSpec, kind: str, context: int, slots: int, ram_experts: int, link: float | None,
-            devbw: float, diskbw: float, curve: MissRatioCurve | None) -> DecodeEstimate:
+            devbw: float, diskbw: float, curve: MissRatioCurve | None, layer_s: float | None = None) -> DecodeEstimate:
     N, K, Lm, eb = spec.total_experts, spec.top_k, spec.num_moe_layers, spec.expert_bytes
     c = min(1.0, slots / N) if N else 1.0
     h_lo, h_hi, source = _hit_rates(spec, c, curve)
@@ -1051,7 +1063,7 @@ def _decode(spec: ModelSpec, kind: str, context: int, slots: int, ram_experts: i
         disk_b = active * d
         misses = Lm * K * (1 - h)
         t = (dev_work / (devbw * GB * eff) + (link_b / (link * GB) if link_b else 0.0) + disk_b / (diskbw * GB)
-             + spec.num_layers * OVERHEAD_PER_LAYER_S[kind] + misses * OVERHEAD_PER_MISS_S[kind])
+             + spec.num_layers * (layer_s or OVERHEAD_PER_LAYER_S[kind]) + misses * OVERHEAD_PER_MISS_S[kind])
         return t, link_b, disk_b, misses
 
     t_lo, link_lo, disk_lo, _ = seconds(h_lo, d_lo)
@@ -1123,6 +1135,21 @@ def _placements(spec: ModelSpec, decode: DecodeEstimate, hostbw: float) -> tuple
     return tuple(out)
 
 
+def rate(x: float) -> str:
+    """A tok/s figure: one decimal, two significant digits below 1 (a bound of 0.145 is "0.15", not "0.1")."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.2g}"
+
+
+def rate_range(low: float, high: float) -> str:
+    """"11.0-14.2", or one number when the two are the same: with as many decimals (up to 3) as it takes for two
+    different rates to read differently, so a range never shows as "5.2-5.2"."""
+    for decimals in (1, 2, 3):
+        a, b = f"{low:.{decimals}f}", f"{high:.{decimals}f}"
+        if a != b:
+            return f"{a}-{b}"
+    return f"{low:.1f}" if abs(low) >= 0.05 else f"{low:.3g}"
+
+
 def compute_efficiency(spec: ModelSpec, kind: str) -> float:
     """How fast the experts' format computes on `kind` ("cpu" | "gpu"), as a fraction of the dense read rate."""
     return EXPERT_COMPUTE_EFFICIENCY[kind].get(spec.format_key, 1.0)
@@ -1190,7 +1217,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         dev_label, dev_name = "cpu", "CPU"
         budget = ram_budget - process
         link = None
-        devbw = ASSUMED_RAM_GBPS
+        devbw = prefs.host_read_gbps or ASSUMED_RAM_GBPS
         decisions.append(Decision("device", ram_avail, "cpu",
                                   f"CPU: {device_why}; the compute device is RAM, {gib(ram_avail)} available: budget "
                                   f"{gib(budget)} after a {prefs.margin:.0%} margin and {gib(process)} for the "
@@ -1382,7 +1409,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     decode = None
     if refusal is None or overridden:
         decode = _decode(spec, kind, context, slots, ram_experts if gpu else 0, link, devbw, diskbw,
-                         prefs.hit_curve)
+                         prefs.hit_curve, None if gpu else prefs.cpu_layer_s)
         hit = (f"{decode.hit_rate_low:.1%}" if decode.hit_rate_low == decode.hit_rate_high
                else f"{decode.hit_rate_low:.1%}-{decode.hit_rate_high:.1%}")
         decisions.append(Decision("expected hit rate", None, "-", f"{hit} at C = {slots:,} ({frac:.1%} of experts): "
@@ -1394,8 +1421,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         if decode.disk_bytes_low:
             moved.append(f"{decode.disk_bytes_high / GB:.2f}-{decode.disk_bytes_low / GB:.2f} GB from disk")
         decisions.append(Decision("decode", None, "-",
-                                  f"{decode.low:.1f}-{decode.high:.1f} tok/s predicted; bound {decode.bound:.1f} tok/s "
-                                  f"({decode.bound_by}); per token {decode.device_bytes / GB:.2f} GB of "
+                                  f"{rate_range(decode.low, decode.high)} tok/s predicted; bound {rate(decode.bound)} "
+                                  f"tok/s ({decode.bound_by}); per token {decode.device_bytes / GB:.2f} GB of "
                                   f"{dev_label} reads at {decode.device_gbps:.0f} GB/s"
                                   + (f" ({spec.format_key} experts compute at {decode.compute_efficiency:.0%} of "
                                      "that rate today)" if decode.compute_efficiency < 1 else "")
@@ -1405,12 +1432,13 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         placements = _placements(spec, decode, prefs.host_read_gbps or ASSUMED_RAM_GBPS)
         load, host_p = placements[0], placements[1]
         decisions.append(Decision("where misses run", None, "-",
-                                  f"load {load.low:.1f}-{load.high:.1f} tok/s (bound {load.bound:.1f}, {load.bound_by})"
-                                  f" | host {host_p.low:.1f}-{host_p.high:.1f} (bound {host_p.bound:.1f}, "
+                                  f"load {rate_range(load.low, load.high)} tok/s (bound {rate(load.bound)}, "
+                                  f"{load.bound_by})"
+                                  f" | host {rate_range(host_p.low, host_p.high)} (bound {rate(host_p.bound)}, "
                                   f"{host_p.bound_by}; {host_p.host_experts:.0f} experts/token on the CPU at "
                                   f"{prefs.host_read_gbps or ASSUMED_RAM_GBPS:g} GB/s"
                                   f"{'' if prefs.host_read_gbps else ' assumed'}) | auto: per miss the cheaper, "
-                                  f"at least the better ({placements[2].low:.1f}-{placements[2].high:.1f})"))
+                                  f"at least the better ({rate_range(placements[2].low, placements[2].high)})"))
     if overridden:
         decisions.append(Decision("override", None, "-", f"loading anyway as asked: {refusal.message}"))
     return MemoryPlan(
@@ -1436,8 +1464,8 @@ def _device_refusal(spec: ModelSpec, hw: Hardware, prefs: Preferences, gpu: GpuI
         if prefs.device != "cpu":
             cpu_plan = make_plan(spec, hw, replace(prefs, device="cpu", override=False))
             if cpu_plan.ok:
-                fixes.append(f"run on the CPU (--device cpu): RAM holds it, ~{cpu_plan.decode.low:.1f}-"
-                             f"{cpu_plan.decode.high:.1f} tok/s")
+                fixes.append(f"run on the CPU (--device cpu): RAM holds it, ~"
+                             f"{rate_range(cpu_plan.decode.low, cpu_plan.decode.high)} tok/s")
     if spec.format_key == "dense" and spec.converted_from is None:  # converting is measured from full precision
         for name in CONVERTIBLE_FORMATS:
             try:

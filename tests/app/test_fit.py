@@ -37,7 +37,7 @@ def _fit(capsys, *args: str) -> tuple[int, str, str]:
 def test_table_shows_every_decision_and_the_bound_next_to_the_prediction(capsys):
     code, out, err = _fit(capsys, str(QWEN), *WHAT_IF)
     assert code == 0 and err == ""
-    assert "Qwen--Qwen3-30B-A3B (qwen3_moe): fits" in out and "(ESTIMATES)" in out
+    assert "Qwen--Qwen3-30B-A3B (qwen3_moe): runs" in out and "(ESTIMATES)" in out
     for item in ("dense weights", "KV cache, 4,096 tokens", "workspace", "expert slots C = ", "host tier",
                  "disk tier", "download", "expected hit rate"):
         assert f"\n  {item}" in out, item
@@ -96,7 +96,7 @@ def test_config_only_directory_and_a_disk_what_if(capsys, tmp_path):
                     reason="../shared/model-configs has no gpt-oss configs")
 def test_gpt_oss_plans_with_packed_experts_and_is_runnable(capsys):
     code, out, err = _fit(capsys, str(OSS20), "--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "100")
-    assert code == 0 and err == "" and "openai--gpt-oss-20b (gpt_oss): fits" in out
+    assert code == 0 and err == "" and "openai--gpt-oss-20b (gpt_oss): runs" in out
     assert "moechat run: supported" in out and "planning only" not in out
     assert "experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB); stored as mxfp4" in out
     slots = next(line for line in out.splitlines() if line.startswith("  expert slots C = "))
@@ -115,7 +115,7 @@ def test_gpt_oss_plans_with_packed_experts_and_is_runnable(capsys):
     assert 0 < d["low"] <= d["high"] <= d["bound"] and d["bound_by"] == "link"
     assert data["run_flags"][2:4] == ["--dtype", "bfloat16"]
     code, out, _ = _fit(capsys, str(OSS120), "--vram-gb", "24", "--ram-gb", "64", "--disk-gb", "100")
-    assert code == 0 and "openai--gpt-oss-120b (gpt_oss): fits" in out and "moechat run: supported" in out
+    assert code == 0 and "openai--gpt-oss-120b (gpt_oss): runs" in out and "moechat run: supported" in out
     assert "host tier: all experts in RAM" in out and "experts: MXFP4, 12.6 MiB each" in out
     code, out, _ = _fit(capsys, str(OSS120), "--vram-gb", "24", "--ram-gb", "64", "--disk-gb", "40")
     assert code == EXIT_REFUSED and "GiB of disk" in out  # the 60.8 GiB download does not fit 40 GiB
@@ -210,7 +210,7 @@ def test_qwen3_on_8_gib_vram_and_32_gib_ram_recommends_a_conversion(capsys):
     code, out, err = _fit(capsys, str(QWEN), *box)
     assert code == 0 and err == ""
     fmt = _line(out, "moechat fit").split("--expert-format ")[1].split()[0]
-    assert fmt in ("int8", "int4") and out.splitlines()[0].endswith(f"fits with --expert-format {fmt} (recommended)")
+    assert fmt in ("int8", "int4") and out.splitlines()[0].endswith(f": runs with --expert-format {fmt}")
     rows = _format_rows(out)
     assert list(rows) == ["native", "int8", "int4"] and [n for n, (marked, _) in rows.items() if marked] == [fmt]
     assert rows["int8"][1].startswith("4.5 MiB an expert: ") and "quality: perplexity" in rows["int8"][1]
@@ -220,7 +220,7 @@ def test_qwen3_on_8_gib_vram_and_32_gib_ram_recommends_a_conversion(capsys):
     run = _line(out, "  run with")
     assert run.split(" --prompt")[0].endswith(f"--expert-format {fmt}") and "repacked experts" in out
     code, native_out, _ = _fit(capsys, str(QWEN), *box, "--expert-format", "native")
-    assert code == 0 and native_out.splitlines()[0].endswith(": fits") and "--expert-format" not in \
+    assert code == 0 and native_out.splitlines()[0].endswith(": runs") and "--expert-format" not in \
         _line(native_out, "  run with")
     assert _slots(out) > _slots(native_out) and "the plan above is native's, as asked" in native_out
     data = json.loads(_fit(capsys, str(QWEN), *box, "--json")[1])
@@ -235,7 +235,7 @@ def test_qwen3_on_8_gib_vram_and_32_gib_ram_recommends_a_conversion(capsys):
 @pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs has no gpt-oss-20b")
 def test_gpt_oss_recommends_native_and_says_conversions_are_larger(capsys):
     code, out, _ = _fit(capsys, str(OSS20), "--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "100")
-    assert code == 0 and out.splitlines()[0].endswith("(gpt_oss): fits")
+    assert code == 0 and out.splitlines()[0].endswith("(gpt_oss): runs")
     rows = _format_rows(out)
     assert rows["native"][0] and rows["native"][1].startswith("MXFP4, 12.6 MiB an expert: 278 slots, ")
     for fmt in ("int8", "int4"):
