@@ -267,6 +267,17 @@ class Server:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moechat",
              "moechat": self.info}]})
 
+    async def model(self, request):
+        from starlette.responses import JSONResponse
+
+        name = request.path_params["model_id"]
+        if name != self.model_name:
+            self._count_error(404)
+            return _error(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
+                          param="model", code="model_not_found")
+        return JSONResponse({"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moechat",
+                             "moechat": self.info})
+
     async def metrics_route(self, request):
         from starlette.responses import Response
 
@@ -492,6 +503,7 @@ def build_app(server: Server):
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/metrics", server.metrics_route, methods=["GET"]),
@@ -609,6 +621,9 @@ def serve_engine(engine, sock: socket.socket, *, model_name: str, api_key: str |
     config = uvicorn.Config(build_app(server), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=5)
     uv = uvicorn.Server(config)
+    if not api_key and host not in ("127.0.0.1", "::1", "localhost"):
+        print(f"moechat: warning: serving {host} without --api-key: anyone who can reach port {port} can use the model",
+              file=sys.stderr, flush=True)
     print(f"moechat serve: {model_name} on http://{shown}:{port}/v1 (metrics at /metrics; "
           f"{'API key required' if api_key else 'no API key'}; up to {max_queue} requests queued)",
           file=sys.stderr, flush=True)

@@ -298,6 +298,9 @@ def test_models_and_api_key(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == ["demo-moe"]
     info = models[0].model_extra["moechat"]
+    assert client.models.retrieve("demo-moe").id == "demo-moe"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     assert (info["num_layers"], info["num_experts"], info["top_k"], info["context"]) == (6, 16, 2, 512)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.get(server.url + "/v1/models", headers=headers)
@@ -320,3 +323,18 @@ def test_serve_and_run_share_the_load_flags():
     assert shared <= run_dests and shared <= serve_dests
     args = parser.parse_args(["serve", "--port", "0", "--expert-slots", "4", "--api-key", "k"])
     assert (args.model_dir, args.port, args.expert_slots, args.api_key, args.host) == (None, 0, 4, "k", "127.0.0.1")
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads():
+    import socket
+    import subprocess
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run([*serveproc.moechat_command(), "serve", "--port", str(port)], capture_output=True,
+                             text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"moechat: error: cannot listen on 127.0.0.1:{port}: Address already in use; "
+                                  "choose another --port (0: any free one)")
