@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
+import zipfile
 from pathlib import Path
+
+import pytest
 
 import moechat.app
 import moechat.engine
@@ -21,7 +28,9 @@ def test_every_package_folder_is_listed():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     mapping = config["package-dir"]
-    found = set()
+    data_only = {name for name, folder in mapping.items() if not any((ROOT / folder).rglob("*.py"))}
+    assert data_only == {"moechat.assets"} and set(config["package-data"]) >= data_only  # the demo model
+    found = set(data_only)
     for name, folder in mapping.items():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
@@ -62,3 +71,74 @@ def test_model_files_never_import_the_cache():
     for path in (ROOT / "engine" / "models").glob("*.py"):
         text = path.read_text()
         assert ".cache" not in text and "CachedProvider" not in text, path.name
+
+
+# -- the wheel ------------------------------------------------------------------------------------------------
+
+DEMO_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "routing_trace.npz", "README.md"}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel `pip install .` would install, built offline from a copy of the sources (no build isolation: the
+    setuptools of this environment; the copy keeps build/ and *.egg-info out of the shared tree)."""
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("app", "engine", "assets"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("dist")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(out), str(src)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (whl,) = out.glob("moechat-*.whl")
+    return whl
+
+
+def test_the_wheel_holds_every_module_the_stylesheet_and_the_demo_model(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for folder in ("app", "engine"):
+        for py in (ROOT / folder).rglob("*.py"):
+            if "__pycache__" not in py.parts:
+                assert f"moechat/{py.relative_to(ROOT).as_posix()}" in names, py
+    assert "moechat/app/moechat.tcss" in names
+    demo = {n.removeprefix("moechat/assets/demo-moe/") for n in names if n.startswith("moechat/assets/demo-moe/")}
+    assert demo >= DEMO_FILES and not {n for n in demo if n.endswith((".png", ".csv"))}
+    # where the code looks for it (app/pull.py: the folder above the app package), inside the wheel too
+    from moechat.app.pull import DEMO_MODEL
+
+    assert DEMO_MODEL.relative_to(Path(moechat.app.__file__).parents[1]) == Path("assets/demo-moe")
+    assert not {n for n in names if n.startswith(("tests/", "bench/", "packaging/", "moechat/tests"))}
+    meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "moechat = moechat.app.cli:main" in meta
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_runs_the_demo_model_from_anywhere(wheel, tmp_path):
+    """`pip install` of the wheel into a fresh venv, then `cd /tmp && moechat run --prompt hi`: the bundled model,
+    no network. The venv takes its dependencies (torch...) from this environment through a .pth line (offline)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    deps = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    (site / "zz_dependencies.pth").write_text("\n".join(dict.fromkeys(deps)) + "\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import moechat.app; print(moechat.app.__file__)"],
+                           cwd=elsewhere, capture_output=True, text=True, timeout=120, env=env)
+    assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr  # the wheel, not the tree
+    script = venv / "bin" / "moechat"
+    run = subprocess.run([str(script), "run", "--prompt", "What does math.sqrt do?", "--temperature", "0",
+                          "--max-tokens", "12", "--json"],
+                         cwd=elsewhere, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["model"].startswith(str(site)) and out["generated_tokens"] > 0
+    version = subprocess.run([str(script), "--version"], cwd=elsewhere,
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert version.stdout.strip() == "moechat 0.1.0"
