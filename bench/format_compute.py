@@ -1,25 +1,39 @@
-"""Expert compute per format on the CPU, against dense bf16: the numbers behind engine/plan.py's
-EXPERT_COMPUTE_EFFICIENCY["cpu"] (what the memory plan and `moechat fit`'s format advice assume).
+"""Expert formats on the CPU, side by side: compute rates against the read bandwidth, and decode tok/s at one byte
+budget (issue 14). The compute table is what engine/plan.py's EXPERT_COMPUTE_EFFICIENCY["cpu"] assumes.
 
-For each expert width (Qwen3-30B-A3B: H 2048, I 768; GPT-OSS: H = I = 2880) and each format, one token through
-both projections of one expert (`fmt.linear`, the path experts.py takes for a packed format on the CPU), over
-enough copies of the expert that the weights come from RAM, not cache. Formats are timed in interleaved rounds
-(dense int8 int4 fp8 mxfp4, dense int8 ...) so load from other processes lands on all alike; the table gives
-each format's median GB/s of its packed bytes and that rate over dense bf16's (the efficiency the plan uses).
+1. Compute: for each expert width (Qwen3-30B-A3B: H 2048, I 768; GPT-OSS: H = I = 2880) and each format, one token
+   through both projections of one expert (`fmt.linear`, the path experts.py takes for a packed format on the
+   CPU), over enough copies of the expert that the weights come from RAM, not cache. Formats and a read-bandwidth
+   probe (torch.sum over 512 MB) are timed in interleaved rounds (probe dense int8 int4 fp8 mxfp4, probe dense ..)
+   so load from other processes lands on all alike; the table gives each format's median GB/s of its packed
+   bytes, that over the probe's (the bandwidth aim is 0.6) and over dense bf16's (the plan's efficiency).
+2. Engine (`--engine`): decode tok/s of the bundled demo model and of a Qwen3-30B-A3B-shaped checkpoint (real
+   widths: H 2048, I 768, 128 experts, top-8; `--layers` layers, random bf16 weights written to disk, and an FP8
+   copy with 128 x 128 block scales) in each format (native bf16, int8, int4 via --expert-format, fp8), every
+   engine with the same byte budget: slots = `--slot-share` and the RAM tier = `--ram-share` of the bf16 experts'
+   bytes, so a smaller format holds more experts in each. Formats interleaved (ABAB) over `--runs` rounds;
+   medians and spread, hit rate, MB moved per token, and whether each format's greedy tokens repeat every round.
 
-    python bench/format_compute.py [--threads 1] [--rounds 7] [--copies 24]
+    python bench/format_compute.py [--threads 1] [--rounds 7] [--copies 24] [--engine] [--runs 3] [--layers 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from moechat.engine.quant import get_format, mxfp4
 from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # H = hidden size, I = expert intermediate size
 WIDTHS = {"qwen3-30b-a3b": (2048, 768), "gpt-oss": (2880, 2880)}
@@ -52,15 +66,13 @@ def expert(name: str, H: int, I: int) -> tuple[object, dict[str, torch.Tensor]]:
     return fmt, tensors
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--copies", type=int, default=24, help="copies of each expert cycled through (beyond cache)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} interleaved rounds, "
-          f"{args.copies} copies of each expert, one token (bf16 activations)")
+def compute_table(args) -> None:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), "
+          f"{args.rounds} interleaved rounds, {args.copies} copies of each expert, one token (bf16 activations), "
+          f"load average {load:.1f} at start")
+    probe = torch.ones(128 << 20)  # 512 MB, far past the last-level cache
+    probe.sum()
     ratios: dict[str, list[float]] = {f: [] for f in FORMATS}
     for model, (H, I) in WIDTHS.items():
         x13 = torch.randn(1, H).bfloat16()  # [1, H]
@@ -74,25 +86,173 @@ def main() -> None:
             fmt.linear(x2, copies[0], "w2")
             setups[name] = (fmt, nbytes, copies)
         times: dict[str, list[float]] = {name: [] for name in FORMATS}
+        bw: list[float] = []
         for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            probe.sum()
+            bw.append(probe.numel() * 4 / (time.perf_counter() - t0))
             for name, (fmt, _, copies) in setups.items():
                 t0 = time.perf_counter()
                 for c in copies:
                     fmt.linear(x13, c, "w13")
                     fmt.linear(x2, c, "w2")
                 times[name].append((time.perf_counter() - t0) / len(copies))
+        read_bw = statistics.median(bw)
         dense_rate = setups["dense"][1] / statistics.median(times["dense"])
-        print(f"\n{model} (H {H}, I {I})")
-        print(f"  {'format':<7} {'packed MB':>9} {'ms/expert':>10} {'spread':>15} {'GB/s packed':>11} {'/ dense':>8}")
+        print(f"\n{model} (H {H}, I {I}); read bandwidth {read_bw / 1e9:.2f} GB/s median "
+              f"[{min(bw) / 1e9:.2f}-{max(bw) / 1e9:.2f}]")
+        print("| format | packed MB | ms/expert | spread | GB/s packed | / read bw | / dense bf16 |")
+        print("|---|---:|---:|---|---:|---:|---:|")
         for name, (_, nbytes, _) in setups.items():
             med = statistics.median(times[name])
             rate = nbytes / med
             ratios[name].append(rate / dense_rate)
             spread = f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f}"
-            print(f"  {name:<7} {nbytes / 1e6:>9.2f} {med * 1e3:>10.3f} {spread:>15} {rate / 1e9:>11.2f} "
-                  f"{rate / dense_rate:>8.3f}")
+            print(f"| {name} | {nbytes / 1e6:.2f} | {med * 1e3:.3f} | {spread} | {rate / 1e9:.2f} | "
+                  f"{rate / read_bw:.2f} | {rate / dense_rate:.3f} |")
     print("\nEXPERT_COMPUTE_EFFICIENCY['cpu'] from these (the mean over the widths):")
     print("  {" + ", ".join(f'"{n}": {statistics.mean(r):.2g}' for n, r in ratios.items()) + "}")
+
+
+# -- decode tok/s per format at one byte budget ----------------------------------------------------------------
+ENGINE_FORMATS = ("bf16", "int8", "int4", "fp8")
+
+
+def fp8_copy(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """The checkpoint at `src` with its routed experts' projections written FP8 the Hub's way (e4m3 + block
+    `weight_scale_inv`); everything else as it is (an FP8 checkpoint's dense layers are dequantized at load)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    out = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as fh:
+            for name in fh.keys():
+                t = fh.get_tensor(name)
+                if ".experts." in name and name.endswith("proj.weight"):
+                    out[name], out[name + "_scale_inv"] = quantize_blocks(t.float(), block)
+                else:
+                    out[name] = t
+    save_file(out, str(dst / "model.safetensors"))
+    raw = json.loads((dst / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def engine_table(name: str, path: Path, fp8_path: Path, args, work: Path) -> None:
+    """Decode tok/s per format, every engine with the same slot and RAM byte budget, interleaved over rounds."""
+    from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.generate import Engine
+    from moechat.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, do_sample=False)
+    probe = Engine.load(path)
+    a = probe.args
+    layers = len(probe.loaded.cls.moe_layers(a))
+    H, I, E = a.hidden_size, a.moe_intermediate_size, a.num_experts
+    dtype = next(probe.model.parameters()).dtype
+    del probe
+    bf16_bytes = get_format("dense").expert_bytes(H, I, dtype, False)
+    slot_budget = args.slot_share * layers * E * bf16_bytes
+    ram_budget = args.ram_share * layers * E * bf16_bytes
+    prompt = list(range(3, 3 + args.prompt))
+    engines, rows = {}, {}
+    for fmt_name in ENGINE_FORMATS:
+        fmt = fp8_format((128, 128)) if fmt_name == "fp8" else get_format("dense" if fmt_name == "bf16" else fmt_name)
+        nbytes = fmt.expert_bytes(H, I, dtype, False)
+        slots = min(layers * E, max(a.num_experts_per_tok, int(slot_budget // nbytes)))
+        ram = int(ram_budget) if ram_budget < layers * E * nbytes else None  # None: every expert fits in RAM
+        cache = CacheConfig(expert_slots=slots, ram_cache_bytes=ram, repack_dir=str(work / "repack"))
+        t0 = time.perf_counter()
+        engines[fmt_name] = Engine.load(fp8_path if fmt_name == "fp8" else path, cache=cache,
+                                        expert_format=fmt_name if fmt_name in ("int8", "int4") else None)
+        rows[fmt_name] = dict(nbytes=nbytes, slots=slots, ram=ram, load_s=time.perf_counter() - t0, tok=[],
+                              outs=set(), hit=[], moved=[])
+    for _ in range(args.runs):
+        for fmt_name, engine in engines.items():
+            r = rows[fmt_name]
+            ids, last = [], None
+            for chunk in engine.generate(prompt, sampling=greedy, max_tokens=args.tokens, stop_on_eos=False):
+                ids.extend(chunk.token_ids)
+                last = chunk
+            r["tok"].append(last.decode_tokens_per_s)
+            r["outs"].add(tuple(ids))
+            snap = last.cache
+            if snap is not None:
+                r["hit"].append(snap.hit_rate)
+                r["moved"].append((snap.bytes_from_ram + snap.bytes_from_disk) / max(1, len(ids)))
+    for engine in engines.values():
+        engine.close()
+    base = statistics.median(rows["bf16"]["tok"])
+    print(f"\n{name}: {layers} MoE layers x {E} experts (top-{a.num_experts_per_tok}), bf16 expert "
+          f"{bf16_bytes / 1e6:.2f} MB; budget per engine: slots {slot_budget / 1e6:.0f} MB ({args.slot_share:.1%} of "
+          f"the bf16 experts), RAM tier {ram_budget / 1e6:.0f} MB ({args.ram_share:.1%}); {args.runs} interleaved "
+          f"runs of {args.tokens} tokens after a {args.prompt}-token prompt, {torch.get_num_threads()} torch threads")
+    print("| format | expert MB | slots | RAM tier | decode tok/s median | spread | vs bf16 | hit rate | "
+          "MB moved/token | same tokens every run |")
+    print("|---|---:|---:|---|---:|---|---:|---:|---:|---|")
+    for fmt_name, r in rows.items():
+        med = statistics.median(r["tok"])
+        ram = "every expert" if r["ram"] is None else f"{r['ram'] / 1e6:.0f} MB"
+        hit = statistics.median(r["hit"]) if r["hit"] else float("nan")
+        moved = statistics.median(r["moved"]) if r["moved"] else 0.0
+        print(f"| {fmt_name} | {r['nbytes'] / 1e6:.2f} | {r['slots']} | {ram} | {med:.2f} | "
+              f"{min(r['tok']):.2f}-{max(r['tok']):.2f} | {med / base:.2f}x | {hit:.0%} | {moved / 1e6:.1f} | "
+              f"{'yes' if len(r['outs']) == 1 else 'NO'} |")
+
+
+def qwen3_shaped(path: Path, layers: int) -> Path:
+    """A Qwen3-30B-A3B-shaped checkpoint (real expert widths, `layers` layers, vocab 4096), random bf16 weights."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", vocab_size=4096, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096, initializer_range=0.02)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--copies", type=int, default=24, help="copies of each expert cycled through (beyond cache)")
+    ap.add_argument("--no-compute", dest="compute", action="store_false", help="skip the compute table")
+    ap.add_argument("--engine", action="store_true", help="decode tok/s per format at one byte budget")
+    ap.add_argument("--runs", type=int, default=3, help="interleaved engine rounds")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-30B-A3B-shaped model (0: skip it)")
+    ap.add_argument("--slot-share", type=float, default=0.125, help="slot budget, as a share of the bf16 experts")
+    ap.add_argument("--ram-share", type=float, default=0.25, help="RAM tier budget, as a share of the bf16 experts")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.compute:
+        compute_table(args)
+    if not args.engine:
+        return
+    work = Path(tempfile.mkdtemp(prefix="moechat-formats-"))
+    try:
+        demo = ROOT / "assets" / "demo-moe"
+        engine_table("demo model", demo, fp8_copy(demo, work / "demo-fp8"), args, work)
+        if args.layers:
+            t0 = time.perf_counter()
+            qwen = qwen3_shaped(work / "qwen3-shaped", args.layers)
+            qwen_fp8 = fp8_copy(qwen, work / "qwen3-shaped-fp8")
+            print(f"\n(wrote the Qwen3-30B-A3B-shaped bf16 and FP8 checkpoints in {time.perf_counter() - t0:.0f} s)")
+            engine_table("Qwen3-30B-A3B-shaped", qwen, qwen_fp8, args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -127,12 +127,69 @@ def fp8_scale_rows(rows: int, b0: int, split: int | None) -> torch.Tensor:
     return idx
 
 
+def fp8_scale_runs(rows: int, b0: int, split: int | None) -> list[tuple[int, int, int]]:
+    """Runs of consecutive rows sharing a scale row: (first row, end row, scale row)."""
+    key = ("fp8_runs", rows, b0, split)
+    runs = _BUFFERS.get(key)
+    if runs is None:
+        srow = fp8_scale_rows(rows, b0, split).tolist()
+        runs, start = [], 0
+        for r in range(1, rows + 1):
+            if r == rows or srow[r] != srow[start]:
+                runs.append((start, r, srow[start]))
+                start = r
+        _BUFFERS[key] = runs
+    return runs
+
+
+# One bf16 token (decode on a bf16 model): the e4m3 byte as a bf16 bit pattern (sign-extended int16 << 4, bits
+# 11-14 cleared) is the value x 2^-120 exactly (fp8 subnormals land on bf16 subnormals), so a row tile decodes in
+# three integer passes and no float pass; the block scale goes on the input instead: per run of rows sharing a
+# scale row, x * scale(columns) * 2^120 rounded to bf16, then a bf16 GEMV (fp32 accumulation). 1.5x the exact fp32
+# path (bench/format_compute.py); the rounding of the scaled input is one bf16 rounding per product, the order
+# of a bf16 model's own rounding. Inputs whose scaled values would overflow take the exact path.
+_FP8_BF16_SHIFT = 2.0**120
+
+
+def _fp8_gemv_bf16(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                   split: int | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    rows, cols = w8.shape
+    b0, b1 = block
+    xs = x.float() * scale.float().repeat_interleave(b1, dim=1)[:, :cols] * _FP8_BF16_SHIFT  # [scale rows, in]
+    if not bool(xs.abs().amax() < 3e38):
+        return None
+    xs = xs.bfloat16()
+    step = tile_rows(2 * cols)  # a 4 MB bf16 tile
+    lanes = buffer("fp8_bf16_lanes", (step, cols), torch.int16)  # [tile, in]
+    y = torch.empty(1, rows, dtype=torch.bfloat16)  # [1, R]
+    runs = fp8_scale_runs(rows, b0, split)
+    i = 0
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        tile = lanes[: r1 - r0]
+        tile.copy_(w8[r0:r1])
+        tile.bitwise_left_shift_(4).bitwise_and_(-30721)  # keep bit 15 and bits 0-10 (0x87FF)
+        tb = tile.view(torch.bfloat16)  # [n, in]: e4m3 x 2^-120
+        while i < len(runs) and runs[i][0] < r1:
+            a, b, sr = runs[i]
+            lo, hi = max(a, r0), min(b, r1)
+            torch.mm(xs[sr : sr + 1], tb[lo - r0 : hi - r0].t(), out=y[:, lo:hi])
+            if b > r1:  # the run continues in the next tile
+                break
+            i += 1
+    return y if bias is None else y + bias
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], split: int | None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ W^T (+ bias) -> [n, R], W the e4m3 projection w [R, in] with block scales (split: w13's half)."""
     rows, cols = w.shape
     b0, b1 = block
     w8 = w.view(torch.int8)
+    if x.dtype == torch.bfloat16 and x.shape[0] == 1:
+        y = _fp8_gemv_bf16(x, w8, scale, block, split, bias)
+        if y is not None:
+            return y
     srow = fp8_scale_rows(rows, b0, split)
     factors = scale.float() * 256.0  # [ceil(R/b0) (x2 for w13), ceil(in/b1)], exact
     step = tile_rows(cols)

@@ -27,7 +27,8 @@ def _pack(name: str, which: str, w: torch.Tensor, block=(128, 128)) -> tuple[obj
 
 
 SHAPES = [("w13", 80, 96, (16, 32)), ("w2", 96, 40, (16, 32)), ("w13", 2 * 768, 2048, (128, 128)),
-          ("w2", 2048, 768, (128, 128)), ("w13", 2 * 40, 64, (128, 128))]
+          ("w2", 2048, 768, (128, 128)), ("w13", 2 * 40, 64, (128, 128)),
+          ("w2", 400, 3000, (128, 128))]  # 168-row tiles: FP8 scale blocks of 128 rows span two tiles
 
 
 @pytest.mark.parametrize("which,rows,cols,block", SHAPES)
@@ -92,3 +93,15 @@ def test_one_token_tiles_equal_one_gemv_over_the_whole_matrix():
     got = cpu.tiled_linear(x, 40, 64, lambda r0, r1, out: cpu.int4_decode(t["w2_q"][r0:r1], t["w2_scale"][r0:r1],
                                                                           out), tile=8)
     torch.testing.assert_close(got, F.linear(x, dense), atol=1e-6, rtol=1e-6)
+
+
+def test_fp8_bf16_gemv_falls_back_where_the_scaled_input_would_overflow():
+    """One bf16 token puts the block scale (x 2^120) on the input; scales that would overflow take the exact path."""
+    g = torch.Generator().manual_seed(5)
+    fmt, t = _pack("fp8", "w2", torch.randn(64, 96, generator=g), (16, 32))
+    t["w2_scale"] = t["w2_scale"] * 1e30
+    x = torch.randn(1, 96, generator=g).bfloat16()
+    want = F.linear(x.float(), fmt.weight(t, "w2", torch.float32))
+    got = fmt.linear(x, t, "w2")
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=1e-2)
