@@ -89,3 +89,36 @@ def test_metrics_rebuild_the_snapshot_and_bad_servers_are_one_line(server):
     plain = RemoteEngine("http://h:1/v1", "some-model", None)  # what a vLLM or llama-server says: no moechat info
     assert plain.cache_snapshot() is None and "not a moechat server" in plain.panel_note
     plain.close()
+
+
+def test_stop_closes_the_stream_and_the_server_cancels(server):
+    import threading
+    import time
+
+    import httpx
+
+    def cancelled() -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "moechat_requests_total" and s.labels.get("status") == "cancelled")
+
+    engine = RemoteEngine.connect(server.base_url, api_key=KEY)
+    before = cancelled()
+    conversation = engine.conversation()
+    cancel = threading.Event()
+    chunks = []
+    for chunk in conversation.send("Explain how apt works, step by step, in detail.",
+                                   sampling=engine.sampling(temperature=0), max_tokens=400, cancel=cancel):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            cancel.set()  # what the app's Stop does
+    assert chunks[-1].finish_reason == "cancelled" and len(chunks) == 4
+    assert conversation.messages[-1]["role"] == "assistant"
+    assert conversation.messages[-1]["content"] == "".join(c.text for c in chunks)
+    deadline = time.monotonic() + 10
+    while cancelled() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled() == before + 1  # the server stopped generating: nobody was listening
+    engine.close()
