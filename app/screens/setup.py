@@ -16,15 +16,22 @@ Every Hub call blocks, so each runs in a thread worker and answers with the mess
 (huggingface_hub, the planner) is imported inside the workers, so opening the app stays torch-free. A verdict
 for a 60 GB model reads about 2 MB. Errors are the engine's typed messages (gated, not found, no space, offline,
 bad token), shown as notices and kept beside the row.
+
+Offline (HF_HUB_OFFLINE, or the endpoint not answering a TCP connect within HUB_PROBE_TIMEOUT_S) the Hub is not
+asked at all: downloaded models get their exact verdict from the local snapshot, the others an estimate from
+what the catalog knows (parameters and expert format -> download size and the memory a token's weights need;
+`catalog_estimate`), marked "(est.)"; search says at once that it needs the Hub instead of retrying.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from textual import on, work
 from textual.binding import Binding
@@ -45,8 +52,12 @@ from ..messages import (
     SetupFailed,
 )
 
-COLUMNS = (("Model", "model"), ("Verdict", "verdict"), ("Predicted", "speed"), ("Experts", "format"),
-           ("Download", "download"), ("Family", "family"), ("Params / active", "params"), ("Note", "note"))
+# The note comes before the family and parameters (also in the detail pane), so a normal terminal shows it whole.
+COLUMNS = (("Model", "model"), ("Verdict", "verdict"), ("Predicted", "speed"), ("Download", "download"),
+           ("Note", "note"), ("Experts", "format"), ("Family", "family"), ("Params / active", "params"))
+HUB_PROBE_TIMEOUT_S = 2.0  # a TCP connect to the endpoint: no answer in this long and the wizard works offline
+# Bytes per parameter of a checkpoint by how its experts are stored (gpt-oss: MXFP4 experts, bf16 attention: 0.6).
+BYTES_PER_PARAM = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.05, "mxfp4": 0.6}
 CHECK_WORKERS = 4  # rows checked at once: each is 2-3 small requests (listing, config.json, index)
 SEARCH_LIMIT = 20
 PICK_HINT = ("Enter on a model: its exact plan for this machine, read from the safetensors headers (no weights "
@@ -180,6 +191,46 @@ def hardware_summary(hw) -> str:
     return "\n".join(lines)
 
 
+def hub_offline_reason(endpoint: str | None, timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hub cannot be asked now (HF_HUB_OFFLINE, or no TCP answer from the endpoint), or None."""
+    from moechat.engine.hub import is_offline
+
+    if is_offline():
+        return "offline: HF_HUB_OFFLINE is set"
+    url = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"offline: cannot reach {parts.scheme}://{parts.netloc} ({e.strerror or type(e).__name__})"
+
+
+def catalog_estimate(entry: CatalogEntry, hw) -> tuple[str, str, int | None]:
+    """(verdict word, note, download bytes) from what the catalog knows, for a supported entry without the Hub.
+
+    The download is the parameters at the format's bytes per parameter; a token needs about its active
+    parameters' bytes in RAM + VRAM (the dense part and its top-k experts; the other experts stream from disk)
+    and 1 GiB of working room."""
+    bpp = BYTES_PER_PARAM.get(entry.format.split()[0].lower() if entry.format else "")
+    if bpp is None or not entry.total_params_b:
+        return "unknown (offline)", "offline, and the catalog does not give its size", None
+    total = int(entry.total_params_b * 1e9 * bpp)
+    active = int((entry.active_params_b or entry.total_params_b) * 1e9 * bpp)
+    gpu = hw.best_gpu() if hw is not None else None
+    ram = hw.ram.total_bytes or hw.ram.available_bytes if hw is not None else None
+    memory = (ram or 0) + (gpu.free_bytes or 0 if gpu is not None else 0)
+    disk = hw.disk.free_bytes if hw is not None and hw.disk is not None else None
+    if disk is not None and total > disk:
+        return "too big (est.)", f"estimate: {_size(disk)} free on disk", total
+    need = active + (1 << 30)  # a token's weights (the dense part and its top-k experts) and working room
+    if memory and need > memory:
+        return "too big (est.)", f"estimate: needs ~{_size(need)} of RAM + VRAM, {_size(memory)} here", total
+    return "fits (est.)", "estimate from the catalog's sizes" + (f"; {entry.note}" if entry.note else ""), total
+
+
 @dataclass
 class _Row:
     entry: CatalogEntry
@@ -200,6 +251,9 @@ def entry_for_hit(hit) -> CatalogEntry:
 
 class SetupScreen(Screen[str | None]):
     """The setup wizard; dismisses with the downloaded snapshot's path (None: closed without a model)."""
+
+    # Under 180 columns the detail pane goes under the table, so the table's columns (the note) show whole.
+    HORIZONTAL_BREAKPOINTS = [(0, "-stacked"), (180, "-side")]
 
     BINDINGS = [
         Binding("escape", "back", "Back / cancel download"),
@@ -222,6 +276,9 @@ class SetupScreen(Screen[str | None]):
         self.cancel_event: threading.Event | None = None  # set while a download runs
         self.downloading: str | None = None
         self.last_progress = None  # the latest DownloadProgress
+        self.offline: str | None = None  # why the Hub is not asked (set by the first check of the rows)
+        self.plan_errors: dict[str, str] = {}  # repo -> why its plan failed (D says it)
+        self.download_when_planned: str | None = None  # D pressed while that repo's plan was being read
 
     # -- layout ---------------------------------------------------------------------------------------
     def compose(self):
@@ -274,12 +331,16 @@ class SetupScreen(Screen[str | None]):
     def _cells(self, r: _Row) -> tuple[str, ...]:
         e, s = r.entry, r.status
         verdict = s.verdict if s is not None else None
+        estimate = (catalog_estimate(e, self.hardware) if self.offline and s is not None and verdict is None
+                    and e.supported and r.search_note is None else None)
         if verdict is not None:
             word = verdict.verdict
         elif r.search_note is not None or (s is not None and not e.supported):
             word = "unsupported"
         elif s is None:
             word = "checking…"
+        elif estimate is not None:
+            word = estimate[0]
         elif s.gated and s.error:
             word = "gated"
         else:
@@ -290,10 +351,14 @@ class SetupScreen(Screen[str | None]):
             download = _size(verdict.download_bytes - verdict.cached_bytes)
         elif s is not None and s.download_bytes:
             download = _size(s.download_bytes)
+        elif estimate is not None and estimate[2]:
+            download = "~" + _size(estimate[2])
         else:
             download = ""
         if not e.supported:
             note = _short(e.why_unsupported or r.search_note or "")
+        elif estimate is not None:
+            note = estimate[1]
         elif s is not None and s.error and verdict is None:
             note = _short(s.error, e.repo_id)
         else:
@@ -335,10 +400,18 @@ class SetupScreen(Screen[str | None]):
             return self.hardware
 
     def _check_entries(self, listing_id: int, entries: list[CatalogEntry]) -> None:
-        """Each entry's live state and verdict (config.json only), posted row by row as they come."""
+        """Each entry's live state and verdict (config.json only), posted row by row as they come.
+
+        Offline, the Hub is not asked: downloaded entries get their verdict from the snapshot, the rest are
+        marked for the catalog's estimate."""
         worker = get_current_worker()
         hw = self._machine()
         hub = self.options.client()
+        offline = hub_offline_reason(self.options.endpoint)
+        if offline is not None:
+            for status in hub.catalog(hw, self.options.prefs, entries=entries, refresh=False, workers=1):
+                self.post_message(CatalogRowChecked(listing_id, status, offline=offline))
+            return
 
         def one(entry: CatalogEntry) -> None:
             if worker.is_cancelled:
@@ -358,6 +431,11 @@ class SetupScreen(Screen[str | None]):
         from moechat.engine.errors import MoechatError
 
         self._machine()
+        offline = hub_offline_reason(self.options.endpoint)
+        if offline is not None:  # at once, not after the HTTP client's retries
+            self.post_message(SetupFailed("search", None, "Offline", f"Hub search needs the Hub ({offline}); the "
+                                          "catalog below is what moechat knows without it"))
+            return
         try:
             hits = self.options.client().search(query, limit=SEARCH_LIMIT, supported_only=False)
         except MoechatError as e:
@@ -375,6 +453,13 @@ class SetupScreen(Screen[str | None]):
 
         hw = self._machine()
         hub = self.options.client()
+        offline = hub_offline_reason(self.options.endpoint) if hub.local_snapshot(repo_id) is None else None
+        if offline is not None:
+            how = "unset HF_HUB_OFFLINE" if "HF_HUB_OFFLINE" in offline else "check the connection or proxy"
+            self.post_message(SetupFailed("plan", repo_id, "Offline", f"{repo_id}: its exact plan and its download "
+                                          f"need the Hub ({offline}): {how}, or use a model that is already "
+                                          "downloaded; the row shows the catalog's estimate"))
+            return
         try:
             verdict = hub.fit(repo_id, hw, self.options.prefs)  # the local snapshot, else the Hub's headers
             local = hub.local_snapshot(repo_id)
@@ -417,6 +502,9 @@ class SetupScreen(Screen[str | None]):
         r = self.rows.get(status.entry.repo_id)
         if message.listing_id != self.listing_id or r is None:
             return
+        if message.offline != self.offline:
+            self.offline = message.offline
+            self.sub_title = "model setup" + (f" · {message.offline}" if message.offline else "")
         r.status = status
         self._update_row(status.entry.repo_id)
         if self.chosen is None and self._highlighted() == status.entry.repo_id:
@@ -440,12 +528,16 @@ class SetupScreen(Screen[str | None]):
         button = self.query_one("#setup-download", Button)
         button.label = "Open in chat" if message.local else "Download and chat"
         button.disabled = not message.verdict.supported or self.downloading is not None
+        self.plan_errors.pop(message.repo_id, None)
         r = self.rows.get(message.repo_id)
         if r is not None and r.status is not None:  # the exact verdict replaces the estimate in the row
             from dataclasses import replace
 
             r.status = replace(r.status, verdict=message.verdict, downloaded=message.local is not None)
             self._update_row(message.repo_id)
+        if self.download_when_planned == message.repo_id:  # D was pressed while the plan was read
+            self.download_when_planned = None
+            self.action_download()
 
     def on_download_progressed(self, message: DownloadProgressed) -> None:
         p = message.progress
@@ -489,6 +581,8 @@ class SetupScreen(Screen[str | None]):
         elif message.what == "search":
             self.table.loading = False
         elif message.what == "plan" and message.repo_id == self.chosen:
+            self.plan_errors[message.repo_id] = message.error
+            self.download_when_planned = None
             self.query_one("#setup-summary", Static).update(f"{message.repo_id}: {message.error}")
         self.notify(message.error, title=message.title, severity="warning" if message.cancelled else "error",
                     timeout=12)
@@ -525,6 +619,9 @@ class SetupScreen(Screen[str | None]):
             lines.append("checking the Hub…" if r.search_note is None else "")
         elif s.verdict is not None:
             lines.append(f"on this machine: {s.verdict.summary()} (estimate from config.json)")
+        elif self.offline and e.supported and r.search_note is None:
+            word, note, _ = catalog_estimate(e, self.hardware)
+            lines.append(f"{self.offline}. {word}: {note}")
         elif s.error:
             lines.append(s.error)
         if e.note:
@@ -589,6 +686,7 @@ class SetupScreen(Screen[str | None]):
             return
         self._clear_plan()
         self.chosen = repo_id
+        self.plan_errors.pop(repo_id, None)
         self.query_one("#setup-summary", Static).update(
             f"{repo_id}: reading config.json and the safetensors headers from the Hub (no weights)…")
         self._plan(repo_id)
@@ -612,9 +710,21 @@ class SetupScreen(Screen[str | None]):
         if self.downloading is not None:
             return
         repo_id, verdict = self.chosen, self.verdict
-        if repo_id is None or verdict is None:
-            self.notify("Pick a model first (Enter on its row): its plan comes before the download.",
-                        severity="warning")
+        if repo_id is not None and verdict is None:
+            if repo_id in self.plan_errors:  # its plan failed: say why, not "pick a model"
+                self.notify(f"Cannot download {repo_id}: {self.plan_errors[repo_id]}", title="No plan",
+                            severity="warning")
+            else:  # the plan is on its way: the download starts when it arrives
+                self.download_when_planned = repo_id
+                self.notify(f"{repo_id}: reading its plan; the download starts when it is ready.", timeout=4)
+            return
+        if repo_id is None:
+            highlighted = self._highlighted()
+            if highlighted is None:
+                self.notify("No model in the list to download.", severity="warning")
+                return
+            self.download_when_planned = highlighted  # D on a highlighted row: its plan first, then the download
+            self.pick(highlighted)
             return
         if not verdict.supported:
             self.notify(f"{repo_id} is not supported yet: {verdict.why_unsupported}", severity="warning")
