@@ -321,6 +321,7 @@ class ChatScreen(Screen):
         native = NATIVE_NAMES.get(info.native_format) or info.dtype
 
         def done(confirmed: bool | None) -> None:
+            self.query_one(PromptInput).focus()  # confirmed or not, typing goes to the prompt again
             if not confirmed:
                 tuning.reset_format()
                 return
