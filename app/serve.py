@@ -20,13 +20,10 @@ bounded FIFO. Every error is an OpenAI-shaped JSON body `{"error": {"message", "
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
-import socket
 import sys
 import time
-import uuid
 from pathlib import Path
 
 from .argtypes import positive_int as _positive_int
@@ -292,6 +289,8 @@ class Server:
         return await self._completion(request, "completion")
 
     async def _completion(self, request, kind: str):
+        import uuid
+
         from .serve_worker import Job, QueueFull
 
         try:
@@ -364,6 +363,7 @@ class Server:
 
     async def _first_event(self, job, request):
         """The job's first event (Start or Failed), or None if the client disconnected while it waited."""
+        import asyncio
         while True:
             try:
                 return await asyncio.wait_for(job.next(), _DISCONNECT_POLL_S)
@@ -373,6 +373,8 @@ class Server:
                     return None
 
     async def _collect(self, job, rid: str, kind: str, request):
+        import asyncio
+
         from starlette.responses import JSONResponse
 
         from .serve_worker import Calls, Delta, Done, Failed
@@ -475,6 +477,8 @@ class Server:
 
 
 def _tool_call(call) -> dict:
+    import uuid
+
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 
@@ -569,6 +573,7 @@ def _check_serve_args(args, device: str) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     import os
+    import socket
 
     from moechat.engine.errors import ConfigError
 
@@ -599,7 +604,7 @@ def _cache_line(args) -> dict:
     return {"policy": str(args.policy), "expert_format": str(args.expert_format), "on_miss": str(args.on_miss)}
 
 
-def serve_engine(engine, sock: socket.socket, *, model_name: str, api_key: str | None, max_queue: int,
+def serve_engine(engine, sock, *, model_name: str, api_key: str | None, max_queue: int,
                  model_dir: Path, cache_line: dict) -> int:
     """Serve `engine` on a bound socket until Ctrl+C / SIGTERM."""
     import uvicorn
