@@ -40,6 +40,9 @@ class ServerMetrics:
         self.queue_depth = Gauge("moechat_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("moechat_requests_running", "Requests generating (0 or 1: one sequence at a time)",
                              registry=r)
+        self.after_cancel = Counter("moechat_tokens_after_cancel", "Tokens generated after the client had gone or "
+                                    "cancelled (the engine stops before its next token: at most 1 per request)",
+                                    registry=r)
         self.rejected = Counter("moechat_http_errors", "Requests refused before the engine, by HTTP status",
                                 ["status"], registry=r)
         Gauge("moechat_info", "The served model and cache configuration", list(info), registry=r).labels(

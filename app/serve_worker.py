@@ -237,8 +237,7 @@ class EngineWorker:
             if self.metrics is not None:
                 self.metrics.running.set(0)
                 self.metrics.requests.labels(job.endpoint, status).inc()
-                if status != "cancelled" or elapsed > 0:
-                    self.metrics.latency.labels(job.endpoint).observe(time.perf_counter() - job.submitted)
+                self.metrics.latency.labels(job.endpoint).observe(time.perf_counter() - job.submitted)
 
     def _snapshot(self):
         try:
@@ -298,13 +297,15 @@ class EngineWorker:
         stops = StopMatcher(job.stop)
         finish, last, first_token_s = None, None, 0.0
         last_snapshot = time.perf_counter()
-        generated = 0
+        generated = after_cancel = 0
         stream = engine.generate(ids, sampling=job.sampling, max_tokens=job.max_tokens, cancel=job.cancel,
                                  sequence=seq, stop_on_eos=not job.ignore_eos, reasoning=parser)
         try:
             for chunk in stream:
                 last = chunk
                 generated = chunk.generated_tokens
+                if job.cancel.is_set() and chunk.token_ids:
+                    after_cancel += 1  # the token being computed when the client left; the engine stops next
                 if generated == 1 and chunk.token_ids:
                     first_token_s = time.perf_counter() - job.submitted
                     if self.metrics is not None:
@@ -334,6 +335,8 @@ class EngineWorker:
             return "error"
         finally:
             stream.close()  # a stop string ends it early: the engine quiesces its loads
+            if after_cancel and self.metrics is not None:
+                self.metrics.after_cancel.inc(after_cancel)
         if job.cancel.is_set() and finish in (None, "cancelled", "length", "stop") and last is not None \
                 and last.finish_reason == "cancelled":
             finish = "cancelled"
