@@ -150,7 +150,6 @@ def resolve_model_arg(model: str | None) -> str:
     `assets/demo-moe` run from /tmp is a relative path that does not exist there, and also a well-formed repo id that
     is not downloaded; the message says both, and what would do."""
     from moechat.engine.errors import ConfigError, NotDownloadedError
-    from moechat.engine.hub import Hub, looks_like_repo_id
 
     if model is None:
         if not (DEMO_MODEL / "config.json").is_file():
@@ -160,6 +159,8 @@ def resolve_model_arg(model: str | None) -> str:
     path = Path(model).expanduser()
     if path.exists():
         return model
+    from moechat.engine.hub import Hub, looks_like_repo_id  # (0.1 s of imports: only for what may be a repo id)
+
     where = "" if path.is_absolute() else f" in {Path.cwd()}"
     demo = (f"; the bundled demo model is what `moechat run` and `moechat chat` open without MODEL ({DEMO_MODEL})"
             if path.name == DEMO_MODEL.name else "")
