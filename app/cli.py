@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moechat", description="Run Mixture-of-Experts models bigger than your GPU, and see what the expert cache "
         "does. `moechat` alone opens the chat app on the bundled demo model (else the model used last).",
-        epilog="Start with: moechat run --prompt \"What does json.dumps do?\" --temperature 0   (the demo model); "
+        epilog="Start with: moechat run --prompt \"What does math.sqrt do?\" --temperature 0   (the demo model); "
         "moechat fit MODEL says whether a model runs here before you download it.")
     parser.add_argument("--version", action=_Version, help="print moechat's version and exit")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of an unexpected error "
