@@ -625,7 +625,12 @@ def serve_engine(engine, sock, *, model_name: str, api_key: str | None, max_queu
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(build_app(server), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=5)
-    uv = uvicorn.Server(config)
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            worker.stop(timeout=0)  # every open response ends (503) before uvicorn waits for them
+            super().handle_exit(sig, frame)
+
+    uv = _Server(config)
     if not api_key and host not in ("127.0.0.1", "::1", "localhost"):
         print(f"moechat: warning: serving {host} without --api-key: anyone who can reach port {port} can use the model",
               file=sys.stderr, flush=True)

@@ -171,14 +171,20 @@ class EngineWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Shutting down: waiting requests get a 503 now, the running one is cancelled before its next token and
+        ends with a 503 error event, so every response completes. `timeout` 0 returns at once (a signal handler)."""
+        shutting = RequestError("the server is shutting down; retry on another server or after its restart", 503,
+                                "server_error", "shutting_down")
         with self._cond:
             self._stopping = True
             for job in self._jobs:
                 job.cancel.set()
+                job.send(Failed(shutting, started=False))
+            self._jobs.clear()
             if self._running is not None:
                 self._running.cancel.set()
             self._cond.notify_all()
-        if self._thread.is_alive():
+        if timeout and self._thread.is_alive():
             self._thread.join(timeout)
 
     @property
@@ -341,6 +347,10 @@ class EngineWorker:
                 and last.finish_reason == "cancelled":
             finish = "cancelled"
         self._count(len(ids), generated, last)
+        if finish == "cancelled" and self._stopping:
+            job.send(Failed(RequestError("the server is shutting down: the reply was cut here", 503, "server_error",
+                                         "shutting_down"), started=True))
+            return "cancelled"
         job.send(Done(finish or "stop", len(ids), generated, last.prefill_tokens_per_s if last else 0.0,
                       last.decode_tokens_per_s if last else 0.0, first_token_s))
         return "cancelled" if finish == "cancelled" else "ok"

@@ -342,3 +342,44 @@ def test_a_port_in_use_is_one_line_before_the_model_loads():
     assert out.returncode == 1
     assert out.stderr.strip() == (f"moechat: error: cannot listen on 127.0.0.1:{port}: Address already in use; "
                                   "choose another --port (0: any free one)")
+
+
+def test_ctrl_c_ends_every_open_response_then_exits(tmp_path):
+    import signal
+
+    with serveproc.ServeProcess(["--no-warm-start"], cache_dir=tmp_path) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=2000, stream=True,
+                                                extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        queued: list = []
+
+        def ask() -> None:
+            try:
+                client.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=4)
+            except openai.APIStatusError as e:
+                queued.append(e)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        deadline = time.monotonic() + 30
+        while _value(_metrics_of(s), "moechat_queue_depth") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in it:
+                pass
+        t.join(30)
+        assert [e.status_code for e in queued] == [503] and "shutting down" in queued[0].message
+        assert s.proc.wait(30) == 130
+        assert "".join(s.stderr).strip().splitlines()[-1] == "moechat: stopped"
+        assert "ERROR" not in "".join(s.stderr)
+
+
+def _metrics_of(s) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(s.url + "/metrics", timeout=30).text
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text)
+            for x in f.samples}
