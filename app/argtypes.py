@@ -24,6 +24,15 @@ def positive_int(text: str) -> int:
     return _number(text, int, "a whole number", 0, inclusive=False)
 
 
+def device_problem(name: str) -> str | None:
+    """What is wrong with a --device name, without torch (the app checks it before its first frame; `run` asks
+    torch, which also knows whether CUDA is there): None for cpu, cuda and cuda:N. The loader's words."""
+    kind, colon, index = name.strip().lower().partition(":")
+    if kind in ("cpu", "cuda") and (not colon or index.isdigit()):
+        return None
+    return f"device {name!r} is not a device: use cpu, cuda or cuda:N"
+
+
 def prefetch_depth(text: str) -> int:
     """--prefetch-depth of `run`, `serve` and `chat`: one type, so a bad value is the same usage error (exit 2)."""
     from moechat.engine.cache.prefetch import MAX_PREFETCH_DEPTH  # pure Python

@@ -47,7 +47,8 @@ def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True)
                         help="compute dtype (default: the checkpoint's)")
     parser.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
                         "cache for (default 4096, at most the model's)")
-    parser.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    parser.add_argument("--device", default=None, help="compute device: cpu, cuda or cuda:N (default: "
+                        "cuda if available, else cpu)")
     cache = parser.add_argument_group("expert cache", "keep only N experts on the compute device, the rest in RAM "
                                       "or on disk (default: every expert resident)")
     cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")

@@ -47,8 +47,8 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
                      "expert slots (speed) or to a longer context (default: %(default)s)")
     fit.add_argument("--margin", type=_non_negative_float, default=0.05, metavar="FRACTION", help="fraction of each "
                      "memory total to leave free (default: %(default)s)")
-    fit.add_argument("--device", help="plan for cpu, cuda or cuda:N (default: the GPU with the most free memory, "
-                     "else the CPU)")
+    fit.add_argument("--device", help="plan for cpu, cuda or cuda:N (default: the GPU with the most "
+                     "free memory, else the CPU)")
     fit.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="plan in this compute dtype, as "
                      "moechat run --dtype would (default: the checkpoint's own formats)")
     fit.add_argument("--hit-curve", metavar="PATH", help="miss-ratio curve JSON ({\"points\": [[fraction, "

@@ -43,7 +43,8 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
                       help="compute dtype (default: the checkpoint's)")
     chat.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
                       "cache for (default 4096, at most the model's)")
-    chat.add_argument("--device", default=None, help="compute device (default: cuda if available, else cpu)")
+    chat.add_argument("--device", default=None, help="compute device: cpu, cuda or cuda:N (default: "
+                      "cuda if available, else cpu)")
     chat.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, help="how hard a reasoning model thinks "
                       "in this session, passed to the chat template (gpt-oss; default: the one set in the app, "
                       "else the template's own, medium for gpt-oss)")
@@ -102,8 +103,12 @@ def _run(app) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from .argtypes import device_problem
     from .bridge import looks_like_repo_id
 
+    if args.device is not None and device_problem(args.device):
+        print(f"moechat: error: {device_problem(args.device)}", file=sys.stderr)  # before the app opens
+        return EXIT_ERROR
     model = args.model
     if model is not None and not Path(model).expanduser().is_dir() and not looks_like_repo_id(model):
         print(f"moechat: error: {model}: no such model directory; pass a directory with config.json and "

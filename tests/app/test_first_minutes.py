@@ -115,3 +115,13 @@ def test_pull_json_prints_json_on_error(capsys):
     assert out["repo_id"] == "not-a-repo" and out["exit_status"] == 1 and out["error_type"] == "ConfigError"
     assert out["error"].startswith("not-a-repo: not a Hub repo id")
     assert captured.err.strip() == f"moechat: error: {out['error']}"
+
+
+def test_chat_refuses_a_bad_device_before_the_app_opens(monkeypatch, capsys):
+    from moechat.app import launch
+
+    opened = []
+    monkeypatch.setattr(launch, "_run", lambda app: opened.append(app) or 0)
+    assert cli.main(["chat", str(DEMO), "--device", "foo"]) == 1
+    assert capsys.readouterr().err == "moechat: error: device 'foo' is not a device: use cpu, cuda or cuda:N\n"
+    assert opened == []
