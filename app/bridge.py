@@ -451,7 +451,8 @@ class EngineBridge(Widget):
                         # The safe point: the generator is suspended between two tokens, on this thread.
                         self._apply_retune(engine, at_token=chunk.generated_tokens)
                         now = time.monotonic()
-                        if now - last_stats >= STATS_INTERVAL_S:
+                        # and right after the prefill (the first token): this reply's decode hit rate counts from it
+                        if now - last_stats >= STATS_INTERVAL_S or chunk.generated_tokens == 1:
                             tracker.sample_rate()
                             self._post_stats(engine)
                             last_stats = now

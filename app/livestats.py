@@ -30,7 +30,9 @@ class DashboardStats:
     generated_tokens: int = 0
     # cache (None / empty when every expert is resident and there is no cache)
     hit_rate: float | None = None  # since load (the session)
-    turn_hit_rate: float | None = None  # this reply (or the last one), read beside the session's after a retune
+    # this reply's decode (or the last reply's), read beside the session's: after a retune the session's hides what
+    # the cache does now; counted from the first token, so the prompt's prefill (a burst of first uses) is left out
+    turn_hit_rate: float | None = None
     turn_hits: int = 0
     turn_misses: int = 0
     layer_hit_rates: tuple[float, ...] = ()  # NaN: no request yet (or a dense layer)
@@ -91,13 +93,14 @@ class StatsTracker:
         self._per_token: tuple[float | None, float | None] = (None, None)
         self._stall_per_token: float | None = None
         self._cache_stats: dict = {}
-        self._turn_base: tuple[int, int] | None = None  # (hits, misses) since load when this reply began
+        self._turn_base: tuple[int, int] | None = None  # (hits, misses) since load when this reply's decode began
+        self._turn_waiting = False  # a reply started; its base is the first snapshot after its first token
 
     # -- inputs ---------------------------------------------------------------------------------------
     def start_generation(self) -> None:
         self._gen_base = self.tokens
         self.prompt_tokens = self.generated_tokens = 0
-        self._turn_base = (self._cache_stats.get("hits", 0), self._cache_stats.get("misses", 0))
+        self._turn_waiting = True
 
     def observe_chunk(self, prompt_tokens: int, generated_tokens: int, prefill_tps: float,
                       decode_tps: float) -> None:
@@ -137,7 +140,10 @@ class StatsTracker:
         self._prev, self._prev_tokens = snap, self.tokens
         hits, misses = sum(snap.hits), sum(snap.misses)
         turn_hits = turn_misses = 0
-        if self._turn_base is not None:
+        if self._turn_waiting and self.generated_tokens >= 1:  # the prefill is done: this reply's decode starts
+            self._turn_waiting = False
+            self._turn_base = (hits, misses)
+        if self._turn_base is not None and not self._turn_waiting:
             turn_hits, turn_misses = max(hits - self._turn_base[0], 0), max(misses - self._turn_base[1], 0)
         self._cache_stats = dict(
             hit_rate=_nan_to_none(hits / (hits + misses)) if hits + misses else None,

@@ -130,6 +130,8 @@ class Dashboard(Vertical):
     def show_stats(self, s: DashboardStats) -> None:
         self.stats = s
         q = self.query_one
+        if s.has_cache:
+            q(TuningPanel).show_on_miss(s.on_miss)
         self._set("prefill-tps", f"prefill {fmt_rate(s.prefill_tps)}")
         self._set("decode-tps", f"decode {fmt_rate(s.decode_tps)}")
         history = list(s.decode_history[-SPARK_POINTS:])

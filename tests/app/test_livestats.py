@@ -57,16 +57,23 @@ def test_formatting():
 
 
 def test_turn_hit_rate_beside_the_session():
-    """After a retune the session's rate hides what the cache does now; this reply's rate shows it."""
+    """After a retune the session's rate hides what the cache does now; this reply's decode rate shows it."""
     t = StatsTracker()
     t.observe_snapshot(snap([[9, 0]], hits=(932, 0), misses=(68, 0)))  # the first replies: 93.2%
     assert t.stats().turn_hit_rate is None  # no reply yet
     t.start_generation()
+    t.observe_chunk(5, 1, 100.0, 0.0)  # the first token: the prompt's prefill is done
+    t.observe_snapshot(snap([[12, 0]], hits=(932 + 2, 0), misses=(68 + 10, 0)))  # the prefill: not this reply's decode
+    assert t.stats().turn_hit_rate is None
     t.observe_chunk(5, 10, 100.0, 20.0)
-    t.observe_snapshot(snap([[19, 0]], hits=(932 + 28, 0), misses=(68 + 72, 0)))  # this reply: 28 of 100
+    t.observe_snapshot(snap([[19, 0]], hits=(934 + 28, 0), misses=(78 + 72, 0)))  # decode: 28 of 100
     s = t.stats()
     assert s.turn_hit_rate == 0.28 and (s.turn_hits, s.turn_misses) == (28, 72)
-    assert s.hit_rate == 960 / 1100
-    t.start_generation()  # the next reply starts from the counts so far
-    t.observe_snapshot(snap([[20, 0]], hits=(960 + 3, 0), misses=(140 + 1, 0)))
+    assert s.hit_rate == 962 / 1112
+    t.start_generation()  # the next reply: the last one's rate stays up until its decode has numbers
+    assert t.stats().turn_hit_rate == 0.28
+    t.observe_chunk(3, 1, 100.0, 0.0)
+    t.observe_snapshot(snap([[20, 0]], hits=(962 + 1, 0), misses=(150 + 5, 0)))
+    t.observe_chunk(3, 5, 100.0, 20.0)
+    t.observe_snapshot(snap([[21, 0]], hits=(963 + 3, 0), misses=(155 + 1, 0)))
     assert t.stats().turn_hit_rate == 0.75
