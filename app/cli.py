@@ -216,7 +216,8 @@ def _run(args: argparse.Namespace) -> int:
                           f"{sum(snapshot.prefetch_used)} of {sum(snapshot.prefetch_issued)} used, "
                           f"{snapshot.demand_misses} demand misses, stalled {snapshot.stall_seconds * 1e3:.0f} ms, "
                           f"prediction precision {snapshot.prefetch_precision:.0%} recall "
-                          f"{snapshot.prefetch_recall:.0%}; {snapshot.warm_loaded} experts warm-started]",
+                          f"{snapshot.prefetch_recall:.0%}; {snapshot.warm_loaded} "
+                          f"expert{'' if snapshot.warm_loaded == 1 else 's'} warm-started]",
                           file=sys.stderr)
     return status
 

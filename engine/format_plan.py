@@ -129,7 +129,7 @@ def where_experts_live(plan: MemoryPlan) -> str:
     N = plan.total_experts
     if plan.resident:
         return "every expert in RAM, no cache" if plan.device == "cpu" else f"every expert on {plan.device}, no cache"
-    slots = f"{plan.expert_slots:,} slots"
+    slots = f"{plan.expert_slots:,} slot" + ("" if plan.expert_slots == 1 else "s")
     if plan.device == "cpu":
         return f"{slots} in RAM ({plan.expert_slots / N:.0%} of the experts), the rest stream from disk"
     if plan.ram_cache_bytes is None:

@@ -244,12 +244,15 @@ class DownloadPlan:
 
     def describe(self) -> list[str]:
         """The honest account: what is reused, what resumes where, what starts over and why."""
-        lines = [f"{self.repo_id} at {self.sha[:12]}: {len(self.files)} files, {_fmt(self.total_bytes)}"
-                 + (f" ({len(self.skipped)} files not needed: {', '.join(self.skipped[:4])}"
+        def files(n: int) -> str:
+            return f"{n} file" + ("" if n == 1 else "s")
+
+        lines = [f"{self.repo_id} at {self.sha[:12]}: {files(len(self.files))}, {_fmt(self.total_bytes)}"
+                 + (f" ({files(len(self.skipped))} not needed: {', '.join(self.skipped[:4])}"
                     + (", ..." if len(self.skipped) > 4 else "") + ")" if self.skipped else "")]
         cached = [f for f in self.files if f.action == "cached"]
         if cached:
-            lines.append(f"already in the cache: {len(cached)} files, {_fmt(self.cached_bytes)}")
+            lines.append(f"already in the cache: {files(len(cached))}, {_fmt(self.cached_bytes)}")
         for f in self.files:
             if f.action == "resume":
                 lines.append(f"resuming {f.path} at {_fmt(f.kept_bytes)} of {_fmt(f.size)} "

@@ -1480,6 +1480,7 @@ def _device_refusal(spec: ModelSpec, hw: Hardware, prefs: Preferences, gpu: GpuI
                  f"{'free VRAM' if gpu is not None else 'of available RAM'}")
     resource = "VRAM" if gpu is not None else "RAM"
     ctx = min(want, MIN_CONTEXT) if auto_ctx else want
-    detail = (f"dense {gib(spec.dense_bytes)} + KV for {ctx:,} tokens + workspace + {c_min} expert slots need "
+    detail = (f"dense {gib(spec.dense_bytes)} + KV for {ctx:,} tokens + workspace + {c_min} expert "
+              f"slot{'' if c_min == 1 else 's'} need "
               f"{gib(need)}, the budget is {gib(budget)}")
     return Refusal(resource, need, max(0, budget), tuple(fixes), detail=detail)
