@@ -254,6 +254,7 @@ class SetupScreen(Screen[str | None]):
 
     # Under 180 columns the detail pane goes under the table, so the table's columns (the note) show whole.
     HORIZONTAL_BREAKPOINTS = [(0, "-stacked"), (180, "-side")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]  # under 30 rows the boxes lose their borders
 
     BINDINGS = [
         Binding("escape", "back", "Back / cancel download"),

@@ -360,3 +360,19 @@ async def test_enter_then_d_at_once_downloads_when_the_plan_arrives(hub, app_env
         await fakes.wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), timeout=30, what="the chat")
         assert not any("Pick a model first" in m for _, m in _notices(app))
         assert hub.client.resolve(hub.repo)
+
+
+async def test_the_wizard_at_80x24_keeps_a_dozen_rows_and_the_footer(app_env, fakes):
+    hardware = probe(app_env, nvml=None, cuda=None).with_overrides(vram_gb=8, ram_gb=32, disk_gb=100)
+    options = HubOptions(endpoint="http://127.0.0.1:9", cache_dir=app_env / "hf", hardware=hardware)
+    app = make_app(None, options=LoadOptions(device="cpu"), settings=Settings(path=app_env / "settings.toml"),
+                   store=ChatStore(app_env / "chats.sqlite3"), memory_probe=fakes.Memory(),
+                   export_dir=app_env / "exports", hub=options)
+    async with app.run_test(size=(80, 24)) as pilot:
+        setup = await _open_wizard(pilot, fakes)
+        await pilot.pause(0.2)
+        table = setup.query_one("#setup-models", DataTable)
+        assert table.size.height >= 10  # header + 9 models or more
+        assert setup.query_one("#setup-download").region.bottom <= 23  # the button above the footer
+        keys = {key for key, (_, b, enabled, _) in setup.active_bindings.items() if b.show}
+        assert {"escape", "slash", "d", "ctrl+q"} <= keys
