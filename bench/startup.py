@@ -75,10 +75,19 @@ T0, W0 = time.perf_counter(), time.time()
 import asyncio, json, sys
 from moechat.app.app import make_app
 from moechat.app.settings import Settings
+from moechat.app.bridge import EngineBridge
 marks = {}
 async def pilot(p):
     marks["frame"] = time.perf_counter() - T0
-    await asyncio.sleep(0.2)  # a moment for the first refresh to settle, as a user would see it
+    if sys.argv[2] == "loaded":  # quit once the model is ready, as after a chat; else while it still loads
+        bridge = p.app.screen.query_one(EngineBridge) if p.app.screen.query(EngineBridge) else None
+        while bridge is None or not bridge.ready:
+            await asyncio.sleep(0.05)
+            nodes = p.app.query(EngineBridge) or p.app.screen.query(EngineBridge)
+            bridge = nodes.first() if nodes else None
+        marks["ready"] = time.perf_counter() - T0
+    else:
+        await asyncio.sleep(0.2)  # a moment for the first refresh to settle, as a user would see it
     marks["exit_at"] = time.time()
     p.app.exit()
 app = make_app(sys.argv[1], settings=Settings(path=None))
@@ -143,20 +152,25 @@ def end_to_end(model: str, runs: int, cwd: Path, env: dict) -> tuple[list[float]
     return first, total
 
 
-def tui(model: str, runs: int, cwd: Path, env: dict) -> tuple[list[float], list[float]]:
-    frame, quit_s = [], []
+def tui(model: str, runs: int, cwd: Path, env: dict) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
     for _ in range(runs):
-        w = time.time()
-        done = subprocess.run([sys.executable, "-c", TUI_CHILD, model], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=600)
-        end = time.time()
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not lines:
-            raise SystemExit(f"app child failed: {done.stderr.strip()[-400:]}")
-        data = json.loads(lines[-1])
-        frame.append(data["wall0"] - w + data["marks"]["frame"])
-        quit_s.append(end - data["marks"]["exit_at"])
-    return frame, quit_s
+        for when in ("loading", "loaded"):
+            w = time.time()
+            done = subprocess.run([sys.executable, "-c", TUI_CHILD, model, when], cwd=cwd, env=env,
+                                  capture_output=True, text=True, timeout=600)
+            end = time.time()
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode != 0 or not lines:
+                raise SystemExit(f"app child failed: {done.stderr.strip()[-400:]}")
+            marks = json.loads(lines[-1])["marks"]
+            start = json.loads(lines[-1])["wall0"] - w
+            out.setdefault("first frame", []).append(start + marks["frame"])
+            if "ready" in marks:
+                out.setdefault("model ready (loaded in the worker)", []).append(start + marks["ready"])
+            out.setdefault(f"quit while the model {'loads' if when == 'loading' else 'is loaded'} "
+                           "(exit() to process end)", []).append(end - marks["exit_at"])
+    return out
 
 
 def decode_rate(model: str, cwd: Path, env: dict) -> float:
@@ -222,10 +236,10 @@ def main() -> None:
         print(f"{'first token on stdout':<44}{_med(first):>22}")
         print(f"{'exit':<44}{_med(total):>22}")
         if not args.skip_tui:
-            frame, quit_s = tui(model, args.runs, cwd, env)
+            res = tui(model, args.runs, cwd, env)
             print("\nthe app (make_app, headless 120x40, the real engine loading in its worker)")
-            print(f"{'first frame':<44}{_med(frame):>22}")
-            print(f"{'quit (exit() to process end)':<44}{_med(quit_s):>22}")
+            for k, v in res.items():
+                print(f"{k:<56}{_med(v):>22}")
         if not args.skip_threads:
             res = threads(model, max(1, args.runs // 2 + 1), cwd, env, cores)
             names = list(dict.fromkeys(n for n, _ in res))
