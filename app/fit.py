@@ -257,7 +257,7 @@ def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format:
     disk = "disk unknown" if hw.disk is None else f"disk {gib(hw.disk.free_bytes)} free on {hw.disk.path}"
     ram = f"RAM {gib(hw.ram.available_bytes)} available{mark(hw.ram.source)}"
     if hw.ram.free_now_bytes is not None:
-        ram = f"RAM {gib(hw.ram.available_bytes)} in all, planned on ({gib(hw.ram.free_now_bytes)} free now)"
+        ram = f"RAM {gib(hw.ram.available_bytes)} in all (the plan's), {gib(hw.ram.free_now_bytes)} free now"
     out.append(f"  hardware  {gpus or 'no usable GPU'}; {ram}; {disk}{mark(hw.disk.source if hw.disk else '')}")
     rows = [(d.item, "" if d.bytes is None else gib(d.bytes), d.where, d.reason) for d in plan.decisions]
     w0 = max(len(r[0]) for r in rows)
@@ -289,7 +289,10 @@ def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format:
         out.append(f"  REFUSED   {plan.refusal.message}")
         if not plan.overridden:
             out += _scale_out_lines(spec)
-    if advice is not None:
+    if advice is not None and not runnable:
+        out.append("  advice    none: moechat cannot load this checkpoint (the first line says why); the plan above is "
+                   "what it would take")
+    elif advice is not None:
         out += _format_lines(advice, expert_format)
     if (plan.ok or plan.overridden) and runnable:
         when = [w for w, cond in (("after the download", not spec.weights_present), ("on that hardware", hw.what_if))

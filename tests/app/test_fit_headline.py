@@ -55,8 +55,11 @@ def test_the_demo_runs(capsys):
                                                                  "'bitsandbytes'"),
 ])
 def test_what_the_engine_cannot_load_is_cannot_run_with_exit_3(capsys, tmp_path, changes, why):
-    code, line = _fit(capsys, str(_model(tmp_path, **changes)), "--ram-gb", "16", "--disk-gb", "100")
-    assert code == EXIT_REFUSED and why in line
+    code = main(["fit", str(_model(tmp_path, **changes)), "--ram-gb", "16", "--disk-gb", "100"])
+    out = capsys.readouterr().out
+    assert code == EXIT_REFUSED and HEADLINE.match(out.splitlines()[0]) and why in out.splitlines()[0]
+    assert "\n  advice    none: moechat cannot load this checkpoint" in out and "run with" not in out
+    assert "--expert-format int" not in "\n".join(out.splitlines()[1:])  # no conversion advised for it
 
 
 def test_a_refused_plan_is_cannot_run_and_force_says_so_with_exit_0(capsys):
