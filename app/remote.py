@@ -188,14 +188,14 @@ class RemoteEngine:
     def close(self) -> None:
         self.client.close()
 
-    def cache_snapshot(self):
-        """The server's cache from its /metrics (None: not a moechat server, or every expert resident). Never
-        raises: a failed scrape keeps the last snapshot."""
+    def cache_snapshot(self, fresh: bool = False):
+        """The server's cache from its /metrics (None: not a moechat server, or every expert resident), scraped at
+        most every METRICS_INTERVAL_S unless `fresh`. Never raises: a failed scrape keeps the last snapshot."""
         if not self.is_moechat:
             return None
         with self._snapshot_lock:
             now = time.monotonic()
-            if now - self._snapshot_at < METRICS_INTERVAL_S:
+            if not fresh and now - self._snapshot_at < METRICS_INTERVAL_S:
                 return self._snapshot
             self._snapshot_at = now
             try:
@@ -350,7 +350,7 @@ class RemoteConversation:
         self._record(reply, thinking, started=True)
         yield RemoteChunk("", (), finish or "stop", prompt_tokens, generated,
                           *self._rates(prompt_tokens, generated, t0, t_first, t_last),
-                          cache=self.engine.cache_snapshot())
+                          cache=self.engine.cache_snapshot(fresh=True))  # the reply's own routing included
 
     @staticmethod
     def _rates(prompt_tokens: int, generated: int, t0: float, t_first, t_last) -> tuple[float, float]:

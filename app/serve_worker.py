@@ -347,6 +347,7 @@ class EngineWorker:
                 and last.finish_reason == "cancelled":
             finish = "cancelled"
         self._count(len(ids), generated, last)
+        self.snapshot = self._snapshot()  # before Done: a client that scrapes /metrics next sees this request
         if finish == "cancelled" and self._stopping:
             job.send(Failed(RequestError("the server is shutting down: the reply was cut here", 503, "server_error",
                                          "shutting_down"), started=True))
