@@ -108,6 +108,7 @@ class ChatScreen(Screen):
         self.hint = hint  # a line above the prompt until the first message (the demo model: where models come from)
         self.queued: str | None = None  # a message sent while the model loads: sent when it is ready
         self.loading = False
+        self._reopen = False  # the last chat with this model is still to be reopened (at start)
         self.info: ModelInfo | None = None
         self.gen_id: int | None = None
         self.reply: AssistantMessage | None = None
@@ -149,9 +150,18 @@ class ChatScreen(Screen):
         self.query_one("#chat-hint", Label).display = bool(self.hint)
         self.query_one(PromptInput).focus()
         self.load(self.model)
-        last = self.app.store.list_conversations(limit=1)
-        if last and self.app.reopen_last_chat:  # the chat the app was closed on, as it was left
-            self.call_later(self.open_conversation, last[0].id)
+        self._reopen = self.app.reopen_last_chat  # the last chat with this model, as it was left
+        self._reopen_last_chat(self.model)
+
+    def _reopen_last_chat(self, *models: str) -> None:
+        """Open the latest saved chat with one of `models` (a path as typed or resolved, a repo id), once."""
+        if not self._reopen or self.session.turns:
+            return
+        names = set(models) | {str(Path(m).expanduser().resolve()) for m in models if m}
+        last = next((c for c in self.app.store.list_conversations(limit=50) if c.model in names), None)
+        if last is not None:
+            self._reopen = False
+            self.call_later(self.open_conversation, last.id)
 
     def on_unmount(self) -> None:
         self.bridge.stop()
@@ -180,6 +190,9 @@ class ChatScreen(Screen):
         self.dashboard.show_model(info)
         self.loading = False
         self._restore_tuning(info)
+        if self.queued is None:
+            self._reopen_last_chat(info.path)  # a repo id's chats are saved under its snapshot's path
+        self._reopen = False
         settings = self.app.settings
         settings.remember_model(info.path)
         problem = settings.save()

@@ -165,3 +165,15 @@ async def test_a_message_sent_while_the_model_loads_is_answered_when_it_is_ready
                              and screen.session.turns[1].status == "done", what="the queued message's reply")
         assert engine.sends[0].text == "hello early"
         assert screen.query(AssistantMessage).last().text == "ready now"
+
+
+async def test_only_a_chat_with_this_model_reopens(build_app, fakes):
+    app, store = build_app(fakes.Engine())
+    mine = store.new_conversation("/models/fake-moe")
+    store.add_message(mine, "user", "about the fake model")
+    other = store.new_conversation("/models/another-moe")  # the latest chat, with another model
+    store.add_message(other, "user", "about another model")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot, fakes)
+        await fakes.wait_for(pilot, lambda: screen.session.conversation_id == mine, what="this model's last chat")
+        assert [m.text for m in screen.query(UserMessage)] == ["about the fake model"]
