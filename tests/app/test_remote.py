@@ -122,3 +122,63 @@ def test_stop_closes_the_stream_and_the_server_cancels(server):
         time.sleep(0.05)
     assert cancelled() == before + 1  # the server stopped generating: nobody was listening
     engine.close()
+
+
+@pytest.fixture
+def plain_server():
+    """A server that speaks only OpenAI's fields, as vLLM or llama-server do: no `moechat` object, no /metrics,
+    thinking in `reasoning`, no usage chunk. Real HTTP on loopback (uvicorn in a thread)."""
+    import json
+    import socket
+    import threading
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    seen: list[dict] = []
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "org/other-model", "object": "model"},
+                                                        {"id": "org/plain-model", "object": "model"}]})
+
+    async def chat(request: Request):
+        seen.append(await request.json())
+
+        def events():
+            for delta in ({"role": "assistant"}, {"reasoning": "Think."}, {"content": "Hello"}, {"content": " you"}):
+                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}) + "\n\n"
+            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", seen
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_any_openai_compatible_server(plain_server):
+    url, seen = plain_server
+    engine = RemoteEngine.connect(url, model="org/plain-model")
+    assert not engine.is_moechat and engine.cache_snapshot() is None and "tok/s only" in engine.panel_note
+    conversation = engine.conversation(system="Be brief.")
+    chunks = list(conversation.send("Hi", sampling=engine.sampling(temperature=0.5, top_k=5), max_tokens=9))
+    assert "".join(c.text for c in chunks) == "Hello you" and "".join(c.thinking for c in chunks) == "Think."
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].cache is None
+    body = seen[-1]
+    assert body["model"] == "org/plain-model" and body["max_tokens"] == 9 and body["temperature"] == 0.5
+    assert "top_k" not in body  # an extension only moechat serve (and vLLM) take: not sent to an unknown server
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert conversation.messages[-1] == {"role": "assistant", "content": "Hello you", "thinking": "Think."}
+    engine.close()
