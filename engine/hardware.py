@@ -23,6 +23,7 @@ crosses in 0.37 ms. GPU memory bandwidth is NVML's max memory clock x 2 (double 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -45,12 +46,58 @@ ASSUMED_DISK_GBPS = 2.0  # an NVMe SSD reading MB-sized expert ranges with one r
 CGROUP_V1_UNLIMITED = 1 << 62
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+def usable_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPU cores this process may run on: its affinity mask where the OS has one, lowered to a container's CPU
+    quota (`docker --cpus 2` on a 64-core host sets a quota, not an affinity: 63 torch threads on 2 cores' time)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(proc_cgroup, cgroup_root)
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def cgroup_cpu_quota(proc_cgroup: Path, cgroup_root: Path) -> float | None:
+    """The tightest CPU quota above this process, in cores (v2 cpu.max "quota period"; v1 cpu.cfs_quota_us /
+    cpu.cfs_period_us, -1 for none); None when there is none or it cannot be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    best = None
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, rel = fields
+        if controllers == "":
+            dirs, read = _ancestors(cgroup_root, rel), _cpu_max
+        elif "cpu" in controllers.split(","):
+            dirs, read = _ancestors(cgroup_root / controllers, rel) or _ancestors(cgroup_root / "cpu", rel), _cfs
+        else:
+            continue
+        for d in dirs:
+            q = read(d)
+            if q is not None and q > 0 and (best is None or q < best):
+                best = q
+    return best
+
+
+def _cpu_max(d: Path) -> float | None:
+    try:
+        words = (d / "cpu.max").read_text().split()
+        if not words or words[0] == "max":
+            return None
+        return int(words[0]) / int(words[1] if len(words) > 1 else 100_000)
+    except (OSError, UnicodeDecodeError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _cfs(d: Path) -> float | None:
+    quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
+    if quota is None or quota <= 0 or not period:
+        return None
+    return quota / period
 
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
