@@ -72,12 +72,14 @@ INT4_GROUPS = (32, 16, 8)
 # Expert compute of each format's path today, as a fraction of the rate the device reads dense weights at,
 # counted on the format's packed bytes (1: the packed bytes are read once, as a fused kernel does). CPU: measured
 # by bench/format_compute.py (one thread, one token, Qwen3-30B-A3B's and GPT-OSS's expert widths, medians of
-# interleaved rounds); GPU: 1 where a fused kernel reads the packed bytes (MXFP4, kernels/mxfp4_moe.py), else
-# counted from the bytes the torch path moves per packed byte (int8: cast to bf16 + GEMM, 5 B; int4: codes to
-# int32, a table lookup, the scale product and the GEMM, ~12.5 B per 0.625 B; fp8: blocks expanded in fp32,
-# ~33 B). Raise these as kernels land: the plan's speeds and the recommended format follow.
+# interleaved rounds; int8: torch's fused _weight_int8pack_mm, int4/fp8: exact row-tile decoders, quant/cpu.py);
+# GPU: 1 where a fused kernel reads the packed bytes and was measured (MXFP4, kernels/mxfp4_moe.py), else counted
+# from the bytes the torch path moves per packed byte (int8: cast to bf16 + GEMM, 5 B; int4: codes to int32, a
+# table lookup, the scale product and the GEMM, ~12.5 B per 0.625 B; fp8: blocks expanded in fp32, ~33 B).
+# FP8/int8/int4 have a fused kernel too (kernels/quant_moe.py) whose rate no GPU has measured yet: raise their
+# GPU rows when bench/gpu_check.sh has. The plan's speeds and the recommended format follow these numbers.
 EXPERT_COMPUTE_EFFICIENCY = {
-    "cpu": {"dense": 1.0, "int8": 0.65, "int4": 0.02, "mxfp4": 0.045, "fp8": 0.015},
+    "cpu": {"dense": 1.0, "int8": 0.7, "int4": 0.06, "mxfp4": 0.045, "fp8": 0.15},
     "gpu": {"dense": 1.0, "int8": 0.2, "int4": 0.05, "mxfp4": 1.0, "fp8": 0.03},
 }
 
