@@ -72,6 +72,10 @@ class GenerationChunk:
     decode_tokens_per_s: float = 0.0
     cache: CacheSnapshot | None = None  # on the last chunk, when the experts are cached
     thinking: str = ""  # new reasoning text, split off `text` when generating with a reasoning parser
+    # with generate(logprobs=k): the sampled token's log-probability under the model's raw logits (before
+    # temperature and penalties, as vLLM reports them) and the k most likely (token id, log-probability), best first
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -263,11 +267,15 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], *, sampling: SamplingParams | None = None,
                  max_tokens: int | None = None, cancel: threading.Event | None = None,
                  sequence: SequenceState | None = None, stop_on_eos: bool = True,
-                 reasoning: ReasoningParser | None = None) -> Iterator[GenerationChunk]:
+                 reasoning: ReasoningParser | None = None, logprobs: int | None = None) -> Iterator[GenerationChunk]:
         """Prefill prompt_ids (after whatever `sequence` already holds) and stream generated tokens.
 
-        With `reasoning` (see `reasoning_parser`), each chunk's text is split into `thinking` and `text`.
+        With `reasoning` (see `reasoning_parser`), each chunk's text is split into `thinking` and `text`. With
+        `logprobs` = k (0..20), each token's chunk carries its log-probability and the k best alternatives, read in
+        the same host sync as the token (a log_softmax and a top-k over the vocabulary: microseconds on a GPU).
         """
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise MoechatError(f"logprobs must be 0..20, got {logprobs}")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise MoechatError("the prompt is empty: give at least one token")
@@ -289,7 +297,7 @@ class Engine:
 
         try:
             yield from self._generate(seq, prompt_ids, sampling, max_tokens, cancel, detok, stop_ids, penalise,
-                                      history, reasoning)
+                                      history, reasoning, logprobs)
         finally:
             # Done, cancelled or abandoned: no expert load may outlive the request.
             quiesce = getattr(self.provider, "quiesce", None)
@@ -297,7 +305,7 @@ class Engine:
                 quiesce()
 
     def _generate(self, seq, prompt_ids, sampling, max_tokens, cancel, detok, stop_ids, penalise,
-                  history, reasoning) -> Iterator[GenerationChunk]:
+                  history, reasoning, logprobs=None) -> Iterator[GenerationChunk]:
         sampler = Sampler(sampling, device=self.loaded.device)
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -312,7 +320,8 @@ class Engine:
                 seen[: len(history)] = torch.tensor(history, dtype=torch.long)
             n_seen = len(history)
             while True:
-                token = self._sample(sampler, logits, seen[:n_seen] if penalise else None, len(generated))
+                token, lp = self._sample(sampler, logits, seen[:n_seen] if penalise else None, len(generated),
+                                         logprobs)
                 generated.append(token)
                 history.append(token)
                 if penalise:
@@ -338,7 +347,8 @@ class Engine:
                 now = time.perf_counter()
                 decode_rate = (len(generated) - 1) / (now - t_first) if len(generated) > 1 else 0.0
                 yield GenerationChunk(text, (token,), finish, len(prompt_ids), len(generated), prefill_rate,
-                                      decode_rate, self.cache_snapshot() if finish else None, thinking)
+                                      decode_rate, self.cache_snapshot() if finish else None, thinking,
+                                      *(lp or (None, ())))
                 if finish is not None:
                     return
                 if cancel is not None and cancel.is_set():
@@ -347,19 +357,33 @@ class Engine:
                     return
                 logits = self._forward(seq, [token])
 
-    def _sample(self, sampler: Sampler, logits: torch.Tensor, seen: torch.Tensor | None, step: int) -> int:
+    def _sample(self, sampler: Sampler, logits: torch.Tensor, seen: torch.Tensor | None, step: int,
+                logprobs: int | None = None) -> tuple[int, tuple | None]:
         """The next token id, read in the one host sync per token together with the logits' min and max: NaN or
         Inf logits (damaged weights, an fp16 overflow) end the generation with a typed error, where argmax over
-        NaN would return an arbitrary token, often a stop that looks like a normal end."""
+        NaN would return an arbitrary token, often a stop that looks like a normal end. With `logprobs` = k, the
+        token's log-probability and the k best (id, log-probability) come back in the same sync."""
         lo, hi = torch.aminmax(logits)  # [] [] (aminmax propagates NaN)
-        token = torch.as_tensor(sampler(logits, seen), dtype=torch.float64, device=logits.device)  # []
-        token, lo, hi = torch.stack([token, lo.double(), hi.double()]).tolist()
+        sampled = sampler(logits, seen)  # [] int64
+        token = torch.as_tensor(sampled, dtype=torch.float64, device=logits.device)  # []
+        parts = [token.reshape(1), lo.double().reshape(1), hi.double().reshape(1)]
+        if logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+            top_v, top_i = torch.topk(lp, logprobs)  # [k] [k]
+            parts += [lp[torch.as_tensor(sampled, device=lp.device).long()].double().reshape(1), top_v.double(),
+                      top_i.double()]
+        values = torch.cat(parts).tolist()
+        token, lo, hi = values[:3]
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise NonFiniteLogitsError(
                 f"the model produced NaN or Inf logits at generated token {step + 1}: its numbers overflowed or its "
                 f"weights are damaged; the reply was stopped there. Try --dtype bfloat16 or float32 (now "
                 f"{str(self.loaded.dtype).removeprefix('torch.')}), or download the model again")
-        return int(token)
+        if logprobs is None:
+            return int(token), None
+        k = logprobs
+        top = tuple((int(i), v) for v, i in zip(values[4 : 4 + k], values[4 + k : 4 + 2 * k], strict=True))
+        return int(token), (values[3], top)
 
     def retune_cache(self, *, expert_slots: int | None = None, policy: str | None = None,
                      ram_cache_bytes: int | None = None, prefetch: str | None = None,
