@@ -109,6 +109,7 @@ class ChatScreen(Screen):
         self.queued: str | None = None  # a message sent while the model loads: sent when it is ready
         self.loading = False
         self._reopen = False  # the last chat with this model is still to be reopened (at start)
+        self._tuned: set[str] = set()  # the knobs the user set in this session (saved per model)
         self.info: ModelInfo | None = None
         self.gen_id: int | None = None
         self.reply: AssistantMessage | None = None
@@ -170,6 +171,7 @@ class ChatScreen(Screen):
         self.model = model
         self.info = None
         self.loading = True
+        self._tuned = set()  # per model
         self.query_one(LoadingPanel).show_stage(Path(model).name, "starting", 0.0)
         self.dashboard.show_model(None, loading=f"loading {Path(model).name}…")
         self.bridge.load(model, expert_format=self.app.expert_format(model))
@@ -292,15 +294,23 @@ class ChatScreen(Screen):
             self.query_one(PromptInput).focus()
         if self.info is None:
             return
+        changed = (("slots", message.expert_slots), ("policy", message.policy),
+                   ("ram_cache_mb", message.ram_cache_bytes), ("prefetch", message.prefetch))
+        self._tuned |= {key for key, value in changed if value is not None}
         self.bridge.retune(expert_slots=message.expert_slots, policy=message.policy,
                            ram_cache_bytes=message.ram_cache_bytes, prefetch=message.prefetch)
 
     def _save_tuning(self, state) -> None:
-        """The effective slots, policy, RAM tier and prefetch, saved for this model (applied at its next load)."""
+        """The knobs the user set (now or before), at their effective values, saved for this model (applied at its
+        next load); the rest stay the planner's, which follows this machine's free memory."""
         if state is None or self.info is None:
             return
-        self.app.settings.set_tuning(self.info.path, slots=state.slots, policy=state.policy,
-                                     ram_cache_mb=state.ram_budget_bytes >> 20, prefetch=state.prefetch)
+        keys = self._tuned | set(self.app.settings.tuning(self.info.path))
+        if not keys:
+            return
+        values = {"slots": state.slots, "policy": state.policy, "ram_cache_mb": state.ram_budget_bytes >> 20,
+                  "prefetch": state.prefetch}
+        self.app.settings.set_tuning(self.info.path, **{k: v for k, v in values.items() if k in keys})
         problem = self.app.settings.save()
         if problem:
             self.notify(problem, severity="warning")
