@@ -28,8 +28,9 @@ from .settings import Settings, data_dir
 from .store import ChatStore
 from .sysmon import MemoryProbe
 
-DEMO_NOTICE = ("This is the bundled 10 M-parameter demo model. F5: real MoE models with a verdict and a predicted "
-               "speed for this machine, then the download, straight into the chat.")
+DEMO_NOTICE = ("The bundled 10 M-parameter demo model answers \"What does X do?\" for Python's standard library "
+               "(try: What does json.dumps do?). F5: real MoE models with a verdict and a predicted speed for this "
+               "machine, then the download, straight into the chat.")
 
 
 class MoechatApp(App):
