@@ -163,8 +163,6 @@ def parse_common(body: dict, served: str) -> dict:
         if value:
             raise BadRequest(f"{name} is not supported (moechat samples with a multiplicative repetition penalty): "
                              "send repetition_penalty, e.g. 1.1, instead", name)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise BadRequest("logprobs are not supported by moechat serve", "logprobs")
     if body.get("best_of") not in (None, 1):
         raise BadRequest("best_of must be 1", "best_of")
     max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
@@ -191,6 +189,22 @@ def parse_common(body: dict, served: str) -> dict:
         raise BadRequest("top_p must be greater than 0", "top_p")
     return {"max_tokens": max_tokens, "stream": stream, "include_usage": bool(options.get("include_usage")),
             "stop": parse_stop(body.get("stop")), "sampling": sampling, "ignore_eos": ignore_eos}
+
+
+def parse_logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives to report per token (None: no logprobs). Chat: `logprobs` true + `top_logprobs`
+    0..20; completions: `logprobs` 0..5 (OpenAI's ranges)."""
+    value = body.get("logprobs")
+    if kind == "chat":
+        if value not in (None, True, False):
+            raise BadRequest("logprobs must be true or false", "logprobs")
+        top = _number(body, "top_logprobs", 0, 20, integer=True)
+        if top is not None and not value:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if value else None
+    if value is None or value is False:
+        return None
+    return _number(body, "logprobs", 0, 5, integer=True)
 
 
 def parse_prompt(value) -> str | list[int]:
@@ -297,7 +311,8 @@ class Server:
             body = await self._read_json(request)
             fields = parse_common(body, self.model_name)
             job = Job(kind=kind, endpoint=kind, max_tokens=fields["max_tokens"], stop=fields["stop"],
-                      ignore_eos=fields["ignore_eos"], sampling=self._sampling(fields))
+                      ignore_eos=fields["ignore_eos"], sampling=self._sampling(fields),
+                      logprobs=parse_logprobs(body, kind))
             if kind == "chat":
                 job.messages = parse_messages(body.get("messages"))
                 job.template_kwargs = self._template_kwargs(body)
@@ -379,7 +394,7 @@ class Server:
 
         from .serve_worker import Calls, Delta, Done, Failed
 
-        text, thinking, calls = [], [], []
+        text, thinking, calls, entries = [], [], [], []
         while True:
             try:
                 event = await asyncio.wait_for(job.next(), _DISCONNECT_POLL_S)
@@ -391,6 +406,7 @@ class Server:
             if isinstance(event, Delta):
                 text.append(event.text)
                 thinking.append(event.thinking)
+                entries.extend(event.logprobs)
             elif isinstance(event, Calls):
                 calls.extend(event.calls)
             elif isinstance(event, Failed):
@@ -405,7 +421,8 @@ class Server:
                    "time_to_first_token_s": round(event.first_token_s, 6)}
         content = "".join(text)
         if kind == "completion":
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": event.finish_reason}
+            choice = {"index": 0, "text": content, "logprobs": _completion_logprobs(entries, job),
+                      "finish_reason": event.finish_reason}
             return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                                  "model": self.model_name, "choices": [choice], "usage": usage, "timings": timings})
         message = {"role": "assistant", "content": content if content.strip() or not calls else None}
@@ -413,7 +430,8 @@ class Server:
             message["reasoning_content"] = "".join(thinking)
         if calls:
             message["tool_calls"] = [_tool_call(c) for c in calls]
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": event.finish_reason}
+        logprobs = {"content": entries} if job.logprobs is not None else None
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": event.finish_reason}
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": self.model_name, "choices": [choice], "usage": usage, "timings": timings})
 
@@ -430,10 +448,12 @@ class Server:
                     "choices": [] if choice is None else [choice], **extra}
             return {"data": json.dumps(body, ensure_ascii=False)}
 
-        def choice(delta: dict | None = None, text: str | None = None, finish=None) -> dict:
+        def choice(delta: dict | None = None, text: str | None = None, finish=None, entries=()) -> dict:
             if kind == "chat":
-                return {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                logprobs = {"content": list(entries)} if entries else None
+                return {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": _completion_logprobs(entries, job) if entries else None,
+                    "finish_reason": finish}
 
         async def events():
             try:
@@ -449,9 +469,9 @@ class Server:
                                 delta["reasoning_content"] = event.thinking
                             if event.text:
                                 delta["content"] = event.text
-                            yield chunk(choice(delta))
-                        elif event.text:
-                            yield chunk(choice(text=event.text))
+                            yield chunk(choice(delta, entries=event.logprobs))
+                        elif event.text or event.logprobs:
+                            yield chunk(choice(text=event.text, entries=event.logprobs))
                     elif isinstance(event, Calls):
                         tool_calls = []
                         for c in event.calls:
@@ -474,6 +494,19 @@ class Server:
                 job.cancel.set()  # normal end: a no-op; a disconnect: the engine stops before its next token
 
         return EventSourceResponse(events(), ping=15, send_timeout=30)
+
+
+def _completion_logprobs(entries, job) -> dict | None:
+    """The legacy completions shape: parallel lists, top alternatives as {token: logprob}."""
+    if job.logprobs is None:
+        return None
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def _tool_call(call) -> dict:

@@ -61,6 +61,7 @@ class Start:
 class Delta:
     text: str = ""
     thinking: str = ""
+    logprobs: tuple = ()  # with logprobs asked: one OpenAI entry per token, {token, logprob, bytes, top_logprobs}
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Job:
     stop: tuple[str, ...] = ()
     template_kwargs: dict = field(default_factory=dict)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: not asked; k: each token's logprob and the k best
     endpoint: str = "chat"
     cancel: threading.Event = field(default_factory=threading.Event)
     number: int = 0  # arrival order
@@ -305,7 +307,8 @@ class EngineWorker:
         last_snapshot = time.perf_counter()
         generated = after_cancel = 0
         stream = engine.generate(ids, sampling=job.sampling, max_tokens=job.max_tokens, cancel=job.cancel,
-                                 sequence=seq, stop_on_eos=not job.ignore_eos, reasoning=parser)
+                                 sequence=seq, stop_on_eos=not job.ignore_eos, reasoning=parser,
+                                 logprobs=job.logprobs)
         try:
             for chunk in stream:
                 last = chunk
@@ -319,8 +322,9 @@ class EngineWorker:
                 text, hit = stops.feed(chunk.text)
                 if chunk.finish_reason is not None and not hit:
                     text += stops.flush()
-                if text or chunk.thinking:
-                    job.send(Delta(text, chunk.thinking))
+                entries = self._logprob_entries(chunk) if job.logprobs is not None else ()
+                if text or chunk.thinking or entries:
+                    job.send(Delta(text, chunk.thinking, entries))
                 calls = parser.take_calls() if hasattr(parser, "take_calls") else []
                 if calls:
                     job.send(Calls(tuple(calls)))
@@ -355,6 +359,22 @@ class EngineWorker:
         job.send(Done(finish or "stop", len(ids), generated, last.prefill_tokens_per_s if last else 0.0,
                       last.decode_tokens_per_s if last else 0.0, first_token_s))
         return "cancelled" if finish == "cancelled" else "ok"
+
+    def _logprob_entries(self, chunk) -> tuple:
+        """OpenAI's per-token logprob entries for a chunk (none for the closing chunk of a cancel)."""
+        if chunk.logprob is None or not chunk.token_ids:
+            return ()
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+        return ({**entry(chunk.token_ids[0], chunk.logprob),
+                 "top_logprobs": [entry(i, v) for i, v in chunk.top_logprobs]},)
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"<{token_id}>"
 
     def _count(self, prompt_tokens: int, generated: int, last) -> None:
         m = self.metrics

@@ -383,3 +383,31 @@ def _metrics_of(s) -> dict:
     text = httpx.get(s.url + "/metrics", timeout=30).text
     return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text)
             for x in f.samples}
+
+
+def test_logprobs_chat_completions_and_streamed(server, client):
+    kw = dict(model="demo-moe", messages=MESSAGES, max_tokens=12, temperature=0,
+              extra_body={"repetition_penalty": 1.0})
+    out = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == out.usage.completion_tokens
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.logprob == e.top_logprobs[0].logprob  # greedy without penalty: the best token
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    assert out.choices[0].message.content.startswith(entries[0].token.strip() or "")
+    plain = client.chat.completions.create(**kw)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
+    streamed = [e for c in client.chat.completions.create(**kw, logprobs=True, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries])
+    legacy = client.completions.create(model="demo-moe", prompt="The cache", max_tokens=6, temperature=0,
+                                       logprobs=2, extra_body={"repetition_penalty": 1.0})
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == legacy.usage.completion_tokens
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v) for top, v in zip(
+        lp.top_logprobs, lp.token_logprobs, strict=True))
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=2, top_logprobs=30,
+                                       logprobs=True)

@@ -73,7 +73,7 @@ class ScriptedEngine:
         return None
 
     def generate(self, ids, *, sampling=None, max_tokens=None, cancel=None, sequence=None, stop_on_eos=True,
-                 reasoning=None):
+                 reasoning=None, logprobs=None):
         for i, raw in enumerate(REPLY):
             last = i == len(REPLY) - 1
             d = reasoning.feed(raw)
