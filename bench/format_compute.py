@@ -15,6 +15,7 @@ budget (issue 14). The compute table is what engine/plan.py's EXPERT_COMPUTE_EFF
    medians and spread, hit rate, MB moved per token, and whether each format's greedy tokens repeat every round.
 
     python bench/format_compute.py [--threads 1] [--rounds 7] [--copies 24] [--engine] [--runs 3] [--layers 2]
+    python bench/format_compute.py --device cuda [--smoke]   # the fused FP8/int8/int4 kernel vs copy bandwidth
 """
 
 from __future__ import annotations
@@ -207,6 +208,75 @@ def engine_table(name: str, path: Path, fp8_path: Path, args, work: Path) -> Non
               f"{'yes' if len(r['outs']) == 1 else 'NO'} |")
 
 
+# -- CUDA: the fused FP8 / int8 / int4 kernel vs the device's copy bandwidth ------------------------------------
+def cuda_table(args) -> None:
+    """kernels/quant_moe.py at Qwen3-30B-A3B widths over 32 slots, top-8, bf16 (--smoke: tiny widths on the CPU
+    under TRITON_INTERPRET=1, which checks this script, not the speed), next to the per-expert torch paths."""
+    from quantized_experts import copy_bandwidth, device_time
+
+    from moechat.engine.experts import _general_compute
+    from moechat.engine.moe import ExpertActivation, ExpertBatch
+    from moechat.engine.quant.kernels.quant_moe import quant_moe
+
+    act = ExpertActivation()
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    H, I = (64, 32) if args.smoke else WIDTHS["qwen3-30b-a3b"]
+    C, K = 32, 8
+    name = "CPU (Triton interpreter, smoke test)" if args.smoke else torch.cuda.get_device_name(0)
+    copy_bw = copy_bandwidth(dev, 1 << (20 if args.smoke else 31))
+    reps = 2 if args.smoke else 20
+    bf16_expert = get_format("dense").expert_bytes(H, I, torch.bfloat16, False)
+    print(f"device: {name}, torch {torch.__version__}; device copy bandwidth (read + write) {copy_bw / 1e9:.0f} GB/s")
+    print(f"Qwen3-30B-A3B experts (H {H}, I {I}) over {C} slots, top-{K}, bf16 activations; bytes = the experts a "
+          "batch uses, read once")
+    print("| path | T | experts | us | GB/s | of copy | check |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    g = torch.Generator().manual_seed(0)
+
+    def show(label, T, fn, nbytes, used, check=""):
+        try:
+            sec = device_time(fn, reps, dev)
+            rate = nbytes / sec
+            print(f"| {label} | {T} | {used} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | {rate / copy_bw:.0%} | {check} |",
+                  flush=True)
+        except Exception as e:  # keep the table: say what failed
+            print(f"| {label} | {T} | {used} | - | - | - | failed: {type(e).__name__}: {str(e)[:120]} |", flush=True)
+
+    for fmt_name in ("fp8", "int8", "int4"):
+        fmt, one = expert(fmt_name, H, I)
+        # C slots: the one expert's tensors with rows rolled per slot, so slots differ
+        tensors = {k: torch.stack([v.roll(7 * c, dims=0) for c in range(C)]).to(dev) for k, v in one.items()}
+        per_expert = sum(t[0].numel() * t.element_size() for t in tensors.values())
+        block = fmt.block if fmt_name == "fp8" else None
+        for T in (1, 4) if args.smoke else (1, 8, 64, 512):
+            x = torch.randn(T, H, generator=g).bfloat16().to(dev)
+            ids = torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(T)]).to(dev)  # [T, K]
+            tw = torch.softmax(torch.randn(T, K, generator=g), -1).to(dev)
+            used = int(ids.unique().numel())
+            batch = ExpertBatch(tensors, ids, ids.cpu(), format=fmt)
+            try:
+                want = _general_compute(x, tw, batch, x, act).float()
+                got = quant_moe(x, tw, ids, tensors, act, fmt_name, block=block, residual=x).float()
+                diff, top = float((got - want).abs().max()), float(want.abs().max())
+                check = f"max diff vs torch {diff:.1e} (out <= {top:.1f})"
+            except Exception as e:
+                check = f"failed: {type(e).__name__}: {str(e)[:80]}"
+            show(f"fused Triton ({fmt_name})", T, lambda x=x, ids=ids, tw=tw, t=tensors, f=fmt_name, b=block: quant_moe(
+                x, tw, ids, t, act, f, block=b, residual=x), used * per_expert, used, check)
+            if T == 1:
+                show(f"torch per expert ({fmt_name})", T, lambda x=x, tw=tw, batch=batch: _general_compute(
+                    x, tw, batch, x, act), used * per_expert, used)
+    dense = {"w13": torch.randn(C, 2 * I, H, generator=g).bfloat16().to(dev) * 0.02,
+             "w2": torch.randn(C, H, I, generator=g).bfloat16().to(dev) * 0.02}
+    x = torch.randn(1, H, generator=g).bfloat16().to(dev)
+    ids = torch.arange(K, device=dev)[None]
+    tw = torch.full((1, K), 1 / K, device=dev)
+    from moechat.engine.experts import expert_compute
+
+    batch = ExpertBatch(dense, ids, ids.cpu(), format=get_format("dense"))
+    show("torch per expert (bf16)", 1, lambda: expert_compute(x, tw, batch, x, act), K * bf16_expert, K)
+
+
 def qwen3_shaped(path: Path, layers: int) -> Path:
     """A Qwen3-30B-A3B-shaped checkpoint (real expert widths, `layers` layers, vocab 4096), random bf16 weights."""
     import transformers
@@ -235,8 +305,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-30B-A3B-shaped model (0: skip it)")
     ap.add_argument("--slot-share", type=float, default=0.125, help="slot budget, as a share of the bf16 experts")
     ap.add_argument("--ram-share", type=float, default=0.25, help="RAM tier budget, as a share of the bf16 experts")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the fused FP8/int8/int4 kernel's GB/s vs the device's copy bandwidth (only that)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="with --device cuda: tiny widths on the CPU under TRITON_INTERPRET=1 (checks the script)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        with torch.inference_mode():
+            cuda_table(args)
+        return
     if args.compute:
         compute_table(args)
     if not args.engine:

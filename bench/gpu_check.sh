@@ -2,7 +2,7 @@
 # The GPU check: the `gpu` tests (engine on CUDA, the fused MXFP4 kernel at GPT-OSS-20B widths, the fused
 # FP8/int8/int4 kernel at Qwen3-30B-A3B widths), prefetch off vs
 # on (copy stream), the engine benchmark on CUDA, then the fused MXFP4 MoE kernel's GB/s against the device's
-# copy bandwidth: a short table last.
+# copy bandwidth, and the FP8/int8/int4 kernel's: short tables last.
 # Run only on a machine with a CUDA GPU (under 8 minutes on one H200). Needs torch and transformers;
 # textual is not needed. Usage: bash bench/gpu_check.sh
 set -euo pipefail
@@ -29,3 +29,5 @@ timeout 90 python bench/hybrid.py --device cuda --runs 3 --tokens 32 --fractions
 timeout 50 python bench/prefetch.py --device cuda --tier ram --runs 3 --new 64 2>&1 | tail -18
 timeout 80 python bench/engine_vs_transformers.py --device cuda --runs 3 2>&1 | grep -v "Writing model shards"
 timeout 90 python bench/quantized_experts.py --device cuda
+# the fused FP8 / int8 / int4 kernel's GB/s at Qwen3-30B-A3B widths (compiled by the tests above: cached)
+timeout 60 python bench/format_compute.py --device cuda
