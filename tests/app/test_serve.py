@@ -247,6 +247,16 @@ def test_disconnect_mid_stream_cancels_the_generation(server, client):
     ({"model": "demo-moe", "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
     ({"model": "demo-moe", "messages": MESSAGES, "n": 3}, 400, None),
     ([1, 2, 3], 400, None),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "invalid_json"),
+    ({"model": "demo-moe", "messages": MESSAGES, "max_tokens": "10"}, 400, None),
+    ({"model": "demo-moe", "messages": MESSAGES, "temperature": "hot"}, 400, None),
+    ({"model": "demo-moe", "messages": MESSAGES, "stop": [1]}, 400, None),
+    ({"model": "demo-moe", "messages": MESSAGES, "stream": "yes"}, 400, None),
+    ({"model": "demo-moe", "messages": [{"role": "user", "content": {"text": "hi"}}]}, 400, None),
+    ({"model": "demo-moe", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, None),
+    ({"model": "demo-moe", "messages": MESSAGES, "tools": "all"}, 400, None),
+    ({"model": "demo-moe", "messages": MESSAGES, "logprobs": "yes"}, 400, None),
 ])
 def test_bad_requests_are_openai_errors(server, body, status, code):
     r = _post(server, "/v1/chat/completions", body)
