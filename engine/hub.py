@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .catalog import CATALOG, MISSING_FEATURES, SUPPORTED_TYPES, CatalogEntry
+from .catalog import CATALOG, MISSING_FEATURES, SUPPORTED_TYPES, CatalogEntry, why_not_runnable
 from .errors import (
     ConfigError,
     DiskSpaceError,
@@ -790,9 +790,10 @@ class Hub:
             source = "Hub safetensors headers" if exact else "Hub config.json (estimate)"
         hw = hardware if hardware is not None else probe(self.cache)
         formats = plan_formats(spec, hw, prefs if prefs is not None else Preferences())  # native, int8, int4
-        supported = spec.model_type in SUPPORTED_TYPES
-        why = None if supported else MISSING_FEATURES.get(spec.model_type, f"model_type {spec.model_type} is "
-                                                          "not implemented")
+        why = why_not_runnable(spec.model_type, spec.quant_method, spec.remote_code)  # the loader's reasons
+        if why is not None and spec.model_type in MISSING_FEATURES:
+            why = MISSING_FEATURES[spec.model_type]  # the wizard's column: the missing feature alone
+        supported = why is None
         return FitVerdict(repo_id, sha, spec, formats.option("native").plan, hw, supported, why, download, cached,
                           source, formats)
 
