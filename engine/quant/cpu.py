@@ -11,7 +11,8 @@ patterns, no table gathers (a gather costs ~1 ns a byte in torch); each is exact
 `weight()` in fp32. `bench/format_compute.py` measures them in GB/s of packed bytes against the machine's read
 bandwidth: a handful of passes over the tile in torch ops each cost more than reading the packed bytes, so these
 paths reach a fraction of the bandwidth that only a fused native kernel (torch's `_weight_int8pack_mm`, which the
-int8 format uses) gets near.
+int8 format uses) gets near. One bf16 token on FP8 experts takes a faster path that is not bit for bit (the block
+scale moved onto the input, a bf16 GEMV: `_fp8_gemv_bf16`), tested against the reference within bf16 tolerances.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 _TILE_BYTES = 4 << 20  # fp32 tile of decoded rows: fewer, longer ops (each costs ~5 us to dispatch), still in L3
-_BUFFERS: dict[tuple, torch.Tensor] = {}
+_BUFFERS: dict[tuple, object] = {}  # scratch tensors, FP8 scale-row maps
 
 
 def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
