@@ -340,6 +340,7 @@ class Server:
 
         if isinstance(first, Failed):
             e = first.error
+            self._count_error(e.status)
             return _error(e.status, str(e), e.type, e.param, e.code)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24] + f"-{job.number}"
         if fields["stream"]:
