@@ -101,12 +101,16 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 # The e4m3 byte read as int8 and widened to int16 sign-extends; << 7 puts its exponent and mantissa in the fp16
 # exponent (5 bits) and mantissa fields and the sign at bit 15 (bit 14, a copy of the sign, is cleared). That fp16
 # is the e4m3 value x 2^-8 exactly (subnormals included), and x (block scale x 2^8) gives weight() bit for bit.
+_X128 = torch.tensor([128], dtype=torch.int16)  # not 0-dim: a 0-dim tensor would leave the product int8
+_X16 = torch.tensor([16], dtype=torch.int16)
+
+
 def fp8_decode(w8: torch.Tensor, factors: torch.Tensor, b1: int, lanes: torch.Tensor,
                out: torch.Tensor) -> torch.Tensor:
     """w8 [n, in] int8 (the e4m3 bytes), factors [n, ceil(in/b1)] fp32 (block scale x 256 per row) -> out [n, in]."""
     n, cols = w8.shape
-    lanes.copy_(w8)
-    lanes.bitwise_left_shift_(7).bitwise_and_(-16385)  # clear bit 14 (0xBFFF)
+    torch.mul(w8, _X128, out=lanes)  # widened and << 7 in one pass (a 1-element int16 tensor makes it int16 math)
+    lanes.bitwise_and_(-16385)  # clear bit 14 (0xBFFF)
     out.copy_(lanes.view(torch.float16))
     full = cols // b1 * b1
     if full:
@@ -168,8 +172,8 @@ def _fp8_gemv_bf16(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         tile = lanes[: r1 - r0]
-        tile.copy_(w8[r0:r1])
-        tile.bitwise_left_shift_(4).bitwise_and_(-30721)  # keep bit 15 and bits 0-10 (0x87FF)
+        torch.mul(w8[r0:r1], _X16, out=tile)  # widened and << 4 in one pass
+        tile.bitwise_and_(-30721)  # keep bit 15 and bits 0-10 (0x87FF)
         tb = tile.view(torch.bfloat16)  # [n, in]: e4m3 x 2^-120
         while i < len(runs) and runs[i][0] < r1:
             a, b, sr = runs[i]
