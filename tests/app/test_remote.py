@@ -182,3 +182,20 @@ def test_any_openai_compatible_server(plain_server):
     assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert conversation.messages[-1] == {"role": "assistant", "content": "Hello you", "thinking": "Think."}
     engine.close()
+
+
+def test_cli_remote_errors_are_one_line(capsys):
+    import socket
+
+    from moechat.app.cli import main
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["chat", "--remote", f"http://127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"moechat: error: cannot reach http://127.0.0.1:{port}/v1:") and "\n" not in err
+    assert main(["chat", "some/model", "--remote", f"http://127.0.0.1:{port}"]) == 1
+    assert "exclude each other" in capsys.readouterr().err
+    assert main(["chat", "--api-key", "k"]) == 1
+    assert "use them with --remote URL" in capsys.readouterr().err
