@@ -114,7 +114,7 @@ async def test_sampling_saves_with_enter_and_ctrl_s(build_app, fakes):
 
 
 async def test_80x24_collapses_the_panel_to_a_line_and_f4_opens_it(build_app, fakes):
-    engine = fakes.Engine(replies=[fakes.Reply(["ok"])])
+    engine = fakes.Engine(replies=[fakes.Reply(["a ", "b ", "c ", "d"])])  # a decode after the first token
     app, _ = build_app(engine)
     async with app.run_test(size=(80, 24)) as pilot:
         screen = await _ready(pilot, fakes)
