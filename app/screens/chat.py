@@ -81,7 +81,8 @@ def summary_line(stats, info: ModelInfo | None) -> str:
 
 
 class ChatScreen(Screen):
-    # Every control has a key in the footer, and the footer fits 80 columns (tests/app/test_snapshots.py).
+    # Every control has a key in the footer, none cut off at 80 columns (two rows there: widgets/keyfooter.py;
+    # tests/app/test_snapshots.py, test_keyboard.py).
     # Escape stops a reply; otherwise it brings focus back to the prompt (and closes an opened panel).
     BINDINGS = [
         Binding("escape", "stop", "Stop", show=True),
