@@ -201,11 +201,22 @@ def hub_offline_reason(endpoint: str | None, timeout: float = HUB_PROBE_TIMEOUT_
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
-    except OSError as e:
-        return f"offline: cannot reach {parts.scheme}://{parts.netloc} ({e.strerror or type(e).__name__})"
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                result.append(None)
+        except OSError as e:
+            result.append(f"offline: cannot reach {parts.scheme}://{parts.netloc} ({e.strerror or type(e).__name__})")
+
+    # In a daemon thread joined with the timeout: a name lookup without a DNS server can block far longer.
+    thread = threading.Thread(target=probe, name="moechat-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    if not result:
+        return f"offline: no answer from {parts.scheme}://{parts.netloc} in {timeout:g} s"
+    return result[0]
 
 
 def catalog_estimate(entry: CatalogEntry, hw) -> tuple[str, str, int | None]:
