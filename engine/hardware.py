@@ -363,13 +363,32 @@ def _default_cuda(nvml_ok: bool):
     Importing torch costs seconds, so with NVML working and torch not loaded the probe maps devices
     from CUDA_VISIBLE_DEVICES instead.
     """
-    if "torch" not in sys.modules and nvml_ok:
+    if "torch" not in sys.modules and (nvml_ok or not _torch_build_has_gpu()):
         return None
     try:
         import torch
     except Exception:  # noqa: BLE001 - torch missing or broken: the probe goes on without it
         return None
     return torch.cuda
+
+
+def _torch_build_has_gpu() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from torch/version.py without importing torch
+    (2-3 s): a CPU-only build cannot see a GPU, so `moechat fit` on a CPU machine stays torch-free. Unknown: True."""
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except (OSError, ImportError, ValueError, StopIteration, UnicodeDecodeError):
+        return True
+    found = {m.group(1): m.group(2) for m in re.finditer(r"^(cuda|hip)\s*(?::[^=]*)?=\s*(.+)$", text, re.M)}
+    if not found:
+        return True
+    return any(v.strip() not in ("None", "") for v in found.values())
 
 
 def _probe_torch(cuda, notes: list[str]) -> list[dict] | None:

@@ -42,3 +42,18 @@ def test_usable_cores_is_the_affinity_lowered_to_the_quota(tmp_path, monkeypatch
     assert usable_cores(*_v2(tmp_path / "a", "150000 100000\n")) == 2  # 1.5 cores of time: 2 threads, not 64
     assert usable_cores(*_v2(tmp_path / "b", None)) == 64
     assert usable_cores(tmp_path / "missing", tmp_path / "none") == 64
+
+
+@pytest.mark.parametrize("version, gpu", [("cuda: Optional[str] = None\nhip: Optional[str] = None\n", False),
+                                          ("cuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n", True),
+                                          ("cuda = None\nhip = '6.2'\n", True), ("# nothing\n", True)])
+def test_a_cpu_only_torch_build_is_known_without_importing_it(tmp_path, monkeypatch, version, gpu):
+    import importlib.util
+    from types import SimpleNamespace
+
+    from moechat.engine import hardware
+
+    (tmp_path / "version.py").write_text(version)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: SimpleNamespace(submodule_search_locations=[str(tmp_path)]))
+    assert hardware._torch_build_has_gpu() is gpu
