@@ -46,7 +46,7 @@ def test_pull_then_run_and_fit_offline_on_the_repo_id(hub, capsys, monkeypatch):
 def test_fit_on_a_repo_id_not_downloaded_reads_only_config_and_headers(hub, capsys):
     code, out, err = _main(capsys, "fit", hub.repo, "--vram-gb", "0", "--ram-gb", "16", "--disk-gb", "10")
     assert code == 0, err
-    assert "moechat fit tiny-org/chat-moe (qwen3_moe): fits" in out and "(exact)" in out
+    assert "moechat fit tiny-org/chat-moe (qwen3_moe): runs" in out and "(exact)" in out
     assert "safetensors headers (Hub)" in out
     assert "run with  moechat run tiny-org/chat-moe " in out and "after the download" in out
     weights = [r for r in hub.server.requests if r.file and r.file.endswith(".safetensors") and r.method == "GET"]

@@ -341,8 +341,9 @@ def test_cli_prefetch_flags_and_json(tiny_models, capsys):
     assert json.loads(capsys.readouterr().out)["cache"]["warm_loaded"] > 0
     assert main(argv + ["--no-warm-start"]) == 0
     assert json.loads(capsys.readouterr().out)["cache"]["warm_loaded"] == 0
-    assert main(argv[:-2] + ["--prefetch-depth", "9"]) == 1
-    assert "prefetch depth must be 1..4" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # a usage error (2) in run as in chat
+        main(argv[:-2] + ["--prefetch-depth", "9"])
+    assert exit_.value.code == 2 and "--prefetch-depth: expected a number <= 4, got 9" in capsys.readouterr().err
 
 
 def test_default_mode_is_off_on_a_cpu_and_next_layer_across_a_link(tiny_models, capsys):
