@@ -87,7 +87,7 @@ def _save(cal: Calibration, path: Path) -> None:
             "cpu_decodes": list(cal.cpu_decodes)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps(data, indent=1).encode())
+        atomic_write(path, json.dumps(data, indent=1).encode(), fsync=False)  # a measurement: losing it is fine
     except OSError:
         pass  # a read-only cache: the next run measures again
 
