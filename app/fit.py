@@ -4,8 +4,10 @@ MODEL is a local model directory (complete weights: exact sizes from the safeten
 config.json, perhaps with the index: estimates from the config), or a Hub repo id: its downloaded snapshot,
 else config.json and the safetensors headers read from the Hub (a ranged read per shard, no weights; with
 HF_HUB_OFFLINE, the config.json in the local cache). `--vram-gb`, `--ram-gb`, `--disk-gb`, `--link-gbps` and
-`--context` ask "what if" without that hardware. Exit status: 0 when it fits, 3 when the plan refuses
-(the message names the shortfall and the cheapest fix), 1 on an error such as a missing config.
+`--context` ask "what if" without that hardware. The first line ends in exactly one of "runs", "runs with ..."
+(the flags, or the free RAM, it needs) and "cannot run: <why>" (a shortfall with the cheapest fix, or what the
+loader cannot read); the exit status follows it: 0, 0, 3 (0 with --force when only the plan refuses), and 1 on an
+error such as a missing config. It plans on the machine's total RAM and says what is free now.
 
 Start-up imports neither torch nor the engine; a config-only directory is planned without torch at all.
 """
@@ -28,8 +30,8 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
     fit = subparsers.add_parser(
         "fit", help="plan what fits where and predict decode speed, before or after download",
         description="Plan a model on this machine (or a what-if machine): dense weights, KV cache, expert slots, "
-                    "RAM and disk tiers, predicted decode tok/s and its bound, each with its reason. Exits 3 when it "
-                    "does not fit. Memory sizes are GiB, bandwidths GB/s.")
+                    "RAM and disk tiers, predicted decode tok/s and its bound, each with its reason. The first line "
+                    "says runs, runs with ... or cannot run: why (exit 3). Memory sizes are GiB, bandwidths GB/s.")
     fit.add_argument("model", metavar="MODEL", help="model directory (config.json alone is enough) or a Hub repo id "
                      "(org/name: read from the Hub's metadata, without downloading the weights)")
     fit.add_argument("--json", action="store_true", help="print the plan, model spec and hardware as one JSON object")
