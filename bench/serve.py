@@ -14,7 +14,8 @@ with the same defaults in this process, then measures, side by side:
 * time to first token of the same prompt: request sent -> first content event, vs prefill + first sample.
 * --clients threads each sending --requests non-streamed requests of --client-tokens tokens, all at once:
   p50 / p99 / max of the per-request latency (queue wait included: one sequence at a time) and the
-  aggregate tok/s, vs the same requests one after another on the engine.
+  aggregate tok/s, vs requests of the same size one after another on the engine, half of them before the
+  server's block and half after (ABA).
 
 The aim (issue 17): server decode >= 0.95 x the engine. The load average before and after is printed: on a
 shared machine, read the spread before the ratio.
@@ -192,8 +193,12 @@ def main() -> int:
             r, t = engine_decode(engine, args.tokens)
             e_rates.append(r)
             e_ttft.append(t)
+        # ABA: the engine's half before and half after the server's block, so a change in load shows as a spread
+        half = max(1, args.clients // 2)
+        e_before = engine_sequential(engine, half, args.requests, args.client_tokens)
         latencies, s_total = many_clients(client, model, args.clients, args.requests, args.client_tokens)
-        e_total = engine_sequential(engine, args.clients, args.requests, args.client_tokens)
+        e_after = engine_sequential(engine, half, args.requests, args.client_tokens)
+        e_total = (e_before + e_after) / 2
         alive = server.alive()
     load1 = os.getloadavg()
     ratio = statistics.median(s_rates) / statistics.median(e_rates)
@@ -211,7 +216,8 @@ def main() -> int:
          _spread([t * 1e3 for t in e_ttft], ".1f"), f"{statistics.median(s_ttft) / statistics.median(e_ttft):.2f}"),
         (f"{args.clients} clients x {args.requests} requests x {args.client_tokens} tokens: latency p50 / p99 / max, s",
          f"{_pct(latencies, 0.5):.2f} / {_pct(latencies, 0.99):.2f} / {max(latencies):.2f}", "-", ""),
-        ("  the same requests: aggregate tok/s", f"{s_total:.1f}", f"{e_total:.1f} (one after another)",
+        ("  the same requests: aggregate tok/s", f"{s_total:.1f}",
+         f"{e_total:.1f} ({e_before:.1f} before, {e_after:.1f} after; one after another)",
          f"{s_total / e_total:.3f}"),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
