@@ -199,3 +199,26 @@ def test_cli_remote_errors_are_one_line(capsys):
     assert "exclude each other" in capsys.readouterr().err
     assert main(["chat", "--api-key", "k"]) == 1
     assert "use them with --remote URL" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_chat_app_on_a_plain_server_says_what_the_panel_cannot_show(plain_server, build_app, fakes):
+    url, seen = plain_server
+    engine = RemoteEngine.connect(url)  # the first model listed
+    app, store = build_app(engine, model=engine.label)
+    app.startup_notices.append(engine.panel_note)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = pilot.app.screen
+        await fakes.wait_for(pilot, lambda: screen.info is not None, timeout=30, what="the remote model")
+        assert screen.info.name == "other-model" and screen.info.cache is None
+        assert any("not a moechat server" in n.message for n in pilot.app._notifications)
+        prompt = screen.query_one(PromptInput)
+        prompt.focus()
+        prompt.load_text("Hi")
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: screen.gen_id is None and screen.session.turns
+                             and screen.session.turns[-1].status != "streaming", timeout=30, what="the reply")
+        (reply,) = screen.query(AssistantMessage)
+        assert (reply.status, reply.text) == ("done", "Hello you")
+        assert seen[-1]["model"] == "org/other-model"
+    engine.close()
