@@ -129,13 +129,36 @@ def parse_messages(value) -> list[dict]:
         if content is None and not (role == "assistant" and m.get("tool_calls")):
             raise BadRequest(f"{where}.content is missing", f"{where}.content")
         message = {"role": "system" if role == "developer" else role, "content": content or ""}
-        for key in ("name", "tool_call_id", "tool_calls"):
+        for key in ("name", "tool_call_id"):
             if key in m:
                 message[key] = m[key]
+        if m.get("tool_calls"):
+            message["tool_calls"] = _template_tool_calls(m["tool_calls"], f"{where}.tool_calls")
         thinking = m.get("reasoning_content") or m.get("reasoning")
         if role == "assistant" and isinstance(thinking, str) and thinking:
             message["thinking"] = thinking  # where moechat's templates (and gpt-oss's) read it back
         out.append(message)
+    return out
+
+
+def _template_tool_calls(calls, where: str) -> list[dict]:
+    """OpenAI sends a call's arguments as a JSON string; chat templates (gpt-oss's, transformers' convention) want
+    the object, and Qwen3's takes either: a string that is a JSON object becomes one, as vLLM does."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where} must be a list", where)
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRequest(f"{where}[{i}] must be {{type: 'function', function: {{name, arguments}}}}", where)
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        out.append({**call, "function": {**function, "arguments": arguments}})
     return out
 
 

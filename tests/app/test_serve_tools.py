@@ -130,3 +130,20 @@ def test_tool_calls_streamed_and_tool_choice_none(client):
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "?"}], tools=TOOLS,
                                        tool_choice="required")
+
+
+def test_tool_call_arguments_in_the_history_reach_the_template_as_objects():
+    from moechat.app.serve import BadRequest, parse_messages
+
+    messages = parse_messages([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "raw", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}])
+    calls = messages[1]["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"city": "Paris"} and calls[0]["id"] == "call_1"
+    assert calls[1]["function"]["arguments"] == "not json"  # left as sent: the template decides
+    assert messages[1]["content"] == "" and messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    with pytest.raises(BadRequest, match="tool_calls"):
+        parse_messages([{"role": "assistant", "content": None, "tool_calls": [{"function": "f"}]}])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,48 @@ def test_real_qwen3_template_renders_tools_and_its_calls_parse():
     _, answer, calls = _feed(parser, '<think>\nok\n</think>\n\n<tool_call>\n{"name": "now", "arguments": {}}\n'
                              "</tool_call>", 6)
     assert answer.strip() == "" and calls == [ToolCall("now", "{}")]
+
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates"
+
+
+@pytest.mark.skipif(not (SHARED / "openai-gpt-oss-120b.jinja").is_file(), reason="../shared/chat-templates absent")
+def test_real_gpt_oss_template_renders_tools_and_reads_back_the_call():
+    from moechat.engine.chat_template import ChatTemplate
+
+    source = (SHARED / "openai-gpt-oss-120b.jinja").read_text()
+    assert tool_call_format(source) == HARMONY
+    template = ChatTemplate.from_string(source, {"bos_token": "<|startoftext|>", "eos_token": "<|return|>"})
+    assert "tools" in template.variables
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = template.render(messages, add_generation_prompt=True, tools=tools)
+    assert "namespace functions" in prompt and "type get_weather" in prompt
+    assert prompt.endswith("<|start|>assistant")
+    reply = ('<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary '
+             'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}')
+    parser = make_tool_parser(source, prompt[-40:])
+    thinking, answer, calls = _feed(parser, reply, 4)
+    assert (thinking, answer, calls) == ("Use the tool.", "", [ToolCall("get_weather", '{"city":"Paris"}')])
+    # the call goes back in the next turn with its arguments as a dict, which this template serialises itself
+    # (moechat serve turns OpenAI's JSON-string arguments into one, as vLLM does)
+    history = messages + [
+        {"role": "assistant", "content": "", "thinking": thinking, "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": json.loads(calls[0].arguments)}}]},
+        {"role": "tool", "content": "18 C"}]
+    again = template.render(history, add_generation_prompt=True, tools=tools)
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+            '<|call|>') in again
+    assert again.endswith('<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"18 C"<|end|>'
+                          "<|start|>assistant")
+
+
+@pytest.mark.skipif(not (SHARED / "Qwen-Qwen3-0.6B.jinja").is_file(), reason="../shared/chat-templates absent")
+def test_real_qwen3_template_from_the_hub_is_hermes():
+    source = (SHARED / "Qwen-Qwen3-0.6B.jinja").read_text()
+    assert tool_call_format(source) == HERMES
+    reply = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": [1]}}\n</tool_call>'
+    _, answer, calls = _feed(make_tool_parser(source, "<|im_start|>assistant\n"), reply, 3)
+    assert answer.strip() == "" and calls == [ToolCall("f", '{"a": [1]}')]
