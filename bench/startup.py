@@ -225,13 +225,19 @@ def main() -> None:
         load0 = os.getloadavg()
         print(f"moechat start-up: {Path(model).name}, {cores} cores, load average {load0[0]:.2f} at the start; "
               f"{args.runs} fresh processes each, median (min-max) seconds")
-        ph = phases(model, args.runs, cwd, env)
+        ph: dict[str, list[float]] = {}
+        first, total = [], []
+        for _ in range(args.runs):  # interleaved, so the machine's drift hits both alike
+            for k, v in phases(model, 1, cwd, env).items():
+                ph.setdefault(k, []).extend(v)
+            f, t = end_to_end(model, 1, cwd, env)
+            first += f
+            total += t
         thr = ph.pop("threads")
         print(f"\n{'phase (the steps of moechat run)':<44}{'seconds':>22}")
         for k, v in ph.items():
             print(f"{k:<44}{_med(v):>22}")
         print(f"{'(torch threads)':<44}{statistics.median(thr):>22.0f}")
-        first, total = end_to_end(model, args.runs, cwd, env)
         print(f"\nend to end, moechat run --prompt {QUESTION!r} --temperature 0 --max-tokens 32")
         print(f"{'first token on stdout':<44}{_med(first):>22}")
         print(f"{'exit':<44}{_med(total):>22}")
