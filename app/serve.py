@@ -188,6 +188,8 @@ def parse_common(body: dict, served: str) -> dict:
                              "send repetition_penalty, e.g. 1.1, instead", name)
     if body.get("best_of") not in (None, 1):
         raise BadRequest("best_of must be 1", "best_of")
+    if body.get("logit_bias"):
+        raise BadRequest("logit_bias is not supported by moechat serve", "logit_bias")
     max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)

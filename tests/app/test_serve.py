@@ -257,6 +257,7 @@ def test_disconnect_mid_stream_cancels_the_generation(server, client):
      400, None),
     ({"model": "demo-moe", "messages": MESSAGES, "tools": "all"}, 400, None),
     ({"model": "demo-moe", "messages": MESSAGES, "logprobs": "yes"}, 400, None),
+    ({"model": "demo-moe", "messages": MESSAGES, "logit_bias": {"5": 100}}, 400, None),
 ])
 def test_bad_requests_are_openai_errors(server, body, status, code):
     r = _post(server, "/v1/chat/completions", body)
