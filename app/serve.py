@@ -52,6 +52,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=_positive_int, default=16, metavar="N",
                        help="requests that may wait while one generates; past it, 429 with Retry-After "
                        "(default: %(default)s)")
+    serve.add_argument("--prefix-cache", action="store_true", help="keep the KV cache of the previous request "
+                       "and prefill only what a new one adds after their longest common prefix (a chat client "
+                       "resending its history prefills only the new turn; usage.prompt_tokens_details.cached_tokens "
+                       "says how many were reused). Off by default: a prefill split at another point rounds "
+                       "differently, so a reply may then differ from moechat run's in a late digit")
     serve.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the model "
                        "directory's name)")
     add_load_args(serve, record_trace=False)
@@ -440,8 +445,7 @@ class Server:
                 return _error(e.status, str(e), e.type, e.param, e.code)
             elif isinstance(event, Done):
                 break
-        usage = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                 "total_tokens": event.prompt_tokens + event.completion_tokens}
+        usage = _usage(event)
         timings = {"prefill_tokens_per_s": round(event.prefill_tokens_per_s, 3),
                    "decode_tokens_per_s": round(event.decode_tokens_per_s, 3),
                    "time_to_first_token_s": round(event.first_token_s, 6)}
@@ -511,15 +515,19 @@ class Server:
                     elif isinstance(event, Done):
                         yield chunk(choice(finish=event.finish_reason))
                         if include_usage:
-                            yield chunk(None, usage={"prompt_tokens": event.prompt_tokens,
-                                                     "completion_tokens": event.completion_tokens,
-                                                     "total_tokens": event.prompt_tokens + event.completion_tokens})
+                            yield chunk(None, usage=_usage(event))
                         break
                 yield {"data": "[DONE]"}
             finally:
                 job.cancel.set()  # normal end: a no-op; a disconnect: the engine stops before its next token
 
         return EventSourceResponse(events(), ping=15, send_timeout=30)
+
+
+def _usage(done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
 def _completion_logprobs(entries, job) -> dict | None:
@@ -656,7 +664,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = load_engine_from_args(args, check=_check_serve_args)
     return serve_engine(engine, sock, model_name=args.served_model_name or Path(args.model_dir).name,
                         api_key=api_key, max_queue=args.max_queue, model_dir=Path(args.model_dir),
-                        cache_line=_cache_line(args))
+                        cache_line=_cache_line(args), prefix_cache=args.prefix_cache)
 
 
 def _cache_line(args) -> dict:
@@ -664,14 +672,14 @@ def _cache_line(args) -> dict:
 
 
 def serve_engine(engine, sock, *, model_name: str, api_key: str | None, max_queue: int,
-                 model_dir: Path, cache_line: dict) -> int:
+                 model_dir: Path, cache_line: dict, prefix_cache: bool = False) -> int:
     """Serve `engine` on a bound socket until Ctrl+C / SIGTERM."""
     import uvicorn
 
     from .serve_metrics import ServerMetrics
     from .serve_worker import EngineWorker
 
-    worker = EngineWorker(engine, max_queue=max_queue)
+    worker = EngineWorker(engine, max_queue=max_queue, prefix_cache=prefix_cache)
     info = model_info(engine, model_dir)
     metrics = ServerMetrics(lambda: worker.snapshot, {"model": model_name, "model_type": info["model_type"],
                                                       "device": info["device"], "dtype": info["dtype"],

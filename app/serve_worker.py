@@ -77,6 +77,7 @@ class Done:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     first_token_s: float  # from submit to the first generated token (queue wait included)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the previous request (--prefix-cache)
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,10 @@ class EngineWorker:
     """Owns the engine on one thread; `submit` jobs from the event loop. `metrics` (ServerMetrics) is told of
     every request; `snapshot` is the latest CacheSnapshot (None while every expert is resident)."""
 
-    def __init__(self, engine, *, max_queue: int = 16, metrics=None):
+    def __init__(self, engine, *, max_queue: int = 16, metrics=None, prefix_cache: bool = False):
         self.engine = engine
         self.max_queue = max_queue
+        self.prefix_cache = prefix_cache
         self.metrics = metrics
         self.snapshot = None
         self._jobs: collections.deque[Job] = collections.deque()
@@ -301,12 +303,17 @@ class EngineWorker:
         if self._sequence is None:
             self._sequence = engine.new_sequence()
         seq = self._sequence
-        seq.truncate(0)  # stateless: the whole prompt is prefilled, as `moechat run` does
+        # Stateless by default: the whole prompt is prefilled, as `moechat run` does. With --prefix-cache the KV
+        # of the longest prefix shared with what the cache holds (the previous request and its reply) is kept.
+        keep = 0
+        if self.prefix_cache:
+            keep = min(_common_prefix(seq.tokens, ids), len(ids) - 1)  # at least one token prefilled for logits
+        seq.truncate(keep)
         stops = StopMatcher(job.stop)
         finish, last, first_token_s = None, None, 0.0
         last_snapshot = time.perf_counter()
         generated = after_cancel = 0
-        stream = engine.generate(ids, sampling=job.sampling, max_tokens=job.max_tokens, cancel=job.cancel,
+        stream = engine.generate(ids[keep:], sampling=job.sampling, max_tokens=job.max_tokens, cancel=job.cancel,
                                  sequence=seq, stop_on_eos=not job.ignore_eos, reasoning=parser,
                                  logprobs=job.logprobs)
         try:
@@ -340,6 +347,7 @@ class EngineWorker:
                     self.snapshot = self._snapshot()
                     last_snapshot = now
         except MoechatError as e:
+            seq.truncate(0)  # a failure mid-forward may leave the KV and its token list apart
             job.send(Failed(RequestError(str(e), 500, "server_error"), started=True))
             self._count(len(ids), generated, last)
             return "error"
@@ -357,7 +365,7 @@ class EngineWorker:
                                          "shutting_down"), started=True))
             return "cancelled"
         job.send(Done(finish or "stop", len(ids), generated, last.prefill_tokens_per_s if last else 0.0,
-                      last.decode_tokens_per_s if last else 0.0, first_token_s))
+                      last.decode_tokens_per_s if last else 0.0, first_token_s, keep))
         return "cancelled" if finish == "cancelled" else "ok"
 
     def _logprob_entries(self, chunk) -> tuple:
@@ -386,6 +394,14 @@ class EngineWorker:
             m.prefill_tps.set(last.prefill_tokens_per_s)
             if last.decode_tokens_per_s:
                 m.decode_tps.set(last.decode_tokens_per_s)
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _describe(e: BaseException) -> str:

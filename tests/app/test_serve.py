@@ -422,3 +422,23 @@ def test_logprobs_chat_completions_and_streamed(server, client):
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=2, top_logprobs=30,
                                        logprobs=True)
+
+
+def test_prefix_cache_prefills_only_the_new_turn(tmp_path, server, client):
+    plain = client.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=4, temperature=0)
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0  # off by default: stateless, as moechat run
+    with serveproc.ServeProcess(["--no-warm-start", "--prefix-cache"], cache_dir=tmp_path) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=120)
+        first = c.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=16, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        history = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                              {"role": "user", "content": "And a slot?"}]
+        second = c.chat.completions.create(model="demo-moe", messages=history, max_tokens=8, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        usage = [x.usage for x in second if x.usage is not None][0]
+        # the whole first prompt (and the reply's tokens as far as they re-tokenize the same) came from the cache
+        assert first.usage.prompt_tokens <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+        other = c.chat.completions.create(model="demo-moe", max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "Something else entirely"}])
+        assert other.usage.prompt_tokens_details.cached_tokens < other.usage.prompt_tokens - 3
+        assert other.choices[0].message.content
