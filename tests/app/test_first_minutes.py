@@ -125,3 +125,16 @@ def test_chat_refuses_a_bad_device_before_the_app_opens(monkeypatch, capsys):
     assert cli.main(["chat", str(DEMO), "--device", "foo"]) == 1
     assert capsys.readouterr().err == "moechat: error: device 'foo' is not a device: use cpu, cuda or cuda:N\n"
     assert opened == []
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--prefetch", "next-layer"], "moechat: warning: --prefetch next-layer does nothing here: every expert is "
+                                   "resident on the cpu"),
+    (["--ram-cache-mb", "1"], "moechat: warning: --ram-cache-mb 1 without --expert-slots: 24 slots chosen (on a CPU "
+                              "with a bounded RAM tier: two decode steps' worth of experts), and the 1 MiB RAM tier "
+                              "holds 6 experts (168 KiB each)"),
+    (["--expert-slots", "1"], "[cache: 1 slot, "),
+])
+def test_run_says_what_a_flag_did(capsys, flags, said):
+    assert cli.main(["run", str(DEMO), "--prompt", "hi", "--max-tokens", "2", "--device", "cpu", *flags]) == 0
+    assert said in capsys.readouterr().err
