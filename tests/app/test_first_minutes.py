@@ -138,3 +138,19 @@ def test_chat_refuses_a_bad_device_before_the_app_opens(monkeypatch, capsys):
 def test_run_says_what_a_flag_did(capsys, flags, said):
     assert cli.main(["run", str(DEMO), "--prompt", "hi", "--max-tokens", "2", "--device", "cpu", *flags]) == 0
     assert said in capsys.readouterr().err
+
+
+def test_the_command_leaves_without_teardown_and_loses_nothing(tmp_path):
+    # `moechat run` (argv from the command line) ends with os._exit once torch is loaded: flushed output, its status
+    import json
+
+    code = ("import sys; from moechat.app.cli import main; sys.argv = ['moechat'] + sys.argv[1:]; main(); "
+            "print('not reached', file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, "run", "--prompt", "What does math.sqrt do?", "--temperature",
+                           "0", "--max-tokens", "12", "--json"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and "not reached" not in done.stderr, done.stderr
+    assert json.loads(done.stdout)["text"].startswith("Return the square root of x")
+    done = subprocess.run([sys.executable, "-c", code, "run", "--prompt", "hi", "--record-trace",
+                           str(tmp_path / "no" / "t.npz")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and done.stderr.startswith("moechat: error: ") and "not reached" not in done.stderr
