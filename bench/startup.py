@@ -93,6 +93,8 @@ async def pilot(p):
 app = make_app(sys.argv[1], settings=Settings(path=None))
 app.run(headless=True, size=(120, 40), auto_pilot=pilot)
 print(json.dumps({"wall0": W0, "marks": marks}), flush=True)
+from moechat.app.cli import _leave_now  # as the `moechat` command ends
+_leave_now(0)
 """
 
 
