@@ -68,7 +68,13 @@ def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) 
     return fmt.linear(act(fmt.linear(x, tensors, "w13")), tensors, "w2")
 
 
-def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, act) -> torch.Tensor:
+def _put(contrib: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
+    """contrib[idx] = w * y in fp32: each (token, k) pair's weighted expert output in its own row."""
+    contrib.index_copy_(0, idx, y.float() * w.float()[:, None])
+
+
+def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, act,
+                     contrib: torch.Tensor | None = None) -> torch.Tensor | None:
     """Any format, biases, any activation: per used slot, its tokens through the format's linear."""
     views = _expert_views(batch.tensors)
     slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]
@@ -77,6 +83,12 @@ def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, 
     if T == 1:
         ks = range(K) if batch.pairs is None else batch.pairs.tolist()
         slots = slot_ids[0].tolist()
+        if contrib is not None:
+            weights = topk_weights[0].tolist()
+            for k in ks:
+                y = _expert(hidden_states, batch.format, views[slots[k]], act)  # [1, H]
+                contrib[k].add_(y[0], alpha=weights[k])
+            return None
         out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
         for k in ks:
             y = _expert(hidden_states, batch.format, views[slots[k]], act)  # [1, H]
@@ -100,23 +112,32 @@ def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, 
             end += 1
         y_sorted[start:end] = _expert(x_sorted[start:end], batch.format, views[s], act)
         start = end
+    if contrib is not None:
+        _put(contrib, device_idx, y_sorted, w_sorted)
+        return None
     out = residual.clone() if residual is not None else torch.zeros_like(hidden_states)  # [T, H]
     out.index_add_(0, token_idx, (y_sorted * w_sorted[:, None]).to(dtype))
     return out
 
 
 def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch,
-                   residual: torch.Tensor | None = None, act: ExpertActivation = SWIGLU) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, act: ExpertActivation = SWIGLU,
+                   contrib: torch.Tensor | None = None) -> torch.Tensor | None:
     """[residual +] sum_k topk_weights[t, k] * Expert_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype.
 
     With `batch.pairs` set (an expert-major group of a chunk that needs more experts than slots), only
     those flat (t, k) pairs are computed; the others' slot ids are never read.
+
+    With `contrib` (fp32 [T*K, H]), each computed pair's weighted output goes to its own row t*K + k instead
+    and nothing is returned: the caller sums the rows in k order once every batch ran (`combine`), so the
+    result does not depend on which slots hold the experts, how a chunk was split into groups, or where a
+    group ran (the CPU paths; CUDA's fused kernels accumulate onto the residual).
     """
     if batch.format.packed or act.kind != "swiglu" or "w13_bias" in batch.tensors:
         fused = getattr(batch.format, "fused_moe", None)
-        if fused is not None and hidden_states.is_cuda:
+        if fused is not None and hidden_states.is_cuda and contrib is None:
             return fused(hidden_states, topk_weights, batch, residual, act)
-        return _general_compute(hidden_states, topk_weights, batch, residual, act)
+        return _general_compute(hidden_states, topk_weights, batch, residual, act, contrib)
     w13 = batch.tensors["w13"]  # [C, 2I, H]
     w2 = batch.tensors["w2"]  # [C, H, I]
     slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]
@@ -126,6 +147,15 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
     if T == 1:
         ks = range(K) if pairs is None else pairs.tolist()
         slots = slot_ids[0].tolist()
+        if contrib is not None:  # as below, each weighted output into its own fp32 row (add_ into zeros)
+            w13s, w2ts = _slot_views(w13, w2)
+            inter = w2.shape[-1]
+            weights = topk_weights[0].tolist()
+            for k in ks:
+                gate_up = F.linear(hidden_states, w13s[slots[k]])  # [1, 2I]
+                y = torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2ts[slots[k]])  # [1, H]
+                contrib[k].add_(y[0], alpha=weights[k])
+            return None
         if topk_weights.device.type == "cpu":
             # Host weights cost nothing to read here: fold each into its down-projection GEMM, and the
             # residual (or the previous expert's sum) into its accumulator: 4 ops per expert.
@@ -162,12 +192,24 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
         if n:
             y_sorted[start : start + n] = _swiglu(x_sorted[start : start + n], w13[s], w2[s])
             start += n
+    if contrib is not None:
+        _put(contrib, device_order, y_sorted, w_sorted)
+        return None
     out = residual.clone() if residual is not None else torch.zeros_like(hidden_states)  # [T, H]
     out.index_add_(0, token_idx, (y_sorted * w_sorted[:, None]).to(dtype))
     return out
 
 
 # -- hybrid execution on CUDA: host experts computed on the CPU while the device runs the resident ones -------
+
+def combine(residual: torch.Tensor, contrib: torch.Tensor, top_k: int) -> torch.Tensor:
+    """residual + the sum over k, in k order and in fp32, of the pairs' rows in `contrib` [T*K, H]; one rounding
+    to the residual's dtype."""
+    T, H = residual.shape
+    if T == 1:
+        return residual.float().add_(contrib.sum(0)).to(residual.dtype)
+    return contrib.view(T, top_k, H).sum(1).add_(residual).to(residual.dtype)
+
 
 class HostJob:
     """A host batch started before the device batch is enqueued: the activations (and routing weights) are copied

@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import validate
 from ..errors import UnsupportedModelError
-from ..experts import HostJob, expert_compute
+from ..experts import HostJob, combine, expert_compute
 from ..kv_cache import KVCache
 from ..moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
 
@@ -451,11 +451,21 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
         provider.observe(self.layer, residual)  # the residual stream here predicts the next layers' routing
         host_jobs = []
+        # On a CPU every pair's output gets its own fp32 row and the rows are summed in k order at the end: the
+        # same bits whichever slots hold the experts, however many groups a chunk needs and whether an expert
+        # ran from a slot or in place on the host (cached == resident, bit for bit, in bf16 too).
+        contrib = (torch.zeros(topk_ids.numel(), x.shape[-1], dtype=torch.float32)
+                   if x.device.type == "cpu" else None)
         for batch in provider.batches(self.layer, topk_ids):  # one batch unless the slots are too few
             if batch.on_host and x.is_cuda:  # hybrid: start the host's copy now, compute after the device's launch
                 host_jobs.append(HostJob(x, topk_weights, batch))
                 continue
-            residual = expert_compute(x, topk_weights, batch, residual=residual, act=self.act)
+            if contrib is not None:
+                expert_compute(x, topk_weights, batch, act=self.act, contrib=contrib)
+            else:
+                residual = expert_compute(x, topk_weights, batch, residual=residual, act=self.act)
+        if contrib is not None:
+            residual = combine(residual, contrib, topk_ids.shape[-1])
         for job in host_jobs:
             residual = job.finish(residual, self.act)
         return residual

@@ -83,6 +83,25 @@ def test_cached_matches_resident_at_every_slot_count(tiny_models, resident, tiny
         assert np.array_equal(pool.slot_map.numpy(), pool.host_map)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_bf16_cached_equals_resident_bit_for_bit(tiny_models, name):
+    """In bf16 the order of additions changes the bits: the MoE output is summed in k order in fp32 whatever
+    slots hold the experts, however many groups a prefill chunk needs and wherever a miss runs, so a cached
+    engine's logits are the resident engine's, exactly (greedy tokens then agree on any model)."""
+    path, _ = tiny_models[name]
+    ref_engine = Engine.load(path, dtype="bfloat16", prefill_chunk=16)
+    ref_logits, ref_tokens = _logits(ref_engine, steps=6), _tokens(ref_engine, n=24)
+    args = ref_engine.args
+    n_moe = len(ref_engine.loaded.provider.layers)
+    for slots in _slot_counts(args, n_moe):
+        for on_miss in ("load", "host"):
+            engine = Engine.load(path, dtype="bfloat16", prefill_chunk=16,
+                                 cache=CacheConfig(expert_slots=slots, policy="lfu", on_miss=on_miss))
+            assert torch.equal(_logits(engine, steps=6), ref_logits), (slots, on_miss)
+            assert _tokens(engine, n=24) == ref_tokens, (slots, on_miss)
+            engine.close()
+
+
 def test_prefill_loads_each_unique_expert_once(tiny_models):
     path, _ = tiny_models["qwen3_moe"]  # 8 experts, top-2, 3 layers
     prompt = list(range(40))
