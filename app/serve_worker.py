@@ -11,8 +11,10 @@ Why one thread: the engine runs one sequence at a time and is not thread-safe (t
 use it from one thread too), so the server's concurrency is a queue in front of it, not a pool. The
 queue is bounded so a flood of clients gets a prompt 429 with an honest Retry-After (the running
 request's expected time plus the queue's, from the recent mean request time) instead of a pile of
-sockets waiting minutes. Events cross to the event loop with `call_soon_threadsafe`, one per token:
-at 100+ tok/s that is well under 1% of a core (bench/serve.py measures the whole path).
+sockets waiting minutes. Events cross to the event loop through an outbox and a doorbell (one
+`call_soon_threadsafe` per batch): when the loop keeps up a batch is one token; when the machine is busy, the
+tokens that came meanwhile go out as one SSE chunk instead of each costing a wake of the loop thread and a
+GIL hand-over the engine thread waits for (bench/serve.py measures the whole path).
 
 Requests are stateless, as OpenAI's API is: each one prefills its whole prompt into the one KV
 cache (truncated, never reallocated), exactly as `moechat run` prefills it, so a greedy reply through
@@ -63,6 +65,9 @@ class Delta:
     thinking: str = ""
     logprobs: tuple = ()  # with logprobs asked: one OpenAI entry per token, {token, logprob, bytes, top_logprobs}
 
+    def merge(self, other: Delta) -> Delta:
+        return Delta(self.text + other.text, self.thinking + other.thinking, self.logprobs + other.logprobs)
+
 
 @dataclass(frozen=True)
 class Calls:
@@ -104,23 +109,50 @@ class Job:
     number: int = 0  # arrival order
     submitted: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
+    # Events cross threads through an outbox and a doorbell, as app/bridge.py's tokens do: the engine thread
+    # wakes the event loop once per batch, not per token, so on a busy machine the loop thread (which must take
+    # the GIL the engine thread also needs) runs once for however many tokens came meanwhile, and their text
+    # goes out as one SSE chunk. While the loop keeps up, a batch is one token.
+    _outbox: list = field(default_factory=list)
+    _outbox_lock: threading.Lock = field(default_factory=threading.Lock)
+    _rung: bool = False
+    _items: collections.deque = field(default_factory=collections.deque)  # loop thread only
+    _ready: asyncio.Event | None = None
 
     def bind(self) -> None:
         """Attach to the running event loop (call from a handler)."""
         self.loop = asyncio.get_running_loop()
-        self.events = asyncio.Queue()
+        self._ready = asyncio.Event()
 
     def send(self, event) -> None:
         """From the engine thread."""
-        if self.loop is not None:
+        if self.loop is None:
+            return
+        with self._outbox_lock:
+            self._outbox.append(event)
+            ring, self._rung = not self._rung, True
+        if ring:
             try:
-                self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+                self.loop.call_soon_threadsafe(self._deliver)
             except RuntimeError:  # the loop is closed: the server is shutting down
                 pass
 
+    def _deliver(self) -> None:
+        with self._outbox_lock:
+            items, self._outbox, self._rung = self._outbox, [], False
+        self._items.extend(items)
+        self._ready.set()
+
     async def next(self):
-        return await self.events.get()
+        """The next event; Deltas that are already waiting come merged into one."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        event = self._items.popleft()
+        if isinstance(event, Delta):
+            while self._items and isinstance(self._items[0], Delta):
+                event = event.merge(self._items.popleft())
+        return event
 
 
 class StopMatcher:
