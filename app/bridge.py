@@ -330,17 +330,23 @@ class EngineBridge(Widget):
         self._outbox_lock = threading.Lock()
         self._curve_rows = -1  # trace rows the last posted hit curve was computed from
         self._curve_trace = None  # the routing that curve came from (and its source), for `predict`
+        self._app_exiting = False  # the app is exiting: a load that ends now closes its engine at once
 
     @property
     def ready(self) -> bool:
         return self._engine is not None
 
     def on_unmount(self) -> None:
-        """App exit: stop the reply, then let the engine stop its loads and save its routing profile."""
+        """App exit: stop the reply, then let the engine stop its loads and save its routing profile.
+
+        A stopped reply frees the engine within a token; a model still loading is not waited for (it held the
+        exit for seconds): the load worker closes what it loaded when it ends."""
+        self._app_exiting = True
         self.stop()
-        if self._lock.acquire(timeout=5):
+        if self._lock.acquire(timeout=1.0):
             try:
                 _close_engine(self._engine)
+                self._engine = None
             finally:
                 self._lock.release()
 
@@ -369,6 +375,9 @@ class EngineBridge(Widget):
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 self.post_message(EngineFailed(describe_error(e)))
+                return
+            if self._app_exiting:  # the app quit while this loaded
+                _close_engine(engine)
                 return
             self._engine = engine
             self._tracker = StatsTracker()

@@ -108,7 +108,7 @@ class ChatScreen(Screen):
         self.model = model
         self.hint = hint  # a line above the prompt until the first message (the demo model: where models come from)
         self.queued: str | None = None  # a message sent while the model loads: sent when it is ready
-        self.loading = False
+        self.model_loading = False  # not `loading`: that is Textual's reactive that covers the screen with a spinner
         self._reopen = False  # the last chat with this model is still to be reopened (at start)
         self._tuned: set[str] = set()  # the knobs the user set in this session (saved per model)
         self.info: ModelInfo | None = None
@@ -171,7 +171,7 @@ class ChatScreen(Screen):
     def load(self, model: str) -> None:
         self.model = model
         self.info = None
-        self.loading = True
+        self.model_loading = True
         self._tuned = set()  # per model
         self.query_one(LoadingPanel).show_stage(Path(model).name, "starting", 0.0)
         self.dashboard.show_model(None, loading=f"loading {Path(model).name}…")
@@ -191,7 +191,7 @@ class ChatScreen(Screen):
         self.query_one(LoadingPanel).hide()
         self.sub_title = f"{info.name} · {info.model_type} · {info.device} · {info.dtype}"
         self.dashboard.show_model(info)
-        self.loading = False
+        self.model_loading = False
         self._restore_tuning(info)
         if self.queued is None:
             self._reopen_last_chat(info.path)  # a repo id's chats are saved under its snapshot's path
@@ -209,7 +209,7 @@ class ChatScreen(Screen):
             self.call_later(self._start_reply)
 
     def on_engine_failed(self, message: EngineFailed) -> None:
-        self.loading = False
+        self.model_loading = False
         if self.queued is not None:  # the message stays in the chat (saved); it is answered after a load that works
             self.queued = None
         self.sub_title = f"{Path(self.model).name} · not loaded"
@@ -360,7 +360,7 @@ class ChatScreen(Screen):
     # -- sending and replies --------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     async def _send(self, event: PromptInput.Submitted) -> None:
-        if self.info is None and not (self.loading and self.queued is None):
+        if self.info is None and not (self.model_loading and self.queued is None):
             why = "one message already waits for it" if self.queued is not None else "it failed to load"
             self.notify(f"The model is not loaded ({why}); your message is kept in the prompt.", severity="warning")
             return

@@ -155,6 +155,7 @@ async def test_a_message_sent_while_the_model_loads_is_answered_when_it_is_ready
         await pilot.press(*"hello early", "enter")
         await pilot.pause(0.2)
         assert screen.info is None and screen.queued == "hello early"
+        assert not screen.loading  # Textual's own spinner over the whole screen stays off: the prompt is usable
         assert [m.text for m in screen.query(UserMessage)] == ["hello early"]  # on screen and saved, not lost
         assert screen.query_one(PromptInput).text == ""
         await pilot.press(*"and more", "enter")  # a second one waits in the prompt
@@ -177,3 +178,36 @@ async def test_only_a_chat_with_this_model_reopens(build_app, fakes):
         screen = await _ready(pilot, fakes)
         await fakes.wait_for(pilot, lambda: screen.session.conversation_id == mine, what="this model's last chat")
         assert [m.text for m in screen.query(UserMessage)] == ["about the fake model"]
+
+
+async def test_quitting_while_the_model_loads_does_not_wait_for_it(app_env, fakes):
+    """The exit used to hold the UI for the load (up to 5 s on the engine lock); the load now closes what it loaded."""
+    import time
+
+    from moechat.app.app import make_app
+    from moechat.app.bridge import LoadOptions
+
+    closed = threading.Event()
+    release = threading.Event()
+
+    class Closing(fakes.Engine):
+        def close(self):
+            closed.set()
+
+    def slow_factory(model, options, progress):
+        assert release.wait(20)
+        return Closing()
+
+    app = make_app("/models/fake-moe", engine_factory=slow_factory, options=LoadOptions(),
+                   settings=Settings(path=app_env / "settings.toml"), store=ChatStore(app_env / "chats.sqlite3"),
+                   memory_probe=fakes.Memory(), export_dir=app_env / "exports")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.2)
+        bridge = app.screen.bridge
+        start = time.monotonic()
+        bridge.on_unmount()  # what the exit runs, on the UI thread
+        waited = time.monotonic() - start
+        release.set()
+        assert closed.wait(10)  # the load that ended after the exit closed its engine
+        assert bridge._engine is None
+        assert waited < 5  # not the whole load (it never ended before the release)
