@@ -138,6 +138,9 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.1,0.25,0.5", help="shares of the experts in slots, comma-separated")
     ap.add_argument("--threads", action="store_true", help="also sweep the host pool's size (Qwen3-shaped)")
     args = ap.parse_args()
+    from moechat.engine.hardware import leave_a_core
+
+    leave_a_core(torch)  # the threads moechat run uses (every core but one)
     fractions = tuple(float(f) for f in args.fractions.split(","))
     if not args.skip_demo:
         bench("demo model (6 layers x 16 experts, top-2)", ROOT / "assets" / "demo-moe", args.device, args.runs,
