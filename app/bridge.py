@@ -319,6 +319,7 @@ class EngineBridge(Widget):
         self.options = options or LoadOptions()
         self._engine = None
         self._conversation = None
+        self._dropped_told = 0  # turns left out of the prompt when the user was last told
         self._lock = threading.Lock()  # held by whichever worker uses the engine
         self._tracker = StatsTracker()
         self._cancel: threading.Event | None = None
@@ -487,7 +488,7 @@ class EngineBridge(Widget):
         dropped = getattr(conversation, "dropped_turns", 0)
         if history_len == 0 or not dropped:
             self._dropped_told = 0
-        if not dropped or dropped == getattr(self, "_dropped_told", 0):
+        if not dropped or dropped == self._dropped_told:
             return
         self._dropped_told = dropped
         turns = "turn was" if dropped == 1 else f"{dropped} turns were"
