@@ -6,7 +6,10 @@ budget (issue 14). The compute table is what engine/plan.py's EXPERT_COMPUTE_EFF
    CPU), over enough copies of the expert that the weights come from RAM, not cache. Formats and a read-bandwidth
    probe (torch.sum over 512 MB) are timed in interleaved rounds (probe dense int8 int4 fp8 mxfp4, probe dense ..)
    so load from other processes lands on all alike; the table gives each format's median GB/s of its packed
-   bytes, that over the probe's (the bandwidth aim is 0.6) and over dense bf16's (the plan's efficiency).
+   bytes, that over the probe's (the bandwidth aim is 0.6) and over dense bf16's (the plan's efficiency). Each
+   packed format runs twice per round: its one-token native kernel (quant/native.py, when it is active) and its
+   torch path (MOECHAT_NATIVE=0, "torch" rows). `--clock thread` times CPU seconds of this thread instead of wall
+   seconds (a busy machine's other processes then cost the rates less; memory contention remains).
 2. Engine (`--engine`): decode tok/s of the bundled demo model and of a Qwen3-30B-A3B-shaped checkpoint (real
    widths: H 2048, I 768, 128 experts, top-8; `--layers` layers, random bf16 weights written to disk, and an FP8
    copy with 128 x 128 block scales) in each format (native bf16, int8, int4 via --expert-format, fp8), every
@@ -14,7 +17,8 @@ budget (issue 14). The compute table is what engine/plan.py's EXPERT_COMPUTE_EFF
    bytes, so a smaller format holds more experts in each. Formats interleaved (ABAB) over `--runs` rounds;
    medians and spread, hit rate, MB moved per token, and whether each format's greedy tokens repeat every round.
 
-    python bench/format_compute.py [--threads 1] [--rounds 7] [--copies 24] [--engine] [--runs 3] [--layers 2]
+    python bench/format_compute.py [--threads 1] [--rounds 7] [--copies 24] [--clock wall|thread] [--engine] [--runs 3]
+                                   [--layers 2]
     python bench/format_compute.py --device cuda [--smoke]   # the fused FP8/int8/int4 kernel vs copy bandwidth
 """
 
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from moechat.engine.quant import get_format, mxfp4
+from moechat.engine.quant import get_format, mxfp4, native
 from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,12 +73,18 @@ def expert(name: str, H: int, I: int) -> tuple[object, dict[str, torch.Tensor]]:
 
 def compute_table(args) -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), "
           f"{args.rounds} interleaved rounds, {args.copies} copies of each expert, one token (bf16 activations), "
-          f"load average {load:.1f} at start")
+          f"{args.clock} clock, load average {load:.1f} at start")
+    print(f"one-token CPU path: {native.status()}")
     probe = torch.ones(128 << 20)  # 512 MB, far past the last-level cache
     probe.sum()
-    ratios: dict[str, list[float]] = {f: [] for f in FORMATS}
+    paths = [(name, "1") for name in FORMATS]
+    if native.library() is not None:  # each packed format's torch path too, interleaved with its kernel
+        paths += [(name, "0") for name in FORMATS if name != "dense"]
+    label = {p: p[0] if p[1] == "1" or native.library() is None else f"{p[0]} (torch)" for p in paths}
+    ratios: dict[str, list[float]] = {label[p]: [] for p in paths}
     for model, (H, I) in WIDTHS.items():
         x13 = torch.randn(1, H).bfloat16()  # [1, H]
         x2 = torch.randn(1, I).bfloat16()  # [1, I]
@@ -83,33 +93,38 @@ def compute_table(args) -> None:
             fmt, tensors = expert(name, H, I)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             copies = [{k: v.clone() for k, v in tensors.items()} for _ in range(args.copies)]
-            fmt.linear(x13, copies[0], "w13")
-            fmt.linear(x2, copies[0], "w2")
-            setups[name] = (fmt, nbytes, copies)
-        times: dict[str, list[float]] = {name: [] for name in FORMATS}
+            for path in paths:
+                if path[0] == name:
+                    os.environ[native.ENV] = path[1]
+                    fmt.linear(x13, copies[0], "w13")
+                    fmt.linear(x2, copies[0], "w2")
+                    setups[path] = (fmt, nbytes, copies)
+        times: dict[tuple, list[float]] = {path: [] for path in paths}
         bw: list[float] = []
         for _ in range(args.rounds):
-            t0 = time.perf_counter()
+            t0 = clock()
             probe.sum()
-            bw.append(probe.numel() * 4 / (time.perf_counter() - t0))
-            for name, (fmt, _, copies) in setups.items():
-                t0 = time.perf_counter()
+            bw.append(probe.numel() * 4 / (clock() - t0))
+            for path, (fmt, _, copies) in setups.items():
+                os.environ[native.ENV] = path[1]
+                t0 = clock()
                 for c in copies:
                     fmt.linear(x13, c, "w13")
                     fmt.linear(x2, c, "w2")
-                times[name].append((time.perf_counter() - t0) / len(copies))
+                times[path].append((clock() - t0) / len(copies))
+        os.environ.pop(native.ENV, None)
         read_bw = statistics.median(bw)
-        dense_rate = setups["dense"][1] / statistics.median(times["dense"])
+        dense_rate = setups[("dense", "1")][1] / statistics.median(times[("dense", "1")])
         print(f"\n{model} (H {H}, I {I}); read bandwidth {read_bw / 1e9:.2f} GB/s median "
               f"[{min(bw) / 1e9:.2f}-{max(bw) / 1e9:.2f}]")
         print("| format | packed MB | ms/expert | spread | GB/s packed | / read bw | / dense bf16 |")
         print("|---|---:|---:|---|---:|---:|---:|")
-        for name, (_, nbytes, _) in setups.items():
-            med = statistics.median(times[name])
+        for path, (_, nbytes, _) in setups.items():
+            med = statistics.median(times[path])
             rate = nbytes / med
-            ratios[name].append(rate / dense_rate)
-            spread = f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f}"
-            print(f"| {name} | {nbytes / 1e6:.2f} | {med * 1e3:.3f} | {spread} | {rate / 1e9:.2f} | "
+            ratios[label[path]].append(rate / dense_rate)
+            spread = f"{min(times[path]) * 1e3:.2f}-{max(times[path]) * 1e3:.2f}"
+            print(f"| {label[path]} | {nbytes / 1e6:.2f} | {med * 1e3:.3f} | {spread} | {rate / 1e9:.2f} | "
                   f"{rate / read_bw:.2f} | {rate / dense_rate:.3f} |")
     print("\nEXPERT_COMPUTE_EFFICIENCY['cpu'] from these (the mean over the widths):")
     print("  {" + ", ".join(f'"{n}": {statistics.mean(r):.2g}' for n, r in ratios.items()) + "}")
@@ -297,6 +312,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--copies", type=int, default=24, help="copies of each expert cycled through (beyond cache)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "thread"],
+                    help="thread: CPU seconds of this thread (what other processes take of the core not counted)")
     ap.add_argument("--no-compute", dest="compute", action="store_false", help="skip the compute table")
     ap.add_argument("--engine", action="store_true", help="decode tok/s per format at one byte budget")
     ap.add_argument("--runs", type=int, default=3, help="interleaved engine rounds")

@@ -1,18 +1,20 @@
-"""Packed-expert compute on the CPU: decode a row tile into fp32 scratch, multiply it while it is in cache.
+"""Packed-expert compute on the CPU: one token through the native kernels, more through decoded row tiles.
 
-A projection's rows are decoded `tile_rows` at a time into a 4 MB fp32 tile; for one token (decode) each tile is
-multiplied at once (a GEMV sums each output in the same order whatever the number of rows: equal to one F.linear
-over the dequantized matrix), so only the packed bytes come from RAM. More tokens (prefill) decode every tile into
-one reused [R, in] fp32 scratch and run one GEMM, whose cost there is the multiply, not the bytes. A CPU without
-native bf16 runs an fp32 GEMV faster than a bf16 one, so the tile is fp32 and the result is rounded once.
+One token (decode) with the native kernels loaded (quant/native.py: C, built at first use) reads the packed bytes
+once and decodes in registers. Otherwise, and for more tokens, a projection's rows are decoded `tile_rows` at a time
+into a 4 MB fp32 tile; for one token each tile is multiplied at once (a GEMV sums each output in the same order
+whatever the number of rows: equal to one F.linear over the dequantized matrix), so only the packed bytes come from
+RAM. More tokens (prefill) decode every tile into one reused [R, in] fp32 scratch and run one GEMM, whose cost there
+is the multiply, not the bytes. A CPU without native bf16 runs an fp32 GEMV faster than a bf16 one, so the tile is
+fp32 and the result is rounded once.
 
 The decoders (int4, fp8 below; MXFP4 has its own in mxfp4.py) are whole-tensor integer ops that build float bit
 patterns, no table gathers (a gather costs ~1 ns a byte in torch); each is exact: bit for bit the format's
 `weight()` in fp32. `bench/format_compute.py` measures them in GB/s of packed bytes against the machine's read
 bandwidth: a handful of passes over the tile in torch ops each cost more than reading the packed bytes, so these
-paths reach a fraction of the bandwidth that only a fused native kernel (torch's `_weight_int8pack_mm`, which the
-int8 format uses) gets near. One bf16 token on FP8 experts takes a faster path that is not bit for bit (the block
-scale moved onto the input, a bf16 GEMV: `_fp8_gemv_bf16`), tested against the reference within bf16 tolerances.
+paths reach 0.03-0.11 of the bandwidth, the native kernels several times that (README). One bf16 token on FP8
+experts without the native kernels takes a faster torch path that is not bit for bit (the block scale moved onto
+the input, a bf16 GEMV: `_fp8_gemv_bf16`), tested against the reference within bf16 tolerances.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from . import native
 
 _TILE_BYTES = 4 << 20  # fp32 tile of decoded rows: fewer, longer ops (each costs ~5 us to dispatch), still in L3
 _BUFFERS: dict[tuple, object] = {}  # scratch tensors, FP8 scale-row maps
@@ -94,7 +98,16 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, in] @ W^T (+ bias) -> [n, R], W the int4 projection q [R, in/2] / scale [R, in/g]."""
     rows, cols = q.shape[0], q.shape[1] * 2
+    if x.shape[0] == 1 and (lib := native.library()) is not None and q.is_contiguous():  # one pass over the bytes
+        return _finish(native.int4_gemv(lib, x, q, scale.float().contiguous()), x.dtype, bias)
     return tiled_linear(x, rows, cols, lambda r0, r1, out: int4_decode(q[r0:r1], scale[r0:r1], out), bias)
+
+
+def _finish(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """A native kernel's fp32 [1, R] -> + bias (in fp32, as tiled_linear adds it) -> x's dtype."""
+    if bias is not None:
+        y.add_(bias.float())
+    return y if dtype == torch.float32 else y.to(dtype)
 
 
 # -- fp8 e4m3: bytes [R, in], fp32 block scales [ceil(R/b0), ceil(in/b1)] (w13: per half) -------------------------
@@ -190,6 +203,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     """x [n, in] @ W^T (+ bias) -> [n, R], W the e4m3 projection w [R, in] with block scales (split: w13's half)."""
     rows, cols = w.shape
     b0, b1 = block
+    if x.shape[0] == 1 and (lib := native.library()) is not None and w.is_contiguous():  # one pass over the bytes
+        y = torch.empty(1, rows)  # [1, R] fp32
+        s = scale.float().contiguous()
+        if split is None:
+            native.fp8_gemv(lib, x, w, s, block, y[0])
+        else:  # w13: gate and up rows, each half blocked from its own start
+            sh = -(-split // b0)
+            native.fp8_gemv(lib, x, w[:split], s[:sh], block, y[0, :split])
+            native.fp8_gemv(lib, x, w[split:], s[sh:], block, y[0, split:])
+        return _finish(y, x.dtype, bias)
     w8 = w.view(torch.int8)
     if x.dtype == torch.bfloat16 and x.shape[0] == 1:
         y = _fp8_gemv_bf16(x, w8, scale, block, split, bias)

@@ -6,8 +6,10 @@ edges. An expert stores `w13` [2I, H] (gate rows then up rows) and `w13_scale` [
 (gate's scale rows then up's: each half keeps its own blocking), `w2` [H, I] and `w2_scale`. Half the bytes
 of bf16: a Qwen3-30B-A3B expert is 4.7 MB + 1 KB of scales.
 
-Compute: on the CPU row tiles decoded exactly with integer ops (the e4m3 byte as an fp16 bit pattern) and
-multiplied in cache (quant/cpu.py); on CUDA the MoE is one fused Triton kernel pair (kernels/quant_moe.py).
+Compute: on the CPU one token runs the native kernel (quant/native.py: the e4m3 byte as a bf16 bit pattern in
+registers, the block scale on the input), more tokens row tiles decoded exactly with integer ops (the e4m3 byte
+as an fp16 bit pattern) and multiplied in cache (quant/cpu.py); on CUDA the MoE is one fused Triton kernel pair
+(kernels/quant_moe.py).
 """
 
 from __future__ import annotations

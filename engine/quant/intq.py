@@ -1,15 +1,16 @@
 """int8 and int4 experts quantized by moechat from a full-precision checkpoint (`--expert-format`).
 
 int8: symmetric per output channel, `*_q` int8 [out, in] and `*_scale` fp32 [out] (w = q * scale). The
-CPU computes straight from the int8 matrix with torch's `_weight_int8pack_mm` (no dequantized copy).
+CPU computes straight from the int8 matrix (no dequantized copy).
 int4: symmetric in groups of 32 along the input (16 or 8 when the input size is not a multiple of 32),
 `*_q` uint8 [out, in/2] (two codes a byte, low nibble the even element, code = q + 8 for q in -8..7) and
 `*_scale` fp32 [out, in/group]; the group is the input size over the scale's columns. A Qwen3-30B-A3B expert:
 9.4 MB in bf16, 4.7 MB in int8 (+12 KB of scales), 2.4 MB + 0.3 MB in int4.
 
-Compute: on the CPU int8 runs torch's fused `_weight_int8pack_mm` (bf16 activations, the row scale rounded to
-bf16: the fastest path measured, bench/format_compute.py), int4 row tiles decoded exactly with integer ops and
-multiplied in cache (quant/cpu.py); on CUDA the MoE is one fused Triton kernel pair (kernels/quant_moe.py).
+Compute: on the CPU one token runs the native kernels (quant/native.py: fp32 sums, the codes decoded in
+registers); otherwise int8 runs torch's fused `_weight_int8pack_mm` (bf16 activations, the row scale rounded to
+bf16) and int4 row tiles decoded exactly with integer ops and multiplied in cache (quant/cpu.py); on CUDA the MoE
+is one fused Triton kernel pair (kernels/quant_moe.py).
 
 Quantization happens once, when the repacked store is written (engine/cache/store.py); `quantize` here
 is the packer and `weight` the slow reference every compute path is tested against.
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import native
 from .base import ExpertFormat, TensorSpec, projection_shape, register
 from .cpu import int4_linear
 from .kernels import quant_fused_moe
@@ -63,11 +65,17 @@ class Int8Format(ExpertFormat):
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
         q, scale = tensors[f"{which}_q"], tensors[f"{which}_scale"]
+        bias = tensors.get(f"{which}_bias")
+        if (x.device.type == "cpu" and x.shape[0] == 1 and (lib := native.library()) is not None
+                and q.is_contiguous()):  # one token: the native GEMV, fp32 sums and scales (quant/native.py)
+            y = native.int8_gemv(lib, x, q, scale.float().contiguous())  # [1, out] fp32
+            if bias is not None:
+                y.add_(bias.float())
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if x.device.type == "cpu":  # int8 weights straight into the GEMM, scaled per output channel
             y = torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))  # [n, out]
         else:
             y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
-        bias = tensors.get(f"{which}_bias")
         return y if bias is None else y + bias
 
     @property

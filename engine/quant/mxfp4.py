@@ -4,9 +4,10 @@ Per projection [out, in]: `*_blocks` uint8 [out, in/32, 16] (two codes a byte, t
 even element) and `*_scales` uint8 [out, in/32] (the block's scale is 2^(s - 127)). 4.25 bits a weight:
 a GPT-OSS-20B expert is 13.2 MB of codes and scales (+ 17 KB of bf16 biases) against 49.8 MB in bf16.
 
-CPU compute decodes a projection a row tile at a time (4 MB of fp32, in cache) with vectorised integer
-ops, bit for bit F.linear on the dequantized matrix. One token multiplies each tile at once, so only packed
-bytes come from RAM; more tokens fill one reused fp32 scratch per projection shape (66 MB for GPT-OSS's
+CPU compute: one token runs the native kernel (quant/native.py: codes to values by an in-register table,
+fp32 sums); otherwise a projection is decoded a row tile at a time (4 MB of fp32, in cache) with vectorised
+integer ops, bit for bit F.linear on the dequantized matrix. One token multiplies each tile at once, so only
+packed bytes come from RAM; more tokens fill one reused fp32 scratch per projection shape (66 MB for GPT-OSS's
 w13) and run one GEMM. On CUDA the whole MoE is two fused Triton launches over the slot buffers
 (kernels/mxfp4_moe.py). `bench/quantized_experts.py` measures both against the machine's bandwidth and
 against the other ways torch offers.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import native
 from .base import ExpertFormat, TensorSpec, projection_shape, register
 
 BLOCK = 32  # elements sharing one scale
@@ -167,6 +169,11 @@ def linear_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     there is the multiply, not the bytes.
     """
     R, G, _ = blocks.shape
+    if x.shape[0] == 1 and (lib := native.library()) is not None and blocks.is_contiguous() and scales.is_contiguous():
+        y = native.mxfp4_gemv(lib, x, blocks, scales)  # [1, R] fp32: one pass over the packed bytes
+        if bias is not None:
+            y.add_(bias.float())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
     if int(scales.max()) > _MAX_FAST_SCALE:
         w = dequantize_into(blocks, scales, _scratch(R, G * BLOCK, x.dtype, x.device))
         return F.linear(x, w, bias)

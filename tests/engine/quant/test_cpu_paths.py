@@ -1,7 +1,7 @@
-"""The fast CPU `linear` of each packed format (quant/cpu.py, int8's `_weight_int8pack_mm`) against the slow
-reference (`weight()` + F.linear): the decoders bit for bit, the products within stated tolerances, one token
-(row tiles, GEMV per tile) and several (one scratch, one GEMM), partial FP8 blocks, w13's split halves, biases,
-inside and outside inference mode."""
+"""The fast CPU `linear` of each packed format (quant/cpu.py, int8's `_weight_int8pack_mm`, and for one token the
+native kernels, quant/native.py) against the slow reference (`weight()` + F.linear): the decoders bit for bit, the
+products within stated tolerances, one token (native, or row tiles with a GEMV per tile) and several (one scratch,
+one GEMM), partial FP8 blocks, w13's split halves, biases, inside and outside inference mode."""
 
 from __future__ import annotations
 
@@ -69,7 +69,9 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("n", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_linear_equals_the_reference(name, which, rows, cols, block, n, dtype):
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_fast_linear_equals_the_reference(name, which, rows, cols, block, n, dtype, path, monkeypatch):
+    monkeypatch.setenv("MOECHAT_NATIVE", "1" if path == "native" else "0")
     g = torch.Generator().manual_seed(rows * cols + n)
     w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 2 / cols**0.5
     fmt, t = _pack(name, which, w, block)
@@ -95,8 +97,9 @@ def test_one_token_tiles_equal_one_gemv_over_the_whole_matrix():
     torch.testing.assert_close(got, F.linear(x, dense), atol=1e-6, rtol=1e-6)
 
 
-def test_fp8_bf16_gemv_falls_back_where_the_scaled_input_would_overflow():
+def test_fp8_bf16_gemv_falls_back_where_the_scaled_input_would_overflow(monkeypatch):
     """One bf16 token puts the block scale (x 2^120) on the input; scales that would overflow take the exact path."""
+    monkeypatch.setenv("MOECHAT_NATIVE", "0")  # the torch path's bf16 GEMV
     g = torch.Generator().manual_seed(5)
     fmt, t = _pack("fp8", "w2", torch.randn(64, 96, generator=g), (16, 32))
     t["w2_scale"] = t["w2_scale"] * 1e30

@@ -21,8 +21,15 @@ def _packed(rows: int, cols: int, seed: int, spread: int = 3) -> tuple[torch.Ten
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """8-row tiles, so small matrices run through several tiles and a ragged last one."""
+    """8-row tiles, so small matrices run through several tiles and a ragged last one (the torch path: one token
+    would take the native kernel, tested in test_native.py)."""
     monkeypatch.setattr(mxfp4, "_TILE_BYTES", 8 * 4 * 64)
+    monkeypatch.setenv("MOECHAT_NATIVE", "0")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    monkeypatch.setenv("MOECHAT_NATIVE", "0")
 
 
 def test_decode_tile_is_the_reference_for_every_code_and_scale():
@@ -48,7 +55,7 @@ def test_linear_cpu_is_f_linear_on_the_reference_bit_for_bit(small_tiles, n, bia
     assert torch.equal(mxfp4.linear_cpu(x, blocks, scales, b), want)
 
 
-def test_linear_cpu_one_tile_equals_many_tiles(monkeypatch):
+def test_linear_cpu_one_tile_equals_many_tiles(monkeypatch, torch_path):
     blocks, scales = _packed(96, 128, seed=5)
     x = torch.randn(1, 128)  # one token: a GEMV per tile
     whole = mxfp4.linear_cpu(x, blocks, scales)
@@ -66,7 +73,7 @@ def test_scales_past_the_fast_range_take_the_table_path():
     assert torch.isfinite(want).all() and torch.equal(got, want)
 
 
-def test_bf16_computes_in_fp32_and_rounds_once():
+def test_bf16_computes_in_fp32_and_rounds_once(torch_path):
     blocks, scales = _packed(96, 256, seed=2)
     w = mxfp4.dequantize_reference(blocks, scales)
     b = torch.randn(96).bfloat16()

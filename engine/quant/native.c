@@ -1,0 +1,406 @@
+/* moechat's native CPU kernels: one token (decode) times a packed expert projection, y = W x, reading the packed
+ * bytes once. Built and loaded by native.py (cc -O3 -march=native -shared, cached per source + flags + CPU);
+ * plain C, no torch headers, called through ctypes on the raw pointers of contiguous tensors.
+ *
+ * Every kernel: x [cols] fp32 or bf16 (x_bf16 = 1), the packed matrix [rows, cols] in its format, y [rows] fp32.
+ * Each output is a sum of products in fp32 as F.linear over the dequantized matrix computes it, in another order
+ * (per-lane partial sums, a group's scale applied to its partial sum, FP8's block scale on x): equal within fp32
+ * rounding, tested. The codes become fp32 values in registers and nothing else touches memory: int4 and MXFP4
+ * through bf16 bit patterns from an in-register table (pshufb), FP8 as bf16 bit patterns made with shifts,
+ * int8 by conversion. Where the values come out of the registers in another order than the elements (the 4-bit
+ * formats, FP8), a copy of x made once per call is in that order instead, so no shuffle puts them back.
+ * Four rows at a time share each x load and keep four FMA chains in flight; each row group prefetches the
+ * next one's bytes (1.4x measured: the hardware prefetcher alone left the loads waiting on RAM).
+ *
+ * AVX2 + FMA + F16C where the compiler targets them; otherwise the same sums in scalar C (MOECHAT_SCALAR forces
+ * it, for the tests; native.py uses the torch paths rather than this). moechat_simd() says which was built. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MOECHAT_ABI 1
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MOECHAT_SCALAR)
+#define SIMD 1
+#include <immintrin.h>
+#else
+#define SIMD 0
+#endif
+
+int moechat_abi(void) { return MOECHAT_ABI; }
+int moechat_simd(void) { return SIMD; }
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static float load_x(const void *x, int x_bf16, int64_t j) {
+    return x_bf16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+}
+
+/* 2^(s - 128) for an E8M0 scale byte s (the E2M1 table below holds twice the values). */
+static float e8m0_half(uint8_t s) {
+    uint32_t b = s >= 2 ? (uint32_t)(s - 1) << 23 : 0x00400000u >> (1 - s);
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+#if !SIMD
+static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#endif
+
+/* e4m3 byte -> its value (0x7F/0xFF, the NaNs, decode as 480 like the SIMD path's bit trick) */
+static float e4m3(uint8_t b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+    return (b & 0x80) ? -v : v;
+}
+
+#if SIMD
+static float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 i8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+#endif
+
+/* -- 4-bit codes (int4, MXFP4) ---------------------------------------------------------------------------------
+ * A 32-element block is 16 bytes (low nibble the even element). In registers: the 16 bytes in both 128-bit lanes,
+ * lane 0 shifted to the low nibbles and lane 1 to the high ones (the codes of elements 0, 2, .., 30 | 1, 3, .., 31);
+ * two in-lane table lookups (pshufb) give each code's value as a bf16's low and high byte, interleaving them gives
+ * bf16 words, and a bf16 is the top half of its fp32: << 16 (the even words) and & 0xFFFF0000 (the odd ones) are
+ * four vectors of fp32 values, exactly. Every step is a one-cycle in-lane op; x is reordered to match (FOUR_BIT
+ * below), once per call. The four vectors hold elements {0-7}, {8-15}, {16-23}, {24-31} of the block (as sets). */
+static float e8m0_table[256];  /* 2^(s - 128): filled by moechat_init */
+
+void moechat_init(void) {
+    for (int s = 0; s < 256; s++) e8m0_table[s] = e8m0_half((uint8_t)s);
+}
+
+#if SIMD
+static const int FOUR_BIT[32] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                 16, 20, 24, 28, 17, 21, 25, 29, 18, 22, 26, 30, 19, 23, 27, 31};
+
+/* x [cols] -> fp32 in 4-bit-code order: each full 32-element block reordered by FOUR_BIT; the tail as it is */
+static void x_four_bit(const void *x, int x_bf16, int64_t cols, float *xp) {
+    int64_t full = cols / 32 * 32;
+    for (int64_t c = 0; c < full; c += 32)
+        for (int k = 0; k < 32; k++) xp[c + k] = load_x(x, x_bf16, c + FOUR_BIT[k]);
+    for (int64_t j = full; j < cols; j++) xp[j] = load_x(x, x_bf16, j);
+}
+
+/* the value of each code as bf16 (table[code] = its high byte << 8 | low byte) */
+static const uint16_t INT4_BF16[16] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};  // q = c - 8
+static const uint16_t E2M1_X2_BF16[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140,
+                                          0x8000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0, 0xC100, 0xC140};  // 2 x E2M1
+
+#ifndef NROWS
+#define NROWS 4 /* rows a step (a -D flag for experiments: 2 measured a little slower) */
+#endif
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+/* the same bytes of the next group of rows (`ahead` bytes on), once per 64-byte line */
+#define PF(p, off, ahead)                                                                                         \
+    do {                                                                                                          \
+        if (PREFETCH && ((off) & 63) == 0) _mm_prefetch((const char *)(p) + (ahead), _MM_HINT_T0);               \
+    } while (0)
+
+typedef struct { __m256i lo, hi; } Lut;
+
+static Lut make_lut(const uint16_t *t) {
+    uint8_t lo[16], hi[16];
+    for (int k = 0; k < 16; k++) {
+        lo[k] = (uint8_t)(t[k] & 0xFF);
+        hi[k] = (uint8_t)(t[k] >> 8);
+    }
+    Lut l = {_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
+             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi))};
+    return l;
+}
+
+static inline __attribute__((always_inline)) void decode32(const uint8_t *p, Lut lut, __m256 f[4]) {
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), m0f = _mm256_set1_epi8(0x0F);
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    c = _mm256_and_si256(_mm256_srlv_epi32(c, shift), m0f);
+    __m256i lo = _mm256_shuffle_epi8(lut.lo, c), hi = _mm256_shuffle_epi8(lut.hi, c);
+    __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
+    f[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    f[1] = _mm256_castsi256_ps(_mm256_and_si256(w0, top));
+    f[2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    f[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, top));
+}
+#endif
+
+/* -- int4: q [rows, cols/2] u8 (low nibble the even element, code = q + 8), scale [rows, cols/group] fp32 ------ */
+#if SIMD
+/* NR rows at once: each x load serves NR rows, and NR accumulator chains keep the FMA units busy */
+static inline __attribute__((always_inline)) void int4_rows(const float *xp, const uint8_t *q, const float *scale,
+                                                            int64_t r, int64_t cols, int64_t group, float *y,
+                                                            const int NR, Lut lut) {
+    const __m256i idx0 = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1), idx1 = _mm256_setr_epi32(2, 2, 3, 3, 2, 2, 3, 3);
+    int64_t full = cols / 32 * 32, G = cols / group, half = cols / 2;
+    const uint8_t *qr = q + r * half;
+    const float *sr = scale + r * G;
+    __m256 acc[NROWS];
+    for (int u = 0; u < NR; u++) acc[u] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < full; c += 32) {
+        const float *xc = xp + c;
+        for (int u = 0; u < NR; u++) {
+            __m256 f[4];
+            PF(qr + u * half + c / 2, c / 2, NR * half);
+            decode32(qr + u * half + c / 2, lut, f);
+            __m256 ta = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xc + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xc)));
+            if (group == 32) {  // one FMA chain over the block, then its scale
+                ta = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xc + 16), ta);
+                ta = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xc + 24), ta);
+                acc[u] = _mm256_fmadd_ps(ta, _mm256_broadcast_ss(sr + u * G + c / 32), acc[u]);
+                continue;
+            }
+            // ta: elements 0-15 of the block, tb: 16-31
+            __m256 tb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xc + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xc + 16)));
+            if (group == 16) {
+                acc[u] = _mm256_fmadd_ps(ta, _mm256_broadcast_ss(sr + u * G + c / 16), acc[u]);
+                acc[u] = _mm256_fmadd_ps(tb, _mm256_broadcast_ss(sr + u * G + c / 16 + 1), acc[u]);
+            } else {  // groups of 8: ta's lanes hold elements 0,4,8,12,1,5,9,13 (+2): groups 0,0,1,1,0,0,1,1
+                __m256 s4 = _mm256_castps128_ps256(_mm_loadu_ps(sr + u * G + c / 8));
+                acc[u] = _mm256_fmadd_ps(ta, _mm256_permutevar8x32_ps(s4, idx0), acc[u]);
+                acc[u] = _mm256_fmadd_ps(tb, _mm256_permutevar8x32_ps(s4, idx1), acc[u]);
+            }
+        }
+    }
+    for (int u = 0; u < NR; u++) {
+        float a = hsum(acc[u]);
+        for (int64_t j = full; j < cols; j++) {  // a last 16 or 8 elements (groups of 16 or 8)
+            int code = (j & 1) ? (qr[u * half + j / 2] >> 4) : (qr[u * half + j / 2] & 15);
+            a += (float)(code - 8) * sr[u * G + j / group] * xp[j];
+        }
+        y[r + u] = a;
+    }
+}
+#endif
+
+int moechat_int4_gemv(const void *x, int x_bf16, const uint8_t *q, const float *scale, int64_t rows, int64_t cols,
+                      int64_t group, float *y) {
+    if (group != 32 && group != 16 && group != 8) return -1;
+    if (cols % group) return -1;
+    float *xp = malloc(sizeof(float) * (size_t)(cols + 1));
+    if (!xp) return -2;
+    int64_t r = 0;
+#if SIMD
+    x_four_bit(x, x_bf16, cols, xp);
+    Lut lut = make_lut(INT4_BF16);
+    // the group and the row count as constants: one specialised loop each
+#define INT4_CASE(GROUP)                                                                                          \
+    if (group == GROUP) {                                                                                         \
+        for (; r + NROWS <= rows; r += NROWS) int4_rows(xp, q, scale, r, cols, GROUP, y, NROWS, lut);                        \
+        for (; r < rows; r++) int4_rows(xp, q, scale, r, cols, GROUP, y, 1, lut);                                \
+    }
+    INT4_CASE(32) else INT4_CASE(16) else INT4_CASE(8)
+#undef INT4_CASE
+#else
+    for (int64_t j = 0; j < cols; j++) xp[j] = load_x(x, x_bf16, j);
+    int64_t G = cols / group;
+    for (; r < rows; r++) {  // per group: the sum of q x, times the group's scale
+        const uint8_t *qr = q + r * (cols / 2);
+        float acc = 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            float part = 0.0f;
+            for (int64_t j = g * group; j < (g + 1) * group; j += 2) {
+                uint8_t b = qr[j / 2];
+                part += (float)((b & 15) - 8) * xp[j] + (float)((b >> 4) - 8) * xp[j + 1];
+            }
+            acc += part * scale[r * G + g];
+        }
+        y[r] = acc;
+    }
+#endif
+    free(xp);
+    return 0;
+}
+
+/* -- MXFP4: blocks [rows, cols/32, 16] u8 (E2M1 codes, low nibble the even element), scales [rows, cols/32] u8 -- */
+#if SIMD
+static inline __attribute__((always_inline)) void mxfp4_rows(const float *xp, const uint8_t *blocks,
+                                                             const uint8_t *scales, int64_t r, int64_t G, float *y,
+                                                             const int NR, Lut lut) {
+    const uint8_t *br = blocks + r * G * 16, *sr = scales + r * G;
+    __m256 acc[NROWS];
+    for (int u = 0; u < NR; u++) acc[u] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const float *xc = xp + g * 32;
+        for (int u = 0; u < NR; u++) {
+            __m256 f[4];
+            PF(br + (u * G + g) * 16, g * 16, NR * G * 16);
+            decode32(br + (u * G + g) * 16, lut, f);  // 2 x the E2M1 values
+            __m256 t = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xc + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xc)));
+            t = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xc + 16), t);
+            t = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xc + 24), t);
+            acc[u] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(e8m0_table + sr[u * G + g]), acc[u]);
+        }
+    }
+    for (int u = 0; u < NR; u++) y[r + u] = hsum(acc[u]);
+}
+#endif
+
+int moechat_mxfp4_gemv(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, int64_t rows,
+                       int64_t cols, float *y) {
+    if (cols % 32) return -1;
+    float *xp = malloc(sizeof(float) * (size_t)(cols + 1));
+    if (!xp) return -2;
+    int64_t G = cols / 32, r = 0;
+#if SIMD
+    x_four_bit(x, x_bf16, cols, xp);
+    Lut lut = make_lut(E2M1_X2_BF16);
+    for (; r + NROWS <= rows; r += NROWS) mxfp4_rows(xp, blocks, scales, r, G, y, NROWS, lut);
+    for (; r < rows; r++) mxfp4_rows(xp, blocks, scales, r, G, y, 1, lut);
+#else
+    for (int64_t j = 0; j < cols; j++) xp[j] = load_x(x, x_bf16, j);
+    for (; r < rows; r++) {
+        const uint8_t *br = blocks + r * G * 16;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            float part = 0.0f;
+            for (int k = 0; k < 16; k++) {
+                uint8_t b = br[g * 16 + k];
+                part += (float)E2M1_X2[b & 15] * xp[g * 32 + 2 * k] + (float)E2M1_X2[b >> 4] * xp[g * 32 + 2 * k + 1];
+            }
+            acc += part * e8m0_table[scales[r * G + g]];
+        }
+        y[r] = acc;
+    }
+#endif
+    free(xp);
+    return 0;
+}
+
+/* -- FP8 e4m3: w [rows, cols], scale [ceil(rows/b0), ceil(cols/b1)] fp32 (partial blocks at the edges) ---------
+ * In registers, 32 bytes at a time as 8 dwords: each byte moved to the top of a 16-bit word, arithmetic-shifted
+ * right by 4 and masked (0x87FF) is a bf16 bit pattern equal to the e4m3 value x 2^-120 (subnormals land on
+ * bf16's subnormals), and a bf16 is the top half of its fp32: bytes 0, 1, 2, 3 of each dword give four vectors of
+ * fp32 values in shifts and ands only. x carries the block scale and 2^64 (x s 2^64 cannot overflow, x s 2^120
+ * could) and the sum is taken back by 2^56: powers of two, exact. x is reordered to match (byte i of dword k is
+ * element 4k + i of the 32). */
+#define FP8_X_SHIFT 18446744073709551616.0f /* 2^64 */
+#define FP8_Y_SHIFT 72057594037927936.0f    /* 2^56 */
+
+#if SIMD
+static inline __attribute__((always_inline)) void fp8_rows(const float *xs, const uint8_t *w, int64_t r,
+                                                           int64_t cols, float *y, const int NR) {
+    const __m256i m_lo = _mm256_set1_epi32(0x000087F0), m_hi = _mm256_set1_epi32((int)0x87F00000u);
+    int64_t full = cols / 32 * 32;
+    __m256 a[NROWS];
+    for (int u = 0; u < NR; u++) a[u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < full; j += 32) {
+        const float *xc = xs + j;
+        for (int u = 0; u < NR; u++) {
+            const uint8_t *p = w + (r + u) * cols + j;
+            PF(p, j, NR * cols);
+            __m256i v = _mm256_loadu_si256((const __m256i *)p);
+            __m256i odd = _mm256_srai_epi16(v, 4);  // bytes 1, 3: sign-extended << 4 (bits 0-3 from byte 0, 2)
+            __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);  // bytes 0, 2
+            __m256 f0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(even, m_lo), 16));
+            __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(odd, m_lo), 16));
+            __m256 f2 = _mm256_castsi256_ps(_mm256_and_si256(even, m_hi));
+            __m256 f3 = _mm256_castsi256_ps(_mm256_and_si256(odd, m_hi));
+            __m256 t = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xc + 8), _mm256_mul_ps(f0, _mm256_loadu_ps(xc)));
+            t = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xc + 16), t);
+            a[u] = _mm256_add_ps(a[u], _mm256_fmadd_ps(f3, _mm256_loadu_ps(xc + 24), t));
+        }
+    }
+    for (int u = 0; u < NR; u++) {
+        float tail = 0.0f;
+        for (int64_t k = full; k < cols; k++) tail += e4m3(w[(r + u) * cols + k]) * (xs[k] / FP8_X_SHIFT);
+        y[r + u] = hsum(a[u]) * FP8_Y_SHIFT + tail;
+    }
+}
+#endif
+
+int moechat_fp8_gemv(const void *x, int x_bf16, const uint8_t *w, const float *scale, int64_t rows, int64_t cols,
+                     int64_t b0, int64_t b1, float *y) {
+    if (b0 <= 0 || b1 <= 0) return -1;
+    float *xs = malloc(sizeof(float) * (size_t)(cols + 1));
+    if (!xs) return -2;
+    int64_t nb1 = (cols + b1 - 1) / b1, full = cols / 32 * 32;
+    for (int64_t r0 = 0; r0 < rows; r0 += b0) {
+        const float *srow = scale + (r0 / b0) * nb1;
+        int64_t r1 = r0 + b0 < rows ? r0 + b0 : rows, r = r0;
+#if SIMD
+        // x times the row block's scale per column (x 2^64), in the kernel's order
+        for (int64_t c = 0; c < full; c += 32)
+            for (int i = 0; i < 4; i++)
+                for (int k = 0; k < 8; k++) {
+                    int64_t j = c + 4 * k + i;
+                    xs[c + 8 * i + k] = load_x(x, x_bf16, j) * (srow[j / b1] * FP8_X_SHIFT);
+                }
+        for (int64_t j = full; j < cols; j++) xs[j] = load_x(x, x_bf16, j) * (srow[j / b1] * FP8_X_SHIFT);
+        for (; r + NROWS <= r1; r += NROWS) fp8_rows(xs, w, r, cols, y, NROWS);
+        for (; r < r1; r++) fp8_rows(xs, w, r, cols, y, 1);
+#else
+        for (int64_t j = 0; j < cols; j++) xs[j] = load_x(x, x_bf16, j) * srow[j / b1];
+        for (; r < r1; r++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < cols; j++) acc += e4m3(w[r * cols + j]) * xs[j];
+            y[r] = acc;
+        }
+#endif
+    }
+    (void)full;
+    free(xs);
+    return 0;
+}
+
+/* -- int8: q [rows, cols] int8, scale [rows] fp32 (w = q * scale) ---------------------------------------------- */
+#if SIMD
+static inline __attribute__((always_inline)) void int8_rows(const float *xf, const int8_t *q, const float *scale,
+                                                            int64_t r, int64_t cols, float *y, const int NR) {
+    __m256 a0[4], a1[4];
+    for (int u = 0; u < NR; u++) a0[u] = a1[u] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16) {
+        __m256 x0 = _mm256_loadu_ps(xf + j), x8 = _mm256_loadu_ps(xf + j + 8);
+        for (int u = 0; u < NR; u++) {
+            PF(q + (r + u) * cols + j, j, NR * cols);
+            __m128i b = _mm_loadu_si128((const __m128i *)(q + (r + u) * cols + j));
+            a0[u] = _mm256_fmadd_ps(i8_to_f32(b), x0, a0[u]);
+            a1[u] = _mm256_fmadd_ps(i8_to_f32(_mm_unpackhi_epi64(b, b)), x8, a1[u]);
+        }
+    }
+    for (int u = 0; u < NR; u++) {
+        float acc = hsum(_mm256_add_ps(a0[u], a1[u]));
+        for (int64_t k = j; k < cols; k++) acc += (float)q[(r + u) * cols + k] * xf[k];
+        y[r + u] = acc * scale[r + u];
+    }
+}
+#endif
+
+int moechat_int8_gemv(const void *x, int x_bf16, const int8_t *q, const float *scale, int64_t rows, int64_t cols,
+                      float *y) {
+    float *xf = malloc(sizeof(float) * (size_t)(cols + 1));
+    if (!xf) return -2;
+    for (int64_t j = 0; j < cols; j++) xf[j] = load_x(x, x_bf16, j);
+    int64_t r = 0;
+#if SIMD
+    for (; r + 4 <= rows; r += 4) int8_rows(xf, q, scale, r, cols, y, 4);
+    for (; r < rows; r++) int8_rows(xf, q, scale, r, cols, y, 1);
+#else
+    for (; r < rows; r++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < cols; j++) acc += (float)q[r * cols + j] * xf[j];
+        y[r] = acc * scale[r];
+    }
+#endif
+    free(xf);
+    return 0;
+}

@@ -1,0 +1,208 @@
+"""Native CPU kernels for one token through a packed expert projection (native.c), built at first use.
+
+The torch paths of int4, FP8 and MXFP4 (quant/cpu.py, mxfp4.py) decode row tiles with a handful of whole-tile ops,
+each pass over the tile costing more than reading the packed bytes: 0.02-0.11 of the read bandwidth on one thread
+(bench/format_compute.py). native.c reads the packed bytes once and decodes in registers. It is compiled with the
+system C compiler (`cc -O3 -march=native`, ~1 s) into $XDG_CACHE_HOME/moechat/native/, named by a hash of the
+source, the flags, the compiler and the CPU's flags, written atomically (a temp file renamed: two processes may
+build at once), and loaded with ctypes; the calls release the GIL and run on the calling thread.
+
+Fallback: without a compiler, when the build or the load fails, on a CPU without AVX2+FMA+F16C, or with
+MOECHAT_NATIVE=0, `library()` is None and each format keeps its torch path. Silent at run time; `status()` says
+which path is active and why (`moechat fit --json`, the tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+ENV = "MOECHAT_NATIVE"  # "0": the torch paths
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
+ABI = 1  # native.c's MOECHAT_ABI
+
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}  # "lib": the CDLL or None, "why": the status line
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moechat" / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or shutil.which("cc")
+    return shutil.which(cc) if cc else None
+
+
+def library_path(source: bytes, flags: tuple[str, ...], cc: str, directory: Path) -> Path:
+    """Where the build of `source` with `flags` by `cc` on this CPU lives: a hash of all four (and the
+    compiler's size and date, so an upgraded compiler rebuilds)."""
+    real = os.path.realpath(cc)
+    st = os.stat(real)
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), real.encode(), f"{st.st_size} {st.st_mtime_ns}"
+                                     .encode(), _cpu_flags().encode(), platform.machine().encode()])).hexdigest()
+    return directory / f"kernels-{key[:20]}.so"
+
+
+def build(flags: tuple[str, ...] = FLAGS, directory: Path | None = None, cc: str | None = None) -> Path:
+    """Compile native.c (unless this source, flags, compiler and CPU already have a library) -> its path.
+    Raises OSError / CalledProcessError / TimeoutExpired when it cannot."""
+    cc = cc or _compiler()
+    if cc is None:
+        raise FileNotFoundError("no C compiler (cc) on PATH")
+    source = SOURCE.read_bytes()
+    directory = directory or cache_dir()
+    path = library_path(source, flags, cc, directory)
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at `path` with its functions typed; OSError where it is damaged or not this source's."""
+    lib = ctypes.CDLL(str(path))
+    try:
+        abi = lib.moechat_abi()
+    except AttributeError as e:
+        raise OSError(f"{path} is not moechat's kernel library") from e
+    if abi != ABI:
+        raise OSError(f"{path} has ABI {abi}, not {ABI}")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.moechat_int4_gemv.argtypes = [p, i32, p, p, i64, i64, i64, p]
+    lib.moechat_mxfp4_gemv.argtypes = [p, i32, p, p, i64, i64, p]
+    lib.moechat_fp8_gemv.argtypes = [p, i32, p, p, i64, i64, i64, i64, p]
+    lib.moechat_int8_gemv.argtypes = [p, i32, p, p, i64, i64, p]
+    for f in (lib.moechat_int4_gemv, lib.moechat_mxfp4_gemv, lib.moechat_fp8_gemv, lib.moechat_int8_gemv):
+        f.restype = i32
+    lib.moechat_init()
+    return lib
+
+
+def build_and_load(flags: tuple[str, ...] = FLAGS, directory: Path | None = None,
+                   cc: str | None = None) -> ctypes.CDLL:
+    """build + load; a cached library that does not load (damaged, truncated) is removed and built again."""
+    path = build(flags, directory, cc)
+    try:
+        return load(path)
+    except OSError:
+        path.unlink(missing_ok=True)
+        return load(build(flags, directory, cc))
+
+
+def _resolve() -> tuple[ctypes.CDLL | None, str]:
+    try:
+        lib = build_and_load()
+    except FileNotFoundError as e:
+        return None, f"torch paths: {e}"
+    except subprocess.CalledProcessError as e:
+        err = (e.stderr or b"").decode(errors="replace").strip().splitlines()
+        return None, f"torch paths: the kernels did not compile ({err[0] if err else e})"
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"torch paths: the kernels did not build or load ({e})"
+    if not lib.moechat_simd():
+        return None, "torch paths: the compiler did not target AVX2+FMA+F16C on this CPU"
+    return lib, f"native kernels (AVX2+FMA+F16C), {lib._name}"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None: the torch paths (MOECHAT_NATIVE=0, no compiler, a failed build, another CPU).
+    Built on the first call of a process (cached on disk after the first ever)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    if "lib" not in _STATE:
+        with _LOCK:
+            if "lib" not in _STATE:
+                _STATE["lib"], _STATE["why"] = _resolve()
+    return _STATE["lib"]  # type: ignore[return-value]
+
+
+def status() -> str:
+    """Which CPU path one-token expert compute takes, and why."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"torch paths: {ENV}=0"
+    library()
+    return str(_STATE["why"])
+
+
+def reset() -> None:
+    """Forget the loaded library (tests): the next `library()` resolves again."""
+    with _LOCK:
+        _STATE.clear()
+
+
+# -- calls: x [1, in] (fp32 or bf16; other dtypes are cast), packed tensors contiguous -> y [1, out] fp32 ---------
+def _x(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    return x.contiguous(), int(x.dtype == torch.bfloat16)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"native {what} kernel failed ({rc})")
+
+
+def int4_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape[0], q.shape[1] * 2
+    x, bf = _x(x)
+    y = torch.empty(1, rows)  # [1, R] fp32
+    _check(lib.moechat_int4_gemv(x.data_ptr(), bf, q.data_ptr(), scale.data_ptr(), rows, cols, cols // scale.shape[1],
+                                 y.data_ptr()), "int4")
+    return y
+
+
+def mxfp4_gemv(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    rows, cols = blocks.shape[0], blocks.shape[1] * 32
+    x, bf = _x(x)
+    y = torch.empty(1, rows)  # [1, R] fp32
+    _check(lib.moechat_mxfp4_gemv(x.data_ptr(), bf, blocks.data_ptr(), scales.data_ptr(), rows, cols, y.data_ptr()),
+           "mxfp4")
+    return y
+
+
+def fp8_gemv(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+             out: torch.Tensor) -> torch.Tensor:
+    """One block-scaled e4m3 matrix w [R, in] (scale [ceil(R/b0), ceil(in/b1)]) into out [R] (a contiguous fp32
+    view); w13's halves are two calls."""
+    x, bf = _x(x)
+    _check(lib.moechat_fp8_gemv(x.data_ptr(), bf, w.data_ptr(), scale.data_ptr(), w.shape[0], w.shape[1], block[0],
+                                block[1], out.data_ptr()), "fp8")
+    return out
+
+
+def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    x, bf = _x(x)
+    y = torch.empty(1, rows)  # [1, R] fp32
+    _check(lib.moechat_int8_gemv(x.data_ptr(), bf, q.data_ptr(), scale.data_ptr(), rows, cols, y.data_ptr()), "int8")
+    return y

@@ -1,0 +1,246 @@
+"""The native one-token kernels (quant/native.c via native.py) against each format's slow reference (`weight()` +
+F.linear in fp32): within fp32 rounding of the sum (|err| <= 1e-6 x sum |x w| per output), on odd shapes (rows not a
+multiple of the 4-row step, int4 groups of 16 and 8 with a tail past the last 32-element block, partial FP8 blocks,
+w13's halves), both x dtypes, the SIMD build and the scalar one; the cached library reused, a damaged one rebuilt;
+the torch fallback (MOECHAT_NATIVE=0, no compiler) silent, said by `status()`, and equal within the same bounds."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moechat.engine.quant import get_format, mxfp4, native
+from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch paths run (tested)")
+
+
+def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """got [1, R] against F.linear(x, w) in fp32: each output within 1e-6 of its sum of |x w| (~8 fp32 ulps of the
+    largest partial sum; a wrong code or scale is off by far more)."""
+    xf = x.float()
+    want = F.linear(xf, w, None if bias is None else bias.float())
+    bound = 1e-6 * (xf.abs() @ w.abs().t()) + 1e-30
+    err = (got.float() - want).abs()
+    assert torch.isfinite(got).all()
+    assert (err <= bound).all(), f"max error {float((err / bound).max()):.1f}x the bound"
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = native.library()
+    assert lib is not None, native.status()
+    return lib
+
+
+@pytest.fixture(scope="module")
+def scalar_lib(tmp_path_factory):
+    """The same source built without SIMD (what a CPU without AVX2 would run, were it enabled there)."""
+    lib = native.build_and_load(native.FLAGS + ("-DMOECHAT_SCALAR",), tmp_path_factory.mktemp("scalar"))
+    assert lib.moechat_simd() == 0
+    return lib
+
+
+@pytest.fixture(params=["simd", "scalar"])
+def any_lib(request, lib, scalar_lib):
+    return lib if request.param == "simd" else scalar_lib
+
+
+def _x(cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(1, cols, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _w(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) / cols**0.5
+
+
+def test_this_machine_runs_the_native_kernels():
+    assert native.status().startswith("native kernels"), native.status()
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 64), (9, 96), (13, 40), (6, 24), (5, 48), (4, 8), (37, 2064),
+                                       (1536, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4(any_lib, rows, cols, dtype):
+    fmt = get_format("int4")
+    t = {f"w2_{k}": v for k, v in fmt.quantize(_w(rows, cols, rows + cols)).items()}
+    x = _x(cols, dtype, cols)
+    _close(native.int4_gemv(any_lib, x, t["w2_q"], t["w2_scale"]), x, fmt.weight(t, "w2", torch.float32))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (7, 15), (9, 17), (5, 100), (1536, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8(any_lib, rows, cols, dtype):
+    fmt = get_format("int8")
+    t = {f"w2_{k}": v for k, v in fmt.quantize(_w(rows, cols, rows + cols)).items()}
+    x = _x(cols, dtype, cols)
+    _close(native.int8_gemv(any_lib, x, t["w2_q"], t["w2_scale"]), x, fmt.weight(t, "w2", torch.float32))
+
+
+@pytest.mark.parametrize("rows,cols,block", [(7, 15, (2, 4)), (9, 33, (4, 16)), (130, 300, (128, 128)),
+                                             (5, 17, (1, 1)), (256, 2048, (128, 128)), (11, 40, (3, 7))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8(any_lib, rows, cols, block, dtype):
+    w, s = quantize_blocks(_w(rows, cols, rows + cols) * 40, block)
+    x = _x(cols, dtype, cols)
+    y = torch.empty(rows)
+    _close(native.fp8_gemv(any_lib, x, w, s, block, y)[None], x, fp8_format(block).weight({"w2": w, "w2_scale": s},
+                                                                                         "w2", torch.float32))
+
+
+def test_fp8_every_byte(any_lib):
+    """All 254 finite e4m3 values (both zeros, subnormals, the largest), a partial block, unequal scales."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].reshape(2, 127)  # [2, 127] without the two NaN patterns
+    w8 = codes.view(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.37, 1.9], [3.1e-3, 12.5]])  # [2, ceil(127/64)]
+    x = _x(127, torch.float32, 1)
+    want = fp8_format((1, 64)).weight({"w2": w8, "w2_scale": scale}, "w2", torch.float32)
+    for k in range(127):  # each column alone: each byte's value (one product: x s w against x (w s), 2 roundings)
+        xk = torch.zeros(1, 127)
+        xk[0, k] = x[0, k]
+        got = native.fp8_gemv(any_lib, xk, w8, scale, (1, 64), torch.empty(2))
+        torch.testing.assert_close(got, want[:, k] * x[0, k], atol=0, rtol=2.5e-7)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 64), (9, 96), (13, 2880)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4(any_lib, rows, cols, dtype):
+    blocks, scales = mxfp4.quantize(_w(rows, cols, rows + cols))
+    x = _x(cols, dtype, cols)
+    _close(native.mxfp4_gemv(any_lib, x, blocks, scales), x, mxfp4.dequantize_reference(blocks, scales))
+
+
+def test_mxfp4_every_code_and_scale(any_lib):
+    """Every byte value against every scale 0..252 (2^-127, subnormal, to 2^125: past it 6 x the scale overflows the
+    reference's fp32 weight), one column at a time: a product by a power of two, exact."""
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (253, 2, 16), generator=g, dtype=torch.uint8)
+    blocks[:, 0] = torch.arange(256, dtype=torch.uint8).view(16, 16).repeat(16, 1)[:253]
+    scales = torch.stack([torch.arange(253), torch.arange(253).flip(0)], 1).to(torch.uint8)  # [253, 2]
+    w = mxfp4.dequantize_reference(blocks, scales)  # [253, 64]
+    for k in (0, 1, 5, 30, 31, 33, 62):
+        xk = torch.zeros(1, 64)
+        xk[0, k] = 0.75
+        got = native.mxfp4_gemv(any_lib, xk, blocks, scales)
+        assert torch.equal(got[0], w[:, k] * 0.75), k
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_takes_the_kernel_and_the_fallback_agrees(name, dtype, monkeypatch):
+    """fmt.linear for one token (the engine's call) with biases and w13's halves: native and torch paths both
+    within the bound of the reference, and the native one really ran (a counted call)."""
+    H, I = 96, 64
+    g = torch.Generator().manual_seed(1)
+    w13, w2 = torch.randn(2 * I, H, generator=g) / H**0.5, torch.randn(H, I, generator=g) / I**0.5
+    if name == "fp8":
+        fmt = fp8_format((16, 32))
+        (a, sa), (b, sb) = quantize_blocks(w13[:I], fmt.block), quantize_blocks(w13[I:], fmt.block)
+        d, sd = quantize_blocks(w2, fmt.block)
+        t = {"w13": torch.cat([a, b]), "w13_scale": torch.cat([sa, sb]), "w2": d, "w2_scale": sd}
+    elif name == "mxfp4":
+        fmt = get_format("mxfp4")
+        (b13, s13), (b2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+        t = {"w13_blocks": b13, "w13_scales": s13, "w2_blocks": b2, "w2_scales": s2}
+    else:
+        fmt = get_format(name)
+        t = {f"{p}_{k}": v for p, w in (("w13", w13), ("w2", w2)) for k, v in fmt.quantize(w).items()}
+    t["w13_bias"], t["w2_bias"] = torch.randn(2 * I, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype)
+    calls = []
+    for fn in ("int4_gemv", "int8_gemv", "fp8_gemv", "mxfp4_gemv"):
+        real = getattr(native, fn)
+        monkeypatch.setattr(native, fn, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    for which, cols in (("w13", H), ("w2", I)):
+        x = _x(cols, dtype, cols)
+        w = fmt.weight(t, which, torch.float32)
+        monkeypatch.setenv("MOECHAT_NATIVE", "1")
+        n = len(calls)
+        with torch.inference_mode():
+            got = fmt.linear(x, t, which)
+        assert len(calls) > n and got.dtype == dtype
+        monkeypatch.setenv("MOECHAT_NATIVE", "0")
+        slow = fmt.linear(x, t, which)
+        if dtype == torch.float32:
+            _close(got, x, w, t[f"{which}_bias"])
+            _close(slow, x, w, t[f"{which}_bias"])
+        else:  # both round an fp32 result to bf16 once (int8's torch path: bf16 math, looser)
+            want = F.linear(x.float(), w, t[f"{which}_bias"].float())
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(slow.float(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_status_says_which_path(monkeypatch):
+    monkeypatch.setenv("MOECHAT_NATIVE", "0")
+    assert native.library() is None
+    assert native.status() == "torch paths: MOECHAT_NATIVE=0"
+    monkeypatch.setenv("MOECHAT_NATIVE", "1")
+    assert native.library() is not None and native.status().startswith("native kernels")
+
+
+def test_no_compiler_is_a_silent_fallback(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.reset()
+    try:
+        assert native.library() is None
+        assert native.status().startswith("torch paths:") and "compiler" in native.status()
+        fmt = get_format("int4")
+        t = {f"w2_{k}": v for k, v in fmt.quantize(_w(8, 64, 0)).items()}
+        x = _x(64, torch.float32, 0)
+        _close(fmt.linear(x, t, "w2"), x, fmt.weight(t, "w2", torch.float32))
+    finally:
+        native.reset()
+
+
+def test_a_failed_build_is_a_silent_fallback(monkeypatch, tmp_path):
+    """A compiler that fails (here: `false`) leaves the torch paths and says why."""
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` binary")
+    monkeypatch.setenv("CC", false)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.reset()
+    try:
+        assert native.library() is None
+        assert native.status().startswith("torch paths: the kernels did not compile")
+    finally:
+        native.reset()
+
+
+def test_the_library_is_cached_and_a_damaged_one_rebuilt(tmp_path, monkeypatch):
+    path = native.build(directory=tmp_path)
+    assert path.parent == tmp_path and path.name.startswith("kernels-") and path.suffix == ".so"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left
+    built = path.stat().st_mtime_ns
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again")
+
+    with monkeypatch.context() as m:
+        m.setattr(subprocess, "run", no_compile)
+        assert native.build(directory=tmp_path) == path  # reused, not compiled
+    assert path.stat().st_mtime_ns == built
+
+    # damaged before this process loaded it (a crash mid-copy, a full disk); replaced, never written in place: a
+    # library a process has mapped must not change under it
+    (tmp_path / "damaged").write_bytes(b"not a shared library")
+    (tmp_path / "damaged").replace(path)
+    lib = native.build_and_load(directory=tmp_path)
+    assert lib.moechat_abi() == native.ABI and path.read_bytes()[:4] == b"\x7fELF"
+    # another source, flags or CPU is another file: a stale build is never picked up
+    other = native.library_path(b"int moechat_abi(void) { return 0; }", native.FLAGS, shutil.which("cc"), tmp_path)
+    assert other != path
+
+
+def test_non_contiguous_input(lib):
+    fmt = get_format("int4")
+    t = {f"w2_{k}": v for k, v in fmt.quantize(_w(8, 64, 3)).items()}
+    x = torch.randn(64, 2)[:, :1].t()  # [1, 64], strided
+    assert not x.is_contiguous()
+    _close(fmt.linear(x, t, "w2"), x, fmt.weight(t, "w2", torch.float32))
