@@ -332,6 +332,8 @@ class EngineBridge(Widget):
         self._curve_rows = -1  # trace rows the last posted hit curve was computed from
         self._curve_trace = None  # the routing that curve came from (and its source), for `predict`
         self._app_exiting = False  # the app is exiting: a load that ends now closes its engine at once
+        self._loads = 0  # load threads started and not yet ended
+        self._loads_lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
@@ -344,6 +346,8 @@ class EngineBridge(Widget):
         exit for seconds): the load worker closes what it loaded when it ends."""
         self._app_exiting = True
         self.stop()
+        if self._loads:  # a load holds the lock until it ends; it closes its engine itself
+            return
         if self._lock.acquire(timeout=1.0):
             try:
                 _close_engine(self._engine)
@@ -357,10 +361,21 @@ class EngineBridge(Widget):
         and the next ones (the panel's format choice reloads through here)."""
         if expert_format is not None:
             self.options = dataclasses.replace(self.options, expert_format=expert_format)
-        self._load(model)
+        # A daemon thread, not a Textual thread worker: those run in asyncio's default executor, which
+        # `asyncio.run` joins at exit, so quitting while a model loaded waited for the whole load (2-6 s,
+        # most of it `import torch`). Loads still run one at a time (self._lock).
+        with self._loads_lock:
+            self._loads += 1
+        threading.Thread(target=self._load, args=(model,), name="moechat-load", daemon=True).start()
 
-    @work(thread=True, exclusive=True, group="engine-load", exit_on_error=False)
     def _load(self, model: str) -> None:
+        try:
+            self._load_locked(model)
+        finally:
+            with self._loads_lock:
+                self._loads -= 1
+
+    def _load_locked(self, model: str) -> None:
         t0 = time.monotonic()
 
         def progress(stage: str) -> None:

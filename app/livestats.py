@@ -14,8 +14,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where used: 0.1-0.15 s the first frame does not need
+    import numpy as np
 
 RECENT_HALF_LIFE_TOKENS = 8.0
 SPARK_POINTS = 60  # decode tok/s samples kept for the sparkline
@@ -69,6 +71,7 @@ def _nan_to_none(x: float) -> float | None:
 
 def _hosted(snap) -> np.ndarray | None:
     """[L, E] bool: experts the host computed this session (the snapshot's `where_ran` bit 2), or None."""
+    import numpy as np
     where = getattr(snap, "where_ran", None)
     if where is None or not getattr(snap, "host_computed", ()) or not sum(snap.host_computed):
         return None
@@ -121,6 +124,7 @@ class StatsTracker:
 
     def observe_snapshot(self, snap) -> None:
         """A `CacheSnapshot` (or anything with its fields) taken now."""
+        import numpy as np
         freq = np.asarray(snap.frequency, dtype=np.float64)  # [L, E]
         dt = self.tokens - self._prev_tokens
         prev = self._prev

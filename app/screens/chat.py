@@ -175,7 +175,9 @@ class ChatScreen(Screen):
         self._tuned = set()  # per model
         self.query_one(LoadingPanel).show_stage(Path(model).name, "starting", 0.0)
         self.dashboard.show_model(None, loading=f"loading {Path(model).name}…")
-        self.bridge.load(model, expert_format=self.app.expert_format(model))
+        # After the next refresh: the load worker's `import torch` holds the GIL for most of a second, and
+        # started here it would hold back the first frame by about as much (bench/startup.py).
+        self.call_after_refresh(self.bridge.load, model, expert_format=self.app.expert_format(model))
 
     # -- engine messages ------------------------------------------------------------------------------
     def on_load_progress(self, message: LoadProgress) -> None:

@@ -6,7 +6,7 @@ from textual import on
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Header, Input, Markdown, OptionList
+from textual.widgets import Button, Footer, Header, Input, OptionList
 
 from .dialogs import ModelPicker
 
@@ -48,6 +48,8 @@ class WelcomeScreen(Screen):
         yield Header(icon="◆")
         with VerticalScroll(id="welcome-scroll"):
             with Vertical(id="welcome"):
+                from textual.widgets import Markdown  # here: markdown-it is ~0.1 s the chat's first frame skips
+
                 yield Markdown(WELCOME.format(reason=self.reason), id="welcome-text")
                 yield ModelPicker(self.recent, id="welcome-picker")
         yield Footer()

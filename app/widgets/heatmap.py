@@ -16,8 +16,10 @@ snapshot repaints only the rows whose cells or hit rate changed.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where used: 0.1-0.15 s the first frame does not need
+    import numpy as np
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -45,6 +47,7 @@ def aggregate(resident: np.ndarray, recent: np.ndarray, g: int,
               hosted: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per cell of g experts: fraction in a slot, the hottest recent use, and the hottest recent use of an
     expert the host computed (0 without `hosted`). [L, E] -> [L, ceil(E/g)] x 3."""
+    import numpy as np
     E = resident.shape[1]
     starts = np.arange(0, E, g)  # [N]
     sizes = np.diff(np.append(starts, E))  # [N]
@@ -62,6 +65,7 @@ GLYPHS = "█" + PARTIAL + "•·○"
 
 def classify(frac: np.ndarray, heat: np.ndarray, host_heat: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per cell: an index into GLYPHS and one into CLASSES (vectorised: 15k cells in microseconds)."""
+    import numpy as np
     level = np.where(heat >= HOT, 0, np.where(heat >= WARM, 1, 2))  # hot, warm, cold
     bar = np.clip(np.ceil(frac * 8) - 1, 0, 6).astype(np.int64)  # PARTIAL index for a part-resident group
     glyph = np.where(frac >= 1, 0, 1 + bar)
@@ -75,6 +79,7 @@ def classify(frac: np.ndarray, heat: np.ndarray, host_heat: np.ndarray | None = 
 
 def cell_kind(frac: float, heat: float, host_heat: float = 0.0) -> tuple[str, str]:
     """(glyph, component class) of one cell."""
+    import numpy as np
     glyph, cls = classify(np.array([frac]), np.array([heat]), np.array([host_heat]))
     return GLYPHS[int(glyph[0])], CLASSES[int(cls[0])]
 
@@ -100,6 +105,7 @@ class CacheHeatmap(ScrollView, can_focus=True):
     # -- data -----------------------------------------------------------------------------------------
     def set_data(self, resident: np.ndarray | None, recent: np.ndarray | None, rates=(),
                  hosted: np.ndarray | None = None) -> None:
+        import numpy as np
         self.resident = None if resident is None else np.asarray(resident, dtype=bool)
         if self.resident is not None and (recent is None or np.shape(recent) != self.resident.shape):
             recent = np.zeros(self.resident.shape)

@@ -10,9 +10,22 @@ follows new output while the user is at the bottom and stays put when they scrol
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Collapsible, Label, Markdown, Static
-from textual.widgets.markdown import MarkdownStream
+from textual.widgets import Collapsible, Label, Static
+
+if TYPE_CHECKING:
+    from textual.widgets import Markdown
+    from textual.widgets.markdown import MarkdownStream
+
+
+def _markdown():
+    """Textual's Markdown widget, imported on the first reply shown: it brings markdown-it (~0.1 s), which the
+    first frame of an empty chat does not need."""
+    from textual.widgets import Markdown
+
+    return Markdown
 
 STATUS_TEXT = {"stopped": "stopped", "error": "error", "interrupted": "interrupted (the app was closed)",
                "streaming": "generating…"}
@@ -29,12 +42,12 @@ class ThinkingBlock(Collapsible):
     """A reply's thinking, above its answer; the title says how long it is once the model stops thinking."""
 
     def __init__(self, text: str = "", collapsed: bool = True):
-        super().__init__(Markdown(text, classes="thinking-text"), title="Thinking…", collapsed=collapsed,
+        super().__init__(_markdown()(text, classes="thinking-text"), title="Thinking…", collapsed=collapsed,
                          classes="thinking")
 
     @property
     def markdown(self) -> Markdown:
-        return self.query_one(".thinking-text", Markdown)
+        return self.query_one(".thinking-text", _markdown())
 
     def done(self, text: str) -> None:
         words = len(text.split())
@@ -60,7 +73,7 @@ class AssistantMessage(Vertical):
             block = ThinkingBlock(self.thinking, collapsed=True)
             block.done(self.thinking)
             yield block
-        yield Markdown(self.text, classes="reply")
+        yield _markdown()(self.text, classes="reply")
         yield Label("", classes="reply-status")
 
     def on_mount(self) -> None:
@@ -68,7 +81,7 @@ class AssistantMessage(Vertical):
 
     @property
     def markdown(self) -> Markdown:
-        return self.query_one(".reply", Markdown)
+        return self.query_one(".reply", _markdown())
 
     @property
     def thinking_block(self) -> ThinkingBlock | None:
@@ -94,7 +107,7 @@ class AssistantMessage(Vertical):
             await self._end_thinking()  # the answer starts: fold the thinking away
         self.text += text
         if self._stream is None:
-            self._stream = Markdown.get_stream(self.markdown)
+            self._stream = _markdown().get_stream(self.markdown)
         await self._stream.write(text)
 
     async def _write_thinking(self, thinking: str) -> None:
@@ -104,7 +117,7 @@ class AssistantMessage(Vertical):
             block = ThinkingBlock(collapsed=bool(self.text))
             await self.mount(block, before=self.markdown)
         if self._thinking_stream is None:
-            self._thinking_stream = Markdown.get_stream(block.markdown)
+            self._thinking_stream = _markdown().get_stream(block.markdown)
         await self._thinking_stream.write(thinking)
 
     async def _end_thinking(self, fold: bool = True) -> None:

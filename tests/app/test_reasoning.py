@@ -32,7 +32,10 @@ async def _send(pilot, text: str) -> None:
 
 
 def _done(screen: ChatScreen) -> bool:
-    return screen.gen_id is None and bool(screen.session.turns) and screen.session.turns[-1].status != "streaming"
+    """The reply ended: in the session and on screen (the message widget finishes after the session, awaited)."""
+    messages = screen.transcript.assistant_messages
+    return (screen.gen_id is None and bool(screen.session.turns) and screen.session.turns[-1].status != "streaming"
+            and bool(messages) and messages[-1].status != "streaming")
 
 
 def _markdown_text(markdown: Markdown) -> str:
