@@ -73,14 +73,16 @@ INT4_GROUPS = (32, 16, 8)
 # Expert compute of each format's path today, as a fraction of the rate the device reads dense weights at,
 # counted on the format's packed bytes (1: the packed bytes are read once, as a fused kernel does). CPU: measured
 # by bench/format_compute.py (one thread, one token, Qwen3-30B-A3B's and GPT-OSS's expert widths, medians of
-# interleaved rounds; int8: torch's fused _weight_int8pack_mm, int4/fp8: exact row-tile decoders, quant/cpu.py);
+# interleaved rounds, wall and thread clocks, rounded down) for the native kernels (quant/native.py: the path of a
+# machine with a C compiler and AVX2; without them the torch paths run at int8 0.6-0.7, int4 0.06, mxfp4 0.045,
+# fp8 0.15);
 # GPU: 1 where a fused kernel reads the packed bytes and was measured (MXFP4, kernels/mxfp4_moe.py), else counted
 # from the bytes the torch path moves per packed byte (int8: cast to bf16 + GEMM, 5 B; int4: codes to int32, a
 # table lookup, the scale product and the GEMM, ~12.5 B per 0.625 B; fp8: blocks expanded in fp32, ~33 B).
 # FP8/int8/int4 have a fused kernel too (kernels/quant_moe.py) whose rate no GPU has measured yet: raise their
 # GPU rows when bench/gpu_check.sh has. The plan's speeds and the recommended format follow these numbers.
 EXPERT_COMPUTE_EFFICIENCY = {
-    "cpu": {"dense": 1.0, "int8": 0.7, "int4": 0.06, "mxfp4": 0.045, "fp8": 0.15},
+    "cpu": {"dense": 1.0, "int8": 0.9, "int4": 0.6, "mxfp4": 0.55, "fp8": 0.8},
     "gpu": {"dense": 1.0, "int8": 0.2, "int4": 0.05, "mxfp4": 1.0, "fp8": 0.03},
 }
 
