@@ -120,6 +120,8 @@ def build_and_load(flags: tuple[str, ...] = FLAGS, directory: Path | None = None
 
 
 def _resolve() -> tuple[ctypes.CDLL | None, str]:
+    if not SOURCE.is_file():
+        return None, f"torch paths: the kernel source {SOURCE.name} is not installed"
     try:
         lib = build_and_load()
     except FileNotFoundError as e:

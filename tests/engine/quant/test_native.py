@@ -213,6 +213,21 @@ def test_a_failed_build_is_a_silent_fallback(monkeypatch, tmp_path):
         native.reset()
 
 
+def test_a_build_without_simd_or_source_is_a_silent_fallback(monkeypatch, scalar_lib, tmp_path):
+    """A compiler that does not target AVX2+FMA+F16C (another CPU) builds the scalar code: the torch paths run."""
+    monkeypatch.setattr(native, "build_and_load", lambda *a, **k: scalar_lib)
+    native.reset()
+    try:
+        assert native.library() is None
+        assert native.status() == "torch paths: the compiler did not target AVX2+FMA+F16C on this CPU"
+        monkeypatch.setattr(native, "SOURCE", tmp_path / "native.c")  # an install without the C file
+        native.reset()
+        assert native.library() is None and native.status() == ("torch paths: the kernel source native.c is not "
+                                                                 "installed")
+    finally:
+        native.reset()
+
+
 def test_the_library_is_cached_and_a_damaged_one_rebuilt(tmp_path, monkeypatch):
     path = native.build(directory=tmp_path)
     assert path.parent == tmp_path and path.name.startswith("kernels-") and path.suffix == ".so"
