@@ -19,6 +19,7 @@ H200's 4.8 TB/s; bf16 experts would be 199 MB. `bench/gpu_check.sh` measures wha
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -197,6 +198,63 @@ def group_by_slot(flat_slots: torch.Tensor, pair_ids: torch.Tensor, slots: int,
     return group_slot, group_pairs
 
 
+@dataclass
+class PairGroups:
+    """What both launches of a fused MoE (this module's, kernels/quant_moe.py's) take about the (t, k) pairs."""
+
+    y: torch.Tensor  # [T*K, H] fp32 weighted expert output per pair (zero for a pair not computed)
+    count: int  # P, the pairs computed (0: nothing to launch)
+    group_slot: torch.Tensor | None = None  # [NB] int32
+    group_pairs: torch.Tensor | None = None  # [NB, BLOCK_M] int32
+    block_m: int = 1
+    use_dot: bool = False  # tl.dot per group (prefill) rather than a GEMV per pair (decode)
+    dot_bf16: bool = False  # bf16 tensor cores for a bf16 model (the interpreter's bf16 dot runs the fp32 one)
+    act_buf: torch.Tensor | None = None  # [T*K, I] the activations between the launches, rounded as torch rounds
+    weights: torch.Tensor | None = None  # [T*K] routing weights
+
+    @property
+    def groups(self) -> int:
+        return self.group_slot.numel()
+
+
+def plan_groups(x: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor, pairs: torch.Tensor | None,
+                slots: int, inter: int, hidden: int, mode: str | None) -> PairGroups:
+    """The pairs to compute (`pairs` [P] flat (t, k), None: all) grouped for the launches: a GEMV per pair up to
+    GEMV_MAX_PAIRS (or mode "gemv"), else sorted by slot into BLOCK_M rows (mode "grouped"); buffers allocated."""
+    T, K = slot_ids.shape
+    device = x.device
+    flat_slots = slot_ids.reshape(-1).to(device=device, dtype=torch.int32)  # [T*K]
+    if pairs is None:
+        pair_ids = torch.arange(T * K, device=device, dtype=torch.int32)  # [P]
+    else:
+        pair_ids = pairs.reshape(-1).to(device=device, dtype=torch.int32)  # [P]
+    P = pair_ids.numel()
+    y = torch.zeros(T * K, hidden, device=device, dtype=torch.float32)  # [T*K, H]
+    if not P:
+        return PairGroups(y, 0)
+    mode = mode or ("gemv" if P <= GEMV_MAX_PAIRS else "grouped")
+    if mode == "gemv":
+        block_m = 1
+        group_slot = flat_slots.index_select(0, pair_ids.long())  # [P]: each pair is a group
+        group_pairs = pair_ids  # [P, 1]
+    else:
+        block_m = group_rows(P, slots)
+        group_slot, group_pairs = group_by_slot(flat_slots, pair_ids, slots, block_m)
+    act_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    return PairGroups(y, P, group_slot, group_pairs, block_m, use_dot=block_m > 1,
+                      dot_bf16=x.dtype == torch.bfloat16 and not INTERPRET,
+                      act_buf=torch.empty(T * K, inter, device=device, dtype=act_dtype),
+                      weights=topk_weights.reshape(-1).contiguous())
+
+
+def sum_pairs(y: torch.Tensor, T: int, K: int, residual: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """[residual +] the pairs' outputs summed over k in order (deterministic, no atomics) -> [T, H] in `dtype`."""
+    out = y.view(T, K, -1).sum(dim=1)  # [T, H] fp32
+    if residual is not None:
+        out += residual.float()
+    return out.to(dtype)
+
+
 def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor,
               tensors, act, residual: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
               mode: str | None = None) -> torch.Tensor:
@@ -210,7 +268,6 @@ def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
     """
     T, H = hidden_states.shape
     K = slot_ids.shape[1]
-    device = hidden_states.device
     w13_b, w13_s, w2_b, w2_s = (tensors[n] for n in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"))
     C, I2 = w13_b.shape[0], w13_b.shape[1]
     I = I2 // 2
@@ -222,40 +279,18 @@ def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
     if act.kind not in ("swiglu", "clamped_swiglu"):
         raise ValueError(f"activation {act.kind!r} has no fused MXFP4 kernel")
     x = hidden_states.contiguous()
-    flat_slots = slot_ids.reshape(-1).to(device=device, dtype=torch.int32)  # [T*K]
-    if pairs is None:
-        pair_ids = torch.arange(T * K, device=device, dtype=torch.int32)  # [P]
-    else:
-        pair_ids = pairs.reshape(-1).to(device=device, dtype=torch.int32)  # [P]
-    P = pair_ids.numel()
-    y = torch.zeros(T * K, H, device=device, dtype=torch.float32)  # [T*K, H] weighted expert outputs per pair
-    if P:
-        mode = mode or ("gemv" if P <= GEMV_MAX_PAIRS else "grouped")
-        if mode == "gemv":
-            block_m = 1
-            group_slot = flat_slots.index_select(0, pair_ids.long())  # [P]: each pair is a group
-            group_pairs = pair_ids  # [P, 1]
-        else:
-            block_m = group_rows(P, C)
-            group_slot, group_pairs = group_by_slot(flat_slots, pair_ids, C, block_m)
-        use_dot = block_m > 1
-        # bf16 tensor cores for a bf16 model (the interpreter's bf16 dot is wrong: it runs the fp32 one)
-        dot_bf16 = x.dtype == torch.bfloat16 and not INTERPRET
-        act_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # rounded as the torch path does
-        act_buf = torch.empty(T * K, I, device=device, dtype=act_dtype)  # [T*K, I]
-        nb = group_slot.numel()
+    g = plan_groups(x, topk_weights, slot_ids, pairs, C, I, H, mode)
+    if g.count:
         b13, b2 = tensors.get("w13_bias"), tensors.get("w2_bias")
-        weights = topk_weights.reshape(-1).contiguous()  # [T*K]
-        _W13[use_dot][lambda meta: (nb, triton.cdiv(I, meta["BLOCK_N"]))](
-            x, x.stride(0), w13_b, w13_s, b13 if b13 is not None else w13_s, group_slot, group_pairs, act_buf,
-            act_buf.stride(0), I, H // 2, K, float(act.limit), float(act.alpha), w13_b.stride(0), w13_s.stride(0),
+        nb = g.groups
+        _W13[g.use_dot][lambda meta: (nb, triton.cdiv(I, meta["BLOCK_N"]))](
+            x, x.stride(0), w13_b, w13_s, b13 if b13 is not None else w13_s, g.group_slot, g.group_pairs, g.act_buf,
+            g.act_buf.stride(0), I, H // 2, K, float(act.limit), float(act.alpha), w13_b.stride(0), w13_s.stride(0),
             b13.stride(0) if b13 is not None else 0, HAS_BIAS=b13 is not None, CLAMPED=act.kind == "clamped_swiglu",
-            USE_DOT=use_dot, DOT_BF16=dot_bf16, BLOCK_M=block_m)
-        _W2[use_dot][lambda meta: (nb, triton.cdiv(H, meta["BLOCK_N"]))](
-            act_buf, act_buf.stride(0), w2_b, w2_s, b2 if b2 is not None else w2_s, weights, group_slot, group_pairs,
-            y, y.stride(0), H, I // 2, w2_b.stride(0), w2_s.stride(0), b2.stride(0) if b2 is not None else 0,
-            HAS_BIAS=b2 is not None, USE_DOT=use_dot, DOT_BF16=dot_bf16, BLOCK_M=block_m)
-    out = y.view(T, K, H).sum(dim=1)  # [T, H] fp32, k in order
-    if residual is not None:
-        out += residual.float()
-    return out.to(hidden_states.dtype)
+            USE_DOT=g.use_dot, DOT_BF16=g.dot_bf16, BLOCK_M=g.block_m)
+        _W2[g.use_dot][lambda meta: (nb, triton.cdiv(H, meta["BLOCK_N"]))](
+            g.act_buf, g.act_buf.stride(0), w2_b, w2_s, b2 if b2 is not None else w2_s, g.weights, g.group_slot,
+            g.group_pairs, g.y, g.y.stride(0), H, I // 2, w2_b.stride(0), w2_s.stride(0),
+            b2.stride(0) if b2 is not None else 0, HAS_BIAS=b2 is not None, USE_DOT=g.use_dot, DOT_BF16=g.dot_bf16,
+            BLOCK_M=g.block_m)
+    return sum_pairs(g.y, T, K, residual, hidden_states.dtype)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mxfp4_moe import GEMV_MAX_PAIRS, INTERPRET, group_by_slot, group_rows
+from .mxfp4_moe import INTERPRET, plan_groups, sum_pairs
 
 # T = tokens, K = top-k, P = computed (t, k) pairs, C = slots, H = hidden, I = intermediate, NB = groups,
 # N = outputs of a projection, KB = bytes in one packed row
@@ -202,7 +202,6 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
     """
     T, H = hidden_states.shape
     K = slot_ids.shape[1]
-    device = hidden_states.device
     fid = FORMAT_IDS[fmt]
     wname = "" if fid == FP8 else "_q"
     w13, s13, w2, s2 = (tensors[n] for n in (f"w13{wname}", "w13_scale", f"w2{wname}", "w2_scale"))
@@ -229,39 +228,18 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
         cols13 = div13 = cols2 = div2 = B0 = 1
         split_at = I
     x = hidden_states.contiguous()
-    flat_slots = slot_ids.reshape(-1).to(device=device, dtype=torch.int32)  # [T*K]
-    if pairs is None:
-        pair_ids = torch.arange(T * K, device=device, dtype=torch.int32)  # [P]
-    else:
-        pair_ids = pairs.reshape(-1).to(device=device, dtype=torch.int32)  # [P]
-    P = pair_ids.numel()
-    y = torch.zeros(T * K, H, device=device, dtype=torch.float32)  # [T*K, H] weighted expert outputs per pair
-    if P:
-        mode = mode or ("gemv" if P <= GEMV_MAX_PAIRS else "grouped")
-        if mode == "gemv":
-            block_m = 1
-            group_slot = flat_slots.index_select(0, pair_ids.long())  # [P]: each pair is a group
-            group_pairs = pair_ids  # [P, 1]
-        else:
-            block_m = group_rows(P, C)
-            group_slot, group_pairs = group_by_slot(flat_slots, pair_ids, C, block_m)
-        use_dot = block_m > 1
-        dot_bf16 = x.dtype == torch.bfloat16 and not INTERPRET  # (the interpreter's bf16 dot runs the fp32 one)
-        act_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32  # rounded as the torch path does
-        act_buf = torch.empty(T * K, I, device=device, dtype=act_dtype)  # [T*K, I]
-        nb = group_slot.numel()
+    g = plan_groups(x, topk_weights, slot_ids, pairs, C, I, H, mode)
+    if g.count:
         b13, b2 = tensors.get("w13_bias"), tensors.get("w2_bias")
-        weights = topk_weights.reshape(-1).contiguous()  # [T*K]
-        _W13[use_dot][lambda meta: (nb, triton.cdiv(I, meta["BLOCK_N"]))](
-            x, x.stride(0), w13, s13, b13 if b13 is not None else s13, group_slot, group_pairs, act_buf,
-            act_buf.stride(0), I, w13.shape[2], K, float(act.limit), float(act.alpha), w13.stride(0), s13.stride(0),
+        nb = g.groups
+        _W13[g.use_dot][lambda meta: (nb, triton.cdiv(I, meta["BLOCK_N"]))](
+            x, x.stride(0), w13, s13, b13 if b13 is not None else s13, g.group_slot, g.group_pairs, g.act_buf,
+            g.act_buf.stride(0), I, w13.shape[2], K, float(act.limit), float(act.alpha), w13.stride(0), s13.stride(0),
             b13.stride(0) if b13 is not None else 0, cols13, div13, split_at, B0, FMT=fid, HAS_BIAS=b13 is not None,
-            CLAMPED=act.kind == "clamped_swiglu", USE_DOT=use_dot, DOT_BF16=dot_bf16, BLOCK_M=block_m)
-        _W2[use_dot][lambda meta: (nb, triton.cdiv(H, meta["BLOCK_N"]))](
-            act_buf, act_buf.stride(0), w2, s2, b2 if b2 is not None else s2, weights, group_slot, group_pairs,
-            y, y.stride(0), H, w2.shape[2], w2.stride(0), s2.stride(0), b2.stride(0) if b2 is not None else 0,
-            cols2, div2, B0, FMT=fid, HAS_BIAS=b2 is not None, USE_DOT=use_dot, DOT_BF16=dot_bf16, BLOCK_M=block_m)
-    out = y.view(T, K, H).sum(dim=1)  # [T, H] fp32, k in order
-    if residual is not None:
-        out += residual.float()
-    return out.to(hidden_states.dtype)
+            CLAMPED=act.kind == "clamped_swiglu", USE_DOT=g.use_dot, DOT_BF16=g.dot_bf16, BLOCK_M=g.block_m)
+        _W2[g.use_dot][lambda meta: (nb, triton.cdiv(H, meta["BLOCK_N"]))](
+            g.act_buf, g.act_buf.stride(0), w2, s2, b2 if b2 is not None else s2, g.weights, g.group_slot,
+            g.group_pairs, g.y, g.y.stride(0), H, w2.shape[2], w2.stride(0), s2.stride(0),
+            b2.stride(0) if b2 is not None else 0, cols2, div2, B0, FMT=fid, HAS_BIAS=b2 is not None,
+            USE_DOT=g.use_dot, DOT_BF16=g.dot_bf16, BLOCK_M=g.block_m)
+    return sum_pairs(g.y, T, K, residual, hidden_states.dtype)
