@@ -47,17 +47,28 @@ def qwen3_shaped(layers: int) -> Path:
     return path
 
 
-def bench(name: str, path: Path, device: str, runs: int, tokens: int, fractions=(0.10, 0.25, 0.50)) -> None:
+def bench(name: str, path: Path, device: str, runs: int, tokens: int, fractions=(0.10, 0.25, 0.50),
+          warm: bool = False) -> None:
     probe = Engine.load(path, device=device)
     a = probe.args
     total = len(probe.loaded.cls.moe_layers(a)) * a.num_experts
     prompt = list(range(3, 19))
     del probe
+    counts = None
+    if warm:  # how often each expert served this prompt's decode: the slots start with the most used
+        counter = Engine.load(path, device=device, cache=CacheConfig(expert_slots=total, warm_start=False))
+        for _ in counter.generate(prompt, sampling=GREEDY, max_tokens=tokens, stop_on_eos=False):
+            pass
+        counts = counter.provider.frequency.copy()
+        counter.close()
     rows = []
     for frac in fractions:
         slots = max(1, int(total * frac))
         engines = {m: Engine.load(path, device=device, cache=CacheConfig(expert_slots=slots, on_miss=m,
                                                                           warm_start=False)) for m in MODES}
+        if counts is not None:
+            for engine in engines.values():
+                engine.provider.warm(counts)
         outs = {}
         times = {m: [] for m in MODES}
         for _ in range(runs):
@@ -78,7 +89,7 @@ def bench(name: str, path: Path, device: str, runs: int, tokens: int, fractions=
                          host, loads, same))
             engine.close()
     print(f"\n{name} on {device}: decode tok/s, {runs} interleaved runs of {tokens} tokens, "
-          f"{torch.get_num_threads()} torch threads")
+          f"{torch.get_num_threads()} torch threads, slots {'warm (the most used experts)' if warm else 'cold'}")
     print("| slots | on-miss | tok/s median | spread | vs load | misses on host | loads | same output |")
     print("|---|---|---:|---|---:|---:|---:|---|")
     base = {r[0]: r[2] for r in rows if r[1] == "load"}
@@ -137,6 +148,9 @@ def main() -> None:
     ap.add_argument("--skip-demo", action="store_true")
     ap.add_argument("--fractions", default="0.1,0.25,0.5", help="shares of the experts in slots, comma-separated")
     ap.add_argument("--threads", action="store_true", help="also sweep the host pool's size (Qwen3-shaped)")
+    ap.add_argument("--warm", action="store_true",
+                    help="start every mode with the slots holding the prompt's most used experts (host and auto then "
+                         "split steps between slots and the RAM tier); default: empty slots")
     args = ap.parse_args()
     from moechat.engine.hardware import leave_a_core
 
@@ -144,12 +158,12 @@ def main() -> None:
     fractions = tuple(float(f) for f in args.fractions.split(","))
     if not args.skip_demo:
         bench("demo model (6 layers x 16 experts, top-2)", ROOT / "assets" / "demo-moe", args.device, args.runs,
-              args.tokens, fractions)
+              args.tokens, fractions, args.warm)
     qwen = None
     if not args.skip_qwen:
         qwen = qwen3_shaped(args.layers)
         bench(f"Qwen3-30B-A3B-shaped ({args.layers} layers x 128 experts, top-8, 9.4 MB experts)",
-              qwen, args.device, args.runs, args.tokens, fractions)
+              qwen, args.device, args.runs, args.tokens, fractions, args.warm)
     if args.threads:
         thread_sweep(qwen or qwen3_shaped(args.layers), args.device, args.runs, args.tokens)
 

@@ -12,6 +12,11 @@ Kernels see only slots: `ExpertBatch.tensors["w13"]` [C, 2I, H], `["w2"]` [C, H,
 Both read the slot ids on the host once (the one sync per layer the design allows) and are checked
 against `moe.moe_reference` in the tests.
 
+On a CPU a step whose experts are split between the slots and the RAM tier (hybrid `--on-miss host|auto`) is one
+batch: slot ids >= C index `batch.host_tensors` (the RAM tier's buffers), and both strategies index per-slot
+views of the two sets of buffers alike. A second pass over the host experts cost a second round of per-batch
+work (slot ids to the host, views, the pairs' mask), a dispatch-bound share of a small model's layer.
+
 Any other expert (a packed format such as MXFP4, biases, GPT-OSS's clamped SwiGLU) takes the same two
 strategies through the format's `linear`, which computes from the packed slot tensors of one expert
 (on the CPU: dequantized one projection at a time into a reused scratch buffer), so no layer is ever
@@ -29,38 +34,52 @@ from .quant.base import ExpertFormat
 # T = tokens, K = top-k, C = slots, H = hidden size, I = expert intermediate size
 
 
-# Per-slot views of the slot buffers, built once per buffer (slot buffers live at fixed addresses for
-# the life of a provider): indexing a [C, ...] tensor costs a dispatcher call per use, and decode makes
-# 2K of them per layer.
-_SLOT_VIEWS: dict[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
+# Per-slot views of the slot buffers, built once per set of buffers (slot buffers and the RAM tier live at fixed
+# addresses for the life of a provider): indexing a [C, ...] tensor costs a dispatcher call per use, and decode
+# makes 2K of them per layer. A mixed batch's host buffers follow its slots (virtual slots C..C+N-1).
+_VIEWS: dict[tuple, tuple[tuple[torch.Tensor, ...], object]] = {}
+_VIEWS_MAX = 1024  # entries (one per layer of a resident model, a few for a cache): a retuned pool's old ones go
 
 
-def _slot_views(w13: torch.Tensor, w2: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """w13[s] [2I, H] and w2[s].t() [I, H] for every slot s, cached per buffer."""
-    entry = _SLOT_VIEWS.get(id(w13))
-    if entry is None or entry[0] is not w13 or entry[1] is not w2:
-        entry = (w13, w2, list(w13.unbind(0)), [w.t() for w in w2.unbind(0)])
-        _SLOT_VIEWS[id(w13)] = entry
-    return entry[2], entry[3]
+def _cached_views(kind: str, batch: ExpertBatch, build):
+    """build(tensors) -> per-slot views of one set of buffers, memoised per (kind, buffers); a mixed batch's
+    lists are its slots' then its host buffers'."""
+    sets = (batch.tensors,) if batch.host_tensors is None else (batch.tensors, batch.host_tensors)
+    firsts = tuple(next(iter(ts.values())) for ts in sets)
+    key = (kind, *map(id, firsts))
+    entry = _VIEWS.get(key)
+    if entry is None or any(a is not b for a, b in zip(entry[0], firsts, strict=True)):
+        if len(_VIEWS) >= _VIEWS_MAX:
+            _VIEWS.clear()
+        parts = [build(ts) for ts in sets]
+        views = parts[0] if len(parts) == 1 else tuple(a + b for a, b in zip(*parts, strict=True))
+        entry = _VIEWS[key] = (firsts, views)
+    return entry[1]
+
+
+def _dense_lists(ts) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    w2 = ts["w2"].unbind(0)
+    return list(ts["w13"].unbind(0)), list(w2), [w.t() for w in w2]
+
+
+def _slot_views(batch: ExpertBatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """w13[s] [2I, H], w2[s] [H, I] and w2[s].t() [I, H] for every (virtual) slot s of a full-width batch."""
+    return _cached_views("dense", batch, _dense_lists)
+
+
+def _expert_lists(ts) -> tuple[list[dict[str, torch.Tensor]]]:
+    per_name = {name: t.unbind(0) for name, t in ts.items()}
+    return ([{name: v[s] for name, v in per_name.items()} for s in range(next(iter(ts.values())).shape[0])],)
+
+
+def _expert_views(batch: ExpertBatch) -> list[dict[str, torch.Tensor]]:
+    """Per (virtual) slot, that expert's stored tensors by name (views)."""
+    return _cached_views("expert", batch, _expert_lists)[0]
 
 
 def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I], [n, I]
     return F.linear(F.silu(gate) * up, w2)  # [n, H]
-
-
-_EXPERT_VIEWS: dict[int, tuple[torch.Tensor, list[dict[str, torch.Tensor]]]] = {}
-
-
-def _expert_views(tensors) -> list[dict[str, torch.Tensor]]:
-    """Per slot, that slot's stored tensors by name (views), cached per set of slot buffers."""
-    first = next(iter(tensors.values()))
-    entry = _EXPERT_VIEWS.get(id(first))
-    if entry is None or entry[0] is not first:
-        per_name = {name: t.unbind(0) for name, t in tensors.items()}
-        views = [{name: v[s] for name, v in per_name.items()} for s in range(first.shape[0])]
-        entry = _EXPERT_VIEWS[id(first)] = (first, views)
-    return entry[1]
 
 
 def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) -> torch.Tensor:
@@ -76,7 +95,7 @@ def _put(contrib: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, w: torch.Ten
 def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, act,
                      contrib: torch.Tensor | None = None) -> torch.Tensor | None:
     """Any format, biases, any activation: per used slot, its tokens through the format's linear."""
-    views = _expert_views(batch.tensors)
+    views = _expert_views(batch)
     slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]
     dtype = hidden_states.dtype
     T, K = slot_ids.shape
@@ -148,7 +167,7 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
         ks = range(K) if pairs is None else pairs.tolist()
         slots = slot_ids[0].tolist()
         if contrib is not None:  # as below, each weighted output into its own fp32 row (add_ into zeros)
-            w13s, w2ts = _slot_views(w13, w2)
+            w13s, _, w2ts = _slot_views(batch)
             inter = w2.shape[-1]
             weights = topk_weights[0].tolist()
             for k in ks:
@@ -159,7 +178,7 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
         if topk_weights.device.type == "cpu":
             # Host weights cost nothing to read here: fold each into its down-projection GEMM, and the
             # residual (or the previous expert's sum) into its accumulator: 4 ops per expert.
-            w13s, w2ts = _slot_views(w13, w2)
+            w13s, _, w2ts = _slot_views(batch)
             inter = w2.shape[-1]
             weights = topk_weights[0].tolist()
             out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
@@ -179,7 +198,8 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
         pairs_cpu = pairs.cpu()
         flat = flat.index_select(0, pairs_cpu)  # [P]
     order = torch.argsort(flat, stable=True)  # [P], pairs grouped by slot
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    w13s, w2s, _ = _slot_views(batch) if batch.host_tensors is not None else (w13, w2, None)
+    counts = torch.bincount(flat, minlength=len(w13s)).tolist()
     if pairs is not None:
         order = pairs_cpu.index_select(0, order)  # back to flat (t, k) indices
     device_order = order.to(hidden_states.device)
@@ -190,7 +210,7 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
     start = 0
     for s, n in enumerate(counts):
         if n:
-            y_sorted[start : start + n] = _swiglu(x_sorted[start : start + n], w13[s], w2[s])
+            y_sorted[start : start + n] = _swiglu(x_sorted[start : start + n], w13s[s], w2s[s])
             start += n
     if contrib is not None:
         _put(contrib, device_order, y_sorted, w_sorted)

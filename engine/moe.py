@@ -77,6 +77,10 @@ class ExpertBatch:
     restricts the batch to some flat (t, k) pairs: one expert-major group of a chunk that needs more
     experts than there are slots. `format` says how the slot tensors store an expert (`w13_blocks`,
     `w13_scales`, ... for MXFP4; `w13_bias`/`w2_bias` [C, 2I] / [C, H] when the model has biases).
+
+    `host_tensors` (a CPU only) makes one batch of a step whose experts are split between the slots and the RAM
+    tier: slot ids >= C index these host buffers ([N, ...] by the same names) at id - C, so every expert is
+    computed in one pass wherever its bytes live (the slots and the RAM tier are both host memory there).
     """
 
     tensors: Mapping[str, torch.Tensor]
@@ -85,6 +89,7 @@ class ExpertBatch:
     pairs: torch.Tensor | None = field(default=None)  # [P] flat (t, k) indices to compute; None = all
     format: ExpertFormat = DENSE
     on_host: bool = False  # the tensors are host (RAM-tier) buffers: compute these pairs on the CPU (hybrid)
+    host_tensors: Mapping[str, torch.Tensor] | None = field(default=None)  # slot ids C.. index these (CPU)
 
 
 @runtime_checkable

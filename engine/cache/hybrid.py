@@ -5,10 +5,15 @@ A miss can be served two ways (docs/architecture.md, "Hybrid execution"):
 * load: copy the expert's packed bytes over the link into a slot, then compute on the device:
   t_load = bytes / link + t_dev(n); later uses in a slot cost t_dev each.
 * host: compute it on the CPU straight from the RAM tier, no copy: t_host(n) = bytes / host read rate +
-  n * flops / host rate + two activation copies; later uses cost t_host again (it was not slotted).
+  n * flops / host rate; later uses cost t_host again (it was not slotted).
 
-With r the expected further uses while it would stay in a slot, load wins when
-    t_load + t_dev(n) + r t_dev(1)  <  t_host(n) + r t_host(1).
+With r the expected further uses while it would stay in a slot, a miss is cheaper on the host by
+    margin = t_load + t_dev(n) + r t_dev(1) - (t_host(n) + r t_host(1)).
+A layer's host experts run as one pass, whose fixed cost (on CUDA two activation copies and their
+synchronisation, `ACTIVATION_COPY_S` each) is paid once however many experts it holds: the misses with a
+positive margin go to the host when their margins together exceed it, else every miss loads (`place`). On a
+CPU the host experts join the slotted ones in the step's one pass (engine/experts.py: no second pass, no fixed
+cost).
 At batch 1 on a PC the host usually wins (GPT-OSS-20B: 13.2 MB over a 25 GB/s link is 0.53 ms; reading it
 at ~40 GB/s and 45 MFLOP at ~200 GFLOP/s is ~0.55 ms, and no slot is evicted), a prefill chunk with many
 tokens on one expert loads, and a hot expert (large r) loads. On a CPU-only machine the "device" is the
@@ -51,8 +56,12 @@ class MissCostModel:
         return self.link_gbps is None
 
     def t_host(self, tokens: int) -> float:
-        t = self.expert_bytes / (self.host_gbps * 1e9) + tokens * self.expert_flops / (self.host_gflops * 1e9)
-        return t if self.same_machine else t + 2 * ACTIVATION_COPY_S
+        return self.expert_bytes / (self.host_gbps * 1e9) + tokens * self.expert_flops / (self.host_gflops * 1e9)
+
+    @property
+    def host_pass_s(self) -> float:
+        """The fixed cost of a layer's host pass: two activation copies on CUDA; none on a CPU (one joint pass)."""
+        return 0.0 if self.same_machine else 2 * ACTIVATION_COPY_S
 
     def t_device(self, tokens: int) -> float:
         if self.same_machine or self.device_gbps is None or self.device_gflops is None:
@@ -64,20 +73,34 @@ class MissCostModel:
             return self.expert_bytes / (self.host_gbps * 1e9)
         return self.expert_bytes / (self.link_gbps * 1e9)
 
+    def margin(self, tokens: int, reuse: float) -> float:
+        """Seconds saved by computing on the host (negative: loading is cheaper), the host pass's cost aside."""
+        load = self.t_load() + self.t_device(tokens) + reuse * self.t_device(1)
+        return load - (self.t_host(tokens) + reuse * self.t_host(1))
+
     def decide(self, tokens: int, reuse: float) -> tuple[str, str]:
         """("load" | "host", why in numbers) for an expert that `tokens` tokens need now and that is expected
-        to be used `reuse` more times soon."""
+        to be used `reuse` more times soon, alone on the host (it pays the host pass)."""
         load = self.t_load() + self.t_device(tokens) + reuse * self.t_device(1)
-        host = self.t_host(tokens) + reuse * self.t_host(1)
+        host = self.t_host(tokens) + reuse * self.t_host(1) + self.host_pass_s
         choice = "load" if load < host else "host"
         return choice, (f"{tokens} token(s), reuse {reuse:.1f}: load {load * 1e3:.3f} ms vs host {host * 1e3:.3f} ms "
                         f"-> {choice}")
+
+    def place(self, needs: list[tuple[int, float]]) -> list[bool]:
+        """One layer's misses, each (tokens needing it now, expected reuse) -> on the host or not: those with a
+        positive margin, when together they save more than the host pass costs."""
+        margins = [self.margin(tokens, reuse) for tokens, reuse in needs]
+        saved = sum(m for m in margins if m > 0)
+        if saved <= self.host_pass_s:
+            return [False] * len(needs)
+        return [m > 0 for m in margins]
 
     def observe_host(self, tokens: int, seconds: float) -> None:
         """Refine the host rate from a measured host computation (exponential average of the implied rate)."""
         if seconds <= 0:
             return
-        predicted = self.t_host(tokens) - (0 if self.same_machine else 2 * ACTIVATION_COPY_S)
+        predicted = self.t_host(tokens)
         ratio = max(0.25, min(4.0, predicted / seconds))  # >1: the host is faster than believed
         w = 0.2 if self.host_samples > 4 else 0.5
         self.host_gbps *= 1 + w * (ratio - 1)

@@ -212,22 +212,18 @@ class CachedProvider:
             return []
         host_map = self.pool.host_map[layer]
         misses = [e for e in experts if host_map[e] < 0 and (layer, e) not in self.inflight]
-        if layer in self.host_layers or self.on_miss == "host":
-            return misses
+        if layer in self.host_layers or self.on_miss == "host" or self.cost.same_machine:
+            return misses  # on a CPU a load is a memcpy before the same compute: the cost model never loads there
         counts = np.bincount(ids_np.reshape(-1), minlength=self.pool.num_experts)
-        out = []
-        for e in misses:
-            rate = float(recent[e]) * 0.2  # the average's steady state is 1 / (1 - 0.8) for an every-step expert
-            choice, _ = self.cost.decide(int(counts[e]), rate * REUSE_HORIZON)
-            if choice == "host":
-                out.append(e)
-        return out
+        # the average's steady state is 1 / (1 - 0.8) for an every-step expert
+        needs = [(int(counts[e]), float(recent[e]) * 0.2 * REUSE_HORIZON) for e in misses]
+        return [e for e, host in zip(misses, self.cost.place(needs), strict=True) if host]
 
-    def _host_batch(self, layer: int, host: list[int], ids: torch.Tensor) -> tuple[ExpertBatch | None, list[int]]:
-        """A batch over the RAM tier's own buffers for the host experts it can pin this step (a small RAM cache
-        may not hold them all: the rest are returned, to be loaded). Pinned entries stay until the next step."""
+    def _pin_host(self, layer: int, host: list[int]) -> tuple[dict | None, np.ndarray, list[int], list[int]]:
+        """Pin the host experts the RAM tier can hold this step (a small RAM cache may not hold them all: the rest
+        are returned, to be loaded): (its buffers, [E] index into them or -1, pinned, rest). Pinned entries stay
+        until the next step."""
         stats = self.stats.layers[layer]
-        flat = ids.reshape(-1)
         index = np.full(self.pool.num_experts, -1, dtype=np.int64)
         group, rest, buffers = [], [], None
         with self.store_lock:
@@ -240,16 +236,19 @@ class CachedProvider:
                 group.append(e)
                 if nbytes:
                     self._count_bytes(stats, tier, nbytes)
-        if not group:
-            return None, rest
         stats.misses += len(group)
         stats.host_computed += len(group)
         for e in group:
             self.policy.access((layer, e))
             self.where_ran[layer, e] |= 2
+        return buffers, index, group, rest
+
+    def _host_batch(self, ids: torch.Tensor, buffers, index: np.ndarray, group: list[int]) -> ExpertBatch:
+        """A batch of only the pinned host experts' pairs, over the RAM tier's own buffers."""
+        flat = ids.reshape(-1)
         pairs = torch.nonzero(torch.isin(flat, torch.tensor(group, dtype=flat.dtype))).reshape(-1)  # [P]
         slot_ids = torch.from_numpy(index[ids.numpy()])  # [T, K] index into the host buffers, -1 elsewhere
-        return ExpertBatch(buffers, slot_ids, slot_ids, pairs, self.format, on_host=True), rest
+        return ExpertBatch(buffers, slot_ids, slot_ids, pairs, self.format, on_host=True)
 
     # -- prefetch setup --------------------------------------------------------------------------------
     def set_predictor(self, predictor: Predictor | None) -> None:
@@ -301,9 +300,18 @@ class CachedProvider:
             with self.store_lock:
                 self.store.release_host()  # the previous step's host computations are done
         host = self._host_choice(layer, experts, ids_np)
-        if host:  # first, so that the host starts on them while the device computes the resident ones
-            batch, rest = self._host_batch(layer, host, ids)
-            if batch is not None:
+        if host:
+            buffers, index, group, rest = self._pin_host(layer, host)
+            if group:
+                chosen = set(group)
+                experts = [e for e in experts if e not in chosen]
+                if self.pool.device.type == "cpu" and len(experts) <= self.pool.num_slots:
+                    # The slots and the RAM tier are both host memory: one pass over every expert of the step
+                    # wherever it lives (a second pass costs a second round of per-batch work).
+                    yield from self._joint(layer, ids_np, experts, buffers, index)
+                    return
+                # first, so that the host starts on them while the device computes the resident ones
+                batch = self._host_batch(ids, buffers, index, group)
                 t0 = time.perf_counter()
                 yield batch
                 if self.pool.device.type == "cpu":  # computed while we were suspended: the host's time
@@ -311,11 +319,9 @@ class CachedProvider:
                     self.stats.layers[layer].host_seconds += dt
                     if self.cost is not None:
                         self.cost.observe_host(int(batch.pairs.numel()), dt)
-            chosen = set(host).difference(rest)
-            experts = [e for e in experts if e not in chosen]
-            if not experts:
-                self._hidden = None
-                return
+                if not experts:
+                    self._hidden = None
+                    return
         for e in experts:
             self.where_ran[layer, e] |= 1
         C = self.pool.num_slots
@@ -337,6 +343,31 @@ class CachedProvider:
             self._make_resident(layer, group, prefill=T > 1)
             pairs = torch.nonzero(torch.isin(flat, torch.tensor(group, dtype=flat.dtype))).reshape(-1)  # [P]
             yield self._batch(layer, topk_ids, ids, pairs)
+
+    def _joint(self, layer: int, ids_np: np.ndarray, experts: list[int], buffers, index: np.ndarray
+               ) -> Iterator[ExpertBatch]:
+        """A CPU step with host experts in one pass: `experts` (the rest) made resident, then one batch whose slot
+        ids are the slotted experts' slots and C + the RAM-tier index of the pinned host experts."""
+        if experts:
+            for e in experts:
+                self.where_ran[layer, e] |= 1
+            self._make_resident(layer, experts, prefill=ids_np.shape[0] > 1)
+            if self._hidden is not None:
+                self._prefetch_after(layer, experts)
+        self._hidden = None
+        on_host = index[ids_np]  # [T, K] RAM-tier index, -1 for a slotted expert
+        if experts:
+            slot_ids = self.pool.host_map[layer][ids_np].astype(np.int64)  # [T, K]
+            host_pairs = on_host >= 0
+            slot_ids[host_pairs] = on_host[host_pairs] + self.pool.num_slots
+        else:
+            slot_ids = on_host + self.pool.num_slots
+        slot_ids = torch.from_numpy(slot_ids)  # [T, K] virtual slots
+        t0 = time.perf_counter()
+        yield ExpertBatch(self.pool.buffers, slot_ids, slot_ids, None, self.format, host_tensors=buffers)
+        # the host's share of the pass, by pairs (one pass is not timed per expert)
+        share = 1.0 if not experts else np.count_nonzero(host_pairs) / host_pairs.size
+        self.stats.layers[layer].host_seconds += (time.perf_counter() - t0) * share
 
     # -- internals -------------------------------------------------------------------------------
     def _batch(self, layer: int, topk_ids: torch.Tensor, ids_cpu: torch.Tensor, pairs) -> ExpertBatch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,6 +50,74 @@ def test_output_is_the_same_wherever_experts_run(tiny_models, tiny_name):
             assert all(snap.host_computed[i] > 0 for i in engine.loaded.cls.moe_layers(engine.args)[:host_layers])
             assert not snap.resident[engine.loaded.cls.moe_layers(engine.args)[:host_layers]].any()
         engine.close()
+
+
+def _logits(engine, ids, steps=4):
+    """Prefill logits, then `steps` greedy decode steps' logits."""
+    seq = engine.new_sequence()
+    out = []
+    with torch.inference_mode():
+        logits = engine._forward(seq, ids)
+        for _ in range(steps):
+            out.append(logits)
+            logits = engine._forward(seq, [int(logits.argmax())])
+    return torch.stack(out)
+
+
+def _split_engine(path, dtype, fmt=None, on_miss="host"):
+    """Half of every MoE layer's experts warm in slots, misses on the host: most steps are split. Each call of the
+    provider's `batches` is recorded as the list of its batches' (slots, virtual slot ids, host buffers or None)."""
+    probe = Engine.load(path, dtype=dtype)
+    layers, E = probe.loaded.cls.moe_layers(probe.args), probe.args.num_experts
+    engine = Engine.load(path, dtype=dtype, expert_format=fmt, prefill_chunk=8,
+                         cache=CacheConfig(expert_slots=len(layers) * E // 2, on_miss=on_miss))
+    provider = engine.provider
+    counts = np.zeros((provider.num_layers, E))
+    counts[layers, ::2] = 1  # the even experts of every MoE layer
+    assert provider.warm(counts) == len(layers) * E // 2
+    calls = []
+    batches = provider.batches
+
+    def recording(layer, topk_ids):
+        calls.append([])
+        for batch in batches(layer, topk_ids):
+            calls[-1].append((provider.pool.num_slots, batch.slot_ids_cpu.clone(), batch.host_tensors))
+            yield batch
+
+    provider.batches = recording
+    return engine, calls
+
+
+def _split(call) -> bool:
+    return any((s < C).any() and (s >= C).any() and host is not None for C, s, host in call)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_steps_run_in_one_pass_with_the_resident_bits(tiny_models, tiny_name, dtype):
+    """On a CPU a step whose experts are split between the slots and the RAM tier is one batch (slot ids past the
+    pool index the RAM tier's buffers), and its logits are the resident engine's bit for bit."""
+    path, _ = tiny_models[tiny_name]
+    ids = _prompt(11, seed=5)
+    want = _logits(Engine.load(path, dtype=dtype, prefill_chunk=8), ids)
+    for on_miss in ("host", "auto"):
+        engine, calls = _split_engine(path, dtype, on_miss=on_miss)
+        assert torch.equal(_logits(engine, ids), want), on_miss
+        assert all(len(call) == 1 for call in calls)  # one pass per layer per forward
+        assert any(_split(call) for call in calls)
+        snap = engine.provider.snapshot()
+        assert sum(snap.host_computed) > 0 and sum(snap.hits) > 0 and snap.expert_loads_decode == 0
+        engine.close()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_split_steps_of_packed_experts_in_one_pass(tiny_models, fmt):
+    path, _ = tiny_models["qwen3_moe"]
+    ids = _prompt(9, seed=6)
+    want = _logits(Engine.load(path, dtype="float32", expert_format=fmt, prefill_chunk=8), ids)
+    engine, calls = _split_engine(path, "float32", fmt)
+    assert torch.equal(_logits(engine, ids), want)
+    assert all(len(call) == 1 for call in calls) and any(_split(call) for call in calls)
+    engine.close()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -111,6 +180,21 @@ def test_cost_model_on_a_cpu_only_machine_never_copies():
     model = MissCostModel(**GPT_OSS, link_gbps=None, host_gbps=20.0, host_gflops=100.0)
     for tokens, reuse in ((1, 0.0), (1, 8.0), (512, 8.0)):
         assert model.decide(tokens, reuse)[0] == "host"
+
+
+def test_cost_model_pays_the_host_pass_once_per_layer():
+    """A layer's host experts share one pass (on CUDA two activation copies): a miss a little cheaper on the host
+    alone does not pay for the pass, several together do."""
+    model = MissCostModel(**GPT_OSS, link_gbps=25.0, host_gbps=24.83, host_gflops=1e6, device_gbps=1000.0,
+                          device_gflops=50_000.0)
+    margin = model.margin(1, 0.0)
+    assert 0 < margin < model.host_pass_s < 5 * margin
+    assert model.decide(1, 0.0)[0] == "load"
+    assert model.place([(1, 0.0)]) == [False]
+    assert model.place([(1, 0.0)] * 5) == [True] * 5
+    assert model.place([(1, 0.0)] * 5 + [(1, 8.0)]) == [True] * 5 + [False]  # a hot one still loads
+    cpu = MissCostModel(**GPT_OSS, link_gbps=None, host_gbps=20.0, host_gflops=100.0)
+    assert cpu.host_pass_s == 0 and cpu.place([(1, 0.0), (64, 8.0)]) == [True, True]
 
 
 def test_cost_model_learns_the_host_rate():
