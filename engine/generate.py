@@ -140,6 +140,12 @@ class Engine:
                             resident_experts=cache is None, expert_format=expert_format,
                             repack_dir=cache.repack_dir if cache is not None else None)
         context = loaded.model.max_positions  # clamped to the model's own maximum
+        if loaded.expert_format.name != "dense":
+            # Packed experts run on the CPU (a CPU engine, or host misses): build or load the native kernels now,
+            # not in the first token (the first build on a machine compiles for 1-3 s; cached after).
+            from .quant import native
+
+            native.library()
         provider = None
         if cache is not None:
             provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,

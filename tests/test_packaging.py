@@ -103,6 +103,7 @@ def test_the_wheel_holds_every_module_the_stylesheet_and_the_demo_model(wheel):
             if "__pycache__" not in py.parts:
                 assert f"moechat/{py.relative_to(ROOT).as_posix()}" in names, py
     assert "moechat/app/moechat.tcss" in names
+    assert "moechat/engine/quant/native.c" in names  # the native CPU kernels are built from it at first use
     demo = {n.removeprefix("moechat/assets/demo-moe/") for n in names if n.startswith("moechat/assets/demo-moe/")}
     assert demo >= DEMO_FILES and not {n for n in demo if n.endswith((".png", ".csv"))}
     # where the code looks for it (app/pull.py: the folder above the app package), inside the wheel too
