@@ -7,8 +7,16 @@ in place; on CUDA (`--device cuda`) load crosses the PCIe link and host runs on 
 the resident experts. The three modes are interleaved (ABAB) over --runs rounds; medians and spread.
 
     python bench/hybrid.py [--device cpu|cuda] [--runs 5] [--tokens 48] [--layers 2] [--skip-qwen] [--threads]
+                           [--warm]
 
 `--threads` adds a sweep of torch's intra-op pool size (the host experts' threads) with misses on the host.
+By default the slots start empty, so on a CPU host and auto never slot an expert (every miss in place) while
+load fills them; `--warm` starts every mode with the prompt's most used experts in slots, so host and auto
+split steps between the slots and the RAM tier (one expert pass on a CPU: engine/experts.py).
+
+Figures (README, "Where misses run on this 2-core CPU"): on a busy 2-core machine the differences between the modes on
+the demo model are within the run-to-run spread (host == load's work at 50% warm read 0.88-1.09x); the
+host path's per-layer bookkeeping now equals an all-hit load step's, and a split step is one pass.
 """
 
 from __future__ import annotations
