@@ -9,17 +9,27 @@ greedy decode with EOS ignored, RSS sampled every 500 tokens, tok/s over 200-tok
 position 30 and 4000. The demo model declares 2,048 positions; a copy with max_position_embeddings raised
 is used so the decode can run past it (speed and memory do not care that the model never trained there).
 
-What it found (a 2-core AVX2 CI machine, torch 2.13, 1 thread): bf16 decode fell from ~90 tok/s at
-position 30 to ~40 at 4000 because decode attention was two bf16 matmuls whose key length changes every
-token: on a CPU without bf16 instructions they run ~0.6 GFLOP/s (2.5 ms per layer at S=4000). SDPA's fused
-CPU kernel accumulates in fp32 and takes 0.44 ms there, so bf16 decode on a CPU now uses it (engine/models/
-base.py): ratio 0.45 -> 0.72-0.77 (95 -> 68-70 tok/s). Within 20% is not reachable for this model: at position
-4000 each token reads its K/V cache (6 layers x 2 x 4000 x 128 values: 12 MB in bf16, 24 MB in fp32), more than
-the weights a token reads (~6 MB), so attention is memory-bound at about a quarter of the step; fp32 (the
-matmul path, 189 -> 131 tok/s, 0.69) shows the same bound. A new oneDNN primitive for every new key length is
-the likely cause of the RSS growth the issue measured on a machine where bf16 matmuls go through oneDNN; SDPA's
-kernel is ATen's own, so no per-shape primitive is made. Here RSS stayed flat (432 MB bf16, 477 MB fp32, +1 MB
-over 4,500 tokens) with oneDNN on and off, so that cause could not be confirmed on this machine.
+What it found (a 2-core AVX2 EPYC shared with other jobs, torch 2.13, 1 thread): bf16 decode fell from ~90 tok/s
+at position 30 to ~40 at 4000 because decode attention was two bf16 matmuls whose key length changes every
+token: on a CPU without bf16 instructions they run ~0.6 GFLOP/s (2.2 ms per layer at S=4000). SDPA's fused
+CPU kernel accumulates in fp32 and takes 0.46 ms there, so bf16 decode on a CPU uses it (engine/models/base.py):
+ratio 0.45 -> 0.72-0.78. Issue 19's 0.8 is not reached, and attention is kernel-bound, not memory-bound: per
+layer at S=4000 (demo shapes, 2 KV heads x 2 query heads x 64, process time) q@K^T and p@V in fp32 take 160 and
+155 us where reading those 2 MB takes 59 us (GEMMs of 2 query rows run at a third of the read rate).
+Options measured per layer, S=30 / S=4000: bf16 SDPA 36 / 458 us, fp32 matmuls over an fp32 cache 75 / 403,
+fp32 SDPA over an fp32 cache 53 / 401, a bf16 cache widened each step 94 / 628. An fp32 cache for bf16 models
+(the bf16 values widened exactly) was tried in the engine, one step at 30 and one at 4000 interleaved, 200-300
+pairs (load 5.5-7): 0.75 and 0.74 against the bf16 cache's 0.72 and 0.78 (paired medians 0.74-0.77 both), no
+gain outside the noise for twice the KV bytes, so the cache stays in the model's dtype. Reaching 0.8 needs a
+decode-attention kernel that reads bf16 K/V at memory speed (12 MB a token at ~30 GB/s is 0.4 ms).
+
+RSS over a 20,000-token bf16 soak (oneDNN on, load average 2-5): 339.8 MB at the start, 340.9 at 10,000,
+342.5 at 20,000 (+2.7 MB, steady, ~0.14 MB per 1,000 tokens: about what the per-token Python lists hold --
+this bench's time table, the sequence's and the generator's token lists -- not tensors). In that run: 84.5 tok/s
+at position 30, 55.4 at 4000 (0.66, wall clock on the busy machine), 392 s in all. Earlier 4,500-token runs
+(an older tree): 432 MB bf16, 477 MB fp32, +1 MB, oneDNN on and off alike. A new oneDNN primitive for every key
+length was the suspected cause of the growth the issue measured where bf16 matmuls go through oneDNN; SDPA's
+kernel is ATen's own and makes none, and no growth is seen here.
 """
 
 from __future__ import annotations
@@ -57,6 +67,9 @@ def child(model: str, tokens: int, dtype: str, mkldnn: bool, threads: int) -> di
         times[i] = time.perf_counter()
         if i % 500 == 0 or i == tokens - 1:
             rss[i] = proc.memory_info().rss
+            # A progress line per sample: a long soak that is stopped early still says what it saw.
+            print(json.dumps({"token": i, "rss_mb": round(rss[i] / 2**20, 1), "s": round(times[i] - times[0], 1)}),
+                  file=sys.stderr, flush=True)
 
     def rate(start: int) -> float | None:
         end = start + WINDOW
