@@ -7,9 +7,11 @@ in place; on CUDA (`--device cuda`) load crosses the PCIe link and host runs on 
 the resident experts. The three modes are interleaved (ABAB) over --runs rounds; medians and spread.
 
     python bench/hybrid.py [--device cpu|cuda] [--runs 5] [--tokens 48] [--layers 2] [--skip-qwen] [--threads]
-                           [--warm]
+                           [--warm] [--paired 30]
 
-`--threads` adds a sweep of torch's intra-op pool size (the host experts' threads) with misses on the host.
+`--paired N` adds host / load on the demo model in process time over N paired rounds (median and quartiles):
+the ratio other processes on a shared machine do not bias. `--threads` adds a sweep of torch's intra-op pool
+size (the host experts' threads) with misses on the host.
 By default the slots start empty, so on a CPU host and auto never slot an expert (every miss in place) while
 load fills them; `--warm` starts every mode with the prompt's most used experts in slots, so host and auto
 split steps between the slots and the RAM tier (one expert pass on a CPU: engine/experts.py).
@@ -146,6 +148,37 @@ def thread_sweep(path: Path, device: str, runs: int, tokens: int, fraction: floa
               f"{'<-' if n == chosen else ''} |")
 
 
+def paired(path: Path, device: str, rounds: int, tokens: int, fractions) -> None:
+    """host / load decode rate per round in process time (CPU seconds of this process: what other processes on a
+    shared machine do not bias), the two engines alternating first; median and quartiles of the per-round ratios."""
+    prompt = list(range(3, 19))
+    probe = Engine.load(path, device=device)
+    total = len(probe.loaded.cls.moe_layers(probe.args)) * probe.args.num_experts
+    del probe
+
+    def rate(engine: Engine) -> float:
+        t0 = time.process_time()
+        n = sum(len(c.token_ids) for c in engine.generate(prompt, sampling=GREEDY, max_tokens=tokens))
+        return n / (time.process_time() - t0)
+
+    print(f"\nhost / load in process time, {rounds} paired rounds of {tokens} tokens, slots cold")
+    print("| slots | median | quartiles |")
+    print("|---|---:|---|")
+    for frac in fractions:
+        slots = max(1, int(total * frac))
+        engines = {m: Engine.load(path, device=device, cache=CacheConfig(expert_slots=slots, on_miss=m,
+                                                                          warm_start=False)) for m in ("load", "host")}
+        for e in engines.values():
+            rate(e)  # the first run fills what a run fills
+        ratios = []
+        for r in range(rounds):
+            order = ("load", "host") if r % 2 == 0 else ("host", "load")
+            got = {m: rate(engines[m]) for m in order}
+            ratios.append(got["host"] / got["load"])
+        q = statistics.quantiles(ratios, n=4)
+        print(f"| {frac:.0%} ({slots}) | {statistics.median(ratios):.3f} | {q[0]:.3f}-{q[2]:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -159,6 +192,8 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true",
                     help="start every mode with the slots holding the prompt's most used experts (host and auto then "
                          "split steps between slots and the RAM tier); default: empty slots")
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="also host / load of the demo model in process time over ROUNDS paired rounds")
     args = ap.parse_args()
     from moechat.engine.hardware import leave_a_core
 
@@ -167,6 +202,8 @@ def main() -> None:
     if not args.skip_demo:
         bench("demo model (6 layers x 16 experts, top-2)", ROOT / "assets" / "demo-moe", args.device, args.runs,
               args.tokens, fractions, args.warm)
+        if args.paired:
+            paired(ROOT / "assets" / "demo-moe", args.device, args.paired, args.tokens, fractions)
     qwen = None
     if not args.skip_qwen:
         qwen = qwen3_shaped(args.layers)
