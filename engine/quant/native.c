@@ -404,3 +404,179 @@ int moechat_int8_gemv(const void *x, int x_bf16, const int8_t *q, const float *s
     free(xf);
     return 0;
 }
+
+/* -- decode attention: one query token over a bf16 K/V cache ---------------------------------------------------
+ * q [nkv, G, D] bf16 (contiguous), k / v [nkv, S_max, D] bf16 (rows contiguous, heads head_stride_k / _v elements
+ * apart), keys first..end-1; out [nkv, G, D] fp32 = softmax(scale * q K^T) V per query head, in fp32. Two passes
+ * per KV head, each reading its K (then V) rows once for all G query heads: 32-row blocks widened to fp32 in an L1
+ * buffer (bf16 << 16, exact), G dot products per row (eight rows reduced together by a hadd tree), the scores kept
+ * ([G, S] fp32, L2); the softmax with a polynomial exp (Cephes' expf: ~1 ulp); then the V rows weighted by the
+ * probabilities into G accumulators, divided by the sum at the end. Returns -2 where a buffer cannot be had. */
+#define ATT_BR 32
+
+#if SIMD
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* e^x, Cephes expf's reduction and polynomial (x <= 0 here; clamped below so 2^n stays a normal float) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* the eight sums of a[0..7]'s lanes, in order */
+static inline __m256 hsum8(const __m256 a[8]) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20), _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+#endif
+
+/* bf16 rows [n, D] -> fp32 buf [n, D] */
+static void widen_rows(const uint16_t *src, int64_t n, int64_t D, float *buf) {
+    int64_t m = n * D, j = 0;
+#if SIMD
+    for (; j + 8 <= m; j += 8) _mm256_storeu_ps(buf + j, bf16x8(src + j));
+#endif
+    for (; j < m; j++) buf[j] = bf16_to_f32(src[j]);
+}
+
+static float dot_f32(const float *a, const float *b, int64_t D) {
+    int64_t j = 0;
+    float acc = 0.0f;
+#if SIMD
+    __m256 s = _mm256_setzero_ps();
+    for (; j + 8 <= D; j += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s);
+    acc = hsum(s);
+#endif
+    for (; j < D; j++) acc += a[j] * b[j];
+    return acc;
+}
+
+int moechat_attn_decode(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t head_stride_k,
+                        int64_t head_stride_v, int64_t nkv, int64_t G, int64_t D, int64_t first, int64_t end,
+                        float scale, float *out) {
+    int64_t S = end - first;
+    if (S <= 0) return -1;
+    float *sc = malloc(sizeof(float) * (size_t)(G * S + G * D + ATT_BR * D));
+    if (!sc) return -2;
+    float *qf = sc + G * S, *buf = qf + G * D;
+    for (int64_t h = 0; h < nkv; h++) {
+        const uint16_t *kh = k + h * head_stride_k + first * D, *vh = v + h * head_stride_v + first * D;
+        widen_rows(q + h * G * D, G, D, qf);
+        /* pass 1: scores [G, S] */
+        for (int64_t t0 = 0; t0 < S; t0 += ATT_BR) {
+            int64_t n = S - t0 < ATT_BR ? S - t0 : ATT_BR;
+            widen_rows(kh + t0 * D, n, D, buf);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qf + g * D;
+                float *sg = sc + g * S + t0;
+                int64_t r = 0;
+#if SIMD
+                if ((D & 7) == 0) {
+                    for (; r + 8 <= n; r += 8) {
+                        __m256 a[8];
+                        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+                        for (int64_t j = 0; j < D; j += 8) {
+                            __m256 qv = _mm256_loadu_ps(qg + j);
+                            for (int u = 0; u < 8; u++)
+                                a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(buf + (r + u) * D + j), qv, a[u]);
+                        }
+                        _mm256_storeu_ps(sg + r, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+                    }
+                }
+#endif
+                for (; r < n; r++) sg[r] = dot_f32(buf + r * D, qg, D) * scale;
+            }
+        }
+        /* softmax per query head: probabilities in place, 1 / sum kept */
+        float inv[G];
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = sc + g * S, m = -INFINITY, sum = 0.0f;
+            int64_t t = 0;
+#if SIMD
+            __m256 mv = _mm256_set1_ps(-INFINITY), sv = _mm256_setzero_ps();
+            for (; t + 8 <= S; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+            float mm[8];
+            _mm256_storeu_ps(mm, mv);
+            for (int u = 0; u < 8; u++) m = mm[u] > m ? mm[u] : m;
+#endif
+            for (; t < S; t++) m = sg[t] > m ? sg[t] : m;
+            t = 0;
+#if SIMD
+            __m256 mb = _mm256_set1_ps(m);
+            for (; t + 8 <= S; t += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mb));
+                _mm256_storeu_ps(sg + t, e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            sum = hsum(sv);
+#endif
+            for (; t < S; t++) {
+                sg[t] = expf(sg[t] - m);
+                sum += sg[t];
+            }
+            inv[g] = 1.0f / sum;
+        }
+        /* pass 2: out[g] = sum_t p[g][t] v_t / sum */
+        float *oh = out + h * G * D;
+        memset(oh, 0, sizeof(float) * (size_t)(G * D));
+        for (int64_t t0 = 0; t0 < S; t0 += ATT_BR) {
+            int64_t n = S - t0 < ATT_BR ? S - t0 : ATT_BR;
+            widen_rows(vh + t0 * D, n, D, buf);
+            for (int64_t g = 0; g < G; g++) {
+                const float *pg = sc + g * S + t0;
+                float *og = oh + g * D;
+                int64_t j = 0;
+#if SIMD
+                for (; j + 32 <= D; j += 32) {
+                    __m256 a0 = _mm256_loadu_ps(og + j), a1 = _mm256_loadu_ps(og + j + 8);
+                    __m256 a2 = _mm256_loadu_ps(og + j + 16), a3 = _mm256_loadu_ps(og + j + 24);
+                    for (int64_t r = 0; r < n; r++) {
+                        __m256 p = _mm256_broadcast_ss(pg + r);
+                        const float *vr = buf + r * D + j;
+                        a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr), a0);
+                        a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8), a1);
+                        a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 16), a2);
+                        a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 24), a3);
+                    }
+                    _mm256_storeu_ps(og + j, a0);
+                    _mm256_storeu_ps(og + j + 8, a1);
+                    _mm256_storeu_ps(og + j + 16, a2);
+                    _mm256_storeu_ps(og + j + 24, a3);
+                }
+                for (; j + 8 <= D; j += 8) {
+                    __m256 a0 = _mm256_loadu_ps(og + j);
+                    for (int64_t r = 0; r < n; r++)
+                        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + r), _mm256_loadu_ps(buf + r * D + j), a0);
+                    _mm256_storeu_ps(og + j, a0);
+                }
+#endif
+                for (; j < D; j++) {
+                    float a = og[j];
+                    for (int64_t r = 0; r < n; r++) a += pg[r] * buf[r * D + j];
+                    og[j] = a;
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < D; j++) oh[g * D + j] *= inv[g];
+    }
+    free(sc);
+    return 0;
+}

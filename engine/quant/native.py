@@ -1,4 +1,5 @@
-"""Native CPU kernels for one token through a packed expert projection (native.c), built at first use.
+"""Native CPU kernels for one token through a packed expert projection (native.c), built at first use; and one
+token's attention over a bf16 K/V cache (`attn_decode`, bf16 decode on a CPU: engine/models/base.py).
 
 The torch paths of int4, FP8 and MXFP4 (quant/cpu.py, mxfp4.py) decode row tiles with a handful of whole-tile ops,
 each pass over the tile costing more than reading the packed bytes: 0.02-0.11 of the read bandwidth on one thread
@@ -102,7 +103,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.moechat_mxfp4_gemv.argtypes = [p, i32, p, p, i64, i64, p]
     lib.moechat_fp8_gemv.argtypes = [p, i32, p, p, i64, i64, i64, i64, p]
     lib.moechat_int8_gemv.argtypes = [p, i32, p, p, i64, i64, p]
-    for f in (lib.moechat_int4_gemv, lib.moechat_mxfp4_gemv, lib.moechat_fp8_gemv, lib.moechat_int8_gemv):
+    lib.moechat_attn_decode.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
+    for f in (lib.moechat_int4_gemv, lib.moechat_mxfp4_gemv, lib.moechat_fp8_gemv, lib.moechat_int8_gemv,
+              lib.moechat_attn_decode):
         f.restype = i32
     lib.moechat_init()
     return lib
@@ -208,3 +211,15 @@ def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     y = torch.empty(1, rows)  # [1, R] fp32
     _check(lib.moechat_int8_gemv(x.data_ptr(), bf, q.data_ptr(), scale.data_ptr(), rows, cols, y.data_ptr()), "int8")
     return y
+
+
+def attn_decode(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, end: int,
+                scale: float) -> torch.Tensor:
+    """One query token's attention: q [nKV, G, D] bf16, k / v [nKV, S_max, D] bf16 caches (rows contiguous, any
+    head stride), keys first..end-1 -> softmax(scale q K^T) V per query head, fp32 [nKV, G, D] (native.c)."""
+    nkv, G, D = q.shape
+    q = q.contiguous()
+    out = torch.empty(nkv, G, D)
+    _check(lib.moechat_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), nkv, G, D,
+                                   first, end, scale, out.data_ptr()), "attention")
+    return out
