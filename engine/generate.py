@@ -140,9 +140,10 @@ class Engine:
                             resident_experts=cache is None, expert_format=expert_format,
                             repack_dir=cache.repack_dir if cache is not None else None)
         context = loaded.model.max_positions  # clamped to the model's own maximum
-        if loaded.expert_format.name != "dense":
-            # Packed experts run on the CPU (a CPU engine, or host misses): build or load the native kernels now,
-            # not in the first token (the first build on a machine compiles for 1-3 s; cached after).
+        if loaded.expert_format.name != "dense" or (loaded.device.type == "cpu" and loaded.dtype == torch.bfloat16):
+            # Packed experts run on the CPU (a CPU engine, or host misses), and bf16 decode attention on a CPU:
+            # build or load the native kernels now, not in the first token (the first build on a machine compiles
+            # for 1-3 s; a cached one loads in ~5 ms).
             from .quant import native
 
             native.library()

@@ -332,7 +332,8 @@ class Attention(nn.Module):
                 # faster than SDPA's fused kernel at S=4000; without it SDPA (fp32 accumulation), 5x faster there
                 # than two bf16 matmuls whose shape changes every token (bench/soak.py); fp32 and fp16 keep the
                 # matmuls below, where SDPA's CPU path gains little or loses.
-                lib = native.library()
+                # One thread runs the kernel: with more, SDPA's own split over heads can catch up, so it keeps them.
+                lib = native.library() if torch.get_num_threads() <= 2 else None
                 if lib is not None and kc.stride(2) == 1 and kc.stride(1) == D and vc.stride(2) == 1 \
                         and vc.stride(1) == D:
                     out = native.attn_decode(lib, q, kc, vc, first, end, self.scale).to(torch.bfloat16)
