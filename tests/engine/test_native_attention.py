@@ -16,25 +16,6 @@ from moechat.engine.quant import native
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: SDPA runs")
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = native.library()
-    assert lib is not None, native.status()
-    return lib
-
-
-@pytest.fixture(scope="module")
-def scalar_lib(tmp_path_factory):
-    lib = native.build_and_load(native.FLAGS + ("-DMOECHAT_SCALAR",), tmp_path_factory.mktemp("scalar"))
-    assert lib.moechat_simd() == 0
-    return lib
-
-
-@pytest.fixture(params=["simd", "scalar"])
-def any_lib(request, lib, scalar_lib):
-    return lib if request.param == "simd" else scalar_lib
-
-
 def _inputs(nkv, G, D, s_max, seed):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(nkv, s_max, D, generator=g).bfloat16()

@@ -30,26 +30,6 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     assert (err <= bound).all(), f"max error {float((err / bound).max()):.1f}x the bound"
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = native.library()
-    assert lib is not None, native.status()
-    return lib
-
-
-@pytest.fixture(scope="module")
-def scalar_lib(tmp_path_factory):
-    """The same source built without SIMD (what a CPU without AVX2 would run, were it enabled there)."""
-    lib = native.build_and_load(native.FLAGS + ("-DMOECHAT_SCALAR",), tmp_path_factory.mktemp("scalar"))
-    assert lib.moechat_simd() == 0
-    return lib
-
-
-@pytest.fixture(params=["simd", "scalar"])
-def any_lib(request, lib, scalar_lib):
-    return lib if request.param == "simd" else scalar_lib
-
-
 def _x(cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(1, cols, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
