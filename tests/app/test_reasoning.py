@@ -77,10 +77,12 @@ async def test_thinking_streams_open_then_folds_when_the_answer_starts(build_app
         assert (saved.content, saved.thinking, saved.status) == ("The answer.", "Let me think it over.", "done")
         contents = block.query_one(Collapsible.Contents)
         assert contents.styles.display == "none"
-        # A click on its title opens it again.
-        await pilot.click(block.query_one(CollapsibleTitle))
+        # A click on its title opens it again (once the finished reply's layout has settled: a click aimed at the
+        # title's old place can miss it).
         await pilot.pause()
-        assert not block.collapsed and contents.styles.display == "block"
+        await pilot.click(block.query_one(CollapsibleTitle))
+        await fakes.wait_for(pilot, lambda: not block.collapsed)
+        assert contents.styles.display == "block"
 
 
 async def test_a_reply_without_thinking_has_no_fold(build_app, fakes):
