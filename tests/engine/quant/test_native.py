@@ -39,6 +39,14 @@ def _w(rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) / cols**0.5
 
 
+def _check_quantized(name: str, gemv, lib, rows: int, cols: int, dtype: torch.dtype) -> None:
+    """The format's packer on a random [rows, cols] matrix; its native GEMV against weight() + F.linear."""
+    fmt = get_format(name)
+    t = {f"w2_{k}": v for k, v in fmt.quantize(_w(rows, cols, rows + cols)).items()}
+    x = _x(cols, dtype, cols)
+    _close(gemv(lib, x, t["w2_q"], t["w2_scale"]), x, fmt.weight(t, "w2", torch.float32))
+
+
 def test_this_machine_runs_the_native_kernels():
     assert native.status().startswith("native kernels"), native.status()
 
@@ -47,19 +55,13 @@ def test_this_machine_runs_the_native_kernels():
                                        (1536, 2048)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4(any_lib, rows, cols, dtype):
-    fmt = get_format("int4")
-    t = {f"w2_{k}": v for k, v in fmt.quantize(_w(rows, cols, rows + cols)).items()}
-    x = _x(cols, dtype, cols)
-    _close(native.int4_gemv(any_lib, x, t["w2_q"], t["w2_scale"]), x, fmt.weight(t, "w2", torch.float32))
+    _check_quantized("int4", native.int4_gemv, any_lib, rows, cols, dtype)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (7, 15), (9, 17), (5, 100), (1536, 2048)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8(any_lib, rows, cols, dtype):
-    fmt = get_format("int8")
-    t = {f"w2_{k}": v for k, v in fmt.quantize(_w(rows, cols, rows + cols)).items()}
-    x = _x(cols, dtype, cols)
-    _close(native.int8_gemv(any_lib, x, t["w2_q"], t["w2_scale"]), x, fmt.weight(t, "w2", torch.float32))
+    _check_quantized("int8", native.int8_gemv, any_lib, rows, cols, dtype)
 
 
 @pytest.mark.parametrize("rows,cols,block", [(7, 15, (2, 4)), (9, 33, (4, 16)), (130, 300, (128, 128)),
