@@ -5,7 +5,8 @@
  * Every kernel: x [cols] fp32 or bf16 (x_bf16 = 1), the packed matrix [rows, cols] in its format, y [rows] fp32.
  * Each output is a sum of products in fp32 as F.linear over the dequantized matrix computes it, in another order
  * (per-lane partial sums, a group's scale applied to its partial sum, FP8's block scale on x): equal within fp32
- * rounding, tested. The codes become fp32 values in registers and nothing else touches memory: int4 and MXFP4
+ * rounding, tested; except that a bf16 x through int4 (groups of 32) or MXFP4 is summed in integers over x rounded
+ * to 16 bits per block (the integer path below, within 1/128 of a bf16 rounding). The codes become fp32 values in registers and nothing else touches memory: int4 and MXFP4
  * through bf16 bit patterns from an in-register table (pshufb), FP8 as bf16 bit patterns made with shifts,
  * int8 by conversion. Where the values come out of the registers in another order than the elements (the 4-bit
  * formats, FP8), a copy of x made once per call is in that order instead, so no shuffle puts them back.
@@ -143,6 +144,162 @@ static inline __attribute__((always_inline)) void decode32(const uint8_t *p, Lut
 }
 #endif
 
+/* -- 4-bit codes times a 16-bit x: the integer path (bf16 x; int4 in groups of 32, MXFP4) -----------------------
+ * Where x is bf16 and a scale covers 32 elements, one token's dot products run in integers: x is rounded once per
+ * call to 16-bit integers per 32-element block, q = round(x 2^(15-e)) with 2^e > max |x| >= 2^(e-1) (a power-of-two
+ * step: x = q 2^(e-15) within half a step, 2^-16 of the block's largest |x|, 1/128 of that element's own bf16
+ * rounding; every element within 2^7 of the largest is exact, and |q| <= 32640 as a bf16 has 8 significant bits).
+ * Each code stays a small unsigned integer u (int4: the code, value u - 8; MXFP4: 2 x its E2M1 value + 12, by
+ * pshufb), and madd (16 x 16 -> 32-bit pair sums) gives each block's sum of u q exactly, in four int32 lanes (each
+ * < 2^24 in magnitude, so the fp32 conversion is exact too); the offset comes off as off * sum(q) per block
+ * (`corr`), and the block's weight scale times x's power of two is one exact fp32 multiply. Against the fp32 path:
+ * about half the instructions per byte (no per-element fp32 values, one FMA per two blocks). fp32 x keeps the fp32
+ * path (an fp32 model is the exactness reference). Non-finite x makes the block's step NaN, so every output NaN.
+ *
+ * Registers: 32 bytes = two blocks, block g in the low 128-bit lane and g + 1 in the high one; low nibbles (elements
+ * 0, 2, .., 30) and high nibbles (1, 3, .., 31) unpacked against zero into four vectors of 16-bit codes, each lane
+ * holding eight: even elements 0-14, even 16-30, odd 1-15, odd 17-31. x16 holds x in that order, 64 words a pair of
+ * blocks (a zero block after an odd last one), with the pair's eight x steps and eight correction lanes. */
+#if SIMD
+typedef struct {
+    int16_t *q;    /* [pairs, 64] */
+    float *step;   /* [pairs, 8]: 2^(e-15) of each block, four lanes each */
+    int32_t *corr; /* [pairs, 8]: off * sum(q) of each block, spread over its four lanes */
+    void *mem;
+} X16;
+
+
+/* one block's 16-bit integers and its step; scalar (the rare blocks: non-finite, zero or
+ * below 2^-113, where 2^(15-e) is no normal float) */
+static float x16_block_scalar(const float *v, int32_t *t) {
+    float mx = 0.0f;
+    int bad = 0;
+    for (int k = 0; k < 32; k++) {
+        float a = fabsf(v[k]);
+        bad |= !(a <= 3.402823466e38f); /* inf or NaN: the block's step is NaN, so is every output */
+        mx = a > mx ? a : mx;
+    }
+    int e;
+    frexpf(mx, &e); /* mx = m 2^e, m in [0.5, 1); e = 0 for a zero block */
+    double f = ldexp(1.0, 15 - e);
+    for (int k = 0; k < 32; k++) t[k] = bad ? 0 : (int32_t)lrint((double)v[k] * f);
+    return bad ? NAN : (float)ldexp(1.0, e - 15);
+}
+
+static int x16_make(const uint16_t *x, int64_t cols, int off, X16 *o) {
+    int64_t G = cols / 32, P = (G + 1) / 2;
+    o->mem = calloc((size_t)P, 64 * sizeof(int16_t) + 8 * sizeof(float) + 8 * sizeof(int32_t));
+    if (!o->mem) return -2;
+    o->q = o->mem;
+    o->step = (float *)(o->q + P * 64);
+    o->corr = (int32_t *)(o->step + P * 8);
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    for (int64_t g = 0; g < G; g++) {
+        __m256 v[4]; /* the block as fp32 (a bf16 << 16) */
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + g * 32 + k * 8))), 16));
+        __m256 a0 = _mm256_andnot_ps(sign, v[0]), a1 = _mm256_andnot_ps(sign, v[1]);
+        __m256 a2 = _mm256_andnot_ps(sign, v[2]), a3 = _mm256_andnot_ps(sign, v[3]);
+        __m256 nf = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a0, inf, _CMP_NLT_UQ), _mm256_cmp_ps(a1, inf, _CMP_NLT_UQ)),
+                                 _mm256_or_ps(_mm256_cmp_ps(a2, inf, _CMP_NLT_UQ), _mm256_cmp_ps(a3, inf, _CMP_NLT_UQ)));
+        __m256 m = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        uint32_t bits;
+        float mx = _mm_cvtss_f32(m4), step;
+        memcpy(&bits, &mx, 4);
+        int E = (int)(bits >> 23); /* mx = 1.f 2^(E-127) = 0.5 (1.f) 2^(E-126): frexp's e = E - 126 */
+        int32_t t[32];
+        int64_t sum = 0;
+        if (_mm256_movemask_ps(nf) || E < 15) {
+            float w[32];
+            for (int k = 0; k < 4; k++) _mm256_storeu_ps(w + 8 * k, v[k]);
+            step = x16_block_scalar(w, t);
+        } else {
+            uint32_t fb = (uint32_t)(268 - E) << 23, sb = (uint32_t)(E + 1 - 15) << 23; /* 2^(15-e), 2^(e-15) */
+            float f;
+            memcpy(&f, &fb, 4);
+            memcpy(&step, &sb, 4);
+            for (int k = 0; k < 4; k++) /* x 2^(15-e) is exact; the conversion rounds to nearest even */
+                _mm256_storeu_si256((__m256i *)(t + 8 * k), _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(f))));
+        }
+        /* elements 0-7 .. 24-31 -> (even 0-14 | odd 1-15), (even 16-30 | odd 17-31) as 16-bit words */
+        const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        __m256i t0 = _mm256_loadu_si256((const __m256i *)t), t1 = _mm256_loadu_si256((const __m256i *)(t + 8));
+        __m256i t2 = _mm256_loadu_si256((const __m256i *)(t + 16)), t3 = _mm256_loadu_si256((const __m256i *)(t + 24));
+        __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(t0, t1), _mm256_add_epi32(t2, t3));
+        __m256i w01 = _mm256_packs_epi32(_mm256_permutevar8x32_epi32(t0, eo), _mm256_permutevar8x32_epi32(t1, eo));
+        __m256i w23 = _mm256_packs_epi32(_mm256_permutevar8x32_epi32(t2, eo), _mm256_permutevar8x32_epi32(t3, eo));
+        int64_t p = g / 2, lane = g % 2;
+        int16_t *dst = o->q + p * 64 + lane * 8;
+        _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(w01));
+        _mm_storeu_si128((__m128i *)(dst + 16), _mm256_castsi256_si128(w23));
+        _mm_storeu_si128((__m128i *)(dst + 32), _mm256_extracti128_si256(w01, 1));
+        _mm_storeu_si128((__m128i *)(dst + 48), _mm256_extracti128_si256(w23, 1));
+        int32_t s[8];
+        _mm256_storeu_si256((__m256i *)s, s8);
+        for (int k = 0; k < 8; k++) sum += s[k];
+        int32_t c = (int32_t)(off * sum), c4 = c / 4;
+        for (int k = 0; k < 4; k++) {
+            o->step[p * 8 + lane * 4 + k] = step;
+            o->corr[p * 8 + lane * 4 + k] = k ? c4 : c - 3 * c4;
+        }
+    }
+    return 0;
+}
+
+enum { K_INT4, K_MXFP4 };
+/* 2 x E2M1 + 12 for each code (0..24) */
+static const int8_t E2M1_X2_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* NR rows of 4-bit codes (row stride G x 16 bytes) against x16; wscale(u, pair) gives the pair's two weight
+ * scales in lanes 0-3 and 4-7 */
+static inline __attribute__((always_inline)) void i16_rows(const X16 *xq, const uint8_t *codes, const void *scale,
+                                                           int64_t r, int64_t G, float *y, const int NR,
+                                                           const int kind) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2_U));
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    int64_t P = (G + 1) / 2, stride = G * 16;
+    __m256 acc[NROWS];
+    for (int u = 0; u < NR; u++) acc[u] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < P; p++) {
+        const __m256i *xp = (const __m256i *)(xq->q + p * 64);
+        const __m256i cr = _mm256_loadu_si256((const __m256i *)(xq->corr + p * 8));
+        const __m256 st = _mm256_loadu_ps(xq->step + p * 8);
+        const int two = 2 * p + 1 < G;
+        for (int u = 0; u < NR; u++) {
+            const uint8_t *b = codes + (r + u) * stride + p * 32;
+            PF(b, p * 32, NR * stride);
+            __m256i c = two ? _mm256_loadu_si256((const __m256i *)b)
+                            : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)b));
+            __m256i lo = _mm256_and_si256(c, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m0f);
+            if (kind == K_MXFP4) {
+                lo = _mm256_shuffle_epi8(lut, lo);
+                hi = _mm256_shuffle_epi8(lut, hi);
+            }
+            __m256i d = _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), _mm256_loadu_si256(xp));
+            d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), _mm256_loadu_si256(xp + 1)));
+            d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), _mm256_loadu_si256(xp + 2)));
+            d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), _mm256_loadu_si256(xp + 3)));
+            __m256 s;
+            if (kind == K_INT4) {
+                const float *sr = (const float *)scale + (r + u) * G + 2 * p;
+                __m128 s2 = two ? _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)sr)) : _mm_load_ss(sr);
+                s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), halves);
+            } else {
+                const uint8_t *sr = (const uint8_t *)scale + (r + u) * G + 2 * p;
+                s = _mm256_set_m128(_mm_set1_ps(two ? e8m0_table[sr[1]] : 0.0f), _mm_set1_ps(e8m0_table[sr[0]]));
+            }
+            acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(d, cr)), _mm256_mul_ps(s, st), acc[u]);
+        }
+    }
+    for (int u = 0; u < NR; u++) y[r + u] = hsum(acc[u]);
+}
+#endif
+
 /* -- int4: q [rows, cols/2] u8 (low nibble the even element, code = q + 8), scale [rows, cols/group] fp32 ------ */
 #if SIMD
 /* NR rows at once: each x load serves NR rows, and NR accumulator chains keep the FMA units busy */
@@ -195,16 +352,27 @@ int moechat_int4_gemv(const void *x, int x_bf16, const uint8_t *q, const float *
                       int64_t group, float *y) {
     if (group != 32 && group != 16 && group != 8) return -1;
     if (cols % group) return -1;
+    int64_t r = 0;
+#if SIMD
+    if (group == 32 && x_bf16) {  // the integer path
+        X16 xq;
+        if (x16_make(x, cols, 8, &xq)) return -2;
+        for (; r + NROWS <= rows; r += NROWS) i16_rows(&xq, q, scale, r, cols / 32, y, NROWS, K_INT4);
+        for (; r < rows; r++) i16_rows(&xq, q, scale, r, cols / 32, y, 1, K_INT4);
+        free(xq.mem);
+        return 0;
+    }
+#endif
     float *xp = malloc(sizeof(float) * (size_t)(cols + 1));
     if (!xp) return -2;
-    int64_t r = 0;
 #if SIMD
     x_four_bit(x, x_bf16, cols, xp);
     Lut lut = make_lut(INT4_BF16);
-    // the group and the row count as constants: one specialised loop each
+    // fp32 x, or groups of 16 or 8 (inputs not a multiple of 32): fp32 values; the group and the row count as
+    // constants: one specialised loop each
 #define INT4_CASE(GROUP)                                                                                          \
     if (group == GROUP) {                                                                                         \
-        for (; r + NROWS <= rows; r += NROWS) int4_rows(xp, q, scale, r, cols, GROUP, y, NROWS, lut);                        \
+        for (; r + NROWS <= rows; r += NROWS) int4_rows(xp, q, scale, r, cols, GROUP, y, NROWS, lut);             \
         for (; r < rows; r++) int4_rows(xp, q, scale, r, cols, GROUP, y, 1, lut);                                \
     }
     INT4_CASE(32) else INT4_CASE(16) else INT4_CASE(8)
@@ -257,9 +425,19 @@ static inline __attribute__((always_inline)) void mxfp4_rows(const float *xp, co
 int moechat_mxfp4_gemv(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, int64_t rows,
                        int64_t cols, float *y) {
     if (cols % 32) return -1;
+    int64_t G = cols / 32, r = 0;
+#if SIMD
+    if (x_bf16) {  // the integer path
+        X16 xq;
+        if (x16_make(x, cols, 12, &xq)) return -2;
+        for (; r + NROWS <= rows; r += NROWS) i16_rows(&xq, blocks, scales, r, G, y, NROWS, K_MXFP4);
+        for (; r < rows; r++) i16_rows(&xq, blocks, scales, r, G, y, 1, K_MXFP4);
+        free(xq.mem);
+        return 0;
+    }
+#endif
     float *xp = malloc(sizeof(float) * (size_t)(cols + 1));
     if (!xp) return -2;
-    int64_t G = cols / 32, r = 0;
 #if SIMD
     x_four_bit(x, x_bf16, cols, xp);
     Lut lut = make_lut(E2M1_X2_BF16);

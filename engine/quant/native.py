@@ -186,6 +186,18 @@ def int4_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     return y
 
 
+def round_x16(x: torch.Tensor) -> torch.Tensor:
+    """The x that int4_gemv (groups of 32) and mxfp4_gemv sum over for a bf16 x on the SIMD build (native.c's
+    integer path), as a slow reference in fp64: per 32-element block with max |x| = m 2^e (m in [0.5, 1)),
+    round(x 2^(15-e)) to nearest even, times 2^(e-15); NaN for a block with a non-finite element. Within 2^-16 of
+    the block's largest |x|; every element within 2^7 of it is exact."""
+    b = x.double().reshape(*x.shape[:-1], -1, 32)  # [..., G, 32]
+    mx = b.abs().amax(dim=-1, keepdim=True)  # [..., G, 1]
+    _, e = torch.frexp(mx.float())
+    step = torch.ldexp(torch.ones_like(mx), e.double() - 15).where(mx.isfinite(), torch.nan)
+    return (torch.round(b / step) * step).reshape(x.shape)
+
+
 def mxfp4_gemv(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     rows, cols = blocks.shape[0], blocks.shape[1] * 32
     x, bf = _x(x)

@@ -2,7 +2,10 @@
 F.linear in fp32): within fp32 rounding of the sum (|err| <= 1e-6 x sum |x w| per output), on odd shapes (rows not a
 multiple of the 4-row step, int4 groups of 16 and 8 with a tail past the last 32-element block, partial FP8 blocks,
 w13's halves), both x dtypes, the SIMD build and the scalar one; the cached library reused, a damaged one rebuilt;
-the torch fallback (MOECHAT_NATIVE=0, no compiler) silent, said by `status()`, and equal within the same bounds."""
+the torch fallback (MOECHAT_NATIVE=0, no compiler) silent, said by `status()`, and equal within the same bounds.
+The SIMD build's 4-bit kernels with 32-element scales (int4 groups of 32, MXFP4) sum a bf16 x in integers, over
+x rounded to 16 bits per block (native.c): their reference is F.linear over x rounded that way
+(`native.round_x16`), and x itself is within the rounding's bound of it."""
 
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     assert (err <= bound).all(), f"max error {float((err / bound).max()):.1f}x the bound"
 
 
+def _kernel_x(lib, x: torch.Tensor, integer_path: bool) -> torch.Tensor:
+    """The x a kernel sums over: round_x16(x) on the SIMD build's integer path (bf16 x), else x."""
+    return native.round_x16(x).float() if integer_path and x.dtype == torch.bfloat16 and lib.moechat_simd() else x
+
+
 def _x(cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(1, cols, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
@@ -44,7 +52,8 @@ def _check_quantized(name: str, gemv, lib, rows: int, cols: int, dtype: torch.dt
     fmt = get_format(name)
     t = {f"w2_{k}": v for k, v in fmt.quantize(_w(rows, cols, rows + cols)).items()}
     x = _x(cols, dtype, cols)
-    _close(gemv(lib, x, t["w2_q"], t["w2_scale"]), x, fmt.weight(t, "w2", torch.float32))
+    integer_path = name == "int4" and cols % 32 == 0
+    _close(gemv(lib, x, t["w2_q"], t["w2_scale"]), _kernel_x(lib, x, integer_path), fmt.weight(t, "w2", torch.float32))
 
 
 def test_this_machine_runs_the_native_kernels():
@@ -95,7 +104,8 @@ def test_fp8_every_byte(any_lib):
 def test_mxfp4(any_lib, rows, cols, dtype):
     blocks, scales = mxfp4.quantize(_w(rows, cols, rows + cols))
     x = _x(cols, dtype, cols)
-    _close(native.mxfp4_gemv(any_lib, x, blocks, scales), x, mxfp4.dequantize_reference(blocks, scales))
+    _close(native.mxfp4_gemv(any_lib, x, blocks, scales), _kernel_x(any_lib, x, True),
+           mxfp4.dequantize_reference(blocks, scales))
 
 
 def test_mxfp4_every_code_and_scale(any_lib):
@@ -113,9 +123,62 @@ def test_mxfp4_every_code_and_scale(any_lib):
         assert torch.equal(got[0], w[:, k] * 0.75), k
 
 
+def _four_bit(name: str, rows: int, cols: int):
+    """(gemv(lib, x), weight fp32) of a random int4 (groups of 32) or MXFP4 matrix."""
+    w = _w(rows, cols, 7)
+    if name == "mxfp4":
+        blocks, scales = mxfp4.quantize(w)
+        return (lambda lib, x: native.mxfp4_gemv(lib, x, blocks, scales)), mxfp4.dequantize_reference(blocks, scales)
+    t = {f"w2_{k}": v for k, v in get_format("int4").quantize(w).items()}
+    return (lambda lib, x: native.int4_gemv(lib, x, t["w2_q"], t["w2_scale"])), get_format("int4").weight(
+        t, "w2", torch.float32)
+
+
+@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+def test_integer_path_edges(lib, name):
+    """bf16 blocks the rounding treats apart: all zero, subnormal, below 2^-113 (rounded in scalar code), a largest
+    value of 1 - 2^-8 (2^15 - 128 as an integer), huge, one element alone, elements far below their block's largest
+    (rounded), and a lone odd last block; each output
+    against F.linear over round_x16(x), and against x itself within the rounding's bound (half a step per element).
+    An fp32 x takes the fp32 path: exact."""
+    cols = 32 * 9
+    gemv, w = _four_bit(name, 37, cols)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(3))
+    x[0, 0:32] = 0.0
+    x[0, 32:64] *= 1e-40
+    x[0, 64:96] *= 2.0**-118
+    x[0, 96:128] = torch.linspace(-0.5, 1 - 2**-8, 32)
+    x[0, 128:160] *= 1e30
+    x[0, 160:192] = 0.0
+    x[0, 170] = 0.3
+    x[0, 192:224] *= 1e-3  # far below the block's largest: rounded to its step
+    x[0, 200] = 1.0
+    x = x.bfloat16()
+    got = gemv(lib, x)
+    _close(got, native.round_x16(x).float(), w)
+    b = x.double().reshape(-1, 32)
+    _, e = torch.frexp(b.abs().amax(dim=1, keepdim=True).float())
+    half_step = torch.ldexp(torch.ones_like(b), e.double() - 16).reshape(1, cols)  # [1, cols]
+    bound = 1e-6 * (x.abs().double() @ w.abs().double().t()) + half_step @ w.abs().double().t() + 1e-30
+    assert ((got.double() - F.linear(x.double(), w.double())).abs() <= bound).all()
+    assert not torch.equal(native.round_x16(x), x.double())  # some element did round
+    _close(gemv(lib, x.float()), x.float(), w)
+
+
+@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_integer_path_non_finite_x(lib, name, bad):
+    """A NaN or infinite element makes every output NaN (as the fp32 sums would make them NaN or infinite): the
+    rounding never turns it into a finite number."""
+    gemv, _ = _four_bit(name, 9, 96)
+    x = torch.randn(1, 96).bfloat16()
+    x[0, 40] = bad
+    assert torch.isnan(gemv(lib, x)).all()
+
+
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_takes_the_kernel_and_the_fallback_agrees(name, dtype, monkeypatch):
+def test_linear_takes_the_kernel_and_the_fallback_agrees(lib, name, dtype, monkeypatch):
     """fmt.linear for one token (the engine's call) with biases and w13's halves: native and torch paths both
     within the bound of the reference, and the native one really ran (a counted call)."""
     H, I = 96, 64
@@ -149,7 +212,7 @@ def test_linear_takes_the_kernel_and_the_fallback_agrees(name, dtype, monkeypatc
         monkeypatch.setenv("MOECHAT_NATIVE", "0")
         slow = fmt.linear(x, t, which)
         if dtype == torch.float32:
-            _close(got, x, w, t[f"{which}_bias"])
+            _close(got, _kernel_x(lib, x, name in ("int4", "mxfp4")), w, t[f"{which}_bias"])
             _close(slow, x, w, t[f"{which}_bias"])
         else:  # both round an fp32 result to bf16 once (int8's torch path: bf16 math, looser)
             want = F.linear(x.float(), w, t[f"{which}_bias"].float())
@@ -241,3 +304,7 @@ def test_non_contiguous_input(lib):
     x = torch.randn(64, 2)[:, :1].t()  # [1, 64], strided
     assert not x.is_contiguous()
     _close(fmt.linear(x, t, "w2"), x, fmt.weight(t, "w2", torch.float32))
+    xb = torch.randn(64, 2).bfloat16()[:, :1].t()  # [1, 64], strided
+    assert not xb.is_contiguous()
+    _close(native.int4_gemv(lib, xb, t["w2_q"], t["w2_scale"]), _kernel_x(lib, xb, True),
+           fmt.weight(t, "w2", torch.float32))
