@@ -254,48 +254,76 @@ enum { K_INT4, K_MXFP4 };
 /* 2 x E2M1 + 12 for each code (0..24) */
 static const int8_t E2M1_X2_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
-/* NR rows of 4-bit codes (row stride G x 16 bytes) against x16; wscale(u, pair) gives the pair's two weight
- * scales in lanes 0-3 and 4-7 */
+/* one pair of blocks of one row: its 32 code bytes (c) against x16's pair p; the pair's partial sums in fp32 times
+ * its two weight scales (s: lanes 0-3 and 4-7) added to acc */
+static inline __attribute__((always_inline)) __m256 i16_pair(const X16 *xq, int64_t p, __m256i c, __m256 s,
+                                                             __m256 acc, const int kind) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i *xp = (const __m256i *)(xq->q + p * 64);
+    __m256i lo = _mm256_and_si256(c, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m0f);
+    if (kind == K_MXFP4) {
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2_U));
+        lo = _mm256_shuffle_epi8(lut, lo);
+        hi = _mm256_shuffle_epi8(lut, hi);
+    }
+    __m256i d = _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), _mm256_loadu_si256(xp));
+    d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), _mm256_loadu_si256(xp + 1)));
+    d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), _mm256_loadu_si256(xp + 2)));
+    d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), _mm256_loadu_si256(xp + 3)));
+    d = _mm256_sub_epi32(d, _mm256_loadu_si256((const __m256i *)(xq->corr + p * 8)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s, _mm256_loadu_ps(xq->step + p * 8)), acc);
+}
+
+/* the weight scales of blocks g..g+n-1 of a row as fp32 (n = 8, 2 or 1; the rest of the lanes 0) */
+static inline __attribute__((always_inline)) __m256 i16_scales(const void *scale, int64_t at, const int n,
+                                                               const int kind) {
+    if (kind == K_INT4) {
+        const float *sr = (const float *)scale + at;
+        if (n == 8) return _mm256_loadu_ps(sr);
+        return _mm256_castps128_ps256(n == 2 ? _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)sr)) : _mm_load_ss(sr));
+    }
+    const uint8_t *sr = (const uint8_t *)scale + at;
+    __m128i b = n == 8 ? _mm_loadl_epi64((const __m128i *)sr)
+                : n == 2 ? _mm_cvtsi32_si128(sr[0] | sr[1] << 8) : _mm_cvtsi32_si128(sr[0]);
+    /* E8M0 s -> 2^(s - 128) (e8m0_half) in integer ops: (s - 1) << 23, or for s = 0, 1 the subnormal 2^21 << s */
+    __m256i e = _mm256_cvtepu8_epi32(b);
+    __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    __m256i v = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e));
+    if (n < 8) v = _mm256_blend_epi32(_mm256_setzero_si256(), v, n == 2 ? 0x03 : 0x01);
+    return _mm256_castsi256_ps(v);
+}
+
+/* NR rows of 4-bit codes (a row: G blocks of 16 bytes) against x16. Four pairs a step: their eight weight scales
+ * in one load (int4) or made from the eight E8M0 bytes (MXFP4), then each pair's two by one in-register permute. */
 static inline __attribute__((always_inline)) void i16_rows(const X16 *xq, const uint8_t *codes, const void *scale,
                                                            int64_t r, int64_t G, float *y, const int NR,
                                                            const int kind) {
-    const __m256i m0f = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2_U));
-    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    int64_t P = (G + 1) / 2, stride = G * 16;
+    const __m256i pairs[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                              _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+    int64_t full = G / 2, stride = G * 16, p = 0;
     __m256 acc[NROWS];
     for (int u = 0; u < NR; u++) acc[u] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < P; p++) {
-        const __m256i *xp = (const __m256i *)(xq->q + p * 64);
-        const __m256i cr = _mm256_loadu_si256((const __m256i *)(xq->corr + p * 8));
-        const __m256 st = _mm256_loadu_ps(xq->step + p * 8);
-        const int two = 2 * p + 1 < G;
+    for (; p + 4 <= full; p += 4)
         for (int u = 0; u < NR; u++) {
             const uint8_t *b = codes + (r + u) * stride + p * 32;
-            PF(b, p * 32, NR * stride);
+            __m256 s8 = i16_scales(scale, (r + u) * G + 2 * p, 8, kind);
+            for (int k = 0; k < 4; k++) {
+                PF(b + k * 32, (p + k) * 32, NR * stride);
+                __m256i c = _mm256_loadu_si256((const __m256i *)(b + k * 32));
+                acc[u] = i16_pair(xq, p + k, c, _mm256_permutevar8x32_ps(s8, pairs[k]), acc[u], kind);
+            }
+        }
+    for (; p < (G + 1) / 2; p++)  // the last pairs, and an odd last block (its pair's second block zero)
+        for (int u = 0; u < NR; u++) {
+            const uint8_t *b = codes + (r + u) * stride + p * 32;
+            int two = p < full;
             __m256i c = two ? _mm256_loadu_si256((const __m256i *)b)
                             : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)b));
-            __m256i lo = _mm256_and_si256(c, m0f), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m0f);
-            if (kind == K_MXFP4) {
-                lo = _mm256_shuffle_epi8(lut, lo);
-                hi = _mm256_shuffle_epi8(lut, hi);
-            }
-            __m256i d = _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), _mm256_loadu_si256(xp));
-            d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), _mm256_loadu_si256(xp + 1)));
-            d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), _mm256_loadu_si256(xp + 2)));
-            d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), _mm256_loadu_si256(xp + 3)));
-            __m256 s;
-            if (kind == K_INT4) {
-                const float *sr = (const float *)scale + (r + u) * G + 2 * p;
-                __m128 s2 = two ? _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)sr)) : _mm_load_ss(sr);
-                s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), halves);
-            } else {
-                const uint8_t *sr = (const uint8_t *)scale + (r + u) * G + 2 * p;
-                s = _mm256_set_m128(_mm_set1_ps(two ? e8m0_table[sr[1]] : 0.0f), _mm_set1_ps(e8m0_table[sr[0]]));
-            }
-            acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(d, cr)), _mm256_mul_ps(s, st), acc[u]);
+            __m256 s2 = two ? i16_scales(scale, (r + u) * G + 2 * p, 2, kind)
+                            : i16_scales(scale, (r + u) * G + 2 * p, 1, kind);
+            acc[u] = i16_pair(xq, p, c, _mm256_permutevar8x32_ps(s2, pairs[0]), acc[u], kind);
         }
-    }
     for (int u = 0; u < NR; u++) y[r + u] = hsum(acc[u]);
 }
 #endif

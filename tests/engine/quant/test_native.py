@@ -61,7 +61,7 @@ def test_this_machine_runs_the_native_kernels():
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 32), (7, 64), (9, 96), (13, 40), (6, 24), (5, 48), (4, 8), (37, 2064),
-                                       (1536, 2048)])
+                                       (5, 352), (3, 480), (1536, 2048)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4(any_lib, rows, cols, dtype):
     _check_quantized("int4", native.int4_gemv, any_lib, rows, cols, dtype)
@@ -99,7 +99,7 @@ def test_fp8_every_byte(any_lib):
         torch.testing.assert_close(got, want[:, k] * x[0, k], atol=0, rtol=2.5e-7)
 
 
-@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 64), (9, 96), (13, 2880)])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 64), (9, 96), (5, 352), (3, 480), (13, 2880)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4(any_lib, rows, cols, dtype):
     blocks, scales = mxfp4.quantize(_w(rows, cols, rows + cols))
@@ -108,16 +108,18 @@ def test_mxfp4(any_lib, rows, cols, dtype):
            mxfp4.dequantize_reference(blocks, scales))
 
 
-def test_mxfp4_every_code_and_scale(any_lib):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_every_code_and_scale(any_lib, dtype):
     """Every byte value against every scale 0..252 (2^-127, subnormal, to 2^125: past it 6 x the scale overflows the
-    reference's fp32 weight), one column at a time: a product by a power of two, exact."""
+    reference's fp32 weight), one column at a time: a product by a power of two, exact (bf16 on the SIMD build: the
+    integer path, its scale made from the E8M0 byte in integer ops)."""
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (253, 2, 16), generator=g, dtype=torch.uint8)
     blocks[:, 0] = torch.arange(256, dtype=torch.uint8).view(16, 16).repeat(16, 1)[:253]
     scales = torch.stack([torch.arange(253), torch.arange(253).flip(0)], 1).to(torch.uint8)  # [253, 2]
     w = mxfp4.dequantize_reference(blocks, scales)  # [253, 64]
     for k in (0, 1, 5, 30, 31, 33, 62):
-        xk = torch.zeros(1, 64)
+        xk = torch.zeros(1, 64, dtype=dtype)
         xk[0, k] = 0.75
         got = native.mxfp4_gemv(any_lib, xk, blocks, scales)
         assert torch.equal(got[0], w[:, k] * 0.75), k
