@@ -99,15 +99,17 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """x [n, in] @ W^T (+ bias) -> [n, R], W the int4 projection q [R, in/2] / scale [R, in/g]."""
     rows, cols = q.shape[0], q.shape[1] * 2
     if x.shape[0] == 1 and (lib := native.library()) is not None and q.is_contiguous():  # one pass over the bytes
-        return _finish(native.int4_gemv(lib, x, q, scale.float().contiguous()), x.dtype, bias)
+        y = native.int4_gemv(lib, x, q, scale.float().contiguous(), native.out_dtype(x, bias))  # [1, R]
+        return _finish(y, x.dtype, bias)
     return tiled_linear(x, rows, cols, lambda r0, r1, out: int4_decode(q[r0:r1], scale[r0:r1], out), bias)
 
 
 def _finish(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """A native kernel's fp32 [1, R] -> + bias (in fp32, as tiled_linear adds it) -> x's dtype."""
+    """A native kernel's [1, R] (fp32, or already x's bf16: native.out_dtype) -> + bias (in fp32, as tiled_linear
+    adds it) -> x's dtype."""
     if bias is not None:
         y.add_(bias.float())
-    return y if dtype == torch.float32 else y.to(dtype)
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 # -- fp8 e4m3: bytes [R, in], fp32 block scales [ceil(R/b0), ceil(in/b1)] (w13: per half) -------------------------
@@ -204,7 +206,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     rows, cols = w.shape
     b0, b1 = block
     if x.shape[0] == 1 and (lib := native.library()) is not None and w.is_contiguous():  # one pass over the bytes
-        y = torch.empty(1, rows)  # [1, R] fp32
+        y = torch.empty(1, rows, dtype=native.out_dtype(x, bias))  # [1, R]
         s = scale.float().contiguous()
         if split is None:
             native.fp8_gemv(lib, x, w, s, block, y[0])

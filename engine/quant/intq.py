@@ -70,10 +70,10 @@ class Int8Format(ExpertFormat):
         # thread; with more than 2 threads torch's kernel, which splits the rows over them, keeps the token.
         if (x.device.type == "cpu" and x.shape[0] == 1 and torch.get_num_threads() <= 2
                 and (lib := native.library()) is not None and q.is_contiguous()):
-            y = native.int8_gemv(lib, x, q, scale.float().contiguous())  # [1, out] fp32
+            y = native.int8_gemv(lib, x, q, scale.float().contiguous(), native.out_dtype(x, bias))  # [1, out]
             if bias is not None:
                 y.add_(bias.float())
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         if x.device.type == "cpu":  # int8 weights straight into the GEMM, scaled per output channel
             y = torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))  # [n, out]
         else:

@@ -170,10 +170,10 @@ def linear_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     """
     R, G, _ = blocks.shape
     if x.shape[0] == 1 and (lib := native.library()) is not None and blocks.is_contiguous() and scales.is_contiguous():
-        y = native.mxfp4_gemv(lib, x, blocks, scales)  # [1, R] fp32: one pass over the packed bytes
+        y = native.mxfp4_gemv(lib, x, blocks, scales, native.out_dtype(x, bias))  # [1, R]: one pass over the bytes
         if bias is not None:
             y.add_(bias.float())
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     if int(scales.max()) > _MAX_FAST_SCALE:
         w = dequantize_into(blocks, scales, _scratch(R, G * BLOCK, x.dtype, x.device))
         return F.linear(x, w, bias)

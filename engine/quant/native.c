@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MOECHAT_ABI 1
+#define MOECHAT_ABI 2
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MOECHAT_SCALAR)
 #define SIMD 1
@@ -376,7 +376,7 @@ static inline __attribute__((always_inline)) void int4_rows(const float *xp, con
 }
 #endif
 
-int moechat_int4_gemv(const void *x, int x_bf16, const uint8_t *q, const float *scale, int64_t rows, int64_t cols,
+static int int4_gemv_f32(const void *x, int x_bf16, const uint8_t *q, const float *scale, int64_t rows, int64_t cols,
                       int64_t group, float *y) {
     if (group != 32 && group != 16 && group != 8) return -1;
     if (cols % group) return -1;
@@ -450,7 +450,7 @@ static inline __attribute__((always_inline)) void mxfp4_rows(const float *xp, co
 }
 #endif
 
-int moechat_mxfp4_gemv(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, int64_t rows,
+static int mxfp4_gemv_f32(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, int64_t rows,
                        int64_t cols, float *y) {
     if (cols % 32) return -1;
     int64_t G = cols / 32, r = 0;
@@ -533,24 +533,34 @@ static inline __attribute__((always_inline)) void fp8_rows(const float *xs, cons
 }
 #endif
 
-int moechat_fp8_gemv(const void *x, int x_bf16, const uint8_t *w, const float *scale, int64_t rows, int64_t cols,
+static int fp8_gemv_f32(const void *x, int x_bf16, const uint8_t *w, const float *scale, int64_t rows, int64_t cols,
                      int64_t b0, int64_t b1, float *y) {
     if (b0 <= 0 || b1 <= 0) return -1;
-    float *xs = malloc(sizeof(float) * (size_t)(cols + 1));
+    float *xs = malloc(sizeof(float) * (size_t)(2 * cols + 1)), *xr = xs + cols;
     if (!xs) return -2;
     int64_t nb1 = (cols + b1 - 1) / b1, full = cols / 32 * 32;
+#if SIMD
+    // x as fp32 in the kernel's order, once
+    for (int64_t c = 0; c < full; c += 32)
+        for (int i = 0; i < 4; i++)
+            for (int k = 0; k < 8; k++) xr[c + 8 * i + k] = load_x(x, x_bf16, c + 4 * k + i);
+    for (int64_t j = full; j < cols; j++) xr[j] = load_x(x, x_bf16, j);
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += b0) {
         const float *srow = scale + (r0 / b0) * nb1;
         int64_t r1 = r0 + b0 < rows ? r0 + b0 : rows, r = r0;
 #if SIMD
-        // x times the row block's scale per column (x 2^64), in the kernel's order
-        for (int64_t c = 0; c < full; c += 32)
+        // x times the row block's scale per column (x 2^64): one scale per 32 columns where b1 is a multiple of 32
+        for (int64_t c = 0; c < full; c += 32) {
+            if (b1 % 32 == 0) {
+                __m256 f = _mm256_set1_ps(srow[c / b1] * FP8_X_SHIFT);
+                for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(xs + c + i, _mm256_mul_ps(_mm256_loadu_ps(xr + c + i), f));
+                continue;
+            }
             for (int i = 0; i < 4; i++)
-                for (int k = 0; k < 8; k++) {
-                    int64_t j = c + 4 * k + i;
-                    xs[c + 8 * i + k] = load_x(x, x_bf16, j) * (srow[j / b1] * FP8_X_SHIFT);
-                }
-        for (int64_t j = full; j < cols; j++) xs[j] = load_x(x, x_bf16, j) * (srow[j / b1] * FP8_X_SHIFT);
+                for (int k = 0; k < 8; k++) xs[c + 8 * i + k] = xr[c + 8 * i + k] * (srow[(c + 4 * k + i) / b1] * FP8_X_SHIFT);
+        }
+        for (int64_t j = full; j < cols; j++) xs[j] = xr[j] * (srow[j / b1] * FP8_X_SHIFT);
         for (; r + NROWS <= r1; r += NROWS) fp8_rows(xs, w, r, cols, y, NROWS);
         for (; r < r1; r++) fp8_rows(xs, w, r, cols, y, 1);
 #else
@@ -591,7 +601,7 @@ static inline __attribute__((always_inline)) void int8_rows(const float *xf, con
 }
 #endif
 
-int moechat_int8_gemv(const void *x, int x_bf16, const int8_t *q, const float *scale, int64_t rows, int64_t cols,
+static int int8_gemv_f32(const void *x, int x_bf16, const int8_t *q, const float *scale, int64_t rows, int64_t cols,
                       float *y) {
     float *xf = malloc(sizeof(float) * (size_t)(cols + 1));
     if (!xf) return -2;
@@ -609,6 +619,53 @@ int moechat_int8_gemv(const void *x, int x_bf16, const int8_t *q, const float *s
 #endif
     free(xf);
     return 0;
+}
+
+/* -- the exported GEMVs: flags bit 0 = x is bf16, bit 1 = y is bf16 (each output rounded to nearest even once, NaN
+ * a NaN: torch's .to(torch.bfloat16)); else y fp32. Return 0, -1 for a shape the kernel does not take, -2 where
+ * memory cannot be had. */
+static uint16_t f32_to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+static float *y_begin(void *y, int flags, int64_t rows) {
+    return (flags & 2) ? malloc(sizeof(float) * (size_t)(rows > 0 ? rows : 1)) : (float *)y;
+}
+
+static int y_end(void *y, int flags, float *yf, int64_t rows, int rc) {
+    if (!(flags & 2)) return rc;
+    if (!yf) return -2;
+    if (rc == 0)
+        for (int64_t r = 0; r < rows; r++) ((uint16_t *)y)[r] = f32_to_bf16(yf[r]);
+    free(yf);
+    return rc;
+}
+
+int moechat_int4_gemv(const void *x, int flags, const uint8_t *q, const float *scale, int64_t rows, int64_t cols,
+                      int64_t group, void *y) {
+    float *yf = y_begin(y, flags, rows);
+    return y_end(y, flags, yf, rows, yf ? int4_gemv_f32(x, flags & 1, q, scale, rows, cols, group, yf) : -2);
+}
+
+int moechat_mxfp4_gemv(const void *x, int flags, const uint8_t *blocks, const uint8_t *scales, int64_t rows,
+                       int64_t cols, void *y) {
+    float *yf = y_begin(y, flags, rows);
+    return y_end(y, flags, yf, rows, yf ? mxfp4_gemv_f32(x, flags & 1, blocks, scales, rows, cols, yf) : -2);
+}
+
+int moechat_fp8_gemv(const void *x, int flags, const uint8_t *w, const float *scale, int64_t rows, int64_t cols,
+                     int64_t b0, int64_t b1, void *y) {
+    float *yf = y_begin(y, flags, rows);
+    return y_end(y, flags, yf, rows, yf ? fp8_gemv_f32(x, flags & 1, w, scale, rows, cols, b0, b1, yf) : -2);
+}
+
+int moechat_int8_gemv(const void *x, int flags, const int8_t *q, const float *scale, int64_t rows, int64_t cols,
+                      void *y) {
+    float *yf = y_begin(y, flags, rows);
+    return y_end(y, flags, yf, rows, yf ? int8_gemv_f32(x, flags & 1, q, scale, rows, cols, yf) : -2);
 }
 
 /* -- decode attention: one query token over a bf16 K/V cache ---------------------------------------------------

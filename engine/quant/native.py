@@ -30,7 +30,7 @@ import torch
 ENV = "MOECHAT_NATIVE"  # "0": the torch paths
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
-ABI = 1  # native.c's MOECHAT_ABI
+ABI = 2  # native.c's MOECHAT_ABI
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": the CDLL or None, "why": the status line
@@ -165,11 +165,23 @@ def reset() -> None:
         _STATE.clear()
 
 
-# -- calls: x [1, in] (fp32 or bf16; other dtypes are cast), packed tensors contiguous -> y [1, out] fp32 ---------
+# -- calls: x [1, in] (fp32 or bf16; other dtypes are cast), packed tensors contiguous -> y [1, out] in `dtype`
+# (fp32, or bf16: the kernel rounds each output once, as .to(torch.bfloat16) would) ---------------------------------
 def _x(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
     return x.contiguous(), int(x.dtype == torch.bfloat16)
+
+
+def out_dtype(x: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    """What a kernel should write for x: x's own bf16 where no bias follows (the kernel rounds once), else fp32."""
+    return torch.bfloat16 if bias is None and x.dtype == torch.bfloat16 else torch.float32
+
+
+def _flags(x_bf16: int, y: torch.Tensor) -> int:
+    if y.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"native kernels write fp32 or bf16, not {y.dtype}")
+    return x_bf16 | (2 if y.dtype == torch.bfloat16 else 0)
 
 
 def _check(rc: int, what: str) -> None:
@@ -177,12 +189,13 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"native {what} kernel failed ({rc})")
 
 
-def int4_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int4_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     rows, cols = q.shape[0], q.shape[1] * 2
     x, bf = _x(x)
-    y = torch.empty(1, rows)  # [1, R] fp32
-    _check(lib.moechat_int4_gemv(x.data_ptr(), bf, q.data_ptr(), scale.data_ptr(), rows, cols, cols // scale.shape[1],
-                                 y.data_ptr()), "int4")
+    y = torch.empty(1, rows, dtype=dtype)  # [1, R]
+    _check(lib.moechat_int4_gemv(x.data_ptr(), _flags(bf, y), q.data_ptr(), scale.data_ptr(), rows, cols,
+                                 cols // scale.shape[1], y.data_ptr()), "int4")
     return y
 
 
@@ -198,30 +211,33 @@ def round_x16(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b / step) * step).reshape(x.shape)
 
 
-def mxfp4_gemv(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def mxfp4_gemv(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     rows, cols = blocks.shape[0], blocks.shape[1] * 32
     x, bf = _x(x)
-    y = torch.empty(1, rows)  # [1, R] fp32
-    _check(lib.moechat_mxfp4_gemv(x.data_ptr(), bf, blocks.data_ptr(), scales.data_ptr(), rows, cols, y.data_ptr()),
-           "mxfp4")
+    y = torch.empty(1, rows, dtype=dtype)  # [1, R]
+    _check(lib.moechat_mxfp4_gemv(x.data_ptr(), _flags(bf, y), blocks.data_ptr(), scales.data_ptr(), rows, cols,
+                                  y.data_ptr()), "mxfp4")
     return y
 
 
 def fp8_gemv(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
              out: torch.Tensor) -> torch.Tensor:
-    """One block-scaled e4m3 matrix w [R, in] (scale [ceil(R/b0), ceil(in/b1)]) into out [R] (a contiguous fp32
-    view); w13's halves are two calls."""
+    """One block-scaled e4m3 matrix w [R, in] (scale [ceil(R/b0), ceil(in/b1)]) into out [R] (a contiguous fp32 or
+    bf16 view); w13's halves are two calls."""
     x, bf = _x(x)
-    _check(lib.moechat_fp8_gemv(x.data_ptr(), bf, w.data_ptr(), scale.data_ptr(), w.shape[0], w.shape[1], block[0],
-                                block[1], out.data_ptr()), "fp8")
+    _check(lib.moechat_fp8_gemv(x.data_ptr(), _flags(bf, out), w.data_ptr(), scale.data_ptr(), w.shape[0],
+                                w.shape[1], block[0], block[1], out.data_ptr()), "fp8")
     return out
 
 
-def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     rows, cols = q.shape
     x, bf = _x(x)
-    y = torch.empty(1, rows)  # [1, R] fp32
-    _check(lib.moechat_int8_gemv(x.data_ptr(), bf, q.data_ptr(), scale.data_ptr(), rows, cols, y.data_ptr()), "int8")
+    y = torch.empty(1, rows, dtype=dtype)  # [1, R]
+    _check(lib.moechat_int8_gemv(x.data_ptr(), _flags(bf, y), q.data_ptr(), scale.data_ptr(), rows, cols,
+                                 y.data_ptr()), "int8")
     return y
 
 

@@ -179,6 +179,36 @@ def test_integer_path_non_finite_x(lib, name, bad):
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8", "mxfp4"])
+def test_bf16_output_is_the_fp32_output_rounded(any_lib, name):
+    """y written as bf16 by the kernel (no .to() after it) is bit for bit its fp32 y rounded by torch; NaN stays NaN."""
+    rows, cols = 67, 160
+    w = _w(rows, cols, 5) * 30
+    if name == "fp8":
+        q, sc = quantize_blocks(w, (16, 64))
+
+        def gemv(x, dtype):
+            return native.fp8_gemv(any_lib, x, q, sc, (16, 64), torch.empty(rows, dtype=dtype))[None]
+    elif name == "mxfp4":
+        b, sc = mxfp4.quantize(w)
+
+        def gemv(x, dtype):
+            return native.mxfp4_gemv(any_lib, x, b, sc, dtype)
+    else:
+        t = get_format(name).quantize(w)
+        fn = native.int8_gemv if name == "int8" else native.int4_gemv
+
+        def gemv(x, dtype):
+            return fn(any_lib, x, t["q"], t["scale"], dtype)
+    for x in (_x(cols, torch.bfloat16, 2), _x(cols, torch.float32, 2)):
+        want = gemv(x, torch.float32).to(torch.bfloat16)
+        got = gemv(x, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    x = _x(cols, torch.bfloat16, 2)
+    x[0, 7] = float("nan")
+    assert torch.isnan(gemv(x, torch.bfloat16)).all() and torch.isnan(gemv(x, torch.float32)).all()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_takes_the_kernel_and_the_fallback_agrees(lib, name, dtype, monkeypatch):
     """fmt.linear for one token (the engine's call) with biases and w13's halves: native and torch paths both
