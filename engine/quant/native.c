@@ -17,17 +17,22 @@
  * it, for the tests; native.py uses the torch paths rather than this). moechat_simd() says which was built. */
 
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
-#define MOECHAT_ABI 2
+#define MOECHAT_ABI 3
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MOECHAT_SCALAR)
 #define SIMD 1
 #include <immintrin.h>
+#define PAUSE() _mm_pause()
 #else
 #define SIMD 0
+#define PAUSE() ((void)0)
 #endif
 
 int moechat_abi(void) { return MOECHAT_ABI; }
@@ -83,8 +88,12 @@ static inline __m256 i8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvt
  * below), once per call. The four vectors hold elements {0-7}, {8-15}, {16-23}, {24-31} of the block (as sets). */
 static float e8m0_table[256];  /* 2^(s - 128): filled by moechat_init */
 
+static void forget_workers(void);
+
 void moechat_init(void) {
     for (int s = 0; s < 256; s++) e8m0_table[s] = e8m0_half((uint8_t)s);
+    static int atfork = 0;
+    if (!atfork) atfork = !pthread_atfork(NULL, NULL, forget_workers);
 }
 
 #if SIMD
@@ -533,8 +542,11 @@ static inline __attribute__((always_inline)) void fp8_rows(const float *xs, cons
 static int fp8_gemv_f32(const void *x, int x_bf16, const uint8_t *w, const float *scale, int64_t rows, int64_t cols,
                      int64_t b0, int64_t b1, float *y) {
     if (b0 <= 0 || b1 <= 0) return -1;
-    float *xs = malloc(sizeof(float) * (size_t)(2 * cols + 1)), *xr = xs + cols;
+    float *xs = malloc(sizeof(float) * (size_t)(2 * cols + 1));
     if (!xs) return -2;
+#if SIMD
+    float *xr = xs + cols;
+#endif
     int64_t nb1 = (cols + b1 - 1) / b1, full = cols / 32 * 32;
 #if SIMD
     // x as fp32 in the kernel's order, once
@@ -641,28 +653,161 @@ static int y_end(void *y, int flags, float *yf, int64_t rows, int rc) {
     return rc;
 }
 
+/* -- threads: a GEMV's rows split over a pool of worker threads --------------------------------------------------
+ * moechat_set_threads(n) (native.py: torch's intra-op thread count) lets one call use up to n threads: the caller
+ * and n - 1 workers, started on first use and kept. Each takes a contiguous share of the rows (a multiple of 4, or
+ * of FP8's row block, so every share is a whole sub-matrix with its own scales) and runs the one-thread kernel on
+ * it, x's preparation included; at least MIN_SHARE packed bytes a share, so a small matrix stays on one thread.
+ * Between calls a worker spins SPIN_US, then sleeps on a condition variable; the caller spins until every worker
+ * has taken the call. One call at a time uses the pool (a second concurrent one runs on its own thread alone);
+ * a fork's child starts with no workers. */
+#define MAX_THREADS 64
+#define MIN_SHARE (256 << 10)
+#define SPIN_US 50
+
+typedef struct {
+    int kind; /* 0 int4, 1 mxfp4, 2 fp8, 3 int8 */
+    const void *x, *w, *s;
+    int x_bf16;
+    int64_t rows, cols, group, b0, b1, align;
+    float *y;
+} Job;
+
+static int run_share(const Job *j, int64_t a, int64_t b) {
+    if (a >= b) return 0;
+    const uint8_t *w = j->w;
+    switch (j->kind) {
+        case 0:
+            return int4_gemv_f32(j->x, j->x_bf16, w + a * (j->cols / 2), (const float *)j->s + a * (j->cols / j->group),
+                                 b - a, j->cols, j->group, j->y + a);
+        case 1:
+            return mxfp4_gemv_f32(j->x, j->x_bf16, w + a * (j->cols / 2), (const uint8_t *)j->s + a * (j->cols / 32),
+                                  b - a, j->cols, j->y + a);
+        case 2:
+            return fp8_gemv_f32(j->x, j->x_bf16, w + a * j->cols,
+                                (const float *)j->s + a / j->b0 * ((j->cols + j->b1 - 1) / j->b1), b - a, j->cols,
+                                j->b0, j->b1, j->y + a);
+        default:
+            return int8_gemv_f32(j->x, j->x_bf16, (const int8_t *)w + a * j->cols, (const float *)j->s + a, b - a,
+                                 j->cols, j->y + a);
+    }
+}
+
+static struct {
+    pthread_mutex_t busy, mu;
+    pthread_cond_t cv;
+    _Atomic uint64_t gen;
+    _Atomic int pending, rc;
+    int workers, want;
+    uint64_t start_gen; /* the generation a new worker has seen: the calls before the one that starts it */
+    const Job *job;
+    int64_t bound[MAX_THREADS + 1];
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static double now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
+}
+
+static void *worker(void *arg) {
+    int i = (int)(intptr_t)arg;
+    uint64_t seen = pool.start_gen;
+    for (;;) {
+        double t0 = now_us();
+        while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen && now_us() - t0 < SPIN_US) PAUSE();
+        if (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen) {
+            pthread_mutex_lock(&pool.mu);
+            while (atomic_load(&pool.gen) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
+        int rc = run_share(pool.job, pool.bound[i], pool.bound[i + 1]);
+        if (rc) atomic_store(&pool.rc, rc);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+/* a fork's child: the workers stayed in the parent, and a lock one of them held would stay held */
+static void forget_workers(void) {
+    pool.workers = 0;
+    atomic_store(&pool.pending, 0);
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.cv, NULL);
+}
+
+void moechat_set_threads(int n) { pool.want = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n; }
+
+static int run_job(const Job *j, int64_t bytes) {
+    int64_t shares = bytes / MIN_SHARE, units = (j->rows + j->align - 1) / j->align;
+    int T = pool.want;
+    if (T > shares) T = (int)shares;
+    if (T > units) T = (int)units;
+    if (T <= 1 || pthread_mutex_trylock(&pool.busy) != 0) return run_share(j, 0, j->rows);
+    pool.start_gen = atomic_load(&pool.gen);
+    while (pool.workers < T - 1) {  /* start the workers this call needs (worker k runs share k) */
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        int ok = !pthread_create(&t, &at, worker, (void *)(intptr_t)(pool.workers + 1));
+        pthread_attr_destroy(&at);
+        if (!ok) break;
+        pool.workers++;
+    }
+    if (T > pool.workers + 1) T = pool.workers + 1;
+    for (int k = 0; k <= pool.workers + 1 && k <= MAX_THREADS; k++) {  /* shares: T of them, then empty ones */
+        int64_t u = k >= T ? units : units * k / T;
+        pool.bound[k] = u * j->align < j->rows ? u * j->align : j->rows;
+    }
+    pool.job = j;
+    atomic_store(&pool.rc, 0);
+    atomic_store(&pool.pending, pool.workers);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    int rc = run_share(j, pool.bound[0], pool.bound[1]);
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) PAUSE();
+    int wrc = atomic_load(&pool.rc);
+    pthread_mutex_unlock(&pool.busy);
+    return rc ? rc : wrc;
+}
+
+static int run(Job j, int flags, void *y, int64_t bytes) {
+    float *yf = y_begin(y, flags, j.rows);
+    if (!yf) return -2;
+    j.y = yf;
+    j.x_bf16 = flags & 1;
+    return y_end(y, flags, yf, j.rows, run_job(&j, bytes));
+}
+
 int moechat_int4_gemv(const void *x, int flags, const uint8_t *q, const float *scale, int64_t rows, int64_t cols,
                       int64_t group, void *y) {
-    float *yf = y_begin(y, flags, rows);
-    return y_end(y, flags, yf, rows, yf ? int4_gemv_f32(x, flags & 1, q, scale, rows, cols, group, yf) : -2);
+    if (group <= 0) return -1;
+    Job j = {.kind = 0, .x = x, .w = q, .s = scale, .rows = rows, .cols = cols, .group = group, .align = 4};
+    return run(j, flags, y, rows * cols / 2);
 }
 
 int moechat_mxfp4_gemv(const void *x, int flags, const uint8_t *blocks, const uint8_t *scales, int64_t rows,
                        int64_t cols, void *y) {
-    float *yf = y_begin(y, flags, rows);
-    return y_end(y, flags, yf, rows, yf ? mxfp4_gemv_f32(x, flags & 1, blocks, scales, rows, cols, yf) : -2);
+    Job j = {.kind = 1, .x = x, .w = blocks, .s = scales, .rows = rows, .cols = cols, .align = 4};
+    return run(j, flags, y, rows * cols / 2);
 }
 
 int moechat_fp8_gemv(const void *x, int flags, const uint8_t *w, const float *scale, int64_t rows, int64_t cols,
                      int64_t b0, int64_t b1, void *y) {
-    float *yf = y_begin(y, flags, rows);
-    return y_end(y, flags, yf, rows, yf ? fp8_gemv_f32(x, flags & 1, w, scale, rows, cols, b0, b1, yf) : -2);
+    if (b0 <= 0 || b1 <= 0) return -1;
+    Job j = {.kind = 2, .x = x, .w = w, .s = scale, .rows = rows, .cols = cols, .b0 = b0, .b1 = b1, .align = b0};
+    return run(j, flags, y, rows * cols);
 }
 
 int moechat_int8_gemv(const void *x, int flags, const int8_t *q, const float *scale, int64_t rows, int64_t cols,
                       void *y) {
-    float *yf = y_begin(y, flags, rows);
-    return y_end(y, flags, yf, rows, yf ? int8_gemv_f32(x, flags & 1, q, scale, rows, cols, yf) : -2);
+    Job j = {.kind = 3, .x = x, .w = q, .s = scale, .rows = rows, .cols = cols, .align = 4};
+    return run(j, flags, y, rows * cols);
 }
 
 /* -- decode attention: one query token over a bf16 K/V cache ---------------------------------------------------

@@ -30,7 +30,7 @@ import torch
 ENV = "MOECHAT_NATIVE"  # "0": the torch paths
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
-ABI = 2  # native.c's MOECHAT_ABI
+ABI = 3  # native.c's MOECHAT_ABI
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": the CDLL or None, "why": the status line
@@ -107,6 +107,8 @@ def load(path: Path) -> ctypes.CDLL:
     for f in (lib.moechat_int4_gemv, lib.moechat_mxfp4_gemv, lib.moechat_fp8_gemv, lib.moechat_int8_gemv,
               lib.moechat_attn_decode):
         f.restype = i32
+    lib.moechat_set_threads.argtypes = [i32]
+    lib.moechat_set_threads.restype = None
     lib.moechat_init()
     return lib
 
@@ -178,6 +180,14 @@ def out_dtype(x: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
     return torch.bfloat16 if bias is None and x.dtype == torch.bfloat16 else torch.float32
 
 
+def _threads(lib) -> None:
+    """The GEMVs split their rows over torch's intra-op thread count (native.c's pool), told when it changes."""
+    n = torch.get_num_threads()
+    if getattr(lib, "moechat_threads", None) != n:
+        lib.moechat_set_threads(n)
+        lib.moechat_threads = n
+
+
 def _flags(x_bf16: int, y: torch.Tensor) -> int:
     if y.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"native kernels write fp32 or bf16, not {y.dtype}")
@@ -194,6 +204,7 @@ def int4_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     rows, cols = q.shape[0], q.shape[1] * 2
     x, bf = _x(x)
     y = torch.empty(1, rows, dtype=dtype)  # [1, R]
+    _threads(lib)
     _check(lib.moechat_int4_gemv(x.data_ptr(), _flags(bf, y), q.data_ptr(), scale.data_ptr(), rows, cols,
                                  cols // scale.shape[1], y.data_ptr()), "int4")
     return y
@@ -216,6 +227,7 @@ def mxfp4_gemv(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     rows, cols = blocks.shape[0], blocks.shape[1] * 32
     x, bf = _x(x)
     y = torch.empty(1, rows, dtype=dtype)  # [1, R]
+    _threads(lib)
     _check(lib.moechat_mxfp4_gemv(x.data_ptr(), _flags(bf, y), blocks.data_ptr(), scales.data_ptr(), rows, cols,
                                   y.data_ptr()), "mxfp4")
     return y
@@ -226,6 +238,7 @@ def fp8_gemv(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: 
     """One block-scaled e4m3 matrix w [R, in] (scale [ceil(R/b0), ceil(in/b1)]) into out [R] (a contiguous fp32 or
     bf16 view); w13's halves are two calls."""
     x, bf = _x(x)
+    _threads(lib)
     _check(lib.moechat_fp8_gemv(x.data_ptr(), _flags(bf, out), w.data_ptr(), scale.data_ptr(), w.shape[0],
                                 w.shape[1], block[0], block[1], out.data_ptr()), "fp8")
     return out
@@ -236,6 +249,7 @@ def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     rows, cols = q.shape
     x, bf = _x(x)
     y = torch.empty(1, rows, dtype=dtype)  # [1, R]
+    _threads(lib)
     _check(lib.moechat_int8_gemv(x.data_ptr(), _flags(bf, y), q.data_ptr(), scale.data_ptr(), rows, cols,
                                  y.data_ptr()), "int8")
     return y

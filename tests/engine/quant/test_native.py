@@ -340,3 +340,95 @@ def test_non_contiguous_input(lib):
     assert not xb.is_contiguous()
     _close(native.int4_gemv(lib, xb, t["w2_q"], t["w2_scale"]), _kernel_x(lib, xb, True),
            fmt.weight(t, "w2", torch.float32))
+
+
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op thread count (which the GEMVs follow) for one test, then put it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _big(name: str):
+    """(gemv(x, dtype), packed bytes) of a matrix large enough to be split (1.5-3 MB; shares of >= 256 KB)."""
+    rows, cols = 1536, 2048
+    w = _w(rows, cols, 11)
+    if name == "fp8":
+        q, sc = quantize_blocks(w, (128, 128))
+        return (lambda lib, x: native.fp8_gemv(lib, x, q, sc, (128, 128), torch.empty(rows))[None]), q.numel()
+    if name == "mxfp4":
+        b, sc = mxfp4.quantize(w)
+        return (lambda lib, x: native.mxfp4_gemv(lib, x, b, sc)), b.numel()
+    t = get_format(name).quantize(w)
+    fn = native.int8_gemv if name == "int8" else native.int4_gemv
+    return (lambda lib, x: fn(lib, x, t["q"], t["scale"])), t["q"].numel()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8", "mxfp4"])
+def test_threads_split_rows_and_change_nothing(lib, torch_threads, name):
+    """One call's rows split over 1, 2, 3 or 7 threads (more than this machine's cores: shares of 4 rows, or of
+    FP8's 128-row blocks): every output bit for bit the one-thread output, for both x dtypes."""
+    gemv, _ = _big(name)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _x(2048, dtype, 4)
+        torch_threads(1)
+        want = gemv(lib, x)
+        for n in (2, 3, 7, 1):
+            torch_threads(n)
+            assert torch.equal(gemv(lib, x), want), (n, dtype)
+
+
+def test_threads_concurrent_calls(lib, torch_threads):
+    """Two Python threads calling at once (the GIL released): one uses the pool, the other runs alone; both right."""
+    import threading
+
+    torch_threads(2)
+    gemv, _ = _big("int4")
+    xs = [_x(2048, torch.bfloat16, s) for s in range(8)]
+    torch_threads(1)
+    want = [gemv(lib, x) for x in xs]
+    torch_threads(2)
+    got: dict[int, list] = {0: [], 1: []}
+
+    def work(k: int) -> None:
+        for _ in range(5):
+            got[k].append([gemv(lib, x) for x in xs])
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert all(torch.equal(a, b) for k in (0, 1) for run in got[k] for a, b in zip(run, want, strict=True))
+
+
+def test_threads_survive_fork(lib, torch_threads):
+    """A process forked while the pool runs computes on: its child has no workers and starts its own (the child
+    runs no torch op that would use OpenMP, which is not fork-safe itself)."""
+    import os
+    import select
+
+    torch_threads(2)
+    t = get_format("int4").quantize(_w(1536, 2048, 11))
+    x = _x(2048, torch.bfloat16, 1)
+    want = native.int4_gemv(lib, x, t["q"], t["scale"])  # the parent's pool is running now
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one threaded call, its bytes to the parent
+        try:
+            y = native.int4_gemv(lib, x, t["q"], t["scale"])
+            os.write(w, bytes(y.view(torch.uint8).flatten().tolist()))
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = b""
+    while select.select([r], [], [], 60)[0]:
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        got += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == bytes(want.view(torch.uint8).flatten().tolist())
