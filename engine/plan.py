@@ -82,7 +82,7 @@ INT4_GROUPS = (32, 16, 8)
 # FP8/int8/int4 have a fused kernel too (kernels/quant_moe.py) whose rate no GPU has measured yet: raise their
 # GPU rows when bench/gpu_check.sh has. The plan's speeds and the recommended format follow these numbers.
 EXPERT_COMPUTE_EFFICIENCY = {
-    "cpu": {"dense": 1.0, "int8": 0.9, "int4": 0.6, "mxfp4": 0.55, "fp8": 0.8},
+    "cpu": {"dense": 1.0, "int8": 1.0, "int4": 0.85, "mxfp4": 0.85, "fp8": 0.8},
     "gpu": {"dense": 1.0, "int8": 0.2, "int4": 0.05, "mxfp4": 1.0, "fp8": 0.03},
 }
 

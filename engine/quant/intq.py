@@ -7,8 +7,9 @@ int4: symmetric in groups of 32 along the input (16 or 8 when the input size is 
 `*_scale` fp32 [out, in/group]; the group is the input size over the scale's columns. A Qwen3-30B-A3B expert:
 9.4 MB in bf16, 4.7 MB in int8 (+12 KB of scales), 2.4 MB + 0.3 MB in int4.
 
-Compute: on the CPU one token runs the native kernels (quant/native.py: fp32 sums, the codes decoded in
-registers); otherwise int8 runs torch's fused `_weight_int8pack_mm` (bf16 activations, the row scale rounded to
+Compute: on the CPU one token runs the native kernels (quant/native.py: the codes decoded in registers; int8 and
+fp32 x in fp32 sums, a bf16 x through int4 in integer sums over x rounded to 16 bits per 32-element block);
+otherwise int8 runs torch's fused `_weight_int8pack_mm` (bf16 activations, the row scale rounded to
 bf16) and int4 row tiles decoded exactly with integer ops and multiplied in cache (quant/cpu.py); on CUDA the MoE
 is one fused Triton kernel pair (kernels/quant_moe.py).
 

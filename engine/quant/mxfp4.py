@@ -4,9 +4,10 @@ Per projection [out, in]: `*_blocks` uint8 [out, in/32, 16] (two codes a byte, t
 even element) and `*_scales` uint8 [out, in/32] (the block's scale is 2^(s - 127)). 4.25 bits a weight:
 a GPT-OSS-20B expert is 13.2 MB of codes and scales (+ 17 KB of bf16 biases) against 49.8 MB in bf16.
 
-CPU compute: one token runs the native kernel (quant/native.py: codes to values by an in-register table,
-fp32 sums); otherwise a projection is decoded a row tile at a time (4 MB of fp32, in cache) with vectorised
-integer ops, bit for bit F.linear on the dequantized matrix. One token multiplies each tile at once, so only
+CPU compute: one token runs the native kernel (quant/native.py: a bf16 token summed in integers over x rounded
+to 16 bits per block, the codes mapped by an in-register table; fp32 x in fp32 sums); otherwise a projection is
+decoded a row tile at a time (4 MB of fp32, in cache) with vectorised integer ops, bit for bit F.linear on the
+dequantized matrix. One token multiplies each tile at once, so only
 packed bytes come from RAM; more tokens fill one reused fp32 scratch per projection shape (66 MB for GPT-OSS's
 w13) and run one GEMM. On CUDA the whole MoE is two fused Triton launches over the slot buffers
 (kernels/mxfp4_moe.py). `bench/quantized_experts.py` measures both against the machine's bandwidth and

@@ -3,7 +3,10 @@ token's attention over a bf16 K/V cache (`attn_decode`, bf16 decode on a CPU: en
 
 The torch paths of int4, FP8 and MXFP4 (quant/cpu.py, mxfp4.py) decode row tiles with a handful of whole-tile ops,
 each pass over the tile costing more than reading the packed bytes: 0.02-0.11 of the read bandwidth on one thread
-(bench/format_compute.py). native.c reads the packed bytes once and decodes in registers. It is compiled with the
+(bench/format_compute.py). native.c reads the packed bytes once and decodes in registers; a bf16 token through
+int4 (groups of 32) or MXFP4 is summed in integers over x rounded to 16 bits per block (`round_x16` is that
+rounding's reference). A call splits its rows over torch's thread count (native.c's thread pool); the kernels
+write fp32 or, where no bias follows, x's bf16 (`out_dtype`). It is compiled with the
 system C compiler (`cc -O3 -march=native`, ~1 s) into $XDG_CACHE_HOME/moechat/native/, named by a hash of the
 source, the flags, the compiler and the CPU's flags, written atomically (a temp file renamed: two processes may
 build at once), and loaded with ctypes; the calls release the GIL and run on the calling thread.

@@ -116,8 +116,10 @@ def test_a_converted_plan_counts_the_repacked_file_and_its_compute_rate():
     d = plan.decode
     assert d.compute_efficiency == f and d.device_bytes == s.dense_read_bytes + active + int8.kv_bytes(2048)
     assert d.low == pytest.approx(1 / t) and d.bound == pytest.approx(20 * GB / work)
-    assert f"int8 experts compute at {f:.0%} of that rate today" in next(x for x in plan.decisions
-                                                                          if x.item == "decode").reason
+    reason = next(x for x in plan.decisions if x.item == "decode").reason
+    # a format computing slower than it reads says so (int8 measures at the dense rate on the CPU: nothing to say)
+    assert (f"int8 experts compute at {f:.0%} of that rate today" in reason) == (f < 1)
+    assert ("compute at" in reason) == (f < 1)
     native = make_plan(s, machine(None, 128))
     assert native.decode.compute_efficiency == 1 and not any(x.item == "repacked experts" for x in native.decisions)
 
