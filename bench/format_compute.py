@@ -2,14 +2,15 @@
 budget (issue 14). The compute table is what engine/plan.py's EXPERT_COMPUTE_EFFICIENCY["cpu"] assumes.
 
 1. Compute: for each expert width (Qwen3-30B-A3B: H 2048, I 768; GPT-OSS: H = I = 2880) and each format, one token
-   through both projections of one expert (`fmt.linear`, the path experts.py takes for a packed format on the
-   CPU), over enough copies of the expert that the weights come from RAM, not cache. Formats and a read-bandwidth
-   probe (torch.sum over 512 MB) are timed in interleaved rounds (probe dense int8 int4 fp8 mxfp4, probe dense ..)
-   so load from other processes lands on all alike; the table gives each format's median GB/s of its packed
-   bytes, that over the probe's (the bandwidth aim is 0.6) and over dense bf16's (the plan's efficiency). Each
-   packed format runs twice per round: its one-token native kernel (quant/native.py, when it is active) and its
-   torch path (MOECHAT_NATIVE=0, "torch" rows). `--clock thread` times CPU seconds of this thread instead of wall
-   seconds (a busy machine's other processes then cost the rates less; memory contention remains).
+   through both projections of one expert (`fmt.linear`, the path experts.py takes for a packed format on the CPU),
+   over enough copies of the expert that the weights come from RAM, not cache (held as the RAM tier holds experts: a
+   slab per tensor, in huge pages where the OS gives them). Formats and a read-bandwidth probe (torch.sum over 512
+   MB, in huge pages too) are timed in interleaved rounds (probe dense int8 int4 fp8 mxfp4, probe dense ..) so load
+   from other processes lands on all alike; the table gives each format's median GB/s of its packed bytes, that over
+   the probe's (the bandwidth aim is 0.6) and over dense bf16's (the plan's efficiency). Each packed format runs
+   twice per round: its one-token native kernel (quant/native.py, when it is active) and its torch path
+   (MOECHAT_NATIVE=0, "torch" rows). `--clock thread` times CPU seconds of this thread instead of wall seconds (a
+   busy machine's other processes then cost the rates less; memory contention remains).
 2. Engine (`--engine`): decode tok/s of the bundled demo model and of a Qwen3-30B-A3B-shaped checkpoint (real
    widths: H 2048, I 768, 128 experts, top-8; `--layers` layers, random bf16 weights written to disk, and an FP8
    copy with 128 x 128 block scales) in each format (native bf16, int8, int4 via --expert-format, fp8), every
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from moechat.engine.cache import hostmem
 from moechat.engine.quant import get_format, mxfp4, native
 from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
 
@@ -78,7 +80,7 @@ def compute_table(args) -> None:
           f"{args.rounds} interleaved rounds, {args.copies} copies of each expert, one token (bf16 activations), "
           f"{args.clock} clock, load average {load:.1f} at start")
     print(f"one-token CPU path: {native.status()}")
-    probe = torch.ones(128 << 20)  # 512 MB, far past the last-level cache
+    probe = hostmem.empty((128 << 20,), torch.float32).fill_(1.0)  # 512 MB, past the last-level cache, huge pages
     probe.sum()
     paths = [(name, "1") for name in FORMATS]
     if native.library() is not None:  # each packed format's torch path too, interleaved with its kernel
@@ -92,7 +94,11 @@ def compute_table(args) -> None:
         for name in FORMATS:
             fmt, tensors = expert(name, H, I)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            copies = [{k: v.clone() for k, v in tensors.items()} for _ in range(args.copies)]
+            # the copies as the RAM tier holds experts: one slab per tensor, [copies, ...], in huge pages
+            slabs = {k: hostmem.empty((args.copies, *v.shape), v.dtype) for k, v in tensors.items()}
+            for k, v in tensors.items():
+                slabs[k][:] = v
+            copies = [{k: slabs[k][c] for k in tensors} for c in range(args.copies)]
             for path in paths:
                 if path[0] == name:
                     os.environ[native.ENV] = path[1]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import hostmem
 from .checkpoint import Checkpoint, check_finite, read_json
 from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .models import ARCHITECTURES, DENSE, PLANNED_MOE, MoEForCausalLM
@@ -201,7 +202,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     tensors = {}
     for layer in cls.moe_layers(args):
         # [E, ...] per stored tensor (w13 [E, 2I, H] at full width; packed formats stay packed)
-        tensors[layer] = {name: torch.empty((E, *shape), dtype=dt, device=device)
+        tensors[layer] = {name: hostmem.empty((E, *shape), dt, device)
                           for name, (shape, dt) in disk.shapes.items()}
         for e in range(E):
             disk.read_into(layer, e, {name: t[e] for name, t in tensors[layer].items()})

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from . import hostmem
+
 FREE, LOADING, READY = 0, 1, 2
 
 
@@ -32,7 +34,7 @@ class SlotPool:
         self.num_experts = num_experts
         self.device = torch.device(device)
         self.buffers: dict[str, torch.Tensor] = {
-            name: torch.empty((num_slots, *shape), dtype=dtype, device=self.device)  # [C, ...]
+            name: hostmem.empty((num_slots, *shape), dtype, self.device)  # [C, ...] (huge pages on a CPU)
             for name, (shape, dtype) in shapes.items()
         }
         self.slot_map = torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=self.device)  # [L, E]

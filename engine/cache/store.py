@@ -30,6 +30,7 @@ from ..errors import CheckpointError
 from ..models.base import MoEForCausalLM
 from ..quant.base import ExpertFormat, TensorSpec
 from ..quant.dense import DENSE
+from . import hostmem
 from .policy import make_policy
 
 RAM, DISK = "ram", "disk"
@@ -417,7 +418,7 @@ class RamStore:
         self.budget_bytes = 0
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         for layer in layers:
-            self.tensors[layer] = {name: torch.empty((num_experts, *shape), dtype=dtype, pin_memory=pin)
+            self.tensors[layer] = {name: hostmem.empty((num_experts, *shape), dtype, pin=pin)
                                    for name, (shape, dtype) in self.shapes.items()}  # [E, ...]
             for e in range(num_experts):
                 disk.read_into(layer, e, {name: t[e] for name, t in self.tensors[layer].items()})
@@ -450,7 +451,7 @@ class RamCache:
         self.budget_bytes = budget_bytes
         self.capacity = budget_bytes // self.expert_bytes
         pin = torch.cuda.is_available()
-        self.slab = {name: torch.empty((self.capacity, *shape), dtype=dtype, pin_memory=pin)
+        self.slab = {name: hostmem.empty((self.capacity, *shape), dtype, pin=pin)
                      for name, (shape, dtype) in self.shapes.items()}  # [N, ...], allocated once
         self.entry: dict[tuple[int, int], int] = {}
         self.owner: list[tuple[int, int] | None] = [None] * self.capacity
