@@ -334,6 +334,17 @@ static inline __attribute__((always_inline)) float i16_row(const X16 *xq, const 
     }
     return hsum(acc);
 }
+
+/* the integer path of a whole matrix: x made into x16 once (int4's codes are offset by 8, MXFP4's by 12), then
+ * row by row */
+static inline __attribute__((always_inline)) int i16_gemv(const void *x, const uint8_t *codes, const void *scale,
+                                                          int64_t rows, int64_t cols, float *y, const int kind) {
+    X16 xq;
+    if (x16_make(x, cols, kind == K_INT4 ? 8 : 12, &xq)) return -2;
+    for (int64_t r = 0; r < rows; r++) y[r] = i16_row(&xq, codes, scale, r, cols / 32, kind);
+    free(xq.mem);
+    return 0;
+}
 #endif
 
 /* -- int4: q [rows, cols/2] u8 (low nibble the even element, code = q + 8), scale [rows, cols/group] fp32 ------ */
@@ -390,13 +401,7 @@ static int int4_gemv_f32(const void *x, int x_bf16, const uint8_t *q, const floa
     if (cols % group) return -1;
     int64_t r = 0;
 #if SIMD
-    if (group == 32 && x_bf16) {  // the integer path
-        X16 xq;
-        if (x16_make(x, cols, 8, &xq)) return -2;
-        for (; r < rows; r++) y[r] = i16_row(&xq, q, scale, r, cols / 32, K_INT4);
-        free(xq.mem);
-        return 0;
-    }
+    if (group == 32 && x_bf16) return i16_gemv(x, q, scale, rows, cols, y, K_INT4);  // the integer path
 #endif
     float *xp = malloc(sizeof(float) * (size_t)(cols + 1));
     if (!xp) return -2;
@@ -462,13 +467,7 @@ static int mxfp4_gemv_f32(const void *x, int x_bf16, const uint8_t *blocks, cons
     if (cols % 32) return -1;
     int64_t G = cols / 32, r = 0;
 #if SIMD
-    if (x_bf16) {  // the integer path
-        X16 xq;
-        if (x16_make(x, cols, 12, &xq)) return -2;
-        for (; r < rows; r++) y[r] = i16_row(&xq, blocks, scales, r, G, K_MXFP4);
-        free(xq.mem);
-        return 0;
-    }
+    if (x_bf16) return i16_gemv(x, blocks, scales, rows, cols, y, K_MXFP4);  // the integer path
 #endif
     float *xp = malloc(sizeof(float) * (size_t)(cols + 1));
     if (!xp) return -2;

@@ -202,15 +202,41 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"native {what} kernel failed ({rc})")
 
 
+def _run(lib, fn, what: str, x: torch.Tensor, out: torch.Tensor, *args) -> torch.Tensor:
+    """One GEMV call: fn(x, flags, *args, out) with x made fp32/bf16 and contiguous, the thread count told."""
+    x, bf = _x(x)
+    _threads(lib)
+    _check(fn(x.data_ptr(), _flags(bf, out), *args, out.data_ptr()), what)
+    return out
+
+
 def int4_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     rows, cols = q.shape[0], q.shape[1] * 2
-    x, bf = _x(x)
-    y = torch.empty(1, rows, dtype=dtype)  # [1, R]
-    _threads(lib)
-    _check(lib.moechat_int4_gemv(x.data_ptr(), _flags(bf, y), q.data_ptr(), scale.data_ptr(), rows, cols,
-                                 cols // scale.shape[1], y.data_ptr()), "int4")
-    return y
+    return _run(lib, lib.moechat_int4_gemv, "int4", x, torch.empty(1, rows, dtype=dtype), q.data_ptr(),
+                scale.data_ptr(), rows, cols, cols // scale.shape[1])
+
+
+def mxfp4_gemv(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    rows, cols = blocks.shape[0], blocks.shape[1] * 32
+    return _run(lib, lib.moechat_mxfp4_gemv, "mxfp4", x, torch.empty(1, rows, dtype=dtype), blocks.data_ptr(),
+                scales.data_ptr(), rows, cols)
+
+
+def fp8_gemv(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+             out: torch.Tensor) -> torch.Tensor:
+    """One block-scaled e4m3 matrix w [R, in] (scale [ceil(R/b0), ceil(in/b1)]) into out [R] (a contiguous fp32 or
+    bf16 view); w13's halves are two calls."""
+    return _run(lib, lib.moechat_fp8_gemv, "fp8", x, out, w.data_ptr(), scale.data_ptr(), w.shape[0], w.shape[1],
+                block[0], block[1])
+
+
+def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    rows, cols = q.shape
+    return _run(lib, lib.moechat_int8_gemv, "int8", x, torch.empty(1, rows, dtype=dtype), q.data_ptr(),
+                scale.data_ptr(), rows, cols)
 
 
 def round_x16(x: torch.Tensor) -> torch.Tensor:
@@ -223,39 +249,6 @@ def round_x16(x: torch.Tensor) -> torch.Tensor:
     _, e = torch.frexp(mx.float())
     step = torch.ldexp(torch.ones_like(mx), e.double() - 15).where(mx.isfinite(), torch.nan)
     return (torch.round(b / step) * step).reshape(x.shape)
-
-
-def mxfp4_gemv(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    rows, cols = blocks.shape[0], blocks.shape[1] * 32
-    x, bf = _x(x)
-    y = torch.empty(1, rows, dtype=dtype)  # [1, R]
-    _threads(lib)
-    _check(lib.moechat_mxfp4_gemv(x.data_ptr(), _flags(bf, y), blocks.data_ptr(), scales.data_ptr(), rows, cols,
-                                  y.data_ptr()), "mxfp4")
-    return y
-
-
-def fp8_gemv(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-             out: torch.Tensor) -> torch.Tensor:
-    """One block-scaled e4m3 matrix w [R, in] (scale [ceil(R/b0), ceil(in/b1)]) into out [R] (a contiguous fp32 or
-    bf16 view); w13's halves are two calls."""
-    x, bf = _x(x)
-    _threads(lib)
-    _check(lib.moechat_fp8_gemv(x.data_ptr(), _flags(bf, out), w.data_ptr(), scale.data_ptr(), w.shape[0],
-                                w.shape[1], block[0], block[1], out.data_ptr()), "fp8")
-    return out
-
-
-def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    rows, cols = q.shape
-    x, bf = _x(x)
-    y = torch.empty(1, rows, dtype=dtype)  # [1, R]
-    _threads(lib)
-    _check(lib.moechat_int8_gemv(x.data_ptr(), _flags(bf, y), q.data_ptr(), scale.data_ptr(), rows, cols,
-                                 y.data_ptr()), "int8")
-    return y
 
 
 def attn_decode(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, end: int,

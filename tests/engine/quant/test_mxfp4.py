@@ -67,7 +67,7 @@ def test_linear_cpu_one_tile_equals_many_tiles(monkeypatch, torch_path):
 def test_scales_past_the_fast_range_take_the_table_path():
     blocks, scales = _packed(16, 64, seed=1)
     scales[3, 1] = 250  # 2^123: the fp32 factor 2^(s - 113) would overflow
-    x = torch.randn(2, 64)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)) / 8  # seeded: row 3's sums stay finite
     got = mxfp4.linear_cpu(x, blocks, scales)
     want = F.linear(x, mxfp4.dequantize_reference(blocks, scales))
     assert torch.isfinite(want).all() and torch.equal(got, want)
