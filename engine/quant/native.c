@@ -639,19 +639,6 @@ static uint16_t f32_to_bf16(float f) {
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-static float *y_begin(void *y, int flags, int64_t rows) {
-    return (flags & 2) ? malloc(sizeof(float) * (size_t)(rows > 0 ? rows : 1)) : (float *)y;
-}
-
-static int y_end(void *y, int flags, float *yf, int64_t rows, int rc) {
-    if (!(flags & 2)) return rc;
-    if (!yf) return -2;
-    if (rc == 0)
-        for (int64_t r = 0; r < rows; r++) ((uint16_t *)y)[r] = f32_to_bf16(yf[r]);
-    free(yf);
-    return rc;
-}
-
 /* -- threads: a GEMV's rows split over a pool of worker threads --------------------------------------------------
  * moechat_set_threads(n) (native.py: torch's intra-op thread count) lets one call use up to n threads: the caller
  * and n - 1 workers, started on first use and kept. Each takes a contiguous share of the rows (a multiple of 4, or
@@ -776,11 +763,18 @@ static int run_job(const Job *j, int64_t bytes) {
 }
 
 static int run(Job j, int flags, void *y, int64_t bytes) {
-    float *yf = y_begin(y, flags, j.rows);
+    int y_bf16 = flags & 2;  /* the kernels sum into fp32: a scratch y, rounded into the caller's at the end */
+    float *yf = y_bf16 ? malloc(sizeof(float) * (size_t)(j.rows > 0 ? j.rows : 1)) : (float *)y;
     if (!yf) return -2;
     j.y = yf;
     j.x_bf16 = flags & 1;
-    return y_end(y, flags, yf, j.rows, run_job(&j, bytes));
+    int rc = run_job(&j, bytes);
+    if (y_bf16) {
+        if (rc == 0)
+            for (int64_t r = 0; r < j.rows; r++) ((uint16_t *)y)[r] = f32_to_bf16(yf[r]);
+        free(yf);
+    }
+    return rc;
 }
 
 int moechat_int4_gemv(const void *x, int flags, const uint8_t *q, const float *scale, int64_t rows, int64_t cols,
