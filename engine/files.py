@@ -7,10 +7,16 @@ for a writer. `read_json_file` adds a size cap (a 40 GB "config.json" is refused
 running out of memory) and turns every way JSON can fail, deep nesting (RecursionError) and 5,000-digit
 integers (ValueError) included, into one typed line naming the file.
 
-Writing: `atomic_write` writes a sibling temporary file, fsyncs it and renames it over the target, so a
-full disk, a read-only directory or a kill -9 mid-write leaves the previous file whole; the temporary
-file is removed on every failure it sees (a kill leaves one `.<name>.<pid>.*.tmp` file, which the next
-write removes once that pid is gone). No torch here: `moechat fit` and the app import this at start-up.
+Writing: `atomic_write` is the one way moechat writes a file of its own (settings, calibration, routing
+profiles and traces, chat exports, the native kernels, the repack sidecar). It writes a temporary file beside
+the target, fsyncs it and renames it over the target, so a full disk, a read-only directory or a kill -9
+mid-write leaves the previous file whole; the temporary file is removed on every failure it sees (a kill
+leaves one `.<name>.<pid>.*.tmp` file, which the next write removes once that pid is gone). The target is
+resolved through symlinks first (a dotfiles `settings.toml -> ~/dotfiles/...` stays a link and its target gets
+the new bytes) and must be a regular file or a new name: a directory, a device (`/dev/full` as root), a FIFO
+or a socket there is refused with `UnwritableFileError`, never renamed over. An existing file keeps its
+permission bits. `check_writable` applies the same rules before a long run. No torch here: `moechat fit` and
+the app import this at start-up.
 """
 
 from __future__ import annotations
@@ -171,15 +177,49 @@ def sweep_temps(path: str | os.PathLike) -> None:
                 pass
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Any], None], *, mode: int = 0o644,
-                 fsync: bool = True) -> None:
-    """Write `data` (bytes, text, or a function writing to a binary file object) to `path`, all or nothing.
+class UnwritableFileError(MoechatError, OSError):
+    """A file moechat would write is something else (a directory, a device, a FIFO, a socket, a symlink loop) or
+    lies in a folder that does not exist: refused before any byte is written. An OSError too, so the callers that
+    treat a failed write (a full disk) as a notice treat this one the same way."""
 
-    Raises OSError (ENOSPC, EROFS, EACCES...) with the previous file intact and no temporary file left."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sweep_temps(path)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=_TEMP_SUFFIX, dir=path.parent)
+
+def write_target(path: str | os.PathLike, what: str = "file") -> Path:
+    """The file a write of `path` lands in: the final target of its symlinks, which must be a regular file or a
+    new name (then its folder must exist or be creatable). Raises UnwritableFileError otherwise."""
+    path = Path(path).expanduser()
+    target = Path(os.path.realpath(path))  # through every link; a dangling one gives the name it points to
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return target
+    except OSError as e:  # ELOOP (a link cycle realpath gave up on), EACCES on a folder above
+        raise UnwritableFileError(f"{path}: cannot write the {what} there: {e.strerror or e}") from None
+    if stat.S_ISLNK(st.st_mode):  # realpath stops at a cycle
+        raise UnwritableFileError(f"{path}: cannot write the {what}: its symlinks form a loop; point the link at "
+                                  "a real file or remove it")
+    if not stat.S_ISREG(st.st_mode):
+        via = f" (through the link to {target})" if target != path.absolute() else ""
+        raise UnwritableFileError(f"{path}: the {what} would replace {file_kind(st.st_mode)}{via}, not a regular "
+                                  "file; refusing: give a new file name or a regular file's")
+    return target
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Any], None], *, mode: int = 0o644,
+                 fsync: bool = True, what: str = "file") -> Path:
+    """Write `data` (bytes, text, or a function writing to a binary file object) to `path`, all or nothing; returns
+    the file written (`path` itself, or the final target of its symlinks).
+
+    The target must be a regular file or a new name (UnwritableFileError otherwise); a new file gets `mode`, an
+    existing one keeps its permission bits. Raises OSError (ENOSPC, EROFS, EACCES...) with the previous file intact
+    and no temporary file left."""
+    target = write_target(path, what)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)  # keep what the user set (a 0600 settings file stays 0600)
+    except FileNotFoundError:
+        pass
+    sweep_temps(target)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(target)}{os.getpid()}.", suffix=_TEMP_SUFFIX, dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -190,7 +230,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Any], No
             if fsync:
                 os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        write_target(path, what)  # once more just before the rename: nothing else took the name meanwhile
+        os.replace(tmp, target)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -199,29 +240,31 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Any], No
         raise
     if fsync:  # the rename itself survives a crash once the directory is synced
         try:
-            dfd = os.open(path.parent, os.O_RDONLY)
+            dfd = os.open(target.parent, os.O_RDONLY)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
         except OSError:
             pass
+    return target
 
 
 def check_writable(path: str | os.PathLike, what: str) -> Path:
-    """Fail now, with one line, if `path` cannot be written later (a missing or read-only folder, a directory
-    in the way): a file to write after a long run (a routing trace) is checked before the run starts. The
-    check creates and removes a temporary file beside it, the only test a read-only mount cannot fool."""
+    """Fail now, with one line, if `path` cannot be written later by `atomic_write` (a missing or read-only folder,
+    a directory, a device or a FIFO in the way): a file to write after a long run (a routing trace) is checked
+    before the run starts. The same rules as the write: through symlinks, onto a regular file or a new name. The
+    check creates and removes a temporary file beside the target, the only test a read-only mount cannot fool.
+    Returns the file a write will land in."""
     path = Path(path).expanduser()
-    if path.is_dir():
-        raise MoechatError(f"{path}: {what} must be a file name, not a directory")
-    parent = path.parent
+    target = write_target(path, what)
+    parent = target.parent
     if not parent.is_dir():
-        raise MoechatError(f"{path}: cannot write the {what}: the folder {parent} does not exist")
+        raise UnwritableFileError(f"{path}: cannot write the {what}: the folder {parent} does not exist")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=_TEMP_SUFFIX, dir=parent)
+        fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(target)}{os.getpid()}.", suffix=_TEMP_SUFFIX, dir=parent)
         os.close(fd)
         os.unlink(tmp)
     except OSError as e:
-        raise MoechatError(f"{path}: cannot write the {what} there: {e.strerror or e}") from None
-    return path
+        raise UnwritableFileError(f"{path}: cannot write the {what} there: {e.strerror or e}") from None
+    return target
