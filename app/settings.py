@@ -224,8 +224,9 @@ class Settings:
 
     def _set_aside(self, reason: str, *, kept_any: bool) -> None:
         """A file with problems is renamed settings.toml.bad-<time>, never overwritten: what the user typed is kept
-        there. When it cannot be renamed, it is left alone and this session does not save over it."""
-        path = self.path
+        there. When it cannot be renamed, it is left alone and this session does not save over it. A symlinked file
+        (dotfiles) is set aside beside its target, so the link stays and the next save writes through it."""
+        path = Path(os.path.realpath(self.path))
         aside = path.with_name(f"{path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
         n = 1
         while aside.exists():
@@ -236,10 +237,11 @@ class Settings:
             os.rename(path, aside)
         except OSError as e:
             self.keep_file = True
-            self.problem = (f"{path}: {reason}; {loaded}; the file could not be set aside ({e.strerror or e}) and "
+            self.problem = (f"{self.path}: {reason}; {loaded}; the file could not be set aside ({e.strerror or e}) and "
                             "is not overwritten this session")
             return
-        self.problem = f"{path}: {reason}; the file was kept as {aside.name} and {loaded}"
+        kept = aside.name if aside.parent == Path(self.path).absolute().parent else str(aside)
+        self.problem = f"{self.path}: {reason}; the file was kept as {kept} and {loaded}"
 
     @property
     def last_model(self) -> str | None:
@@ -279,13 +281,15 @@ class Settings:
         }
 
     def save(self) -> str | None:
-        """Write the file atomically; returns a problem to show, or None."""
+        """Write the file atomically (through a symlink: a dotfiles link stays a link); returns a problem to show,
+        or None."""
         if self.path is None:
             return None
         if self.keep_file:
             return f"not saving the settings: {self.path} could not be read and is kept as it is"
         try:
-            atomic_write(self.path, dumps(self.to_dict()))  # a full disk or a kill leaves the old file whole
+            # a full disk or a kill leaves the old file whole; a directory or a FIFO there is refused, not replaced
+            atomic_write(self.path, dumps(self.to_dict()), what="settings file")
         except OSError as e:
             return f"cannot save the settings to {self.path}: {e.strerror or e}"
         return None

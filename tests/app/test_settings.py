@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 
 import pytest
@@ -91,3 +92,44 @@ def test_expert_format_per_model_round_trips_and_bad_values_are_dropped(app_env)
     assert Settings.load(path).expert_formats == {}
     with pytest.raises(ValueError, match="native, int8, int4"):
         s.set_expert_format("/m", "fp4")
+
+
+# -- a symlinked settings.toml (dotfiles) stays a link (issue 25) --------------------------------------------
+
+def test_a_symlinked_settings_file_is_saved_through_the_link(tmp_path):
+    dotfile = tmp_path / "dotfiles" / "moechat.toml"
+    dotfile.parent.mkdir()
+    dotfile.write_text('[chat]\nsystem_prompt = "old"\n')
+    dotfile.chmod(0o600)
+    link = tmp_path / "cfg" / "settings.toml"
+    link.parent.mkdir()
+    link.symlink_to(dotfile)
+    s = Settings.load(link)
+    assert s.system_prompt == "old" and s.problem is None
+    s.system_prompt = "new"
+    assert s.save() is None
+    assert link.is_symlink() and os.readlink(link) == str(dotfile)  # the link stays
+    assert Settings.load(dotfile).system_prompt == "new"  # the dotfile holds the new settings
+    assert oct(dotfile.stat().st_mode & 0o777) == "0o600"
+    assert sorted(p.name for p in link.parent.iterdir()) == ["settings.toml"]
+
+
+def test_a_bad_symlinked_settings_file_is_set_aside_beside_its_target(tmp_path):
+    dotfile = tmp_path / "dotfiles" / "moechat.toml"
+    dotfile.parent.mkdir()
+    dotfile.write_text("[chat\n")
+    link = tmp_path / "settings.toml"
+    link.symlink_to(dotfile)
+    s = Settings.load(link)
+    assert "the file was kept as " + str(dotfile.parent / "moechat.toml.bad-") in s.problem
+    assert link.is_symlink() and not dotfile.exists()  # the link stays; the bad bytes moved beside the target
+    assert [p.read_text() for p in dotfile.parent.iterdir()] == ["[chat\n"]
+    s.system_prompt = "fresh"
+    assert s.save() is None and link.is_symlink() and Settings.load(dotfile).system_prompt == "fresh"
+
+
+def test_settings_onto_a_directory_is_refused_not_replaced(tmp_path):
+    path = tmp_path / "settings.toml"
+    path.mkdir()
+    problem = Settings(path=path, system_prompt="x").save()
+    assert "would replace a directory" in problem and path.is_dir()
