@@ -8,8 +8,11 @@ int4 (groups of 32) or MXFP4 is summed in integers over x rounded to 16 bits per
 rounding's reference). A call splits its rows over torch's thread count (native.c's thread pool); the kernels
 write fp32 or, where no bias follows, x's bf16 (`out_dtype`). It is compiled with the
 system C compiler (`cc -O3 -march=native`, ~1 s) into $XDG_CACHE_HOME/moechat/native/, named by a hash of the
-source, the flags, the compiler and the CPU's flags, written atomically (a temp file renamed: two processes may
-build at once), and loaded with ctypes; the calls release the GIL and run on the calling thread.
+source, the flags, the compiler and the CPU's flags, written through `files.atomic_write` (fsynced, then renamed:
+two processes may build at once) with a sidecar `<name>.so.sha256` (its size and SHA-256) written after it, and
+loaded with ctypes; the calls release the GIL and run on the calling thread. A library is verified against its
+sidecar before dlopen: a truncated one (a power loss after a rename whose bytes never reached the disk) would
+otherwise be mapped past its end and kill every later run with SIGBUS; a mismatch or no sidecar is a rebuild.
 
 Fallback: without a compiler, when the build or the load fails, on a CPU without AVX2+FMA+F16C, or with
 MOECHAT_NATIVE=0, `library()` is None and each format keeps its torch path. Silent at run time; `status()` says
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -29,6 +33,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from ..files import atomic_write
 
 ENV = "MOECHAT_NATIVE"  # "0": the torch paths
 SOURCE = Path(__file__).with_name("native.c")
@@ -69,8 +75,27 @@ def library_path(source: bytes, flags: tuple[str, ...], cc: str, directory: Path
     return directory / f"kernels-{key[:20]}.so"
 
 
+def sidecar_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _digest(data: bytes) -> dict:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def verified(path: Path) -> bool:
+    """Whether the library at `path` is whole: its size and SHA-256 are the ones its sidecar recorded after the
+    build (a ~50 KB file: hashing it costs ~0.1 ms at start-up)."""
+    try:
+        want = json.loads(sidecar_path(path).read_text())
+        data = path.read_bytes()
+    except (OSError, ValueError):
+        return False
+    return isinstance(want, dict) and want == _digest(data)
+
+
 def build(flags: tuple[str, ...] = FLAGS, directory: Path | None = None, cc: str | None = None) -> Path:
-    """Compile native.c (unless this source, flags, compiler and CPU already have a library) -> its path.
+    """Compile native.c (unless this source, flags, compiler and CPU already have a verified library) -> its path.
     Raises OSError / CalledProcessError / TimeoutExpired when it cannot."""
     cc = cc or _compiler()
     if cc is None:
@@ -78,17 +103,20 @@ def build(flags: tuple[str, ...] = FLAGS, directory: Path | None = None, cc: str
     source = SOURCE.read_bytes()
     directory = directory or cache_dir()
     path = library_path(source, flags, cc, directory)
-    if path.exists():
+    if verified(path):
         return path
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".build", dir=directory)
     os.close(fd)
     try:
         subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
+        data = Path(tmp).read_bytes()
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    # the library whole on disk before its sidecar says so: a crash between the two leaves no sidecar (a rebuild)
+    atomic_write(path, data, mode=0o755, what="kernel library")
+    atomic_write(sidecar_path(path), json.dumps(_digest(data)), what="kernel library's checksum")
     return path
 
 
@@ -118,11 +146,13 @@ def load(path: Path) -> ctypes.CDLL:
 
 def build_and_load(flags: tuple[str, ...] = FLAGS, directory: Path | None = None,
                    cc: str | None = None) -> ctypes.CDLL:
-    """build + load; a cached library that does not load (damaged, truncated) is removed and built again."""
+    """build + load; a cached library that does not load (another moechat's, a damaged one its sidecar matches) is
+    removed and built again."""
     path = build(flags, directory, cc)
     try:
         return load(path)
     except OSError:
+        sidecar_path(path).unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         return load(build(flags, directory, cc))
 
