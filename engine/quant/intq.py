@@ -10,7 +10,7 @@ int4: symmetric in groups of 32 along the input (16 or 8 when the input size is 
 Compute: on the CPU one token runs the native kernels (quant/native.py: the codes decoded in registers; int8 and
 fp32 x in fp32 sums, a bf16 x through int4 in integer sums over x rounded to 16 bits per 32-element block);
 otherwise int8 runs torch's fused `_weight_int8pack_mm` (bf16 activations, the row scale rounded to
-bf16) and int4 row tiles decoded exactly with integer ops and multiplied in cache (quant/cpu.py); on CUDA the MoE
+bf16) where this machine's check passed (quant/torch_paths.py), else one GEMM over the codes cast to x's dtype and int4 row tiles decoded exactly with integer ops and multiplied in cache (quant/cpu.py); on CUDA the MoE
 is one fused Triton kernel pair (kernels/quant_moe.py).
 
 Quantization happens once, when the repacked store is written (engine/cache/store.py); `quantize` here
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from . import native
+from . import native, torch_paths
 from .base import ExpertFormat, TensorSpec, projection_shape, register
 from .cpu import int4_linear
 from .kernels import quant_fused_moe
@@ -75,9 +75,11 @@ class Int8Format(ExpertFormat):
             if bias is not None:
                 y.add_(bias.float())
             return y if y.dtype == x.dtype else y.to(x.dtype)
-        if x.device.type == "cpu":  # int8 weights straight into the GEMM, scaled per output channel
+        if x.device.type == "cpu" and torch_paths.int8pack_usable(x.dtype, q.shape[1]):
+            # int8 weights straight into torch's GEMM, scaled per output channel; only where this machine's check
+            # passed (quant/torch_paths.py: garbage or a crash on AVX-512 for some widths)
             y = torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))  # [n, out]
-        else:
+        else:  # the slow obvious path: codes cast exactly (|q| <= 127), one GEMM
             y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
         return y if bias is None else y + bias
 
