@@ -16,6 +16,7 @@ Three stores:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import torch
 
 from ..checkpoint import Checkpoint, TensorInfo, check_finite
 from ..errors import CheckpointError
+from ..files import UnwritableFileError, atomic_write
 from ..models.base import MoEForCausalLM
 from ..quant.base import ExpertFormat, TensorSpec
 from ..quant.dense import DENSE
@@ -246,7 +248,8 @@ class RepackedStore:
     One read per expert instead of 2-3 scattered ranges of the shards, and no dtype conversion:
     `bench/offload.py` measured 2,700 vs 1,770 MiB/s cold on the CI machine. With a `target` format
     (`--expert-format int8|int4`) the experts are quantized once, as the file is written, so every tier
-    holds the small form. Written once through a `.partial` file, then a sidecar JSON naming its source,
+    holds the small form. Written once through `files.atomic_write` (a temporary file beside it, fsynced, renamed:
+    a symlinked `experts.bin` is written through, a device or FIFO there refused), then a sidecar JSON naming its source,
     its format, the file's size, inode and mtime, and a CRC-32 per expert. A later run reuses it only when
     the sidecar matches (a changed source, format or file is rebuilt); each expert's CRC is checked the
     first time it is read, and a mismatch is a typed error that also invalidates the file for next start.
@@ -272,7 +275,8 @@ class RepackedStore:
         found = _json_or_none(self.sidecar)
         self.crc: list[int] = []
         if not (isinstance(found, dict) and found.get("meta") == meta and found.get("file") == self._file_id()
-                and isinstance(found.get("crc"), list) and len(found["crc"]) == len(keys)):
+                and isinstance(found.get("crc"), list) and len(found["crc"]) == len(keys)
+                and all(type(c) is int for c in found["crc"])):
             self._write(keys, meta)
         else:
             self.crc = found["crc"]
@@ -301,6 +305,21 @@ class RepackedStore:
             if f"{which}_bias" in buf:
                 buf[f"{which}_bias"].copy_(src[f"{which}_bias"])
 
+    def _unwritable(self, e: OSError, need: int) -> CheckpointError:
+        """The one line for a repack folder that refuses the file: the folder, why, and where else it can go."""
+        folder = self.path.parent
+        if isinstance(e, UnwritableFileError):
+            why = str(e)
+        else:
+            why = f"{folder}: cannot write the repacked experts there ({e.strerror or e})"
+        if e.errno == errno.ENOSPC:
+            fix = "free disk space, or"
+        else:
+            fix = "the folder is read-only or not moechat's to write:"
+        return CheckpointError(f"{why}; {fix} give --repack-dir a writable folder with {need / 2**30:.2f} GiB free "
+                               "(the default is under $XDG_CACHE_HOME/moechat/repacked), or drop --expert-format",
+                               path=str(self.path))
+
     def _write(self, keys, meta: dict) -> None:
         import zlib
 
@@ -309,38 +328,33 @@ class RepackedStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.path.parent).free
         except OSError as e:  # a --repack-dir that cannot be a folder (read-only, a file in the way, /proc)
-            raise CheckpointError(f"{self.path.parent}: cannot hold the repacked experts ({e.strerror or e}); use "
-                                  "another --repack-dir", path=str(self.path)) from None
+            raise self._unwritable(e, need) from None
         if free < need:
             raise CheckpointError(f"{self.path.parent}: repacking the experts needs {need / 2**30:.2f} GiB, "
                                   f"{free / 2**30:.2f} GiB free: free {(need - free) / 2**30:.2f} GiB, use another "
                                   "--repack-dir, or drop --repack-dir/--expert-format", path=str(self.path))
-        partial = self.path.with_suffix(".partial")
         buf = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in self.shapes.items()}
         src = (None if self.format is self.disk.format
                else {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in self.disk.shapes.items()})
         crc = []
-        self.sidecar.unlink(missing_ok=True)  # no sidecar, no reuse: a crash mid-write leaves nothing trusted
+
+        def write(f) -> None:
+            for layer, e in keys:
+                self._pack(layer, e, buf, src)
+                c = 0
+                for name in self.shapes:
+                    data = memoryview(buf[name].view(torch.uint8).reshape(-1).numpy())
+                    f.write(data)
+                    c = zlib.crc32(data, c)
+                crc.append(c)
+
         try:
-            with open(partial, "wb") as f:
-                for layer, e in keys:
-                    self._pack(layer, e, buf, src)
-                    c = 0
-                    for name in self.shapes:
-                        data = memoryview(buf[name].view(torch.uint8).reshape(-1).numpy())
-                        f.write(data)
-                        c = zlib.crc32(data, c)
-                    crc.append(c)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(partial, self.path)
-            tmp = self.sidecar.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps({"meta": meta, "file": self._file_id(), "crc": crc}))
-            os.replace(tmp, self.sidecar)
+            self.sidecar.unlink(missing_ok=True)  # no sidecar, no reuse: a crash mid-write leaves nothing trusted
+            atomic_write(self.path, write, what="repacked experts file")  # all or nothing, fsynced before the rename
+            atomic_write(self.sidecar, json.dumps({"meta": meta, "file": self._file_id(), "crc": crc}),
+                         what="repacked experts' sidecar")
         except OSError as e:
-            partial.unlink(missing_ok=True)
-            raise CheckpointError(f"{self.path}: could not write the repacked experts ({e.strerror}); free disk "
-                                  "space or drop --repack-dir", path=str(self.path)) from None
+            raise self._unwritable(e, need) from None
         self.crc = crc
 
     def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
@@ -368,7 +382,10 @@ class RepackedStore:
             offset += nbytes
         if not self._checked[i]:
             if c != self.crc[i]:
-                self.sidecar.unlink(missing_ok=True)  # the next start rebuilds it
+                try:
+                    self.sidecar.unlink(missing_ok=True)  # the next start rebuilds it
+                except OSError:  # a read-only folder: the next start checks every expert again
+                    pass
                 raise CheckpointError(f"{self.path}: expert {expert} of layer {layer} does not match the checksum "
                                       "written with it (the file was damaged or changed); it is rebuilt on the "
                                       "next start", path=str(self.path))
@@ -397,9 +414,13 @@ def default_repack_dir(model_dir: str | os.PathLike, fmt: str) -> Path:
 
 
 def _json_or_none(path: Path):
+    """A sidecar's JSON, or None when it is missing or damaged (a FIFO, a huge file, bad JSON): then it is rebuilt."""
+    from ..errors import MoechatError
+    from ..files import read_json_file
+
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json_file(path, "repack sidecar")
+    except (MoechatError, OSError):
         return None
 
 
