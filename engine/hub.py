@@ -63,6 +63,13 @@ from .errors import (
     UnsafeHubResponseError,
     UnsupportedModelError,
 )
+from . import hubhttp
+from .hubhttp import MAX_NAME_BYTES, MAX_PATH_BYTES, MAX_REDIRECTS
+from .hubhttp import Ctx as _Ctx
+from .hubhttp import Tensor as _Tensor
+from .hubhttp import hub_errors as _hub_errors
+from .hubhttp import redirect_loop as _redirect_loop
+from .hubhttp import transport_errors as _transport_errors
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -70,9 +77,6 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 RETRIES = 5  # attempts per file without progress before giving up (as huggingface_hub's http_get)
 RETRY_DELAY_S = 0.5  # first back-off; doubles up to RETRY_DELAY_MAX_S
 RETRY_DELAY_MAX_S = 8.0
-READ_TIMEOUT_S = 30.0  # a silent connection is dropped (and resumed) after this
-CONNECT_TIMEOUT_S = 10.0  # a server that never accepts, for every Hub call (huggingface_hub's client has none)
-MAX_REDIRECTS = 10  # a CDN or proxy that redirects more is in a loop
 # A connection that delivers less than MIN_RATE_BPS over STALL_WINDOW_S (a server trickling a byte every few
 # seconds) is dropped and resumed, like a silent one; RETRIES such attempts in a row end the pull with the bytes
 # kept. A file also gets at most FILE_DEADLINE_S + size / MIN_RATE_BPS in all, so no pull runs without end.
@@ -143,6 +147,14 @@ def unsafe_file_name(path: object) -> str | None:
         return "holds a path separator, a drive or '.'/'..'"
     if any(ord(c) < 32 for c in path):
         return "holds a control character"
+    try:
+        encoded = path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    if len(encoded) > MAX_PATH_BYTES:
+        return f"is {len(encoded)} bytes long, more than a path may be ({MAX_PATH_BYTES})"
+    if any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
+        return f"is {len(encoded)} bytes long, more than a file name may be ({MAX_NAME_BYTES})"
     return None
 
 
@@ -389,126 +401,6 @@ class SearchHit:
     in_catalog: bool = False
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    """What plan.spec_from_headers reads from a header entry."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-# -- errors from huggingface_hub and the HTTP client, as typed errors that say what to do ----------------------
-
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    """The HTTP client's transport errors (httpx in huggingface_hub 1.x, httpx2 in 2.x)."""
-    from huggingface_hub.utils import get_session
-
-    module = sys.modules.get(type(get_session()).__module__.split(".")[0])
-    err = getattr(module, "TransportError", None)
-    return (err,) if isinstance(err, type) else ()
-
-
-def _bounded_session():
-    """huggingface_hub's shared HTTP client, with a connect and read timeout on every request and a redirect
-    limit. Its default client has no timeout, and HfApi passes `timeout=None` (none at all) to most calls, so a
-    request hook puts the bounds back on each request that has none: an API that never answers fails after
-    READ_TIMEOUT_S, a redirect loop after MAX_REDIRECTS hops."""
-    from huggingface_hub.utils import get_session
-
-    session = get_session()
-    hooks = getattr(session, "event_hooks", None)
-    if isinstance(hooks, dict) and _bound_request not in hooks.get("request", []):
-        session.event_hooks = {**hooks, "request": [*hooks.get("request", []), _bound_request]}
-    if getattr(session, "max_redirects", MAX_REDIRECTS) != MAX_REDIRECTS:
-        session.max_redirects = MAX_REDIRECTS
-    return session
-
-
-def _bound_request(request) -> None:
-    timeout = request.extensions.get("timeout") or {}
-    bounds = {"connect": CONNECT_TIMEOUT_S, "read": READ_TIMEOUT_S, "write": READ_TIMEOUT_S, "pool": READ_TIMEOUT_S}
-    request.extensions["timeout"] = {k: timeout.get(k) or v for k, v in bounds.items()}
-
-
-def _redirect_loop(e: BaseException) -> bool:
-    return type(e).__name__ == "TooManyRedirects"
-
-
-def _status(e: BaseException) -> int | None:
-    response = getattr(e, "response", None)
-    return getattr(response, "status_code", None)
-
-
-class _Ctx:
-    """Who and what an error is about, for its message."""
-
-    def __init__(self, hub: Hub, repo_id: str, revision: str | None = None):
-        self.hub, self.repo_id, self.revision = hub, repo_id, revision
-
-    def token_hint(self) -> str:
-        return ("the token in use (HF_TOKEN or `hf auth login`)" if self.hub.token_in_use()
-                else "no token is set (set HF_TOKEN to a read token)")
-
-
-def _translate(e: BaseException, ctx: _Ctx) -> MoechatError:
-    from huggingface_hub import errors as hfe
-
-    repo, url = ctx.repo_id, ctx.hub.endpoint_url
-    status = _status(e)
-    if isinstance(e, MoechatError):
-        return e
-    if isinstance(e, hfe.GatedRepoError):
-        how = ("accept its conditions on the model page with the account of your token" if ctx.hub.token_in_use()
-               else "accept its conditions on the model page, then set HF_TOKEN to a read token of that account")
-        return RepoGatedError(f"{repo} is gated ({status}): {how}: {url}/{repo}", repo_id=repo)
-    if isinstance(e, hfe.RevisionNotFoundError):
-        return RepoNotFoundError(f"{repo} has no revision {ctx.revision!r} (404): check the branch, tag or commit",
-                                 repo_id=repo)
-    if isinstance(e, hfe.RepositoryNotFoundError):
-        return RepoNotFoundError(f"{repo}: no such model on {url} ({status}), or it is private and "
-                                 f"{ctx.token_hint()} has no access: check the name", repo_id=repo)
-    if isinstance(e, hfe.RemoteEntryNotFoundError if hasattr(hfe, "RemoteEntryNotFoundError")
-                  else hfe.EntryNotFoundError) and status == 404:
-        return RepoNotFoundError(f"{repo}: a file listed by the Hub is missing (404): {e}".split("\n")[0],
-                                 repo_id=repo)
-    if isinstance(e, hfe.HfHubHTTPError) and status == 401:
-        return HubAuthError(f"{url} rejected the token (401 invalid credentials): create a new read token at "
-                            f"{url}/settings/tokens and set HF_TOKEN, or unset it for public models", repo_id=repo)
-    if isinstance(e, hfe.HfHubHTTPError) and status == 403:
-        return HubAuthError(f"{repo}: access denied (403) for {ctx.token_hint()}: use a token with read access "
-                            "(fine-grained tokens need 'read access to public gated repos')", repo_id=repo)
-    if isinstance(e, hfe.OfflineModeIsEnabled):
-        return HubOfflineError(f"{repo}: HF_HUB_OFFLINE is set and this needs the Hub: unset HF_HUB_OFFLINE, or "
-                               "use a model that is already downloaded", repo_id=repo)
-    if isinstance(e, hfe.HfHubHTTPError) and status is not None and status >= 500:
-        return NetworkError(f"{url} answered {status} for {repo}: the Hub is having trouble; try again later",
-                            repo_id=repo)
-    if isinstance(e, hfe.HfHubHTTPError):
-        return HubError(f"{repo}: the Hub answered {status}: {str(e).splitlines()[0]}", repo_id=repo)
-    if _redirect_loop(e):
-        return NetworkError(f"{url} for {repo}: the server redirected more than {MAX_REDIRECTS} times (a redirect "
-                            "loop at the Hub's CDN or a proxy); nothing more was written: try again later, or check "
-                            "HF_ENDPOINT and the proxy settings", repo_id=repo)
-    if isinstance(e, hfe.LocalEntryNotFoundError) or isinstance(e, _transport_errors()) or isinstance(
-            e, ConnectionError | TimeoutError):
-        return NetworkError(f"cannot reach {url} for {repo} ({type(e).__name__}): check the connection or proxy, "
-                            "or set HF_HUB_OFFLINE=1 to use only downloaded models", repo_id=repo)
-    if isinstance(e, hfe.SafetensorsParsingError | hfe.NotASafetensorsRepoError):
-        return ConfigError(f"{repo}: {str(e).splitlines()[0]}")
-    return HubError(f"{repo}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", repo_id=repo)
-
-
-@contextlib.contextmanager
-def _hub_errors(ctx: _Ctx):
-    try:
-        yield
-    except MoechatError:
-        raise
-    except Exception as e:  # noqa: BLE001 - everything the Hub client raises becomes a typed, readable error
-        raise _translate(e, ctx) from e
-
-
 # -- the cache layout -----------------------------------------------------------------------------------------
 
 def _repo_folder(repo_id: str) -> str:
@@ -531,7 +423,7 @@ def snapshot_problems(path: Path) -> list[str]:
     if index.is_file():
         try:
             shards = sorted({v for v in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return problems + [f"{INDEX_FILE} unreadable"]
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
@@ -568,13 +460,6 @@ class Hub:
     def cache(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
 
-    @property
-    def api(self):
-        from huggingface_hub import HfApi
-
-        _bounded_session()
-        return HfApi(endpoint=self.endpoint_url, token=self.token, library_name="moechat")
-
     def token_in_use(self) -> bool:
         if self.token is False:
             return False
@@ -595,28 +480,45 @@ class Hub:
                                   "HF_HUB_OFFLINE, or use a model that is already downloaded", repo_id=ctx.repo_id)
 
     def storage(self, repo_id: str) -> Path:
-        if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id) or ".." in repo_id:
+        if (not isinstance(repo_id, str) or not _REPO_ID.match(repo_id) or ".." in repo_id
+                or len(_repo_folder(repo_id).encode()) > MAX_NAME_BYTES):
             raise RepoNotFoundError(f"{repo_id!r} is not a Hub repo id (org/name, letters, digits, '-', '_', '.')",
                                     repo_id=str(repo_id))
         return self.cache / _repo_folder(repo_id)
 
     # -- the local cache ---------------------------------------------------------------------------------
     def cached_sha(self, repo_id: str, revision: str | None = None) -> str | None:
+        """The commit `revision` names in the cache: itself when it is one, else what refs/<revision> holds. A ref
+        that is not a commit id (another tool's half-written file, garbage bytes) counts as no ref."""
         rev = safe_revision(revision or "main")
         if _COMMIT.match(rev):
             return rev
         ref = self.storage(repo_id) / "refs" / rev
         try:
-            sha = ref.read_text(encoding="utf-8").strip()
-        except OSError:
+            sha = ref.read_bytes()[:256].strip().decode("ascii")
+        except (OSError, UnicodeDecodeError):
             return None
         return sha if _COMMIT.match(sha) else None
 
+    def _snapshots(self, repo_id: str) -> list[Path]:
+        """The cached snapshot folders (named by a commit id), oldest first."""
+        folder = self.storage(repo_id) / "snapshots"
+        try:
+            found = [p for p in folder.iterdir() if _COMMIT.match(p.name) and p.is_dir()]
+        except OSError:
+            return []
+        return sorted(found, key=lambda p: p.stat().st_mtime)
+
     def local_snapshot(self, repo_id: str, revision: str | None = None) -> Path | None:
-        """The complete cached snapshot of this repo at `revision` (default main), without the network."""
+        """The complete cached snapshot of this repo at `revision` (default main), without the network. Without a
+        usable refs/main (a crash between the last link and the ref, another tool's copy, a damaged ref), main is
+        the one complete snapshot when exactly one is cached."""
         sha = self.cached_sha(repo_id, revision)
         if sha is None:
-            return None
+            if revision is not None:
+                return None
+            complete = [p for p in self._snapshots(repo_id) if not snapshot_problems(p)]
+            return complete[0] if len(complete) == 1 else None
         path = self.storage(repo_id) / "snapshots" / sha
         return path if not snapshot_problems(path) else None
 
@@ -627,14 +529,19 @@ class Hub:
             return path
         sha = self.cached_sha(repo_id, revision)
         rev = f" --revision {revision}" if revision else ""
-        if sha is None and revision is None:  # no ref yet: files fetched at a pinned commit (fit, a crashed pull)
-            snaps = self.storage(repo_id) / "snapshots"
-            found = sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime) if snaps.is_dir() else []
-            sha = found[-1].name if found else None
+        if sha is None and revision is None:  # no usable ref: files fetched at a pinned commit (fit, a crashed pull)
+            snaps = self._snapshots(repo_id)
+            complete = [p.name for p in snaps if not snapshot_problems(p)]
+            if len(complete) > 1:
+                raise NotDownloadedError(f"{repo_id}: refs/main is missing or damaged and {len(complete)} complete "
+                                         f"snapshots are cached ({', '.join(c[:12] for c in complete[:4])}): run "
+                                         f"moechat pull {repo_id} to settle main, or name one with --revision "
+                                         "<commit>", repo_id=repo_id)
+            sha = snaps[-1].name if snaps else None
         if sha is None:
             raise NotDownloadedError(f"{repo_id} is not downloaded (nothing in {self.cache}): run moechat pull "
                                      f"{repo_id}{rev}", repo_id=repo_id)
-        problems = snapshot_problems(self.storage(repo_id) / "snapshots" / sha)
+        problems = snapshot_problems(self.storage(repo_id) / "snapshots" / sha) or ["its files changed while read"]
         raise NotDownloadedError(f"{repo_id} is only partly downloaded ({'; '.join(problems)}): run moechat pull "
                                  f"{repo_id}{rev} to finish it", repo_id=repo_id)
 
@@ -646,39 +553,33 @@ class Hub:
             safe_revision(revision)
         ctx = _Ctx(self, repo_id, revision)
         self._check_online(ctx)
-        with _hub_errors(ctx):
-            info = self.api.model_info(repo_id, revision=revision or "main", files_metadata=True,
-                                       timeout=READ_TIMEOUT_S)  # None would mean no timeout at all
-            siblings = [(s.rfilename, s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
-                        for s in (info.siblings or [])]
-            if any(size is None for path, size, _, _ in siblings if wanted_file(path)):
-                from huggingface_hub.hf_api import RepoFile as HfRepoFile
-
-                tree = self.api.list_repo_tree(repo_id, revision=info.sha, recursive=True)
-                siblings = [(t.path, t.size, t.lfs.sha256 if t.lfs else None, t.blob_id) for t in tree
-                            if isinstance(t, HfRepoFile)]
-        if not isinstance(info.sha, str) or not _COMMIT.match(info.sha):
-            raise HubError(f"{repo_id}: the Hub did not say which commit {revision or 'main'} is", repo_id=repo_id)
-        files, skipped = [], []
-        for path, size, sha256, blob_id in siblings:
-            if isinstance(path, str) and wanted_file(path) and size is not None and (sha256 or blob_id):
+        headers = self._auth_headers()
+        info = hubhttp.model_info(self.endpoint_url, repo_id, revision or "main", ctx, headers)
+        siblings = info.siblings
+        if any(f.size is None for f in siblings if wanted_file(f.path)):  # sizes left out: the tree has them
+            siblings = tuple(hubhttp.tree(self.endpoint_url, repo_id, info.sha, ctx, headers))
+        files, skipped, seen = [], [], set()
+        for f in siblings:
+            if wanted_file(f.path) and f.size is not None and (f.sha256 or f.blob_id):
                 try:
-                    files.append(RepoFile(path, size, sha256, blob_id))
+                    files.append(RepoFile(f.path, f.size, f.sha256, f.blob_id))
                 except ValueError as e:
                     raise UnsafeHubResponseError(f"{repo_id}: the Hub's file listing is not usable ({e}); nothing "
                                                  "was written: check HF_ENDPOINT points at the real Hub or a mirror "
                                                  "you trust", repo_id=repo_id) from None
+                if f.path in seen:
+                    raise UnsafeHubResponseError(f"{repo_id}: the Hub's file listing is not usable (it lists "
+                                                 f"{f.path!r} twice); nothing was written: check HF_ENDPOINT points "
+                                                 "at the real Hub or a mirror you trust", repo_id=repo_id)
+                seen.add(f.path)
             else:
-                skipped.append(str(path))
-        config = info.config if isinstance(getattr(info, "config", None), dict) else {}
-        return RepoListing(repo_id, info.sha, tuple(files), tuple(skipped), bool(info.gated),
-                           config.get("model_type"))
+                skipped.append(f.path)
+        return RepoListing(repo_id, info.sha, tuple(files), tuple(skipped), info.gated, info.model_type)
 
     def _fetch_json(self, repo_id: str, filename: str, listing: RepoListing) -> dict:
         """A small JSON file of the listing, verified against its checksum and kept in the cache (as a pull
         would), without huggingface_hub's download (which names the blob after the server's ETag)."""
         from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import hf_raise_for_status
 
         f = listing.file(filename)
         if f is None:
@@ -691,18 +592,11 @@ class Hub:
         if not _blob_ok(blob, f.size):
             url = hf_hub_url(repo_id, filename, revision=listing.sha, endpoint=self.endpoint_url)
             ctx = _Ctx(self, repo_id, listing.sha)
-            body = bytearray()
-            with _hub_errors(ctx), _bounded_session().stream("GET", url, headers=self._auth_headers(),
-                                                              follow_redirects=True) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    hf_raise_for_status(r)
-                for chunk in r.iter_bytes():
-                    body += chunk
-                    if len(body) > f.size:
-                        break
+            # one more byte than listed shows a longer body; a metadata deadline stretched by the size
+            body = hubhttp.fetch(url, ctx, filename, headers=self._auth_headers(), max_bytes=f.size + 1,
+                                 truncate=True, deadline_s=hubhttp.METADATA_DEADLINE_S + f.size / MIN_RATE_BPS).content
             hasher = _Transfer._new_hasher(f)
-            hasher.update(bytes(body))
+            hasher.update(body)
             if len(body) != f.size or hasher.hexdigest() != f.etag:
                 raise DownloadIntegrityError(f"{repo_id}/{filename}: the server sent {len(body)} B that do not match "
                                              f"the Hub's listing ({f.size} B, {f.etag[:16]}...); nothing was written: "
@@ -710,38 +604,44 @@ class Hub:
                                              repo_id=repo_id)
             blob.parent.mkdir(parents=True, exist_ok=True)
             tmp = blob.with_name(f".{f.etag}.moechat-tmp")
-            tmp.write_bytes(bytes(body))
+            tmp.write_bytes(body)
             os.replace(tmp, blob)
             _link(blob, storage / "snapshots" / listing.sha / f.path)
         try:
-            return json.loads(blob.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{repo_id}/{filename}: not valid JSON ({e})") from None
+            data = json.loads(blob.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as e:
+            raise ConfigError(f"{repo_id}/{filename}: not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{repo_id}/{filename}: holds {type(data).__name__}, not a JSON object")
+        return data
 
     def headers(self, repo_id: str, listing: RepoListing, workers: int = 8) -> dict[str, _Tensor]:
         """Every tensor's dtype, shape and size from the safetensors headers (a ranged read per shard)."""
+        from huggingface_hub import hf_hub_url
+
         if listing.file(INDEX_FILE) is not None:
-            index = self._fetch_json(repo_id, INDEX_FILE, listing)
-            shards = sorted({v for v in (index.get("weight_map") or {}).values() if isinstance(v, str)})
+            weight_map = self._fetch_json(repo_id, INDEX_FILE, listing).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConfigError(f"{repo_id}/{INDEX_FILE}: weight_map is not an object of tensor -> shard")
+            shards = sorted({v for v in weight_map.values() if isinstance(v, str)})
+            unknown = [s for s in shards if listing.file(s) is None]
+            if unknown:  # never a URL the listing did not name (and check)
+                raise ConfigError(f"{repo_id}/{INDEX_FILE} names {len(unknown)} shards the Hub does not list "
+                                  f"({', '.join(repr(u[:60]) for u in unknown[:3])}): the repo is incomplete")
         else:
             shards = [f.path for f in listing.weight_files]
         if not shards:
             raise UnsupportedModelError(f"{repo_id} has no safetensors weights (files: "
                                         f"{', '.join(listing.skipped[:6])}); moechat runs safetensors only")
-        api, ctx = self.api, _Ctx(self, repo_id, listing.sha)
+        ctx, headers = _Ctx(self, repo_id, listing.sha), self._auth_headers()
 
-        def read(shard: str):
-            with _hub_errors(ctx):
-                return api.parse_safetensors_file_metadata(repo_id, shard, revision=listing.sha)
+        def read(shard: str) -> dict[str, _Tensor]:
+            url = hf_hub_url(repo_id, shard, revision=listing.sha, endpoint=self.endpoint_url)
+            return hubhttp.safetensors_header(url, ctx, headers, f"safetensors header of {shard}")
 
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(shards)))) as pool:
             metas = list(pool.map(read, shards))
-        tensors: dict[str, _Tensor] = {}
-        for meta in metas:
-            for name, t in meta.tensors.items():
-                start, end = t.data_offsets
-                tensors[name] = _Tensor(t.dtype, tuple(t.shape), int(end) - int(start))
-        return tensors
+        return {name: t for meta in metas for name, t in meta.items()}
 
     def cached_bytes(self, repo_id: str, listing: RepoListing) -> int:
         blobs = self.storage(repo_id) / "blobs"
@@ -749,7 +649,7 @@ class Hub:
 
     # -- the model spec and the verdict --------------------------------------------------------------------
     def remote_spec(self, repo_id: str, revision: str | None = None, *, listing: RepoListing | None = None,
-                    exact: bool = True):
+                    exact: bool = True, headers: dict | None = None):
         """The ModelSpec from config.json and the safetensors headers on the Hub (`exact=False`: config.json and
         the index only, sizes labelled estimates). Never fetches a weight file's body."""
         from .plan import spec_from_config, spec_from_headers
@@ -759,7 +659,8 @@ class Hub:
         where = f"{repo_id}/config.json"
         present = self.cached_bytes(repo_id, listing)
         if exact:
-            spec = spec_from_headers(config, self.headers(repo_id, listing), name=repo_id, where=where)
+            headers = self.headers(repo_id, listing) if headers is None else headers  # (fit has them already)
+            spec = spec_from_headers(config, headers, name=repo_id, where=where)
             return replace(spec, source="safetensors headers (Hub)", weights_present=False, present_bytes=present,
                            checkpoint_bytes=listing.download_bytes, path=None,
                            notes=("sizes read from the safetensors headers on the Hub",) + spec.notes[1:])
@@ -841,23 +742,20 @@ class Hub:
         from .catalog import find
 
         hits: list[SearchHit] = []
-        with _hub_errors(ctx):
-            models = self.api.list_models(search=query, limit=min(500, limit * 5), sort="downloads",
-                                          expand=["config", "downloads", "likes", "gated", "safetensors"])
-            for m in models:
-                config = m.config if isinstance(m.config, dict) else {}
-                mt = config.get("model_type")
-                supported = mt in SUPPORTED_TYPES
-                if supported_only and not supported:
-                    continue
-                if not supported and mt not in MISSING_FEATURES:
-                    continue  # dense or unknown: nothing for moechat to offload
-                params = getattr(m.safetensors, "total", None) if m.safetensors else None
-                hits.append(SearchHit(m.id, mt, supported, None if supported else MISSING_FEATURES[mt], m.downloads,
-                                      m.likes, bool(m.gated) if m.gated is not None else None, params,
-                                      find(m.id) is not None))
-                if len(hits) >= limit:
-                    break
+        found = hubhttp.search(self.endpoint_url, query, min(500, limit * 5), ctx, self._auth_headers())
+        for m in found:
+            if not _REPO_ID.match(m.repo_id) or ".." in m.repo_id or len(m.repo_id) > 200:
+                continue  # a legacy name without an org, or a name no pull could take
+            mt = m.model_type
+            supported = mt in SUPPORTED_TYPES
+            if supported_only and not supported:
+                continue
+            if not supported and mt not in MISSING_FEATURES:
+                continue  # dense or unknown: nothing for moechat to offload
+            hits.append(SearchHit(m.repo_id, mt, supported, None if supported else MISSING_FEATURES[mt], m.downloads,
+                                  m.likes, m.gated, m.params, find(m.repo_id) is not None))
+            if len(hits) >= limit:
+                break
         return hits
 
     # -- download --------------------------------------------------------------------------------------------
@@ -1145,16 +1043,13 @@ class _Transfer:
 
     def _locate(self, f: RepoFile) -> tuple[str, bool]:
         """HEAD the file at the pinned commit: the CDN location, and a check of its ETag and size."""
-        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+        from huggingface_hub import hf_hub_url
 
         url = hf_hub_url(self.listing.repo_id, f.path, revision=self.listing.sha, endpoint=self.hub.endpoint_url)
-        _bounded_session()
-        with _hub_errors(self.ctx):
-            meta = get_hf_file_metadata(url, token=self.hub.token, endpoint=self.hub.endpoint_url,
-                                        library_name="moechat")
-        if meta.commit_hash and meta.commit_hash != self.listing.sha:
+        meta = hubhttp.file_metadata(url, self.ctx, self.hub._auth_headers(), f"file metadata of {f.path}")
+        if meta.commit and meta.commit != self.listing.sha:
             raise DownloadIntegrityError(f"{self.listing.repo_id}/{f.path}: the Hub served commit "
-                                         f"{meta.commit_hash[:12]}, not the pinned {self.listing.sha[:12]}: run the "
+                                         f"{meta.commit[:12]!r}, not the pinned {self.listing.sha[:12]}: run the "
                                          "pull again", repo_id=self.listing.repo_id)
         if meta.etag and meta.etag != f.etag:
             raise DownloadIntegrityError(f"{self.listing.repo_id}/{f.path}: the server's ETag {meta.etag[:16]} "
@@ -1172,18 +1067,12 @@ class _Transfer:
         """One GET from `st.have` on; `st` follows every byte written, so a drop mid-way loses nothing. A
         connection that trickles (under MIN_RATE_BPS over STALL_WINDOW_S) or outlives the file's deadline is
         dropped with _Stalled."""
-        from huggingface_hub.utils import hf_raise_for_status
-
         headers = dict(self.hub._auth_headers()) if auth else {"user-agent": "moechat"}
         headers["Accept-Encoding"] = "identity"
         if st.have:
             headers["Range"] = f"bytes={st.have}-"
         window_start, window_have = time.monotonic(), st.have
-        with _bounded_session().stream("GET", url, headers=headers, follow_redirects=True) as r:
-            if r.status_code >= 400:
-                r.read()
-                with _hub_errors(self.ctx):
-                    hf_raise_for_status(r)
+        with hubhttp.open_stream("GET", url, self.ctx, f"download of {f.path}", headers=headers) as r:
             if st.have and r.status_code == 206:
                 start = _content_range_start(r.headers.get("Content-Range"))
                 if start != st.have:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from moechat.engine import hub as hubmod
+from moechat.engine import hubhttp
 from moechat.engine.errors import (
     DiskSpaceError,
     DownloadBusyError,
@@ -164,7 +165,7 @@ def test_a_cdn_redirect_loop_is_one_clear_error(hub):
 
 
 def test_an_api_that_never_answers_times_out(hub, monkeypatch):
-    monkeypatch.setattr(hubmod, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(hubhttp, "READ_TIMEOUT_S", 0.5)
     hub.server.faults.api_hang_s = 5.0
     start = time.monotonic()
     with pytest.raises(NetworkError, match=r"cannot reach .* for tiny-org/chat-moe \((Read)?Timeout"):
