@@ -3,19 +3,26 @@
     with ServeProcess(["--expert-slots", "32"], cache_dir=tmp) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key=server.api_key or "none")
 
-The server binds port 0 and prints the port it got on stderr ("... on http://127.0.0.1:PORT/v1"); the
-helper reads that line, so parallel test runs never fight over a port.
+The server binds port 0 and prints the port it got on stderr ("... on http://127.0.0.1:PORT/v1") once uvicorn
+listens and handles signals; the helper reads that line, so parallel test runs never fight over a port.
+
+In-process, `scripted_app()` is the real Starlette app and EngineWorker over `ScriptedEngine`, an engine that
+yields scripted text in no time (for the HTTP layer's tests: tool calls, the gate, its fuzzing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "assets" / "demo-moe"
@@ -30,7 +37,10 @@ def moechat_command() -> list[str]:
 
 class ServeProcess:
     def __init__(self, extra: list[str] = (), *, model: str | os.PathLike = DEMO, api_key: str | None = None,
-                 cache_dir: str | os.PathLike | None = None, timeout: float = 120.0, env: dict | None = None):
+                 cache_dir: str | os.PathLike | None = None, timeout: float = 120.0, env: dict | None = None,
+                 sigint_ignored: bool = False):
+        """`sigint_ignored`: start it as a background job of a non-interactive shell is (SIGINT = SIG_IGN inherited,
+        as a test suite run with `&` or from many CI runners passes on to every child)."""
         self.api_key = api_key
         args = [*moechat_command(), "serve", str(model), "--port", "0", *extra]
         if api_key:
@@ -39,7 +49,9 @@ class ServeProcess:
         full_env.pop("MOECHAT_API_KEY", None)
         if cache_dir is not None:
             full_env["XDG_CACHE_HOME"] = str(cache_dir)
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                                     preexec_fn=ignore)
         self.stderr: list[str] = []
         self._port = threading.Event()
         self.host, self.port = "127.0.0.1", 0
@@ -101,3 +113,86 @@ def run_reference(prompt: str, *extra: str, system: str | None = None, max_token
     out = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+# -- in-process: the real HTTP layer over a scripted engine ----------------------------------------------
+class Chunk(NamedTuple):  # not a dataclass: this file is loaded by path, outside sys.modules
+    text: str
+    token_ids: tuple
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tokens_per_s: float = 100.0
+    decode_tokens_per_s: float = 50.0
+    cache: object = None
+    thinking: str = ""
+
+
+class ScriptedEngine:
+    """The engine's interface as the worker uses it; `generate` runs the real parser (when the worker made one)
+    over the scripted pieces of text `reply`."""
+
+    def __init__(self, reply=("Hello", " there."), template: str = "{{ messages }}"):
+        self.reply = list(reply)
+        self.args = SimpleNamespace(vocab_size=1000, num_hidden_layers=2, num_experts=4, top_k=2,
+                                    model_type="qwen3_moe")
+        self.context = 4096
+        self.chat_template = SimpleNamespace(source=template)
+        self.tokenizer = SimpleNamespace(decode=lambda ids: "<|im_start|>assistant\n")
+        self.loaded = SimpleNamespace(dtype="torch.float32", device="cpu", cls=None)
+        self.generation_config = {}
+        self.rendered: list[dict] = []
+
+    def encode_chat(self, messages, cancel=None, **kwargs):
+        self.rendered.append(kwargs)
+        return [1, 2, 3, 4]
+
+    def encode(self, text):
+        return [1, 2, 3]
+
+    def new_sequence(self):
+        return SimpleNamespace(truncate=lambda n: None, tokens=[])
+
+    def sampling(self, **overrides):
+        return SimpleNamespace(**overrides)
+
+    def default_max_tokens(self):
+        return 64
+
+    def template_reads(self, name):
+        return name == "tools"
+
+    def cache_snapshot(self):
+        return None
+
+    def generate(self, ids, *, sampling=None, max_tokens=None, cancel=None, sequence=None, stop_on_eos=True,
+                 reasoning=None, logprobs=None):
+        for i, raw in enumerate(self.reply):
+            last = i == len(self.reply) - 1
+            text, thinking = raw, ""
+            if reasoning is not None:
+                d = reasoning.feed(raw)
+                text, thinking = d.answer, d.thinking
+                if last:
+                    rest = reasoning.flush()
+                    text, thinking = text + rest.answer, thinking + rest.thinking
+            yield Chunk(text, (i,), "stop" if last else None, len(ids), i + 1, thinking=thinking)
+
+
+@contextlib.contextmanager
+def scripted_app(gate=None, *, api_key: str | None = None, engine: ScriptedEngine | None = None):
+    """(the ASGI app, its engine) for `moechat serve` over a ScriptedEngine; the worker thread stops at exit."""
+    from moechat.app.serve import Server, build_app
+    from moechat.app.serve_metrics import ServerMetrics
+    from moechat.app.serve_worker import EngineWorker
+
+    engine = engine or ScriptedEngine()
+    worker = EngineWorker(engine, max_queue=4)
+    metrics = ServerMetrics(lambda: worker.snapshot, {"model": "scripted"})
+    worker.metrics = metrics
+    worker.start()
+    try:
+        yield build_app(Server(worker, metrics, model_name="scripted", api_key=api_key, info={"path": "scripted"},
+                               gate=gate)), engine
+    finally:
+        worker.stop()

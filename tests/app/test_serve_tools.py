@@ -8,17 +8,17 @@ parser, SSE, the openai client over Starlette's ASGI test transport.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import SimpleNamespace
+import importlib.util
+from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai")
 from starlette.testclient import TestClient  # noqa: E402
 
-from moechat.app.serve import Server, build_app  # noqa: E402
-from moechat.app.serve_metrics import ServerMetrics  # noqa: E402
-from moechat.app.serve_worker import EngineWorker  # noqa: E402
+_spec = importlib.util.spec_from_file_location("serveproc", Path(__file__).parents[1] / "serveproc.py")
+serveproc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serveproc)
 
 QWEN3_LIKE = "{% if tools %}<tools></tools> <tool_call>{% endif %}<think></think>{{ messages }}"
 REPLY = ["<think>\n", "The user wants", " the weather.\n", "</think>\n\n", "Checking.", "\n<tool_", "call>\n{\"na",
@@ -27,74 +27,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@dataclass(frozen=True)
-class Chunk:
-    text: str
-    token_ids: tuple
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_tokens_per_s: float = 100.0
-    decode_tokens_per_s: float = 50.0
-    cache: object = None
-    thinking: str = ""
-
-
-class ScriptedEngine:
-    """The engine's interface as the worker uses it; `generate` runs the real parser over scripted text."""
-
-    def __init__(self):
-        self.args = SimpleNamespace(vocab_size=1000, num_hidden_layers=2, num_experts=4, top_k=2,
-                                    model_type="qwen3_moe")
-        self.context = 4096
-        self.chat_template = SimpleNamespace(source=QWEN3_LIKE)
-        self.tokenizer = SimpleNamespace(decode=lambda ids: "<|im_start|>assistant\n")
-        self.loaded = SimpleNamespace(dtype="torch.float32", device="cpu", cls=None)
-        self.generation_config = {}
-        self.rendered: list[dict] = []
-
-    def encode_chat(self, messages, cancel=None, **kwargs):
-        self.rendered.append(kwargs)
-        return [1, 2, 3, 4]
-
-    def new_sequence(self):
-        return SimpleNamespace(truncate=lambda n: None)
-
-    def sampling(self, **overrides):
-        return SimpleNamespace(**overrides)
-
-    def default_max_tokens(self):
-        return 64
-
-    def template_reads(self, name):
-        return name == "tools"
-
-    def cache_snapshot(self):
-        return None
-
-    def generate(self, ids, *, sampling=None, max_tokens=None, cancel=None, sequence=None, stop_on_eos=True,
-                 reasoning=None, logprobs=None):
-        for i, raw in enumerate(REPLY):
-            last = i == len(REPLY) - 1
-            d = reasoning.feed(raw)
-            text, thinking = d.answer, d.thinking
-            if last:
-                rest = reasoning.flush()
-                text, thinking = text + rest.answer, thinking + rest.thinking
-            yield Chunk(text, (i,), "stop" if last else None, len(ids), i + 1, thinking=thinking)
-
-
 @pytest.fixture
 def client():
-    engine = ScriptedEngine()
-    worker = EngineWorker(engine, max_queue=4)
-    metrics = ServerMetrics(lambda: worker.snapshot, {"model": "scripted"})
-    worker.metrics = metrics
-    worker.start()
-    app = build_app(Server(worker, metrics, model_name="scripted", api_key=None, info={}))
-    with TestClient(app) as http:
-        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0), engine
-    worker.stop()
+    with serveproc.scripted_app(engine=serveproc.ScriptedEngine(REPLY, QWEN3_LIKE)) as (app, engine):
+        with TestClient(app) as http:
+            yield (openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0),
+                   engine)
 
 
 def test_tool_calls_and_reasoning_not_streamed(client):
