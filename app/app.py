@@ -61,7 +61,7 @@ class MoechatApp(App):
         self.reasoning_effort = reasoning_effort
         # `moechat chat MODEL --expert-format`: for that model in this session, until a choice in the panel (saved)
         self.session_formats = {model: options.expert_format} if model and options.expert_format else {}
-        self.startup_notices = [n for n in (*notices, settings.problem) if n]
+        self.startup_notices = [n for n in (*notices, settings.problem, getattr(store, "notice", None)) if n]
 
     def on_mount(self) -> None:
         if self.settings.theme in self.available_themes:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import sqlite3
+
+import pytest
 
 from moechat.app.store import ChatStore, export_file, title_of
 
@@ -96,3 +99,138 @@ def test_a_version_1_file_gains_the_thinking_column(tmp_path):
     assert store.db.execute("PRAGMA user_version").fetchone()[0] == 2
     store.close()
     assert ChatStore(path).load(1).messages[-1].content == "answer"  # opening it again changes nothing
+
+
+# -- a damaged, newer or foreign file is checked before anything is written (issue 25) ----------------------
+
+def _filled(path, chats=6, per_chat=30):
+    store = ChatStore(path)
+    for c in range(chats):
+        cid = store.new_conversation("/m/x", title=f"chat {c}")
+        for i in range(per_chat):
+            store.add_message(cid, "user" if i % 2 == 0 else "assistant", f"c{c} m{i} " + "w" * 300)
+    store.close()  # the last connection: the log is checkpointed into the file
+    return chats * per_chat
+
+
+def _damage(path, page, size=4096):
+    data = bytearray(path.read_bytes())
+    assert len(data) > (page + 2) * size
+    data[page * size + 8: (page + 1) * size] = bytes([0xA5]) * (size - 8)  # a b-tree page's cells turned to garbage
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("cli", [True, False], ids=["sqlite3-cli", "row-by-row"])
+def test_a_damaged_database_is_set_aside_and_recovered(tmp_path, monkeypatch, cli):
+    import moechat.app.store as store_module
+
+    if cli and store_module.shutil.which("sqlite3") is None:
+        pytest.skip("no sqlite3 CLI here")
+    if not cli:
+        monkeypatch.setattr(store_module.shutil, "which", lambda name: None)
+    path = tmp_path / "chats.sqlite3"
+    total = _filled(path)
+    damaged = _damage(path, 10)
+    store = ChatStore(path)
+    assert store.problem is None and store.notice.startswith(f"{path} was damaged (")
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("chats.sqlite3.damaged-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == damaged  # untouched: no pragma, no checkpoint written
+    assert aside[0].name in store.notice and "recovered into a new file" in store.notice
+    chats = store.list_conversations()  # the old code: DatabaseError, database disk image is malformed
+    recovered = sum(c.num_messages for c in chats)
+    assert 0 < recovered < total and f"({recovered} messages)" in store.notice
+    for c in chats:
+        for m in store.load(c.id).messages:
+            assert m.content.startswith(f"c{c.title[-1]} m") or c.title == "(recovered)"
+    cid = store.new_conversation("/m/y")  # the app goes on, on a fresh file
+    store.add_message(cid, "user", "after")
+    store.close()
+    again = ChatStore(path)
+    assert again.notice is None and again.load(cid).messages[-1].content == "after"
+
+
+def test_a_damaged_database_in_a_read_only_place_is_read_into_memory(tmp_path, monkeypatch):
+    import moechat.app.store as store_module
+
+    path = tmp_path / "chats.sqlite3"
+    _filled(path, chats=2, per_chat=40)
+    damaged = _damage(path, 5)
+
+    def refuse(*a):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(store_module.os, "rename", refuse)
+    store = ChatStore(path)
+    assert "could not be set aside (Read-only file system)" in store.notice and store.problem == store.notice
+    assert sum(c.num_messages for c in store.list_conversations()) > 0
+    store.add_message(store.new_conversation("m"), "user", "kept in memory")
+    assert path.read_bytes() == damaged and sorted(p.name for p in tmp_path.iterdir()) == ["chats.sqlite3"]
+
+
+def test_the_in_memory_fallback_does_not_copy_damaged_pages(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    total = _filled(path)
+    store = ChatStore(path)  # checked whole at start; damaged while it runs
+    _damage(path, 10)
+    told = []
+    store.on_problem = told.append
+    prompts = store.recent_prompts()  # reads every message: the damaged page
+    assert len(told) == 1 and "memory only" in told[0] and prompts
+    chats = store.list_conversations()
+    assert 0 < sum(c.num_messages for c in chats) < total
+    store.add_message(chats[0].id, "user", "still saved in memory")
+    assert store.load(chats[0].id).messages[-1].content == "still saved in memory"
+
+
+def test_a_newer_database_is_read_never_relabelled(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    _filled(path, chats=1, per_chat=2)
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version=7")
+    db.execute("CREATE TABLE folders (id INTEGER PRIMARY KEY)")  # what a newer moechat might add
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+    store = ChatStore(path)
+    assert "written by a newer moechat" in store.notice and "upgrade moechat" in store.notice
+    assert [c.num_messages for c in store.list_conversations()] == [2]  # its chats are readable
+    store.add_message(store.new_conversation("m"), "user", "new")  # kept in memory
+    store.close()
+    assert path.read_bytes() == before
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 7
+
+
+def test_another_program_s_database_is_left_untouched(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript("CREATE TABLE conversations (id INTEGER PRIMARY KEY, topic TEXT);"
+                     "CREATE TABLE messages (id INTEGER PRIMARY KEY, body TEXT);"
+                     "INSERT INTO messages(body) VALUES ('theirs'); PRAGMA user_version=1;")
+    db.close()
+    before = path.read_bytes()
+    store = ChatStore(path)
+    assert "is not moechat's chat database" in store.notice and "left untouched" in store.notice
+    cid = store.new_conversation("m")
+    store.add_message(cid, "user", "hi")
+    assert store.load(cid).messages[0].content == "hi"
+    store.close()
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["chats.sqlite3"]
+    other = sqlite3.connect(path)
+    other.execute("PRAGMA application_id=1234")
+    other.commit()
+    other.close()
+    assert "application_id is 0x4d2" in ChatStore(path).notice
+
+
+def test_moechat_files_get_the_marker_and_the_app_shows_the_notice(tmp_path):
+    from moechat.app.app import make_app
+
+    path = tmp_path / "chats.sqlite3"
+    ChatStore(path).close()
+    assert sqlite3.connect(path).execute("PRAGMA application_id").fetchone()[0] == 0x6D6F6563
+    path.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 20)
+    store = ChatStore(path)
+    assert store.notice and "was damaged" in store.notice
+    app = make_app(None, store=store, memory_probe=lambda: None)
+    assert store.notice in app.startup_notices
