@@ -233,3 +233,32 @@ def test_the_app_is_told_when_chats_stop_being_saved():
     store = ChatStore(":memory:")
     app = make_app(None, store=store, memory_probe=lambda: None)
     assert callable(store.on_problem) and app.store is store
+
+
+# -- --record-trace PATH: never clobbers what is not a regular file, writes through a link (issue 25) ---------
+
+def test_record_trace_onto_a_device_is_refused_before_the_run(tiny_models, capsys, monkeypatch):
+    from moechat.app.cli import main
+    from moechat.engine.generate import Engine
+
+    monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))
+    code = main(["run", str(tiny_models["qwen3_moe"][0]), "--prompt-ids", "1", "--record-trace", "/dev/full"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1 and "/dev/full" in err and "character device" in err
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")
+
+
+def test_record_trace_through_a_symlink_keeps_the_link(tiny_models, tmp_path, capsys):
+    from moechat.app.cli import main
+    from moechat.engine.cache.trace import RoutingTrace
+
+    target = tmp_path / "traces" / "run.npz"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "latest.npz"
+    link.symlink_to(target)
+    code = main(["run", str(tiny_models["qwen3_moe"][0]), "--prompt-ids", "1,2", "--max-tokens", "2",
+                 "--expert-slots", "4", "--record-trace", str(link)])
+    assert code == 0, capsys.readouterr().err
+    assert link.is_symlink() and len(RoutingTrace.load(target)) > 0
+    assert _names(target.parent) == ["run.npz"]
