@@ -17,8 +17,8 @@ NESTED = ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in r
           "{% endfor %}{% endfor %}")
 
 HOSTILE = {
-    "repeat": ("{{ 'x' * 10**9 }}", "a repeated string or list would be 1,000,000,000 characters"),
-    "list repeat": ("{{ ([1] * 100000) * 100000 }}", "would be 10,000,000,000"),
+    "repeat": ("{{ 'x' * 10**9 }}", "a repeated string would be 1,000,000,000 characters"),
+    "list repeat": ("{{ ([1] * 100000) * 100000 }}", "a repeated list would hold 10,000,000,000 items"),
     "nested loops": (NESTED, "template lines without finishing"),
     "doubling +": ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
                    "a concatenation would be"),
@@ -28,8 +28,8 @@ HOSTILE = {
     "method width": ("{{ 'x'.ljust(999999999) }}", "a call to ljust"),
     "percent width": ("{{ '%1000000000d' % 1 }}", "a width of more than 9,999,999"),
     "format width": ("{{ '{:1000000000}'.format(1) }}", "a width of more than 9,999,999"),
-    "replace": ("{{ ('x' * 1000000)|replace('x', 'y' * 2000) }}", "a replace() would be 2,000,000,000"),
-    "join": ("{{ (range(100000)|list)|join('x' * 100000) }}", "a join would be 9,999,900,000"),
+    "replace": ("{{ ('x' * 1000000)|replace('x', 'y' * 2000) }}", "the result of the replace filter would be 2,000,000,000"),
+    "join": ("{{ (range(100000)|list)|join('x' * 100000) }}", "a join would be 10,00"),
     "output": ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "the rendered prompt would be"),
     "recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed too deeply"),
     "memory": ("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = ns.l + ['x' * 4000000] %}"
