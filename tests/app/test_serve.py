@@ -317,6 +317,7 @@ def test_models_and_api_key(server, client):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     assert (info["num_layers"], info["num_experts"], info["top_k"], info["context"]) == (6, 16, 2, 512)
+    assert info["path"] == "demo-moe"  # the directory's name: where the files lie is not the client's business
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.get(server.url + "/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -355,10 +356,13 @@ def test_a_port_in_use_is_one_line_before_the_model_loads():
                                   "choose another --port (0: any free one)")
 
 
-def test_ctrl_c_ends_every_open_response_then_exits(tmp_path):
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-default", "sigint-ignored-at-start"])
+def test_ctrl_c_ends_every_open_response_then_exits(tmp_path, sigint_ignored):
+    """Issue 26: in a full run (pytest started as a background job, SIGINT = SIG_IGN inherited by the server) this
+    exited 0: uvicorn re-raised the SIGINT through the ignored disposition it restored. The exit is the server's now."""
     import signal
 
-    with serveproc.ServeProcess(["--no-warm-start"], cache_dir=tmp_path) as s:
+    with serveproc.ServeProcess(["--no-warm-start"], cache_dir=tmp_path, sigint_ignored=sigint_ignored) as s:
         client = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=60)
         stream = client.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=2000, stream=True,
                                                 extra_body={"ignore_eos": True})
@@ -377,6 +381,7 @@ def test_ctrl_c_ends_every_open_response_then_exits(tmp_path):
         deadline = time.monotonic() + 30
         while _value(_metrics_of(s), "moechat_queue_depth") < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
+        assert _value(_metrics_of(s), "moechat_queue_depth") == 1  # one streaming, one waiting: then Ctrl+C
         s.proc.send_signal(signal.SIGINT)
         with pytest.raises(openai.APIError, match="shutting down"):
             for _ in it:
@@ -386,6 +391,20 @@ def test_ctrl_c_ends_every_open_response_then_exits(tmp_path):
         assert s.proc.wait(30) == 130
         assert "".join(s.stderr).strip().splitlines()[-1] == "moechat: stopped"
         assert "ERROR" not in "".join(s.stderr)
+
+
+def test_sigterm_closes_the_engine_before_the_process_ends(tmp_path):
+    """uvicorn re-raised SIGTERM with the default disposition inside uv.run: the process died before
+    serve_engine's cleanup, so the routing profile (--warm-start) was never saved."""
+    import signal
+
+    with serveproc.ServeProcess(["--expert-slots", "32"], cache_dir=tmp_path) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=60)
+        assert client.chat.completions.create(model="demo-moe", messages=MESSAGES, max_tokens=4).choices
+        assert not list(tmp_path.glob("moechat/profiles/*.json"))
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == -signal.SIGTERM  # still ended by the signal, as a service manager expects
+    assert list(tmp_path.glob("moechat/profiles/*.json")), sorted(str(p) for p in tmp_path.rglob("*"))
 
 
 def _metrics_of(s) -> dict:
