@@ -318,6 +318,12 @@ def test_models_and_api_key(server, client):
         client.models.retrieve("gpt-4")
     assert (info["num_layers"], info["num_experts"], info["top_k"], info["context"]) == (6, 16, 2, 512)
     assert info["path"] == "demo-moe"  # the directory's name: where the files lie is not the client's business
+    # issue 25 through the real server: a rebinding page's Host, a cross-site "simple" POST
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}", "Host": "attacker.example"})
+    assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed"
+    r = _post(server, "/v1/chat/completions", {"model": "demo-moe", "messages": MESSAGES, "max_tokens": 2},
+              headers={"content-type": "text/plain", "Origin": "http://attacker.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.get(server.url + "/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
