@@ -270,11 +270,36 @@ def main(argv: list[str] | None = None) -> int:
 
     program = argv is None  # the `moechat` command itself, not a caller (tests) passing its own argv
     debug, argv = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
-    code = guarded(lambda: _dispatch(args), debug=debug)
-    if program and args.command in (None, "run", "chat"):
+    args = None
+    try:
+        args = build_parser().parse_args(argv)  # --version and --help print too
+        code = guarded(lambda: _flushed(_dispatch, args), debug=debug)
+    except BrokenPipeError:  # raised outside the guard: printing --version into a closed pipe
+        code = _closed_stdout()
+    if program and args is not None and args.command in (None, "run", "chat"):
         _leave_now(code)
     return code
+
+
+def _flushed(command, args: argparse.Namespace) -> int:
+    """Run a command with a closed stdout (`moechat fit X | head -1`) as a quiet exit 0, as git and ls end: the
+    reader has what it wanted. stdout is flushed here, inside, so the pipe breaks where it can be caught, not in
+    the interpreter's flush at exit (which would print "Exception ignored" and exit 120)."""
+    try:
+        code = command(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _closed_stdout()
+    return code
+
+
+def _closed_stdout() -> int:
+    """Nothing more can be said on stdout: point it at devnull so no later flush fails again; exit 0."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # not a real file (a test's capture): nothing to redirect
+        pass
+    return 0
 
 
 def _leave_now(code: int) -> None:

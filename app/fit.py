@@ -71,6 +71,108 @@ def why_not_runnable(spec) -> str | None:
     return why(spec.model_type, spec.quant_method, spec.remote_code)
 
 
+def loader_refusal(model_dir, dtype: str | None = None) -> str | None:
+    """Why `moechat run` refuses this folder, in its loader's words: `engine/loader.py`'s `check_model`, the checks
+    `run` makes before it reads a weight (headers and shapes only), so fit's verdict is run's. None when it loads
+    it, or when the folder holds no weights yet (config.json alone, or a download still going: planned from the
+    config, without torch)."""
+    from moechat.engine.errors import MoechatError
+
+    from .guard import one_line
+
+    model_dir = Path(model_dir).expanduser()
+    try:
+        if not _has_weights(model_dir):
+            return None
+        from moechat.engine.loader import check_model  # torch: there are headers to check
+
+        check_model(model_dir, dtype=dtype).disk.close()
+    except MoechatError as e:
+        return one_line(e)
+    return None
+
+
+def _has_weights(model_dir: Path) -> bool:
+    """Whether `run` would read weights here now: every shard the index names is there (a FIFO or a folder counts:
+    the loader refuses it), or *.safetensors files, or only pickle weights (refused). The index is checked by the
+    loader's rules first (a weight_map that is not an object, or a shard outside the folder, is its typed error)."""
+    import os
+
+    from moechat.engine.errors import CheckpointError
+    from moechat.engine.files import read_json_file
+    from moechat.engine.validate import INDEX_NAME, PICKLE_NAMES, check_index
+
+    if not model_dir.is_dir():
+        return False
+    index = model_dir / INDEX_NAME
+    if os.path.lexists(index):
+        data = read_json_file(index, "safetensors index", error=lambda m: CheckpointError(m, path=str(index)))
+        shards = set(check_index(data, str(index))["weight_map"].values())
+        return all(os.path.lexists(model_dir / s) for s in shards)
+    return (next(model_dir.glob("*.safetensors"), None) is not None
+            or any(os.path.lexists(model_dir / n) for n in PICKLE_NAMES))
+
+
+def hub_refusal(repo_id: str, config: dict, headers: dict, dtype: str | None = None,
+                shards: dict[str, str] | None = None) -> str | None:
+    """`loader_refusal` for a Hub repo: the loader's checks over its config.json and the safetensors headers
+    fetched from the Hub (no weight bytes); `shards` (tensor -> file) names each tensor's file in the messages."""
+    from moechat.engine.checkpoint import tensors_from_entries
+    from moechat.engine.errors import MoechatError
+    from moechat.engine.loader import check_model
+
+    from .guard import one_line
+
+    try:
+        tensors = tensors_from_entries(repo_id, headers, shards)
+        check_model(repo_id, dtype=dtype, raw_config=config, tensors=tensors).disk.close()
+    except MoechatError as e:
+        return one_line(e)
+    return None
+
+
+def checked_fit_spec(model: str, dtype: str | None = None):
+    """(the ModelSpec fit plans, or None when it cannot be read; why `run` refuses the model, or None): app/pull.py's
+    `fit_spec` beside the loader's checks over the same files (a folder, a downloaded snapshot) or the same
+    headers (a Hub repo, fetched once for both)."""
+    from moechat.engine.hub import INDEX_FILE, Hub, is_offline, looks_like_repo_id
+    from moechat.engine.validate import check_index
+
+    from .pull import fit_spec
+
+    def spec_or_none(make, refused):
+        try:
+            return make(), refused
+        except Exception:  # noqa: BLE001 - the loader's reason is the one to say (e.g. an index it refuses)
+            if refused is None:
+                raise
+            return None, refused
+
+    path = Path(model).expanduser()
+    if path.exists() or not looks_like_repo_id(model):
+        return spec_or_none(lambda: fit_spec(model), loader_refusal(path, dtype))
+    hub = Hub()
+    local = hub.local_snapshot(model)
+    if local is not None or is_offline():
+        return spec_or_none(lambda: fit_spec(model), None if local is None else loader_refusal(local, dtype))
+    listing = hub.listing(model)
+    shards = None  # tensor -> the shard file its header is in (error messages name it)
+    if listing.file(INDEX_FILE) is not None:  # before the headers, which read the shard names from it
+        from moechat.engine.errors import CheckpointError
+
+        from .guard import one_line
+
+        try:
+            shards = check_index(hub._fetch_json(model, INDEX_FILE, listing), f"{model}/{INDEX_FILE}")["weight_map"]
+        except CheckpointError as e:
+            return None, one_line(e)
+    headers = hub.headers(model, listing)
+    if shards is None and len(listing.weight_files) == 1:
+        shards = dict.fromkeys(headers, listing.weight_files[0].path)
+    refused = hub_refusal(model, hub._fetch_json(model, "config.json", listing), headers, dtype, shards)
+    return spec_or_none(lambda: hub.remote_spec(model, listing=listing, headers=headers), refused)
+
+
 def headline(plan, spec, hw, why_not: str | None, expert_format: str, plan_now=None,
              need_ram: int | None = None) -> tuple[str, int]:
     """The first line's verdict and the exit status that goes with it: exactly one of "runs", "runs with ..." (the
@@ -160,9 +262,9 @@ def run_fit(args: argparse.Namespace) -> int:
     from moechat.engine.hub import default_cache_dir
     from moechat.engine.plan import FLOAT_SIZES, Preferences
 
-    from .pull import fit_spec
-
-    spec = fit_spec(args.model)
+    spec, refused = checked_fit_spec(args.model, args.dtype)
+    if spec is None:  # the loader refuses it, and there is nothing to plan
+        return _refused_only(args, refused)
     if args.dtype:
         spec = spec.in_dtype(FLOAT_SIZES[args.dtype], args.dtype)
     where = spec.path or (args.model if Path(args.model).expanduser().exists() else default_cache_dir())
@@ -181,7 +283,7 @@ def run_fit(args: argparse.Namespace) -> int:
     if chosen.plan is None:
         raise ConfigError(f"--expert-format {chosen.name}: {chosen.note}")
     plan = chosen.plan
-    why_not = why_not_runnable(spec)
+    why_not = refused or why_not_runnable(spec)  # the loader's own words first: what `run` would print
     plan_now = _plan_on_free_ram(chosen, hw, prefs) if plan.ok else None
     need = least_free_ram(chosen.spec, hw, prefs) if plan_now is not None and not plan_now.ok else None
     verdict, status = headline(plan, spec, hw, why_not, chosen.name, plan_now, need)
@@ -199,6 +301,18 @@ def run_fit(args: argparse.Namespace) -> int:
         print(format_plan(plan, spec, hw, why_not, advice, chosen.name, verdict=verdict, calibration=cal,
                           plan_now=plan_now))
     return status
+
+
+def _refused_only(args: argparse.Namespace, why: str) -> int:
+    """The verdict alone, when the loader refuses a model whose files cannot even be planned from."""
+    verdict = f"cannot run: {why}"
+    if args.json:
+        print(json.dumps({"model": args.model, "headline": verdict, "verdict": "cannot run", "fits": None,
+                          "runnable": False, "why_not_runnable": why, "plan": None, "spec": None}, indent=1))
+    else:
+        print(f"moechat fit {Path(args.model).name if Path(args.model).expanduser().exists() else args.model}: "
+              f"{verdict}")
+    return EXIT_REFUSED
 
 
 def repacked_formats(model_dir) -> frozenset[str]:

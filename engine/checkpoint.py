@@ -45,7 +45,7 @@ FLOAT_DTAGS = {"F64", "F32", "F16", "BF16"}
 
 # A header is JSON of at most this many bytes (safetensors' own limit is 100 MB).
 MAX_HEADER_BYTES = 100_000_000
-PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+PICKLE_NAMES = validate.PICKLE_NAMES
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -149,6 +149,33 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
                         "again", info.name)
         if info.end > info.start:
             previous = info
+    return out
+
+
+def tensors_from_entries(where: str, entries: dict, shards: dict[str, str] | None = None) -> dict[str, TensorInfo]:
+    """Header entries fetched from elsewhere (the Hub: name -> object with .dtype, .shape, .nbytes) as TensorInfos
+    `Checkpoint` can be checked over, each entry held to the rules a local header is: a known dtype, a shape of
+    integers >= 0, a size of shape x dtype. Each names `where`/its shard (`shards`: tensor -> file name, when
+    known) as its file. Offsets are unknown: each tensor starts at 0 (nothing is read)."""
+    out = {}
+    shards = shards or {}
+    for name, entry in entries.items():
+        dtag, shape, nbytes = (getattr(entry, k, None) for k in ("dtype", "shape", "nbytes"))
+        shape = tuple(shape) if isinstance(shape, (list, tuple)) else None
+        if not (isinstance(dtag, str) and shape is not None and all(_is_int(d) and d >= 0 for d in shape)
+                and _is_int(nbytes)):
+            raise CheckpointError(f"{where}: malformed header entry for tensor {name!r} (needs a dtype string and a "
+                                  "shape of integers >= 0)", path=where, tensor=name)
+        if dtag not in DTYPE_SIZES:
+            raise CheckpointError(f"{where}: tensor {name!r} has unknown dtype {dtag!r}", path=where, tensor=name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if nbytes != numel * DTYPE_SIZES[dtag]:
+            raise CheckpointError(f"{where}: tensor {name!r} header is inconsistent (shape {list(shape)}, {dtag}, "
+                                  f"{nbytes} bytes); the file is corrupt", path=where, tensor=name)
+        file = Path(where) / shards[name] if name in shards else Path(where)
+        out[name] = TensorInfo(name, file, dtag, shape, 0, nbytes)
     return out
 
 

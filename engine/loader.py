@@ -35,8 +35,14 @@ def read_model_config(model_dir: str | os.PathLike) -> tuple[type[MoEForCausalLM
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir}: no such model directory")
+    return model_config(read_json(model_dir / "config.json", "model config (config.json)"), model_dir)
+
+
+def model_config(raw: dict, model_dir: str | os.PathLike) -> tuple[type[MoEForCausalLM], BaseModelArgs, dict]:
+    """A config.json's dict (read from `model_dir`, or fetched from the Hub for that repo) -> (architecture class,
+    parsed args, raw dict), or a typed error saying why not."""
+    model_dir = Path(model_dir)
     where = str(model_dir / "config.json")
-    raw = read_json(model_dir / "config.json", "model config (config.json)")
     model_type = raw.get("model_type")
     if not isinstance(model_type, str):
         raise ConfigError(f"{where}: model_type = {show(model_type)} is not allowed: must be a string naming "
@@ -149,6 +155,45 @@ def read_expert(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint
 
 
 @dataclass
+class CheckedModel:
+    """A model directory that passed every check `load_model` makes before it reads a weight."""
+
+    cls: type[MoEForCausalLM]
+    args: BaseModelArgs
+    raw: dict
+    format: ExpertFormat  # how the checkpoint ships its experts
+    checkpoint: Checkpoint
+    dense: dict[str, tuple[int, ...]]  # every dense tensor the model needs -> its shape
+    disk: object  # the DiskStore over the experts (its segments checked; close it when done)
+    dtype: torch.dtype
+
+
+def check_model(model_dir: str | os.PathLike, *, dtype: str | None = None, raw_config: dict | None = None,
+                tensors: dict | None = None) -> CheckedModel:
+    """Every check `load_model` makes before it reads a weight, and the same ones for `moechat fit` (its verdict is
+    run's): config.json by its rules and relations, the architecture, the checkpoint's expert format, the dtype,
+    the safetensors index and headers (pickle-only weights, a FIFO, a device or a folder as a shard, an index
+    escaping the folder), the layers present, and every dense and expert tensor's name, shape and dtype. Headers
+    only: no weight byte is read. With `raw_config` and `tensors` (name -> TensorInfo: a Hub repo's config.json and
+    its fetched safetensors headers) the same checks run over those, and no file is opened. A typed error on the
+    first problem."""
+    model_dir = Path(model_dir)
+    if raw_config is None:
+        cls, args, raw = read_model_config(model_dir)
+    else:
+        cls, args, raw = model_config(raw_config, model_dir)
+    torch_dtype = resolve_dtype(dtype, args)
+    fmt = checkpoint_format(raw, model_dir)
+    ckpt = Checkpoint.open(model_dir) if tensors is None else Checkpoint(model_dir, tensors)
+    check_layers(args.num_hidden_layers, ckpt.tensors, str(model_dir / "config.json"))
+    dense = validate(cls, args, ckpt, fmt)
+    from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
+
+    disk = DiskStore(cls, args, ckpt, torch_dtype, fmt)  # checks every expert tensor before any weight is read
+    return CheckedModel(cls, args, raw, fmt, ckpt, dense, disk, torch_dtype)
+
+
+@dataclass
 class LoadedModel:
     model_dir: Path
     model: MoEForCausalLM
@@ -171,17 +216,12 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     `expert_format` int8/int4 holds the experts in that form (converted once into a repacked file in
     `repack_dir`, default under $XDG_CACHE_HOME/moechat/repacked); None/`native` keeps the checkpoint's."""
     model_dir = Path(model_dir)
-    cls, args, raw = read_model_config(model_dir)
-    torch_dtype = resolve_dtype(dtype, args)
     device = resolve_device(device)
-    fmt = checkpoint_format(raw, model_dir)
-    target = target_format(expert_format, fmt)
-    ckpt = Checkpoint.open(model_dir)
-    check_layers(args.num_hidden_layers, ckpt.tensors, str(model_dir / "config.json"))
-    dense = validate(cls, args, ckpt, fmt)
-    from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
-
-    disk = DiskStore(cls, args, ckpt, torch_dtype, fmt)  # checks every expert tensor before any weight is read
+    checked = check_model(model_dir, dtype=dtype)  # every check, before any weight is read
+    cls, args, raw, fmt, ckpt, dense, disk = (checked.cls, checked.args, checked.raw, checked.format,
+                                              checked.checkpoint, checked.dense, checked.disk)
+    torch_dtype = checked.dtype
+    target = target_format(expert_format, fmt)  # the DiskStore has opened no file yet
     with torch.device("meta"):
         model = cls(args)
     state = {name: _dense_tensor(ckpt, name, fmt).to(device=device, dtype=torch.float32 if name.endswith(

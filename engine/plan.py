@@ -43,7 +43,7 @@ from .hardware import (
     GpuInfo,
     Hardware,
 )
-from .validate import check_common
+from .validate import check_common, check_index
 
 MiB = 1 << 20
 REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py default_repack_dir
@@ -774,7 +774,7 @@ def read_model_spec(model: str | os.PathLike) -> ModelSpec:
     config = _load_json(cfg_path, "model config (config.json)")
     name = model_dir.name
     index_path = model_dir / "model.safetensors.index.json"
-    index = _load_json(index_path, "safetensors index") if index_path.exists() else None
+    index = check_index(_load_json(index_path, "safetensors index"), str(index_path)) if index_path.exists() else None
     if index is not None:
         shards = sorted({v for v in (index.get("weight_map") or {}).values() if isinstance(v, str)})
     else:

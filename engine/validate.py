@@ -211,7 +211,11 @@ TOKENIZER_CONFIG: dict[str, Rule] = {
     "model_max_length": Rule("number", min=0, nullable=True),
 }
 
+# Weights moechat never reads (unpickling can run arbitrary code): a folder with only these is refused.
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+
 # model.safetensors.index.json
+INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = Rule("str")
 SAFETENSORS_INDEX: dict[str, Rule] = {
     "metadata": Rule("dict", keys={"total_size": Rule("number", min=0, nullable=True)}, nullable=True),
