@@ -260,8 +260,8 @@ class Gate:
                     and origin == _normal_origin(f"{scope.get('scheme', 'http')}://{hosts[0]}"))
             if same:
                 continue
-            if origin is not None and self.config.cors_allowed(origin):
-                cors = True
+            if origin == value and self.config.cors_allowed(origin):  # as browsers write it: CORSMiddleware compares
+                cors = True                                             # the header itself with its list
                 continue
             shown = origin or value[:100]
             return await self._refuse(scope, receive, send, 403, f"requests from web pages on {shown!r} are not "
