@@ -158,7 +158,7 @@ class Engine:
             if cache.warm_start:
                 counts = load_profile(engine.profile_path, loaded.args.num_hidden_layers, loaded.args.num_experts)
                 if counts is not None:
-                    provider.warm(counts)
+                    provider.warm_start(counts)
         return engine
 
     def save_routing_profile(self) -> Path | None:
@@ -417,8 +417,6 @@ class Engine:
                 self.provider.set_prefetch(prefetch or self.provider.prefetch_mode, prefetch_depth)
             return self.provider.snapshot()
         provider = self.provider
-        if prefetch is not None or prefetch_depth is not None:
-            provider.set_prefetch(prefetch or provider.prefetch_mode, prefetch_depth)
         if policy is not None:
             provider.set_policy(policy)
         if expert_slots is not None and expert_slots != provider.pool.num_slots:
@@ -430,6 +428,11 @@ class Engine:
             all_bytes = disk.expert_bytes * len(layers) * loaded.args.num_experts
             provider.store = (RamStore(disk, layers, loaded.args.num_experts) if ram_cache_bytes >= all_bytes
                               else RamCache(disk, ram_cache_bytes, policy=provider.policy.name))
+            provider.ram_prefetched.clear()
+            if provider.fast_tier == "ram" and provider.prefetch_mode != "off" and isinstance(provider.store, RamStore):
+                provider.set_prefetch("off")  # every expert in RAM on a CPU: nothing left to read ahead
+        if prefetch is not None or prefetch_depth is not None:  # after the RAM tier: whether it can act depends on it
+            provider.set_prefetch(prefetch or provider.prefetch_mode, prefetch_depth)
         return provider.snapshot()
 
     def cache_snapshot(self) -> CacheSnapshot | None:

@@ -184,6 +184,18 @@ class CachedProvider:
         self.cost: MissCostModel | None = None
         self.recent = np.zeros((pool.num_layers, pool.num_experts), dtype=np.float32)  # decayed use per step
         self.where_ran = np.zeros((pool.num_layers, pool.num_experts), dtype=np.int8)  # 1 device, 2 host, 3 both
+        # A CPU computing misses in place: prefetch reads predicted experts from disk into the RAM tier
+        self.ram_inflight: dict[Key, Job] = {}
+        self.ram_prefetched: set[Key] = set()  # read ahead into the RAM tier and not requested since
+
+    @property
+    def fast_tier(self) -> str:
+        """Where hits come from: "slots", or "ram" on a CPU that computes every miss in place from the RAM tier
+        (the slots then only hold what a warm start put there, and the cache that matters is RAM over disk)."""
+        return "ram" if self.pool.device.type == "cpu" and self.on_miss != "load" else "slots"
+
+    def _all_in_ram(self) -> bool:
+        return not hasattr(self.store, "entry")  # a RamStore: every expert in RAM, nothing read from disk
 
     # -- hybrid execution ------------------------------------------------------------------------------------
     def set_hybrid(self, on_miss: str, host_layers=(), cost: MissCostModel | None = None) -> None:
@@ -196,6 +208,7 @@ class CachedProvider:
         self.on_miss, self.host_layers, self.cost = on_miss, frozenset(host_layers), cost
         if on_miss == "auto" and cost is None:
             self.on_miss = "load"
+        self._check_prefetch_target(self.prefetch_mode)
         for layer in self.host_layers:  # their slotted experts are no longer needed
             for e in range(self.pool.num_experts):
                 slot = self.pool.slot_of(layer, e)
@@ -219,6 +232,15 @@ class CachedProvider:
         needs = [(int(counts[e]), float(recent[e]) * 0.2 * REUSE_HORIZON) for e in misses]
         return [e for e, host in zip(misses, self.cost.place(needs), strict=True) if host]
 
+    def _check_prefetch_target(self, mode: str) -> None:
+        """Refuse a prefetch that could do nothing: a CPU computing misses in place with every expert in RAM."""
+        if mode != "off" and self.fast_tier == "ram" and self._all_in_ram():
+            from ..errors import ConfigError
+
+            raise ConfigError(f"--prefetch {mode} has nothing to do here: on a CPU every miss is computed in place "
+                              "from RAM and every expert is already in RAM; bound the RAM tier (--ram-cache-mb) to "
+                              "prefetch experts from disk into it, or leave --prefetch off")
+
     def _pin_host(self, layer: int, host: list[int]) -> tuple[dict | None, np.ndarray, list[int], list[int]]:
         """Pin the host experts the RAM tier can hold this step (a small RAM cache may not hold them all: the rest
         are returned, to be loaded): (its buffers, [E] index into them or -1, pinned, rest). Pinned entries stay
@@ -236,6 +258,7 @@ class CachedProvider:
                 group.append(e)
                 if nbytes:
                     self._count_bytes(stats, tier, nbytes)
+                self._count_tier(stats, (layer, e), tier)
         stats.misses += len(group)
         stats.host_computed += len(group)
         for e in group:
@@ -258,6 +281,7 @@ class CachedProvider:
         """Change prediction at a safe point (between tokens): in-flight loads finish first."""
         depth = self.prefetch_depth if depth is None else depth
         check_prefetch(mode, depth)
+        self._check_prefetch_target(mode)
         self.quiesce()
         self.prefetch_mode, self.prefetch_depth = mode, depth
         if budget is not None:
@@ -293,6 +317,8 @@ class CachedProvider:
         if self.inflight:
             self._reap()
             self._drop_superseded(layer, experts)
+        if self.ram_inflight:
+            self._settle_ram(layer, experts)
         if self.prefetching:
             self._score_prediction(layer, experts)
             self.predictor.observe_routing(layer, ids_np[-1].tolist())
@@ -354,6 +380,8 @@ class CachedProvider:
             self._make_resident(layer, experts, prefill=ids_np.shape[0] > 1)
             if self._hidden is not None:
                 self._prefetch_after(layer, experts)
+        if self._hidden is not None and self.fast_tier == "ram":
+            self._prefetch_ram(layer)
         self._hidden = None
         on_host = index[ids_np]  # [T, K] RAM-tier index, -1 for a slotted expert
         if experts:
@@ -394,6 +422,8 @@ class CachedProvider:
             self.policy.access(key)
             if pool.host_map[key] >= 0:
                 stats.hits += 1
+                if pool.device.type == "cpu":
+                    stats.ram_hits += 1  # a slot on a CPU is RAM
                 if key in self.prefetched:
                     self.prefetched.discard(key)
                     stats.prefetch_used += 1
@@ -411,6 +441,8 @@ class CachedProvider:
             pool.finish_load(slot)
             self.policy.admit(key)
             self._count_bytes(stats, tier, nbytes)
+            if pool.device.type == "cpu":
+                self._count_tier(stats, key, tier)
             if prefill:
                 stats.expert_loads_prefill += 1
             else:
@@ -418,6 +450,19 @@ class CachedProvider:
         dt = time.perf_counter() - t0
         stats.load_seconds += dt
         stats.stall_seconds += dt + stall
+
+    def _count_tier(self, stats, key: Key, tier: str) -> None:
+        """A CPU request: served from RAM, or read from disk (the RAM tier's miss)."""
+        if tier == "ram":
+            stats.ram_hits += 1
+            if key in self.ram_prefetched:
+                self.ram_prefetched.discard(key)
+                stats.prefetch_used += 1
+        else:
+            stats.disk_reads += 1
+            if key in self.ram_prefetched:  # read ahead, then evicted from the RAM tier before its use
+                self.ram_prefetched.discard(key)
+                stats.prefetch_wasted += 1
 
     @staticmethod
     def _count_bytes(stats, tier: str, nbytes: int) -> None:
@@ -462,6 +507,10 @@ class CachedProvider:
 
     def _prefetch_after(self, layer: int, experts: list[int]) -> None:
         """Layer `layer`'s experts are resident: queue the predicted misses of the next layers."""
+        if self.fast_tier == "ram":  # a CPU computing misses in place: read ahead into the RAM tier, not slots
+            self._prefetch_ram(layer)
+            self._hidden = None
+            return
         source, hidden = self._hidden
         self._hidden = None
         if source != layer:
@@ -537,6 +586,61 @@ class CachedProvider:
                 del self.inflight[key]
                 self._settle(job)
 
+    # -- prefetch into the RAM tier (a CPU computing misses in place, the RAM tier bounded) ---------------------
+    def _prefetch_ram(self, layer: int) -> None:
+        """Queue disk reads of the experts the next layers are predicted to use into the RAM tier (no slot: on a
+        CPU the RAM tier is where they are computed). The read holds the store's lock; the forward thread only
+        computes from entries it pinned, which a read never evicts."""
+        source, hidden = self._hidden
+        if source != layer or self._all_in_ram():
+            return
+        predictor = self.predictor
+        budget = (self.prefetch_budget or predictor.top_k) * max(hidden.shape[0], 1)
+        entry = self.store.entry
+        room = max(getattr(self.store, "capacity", 0) - 2, 0)  # leave the entries this step's reads pass through
+        issued = 0
+        for target in predictor.targets(layer, self.prefetch_depth):
+            predicted = predictor.predict(self.prefetch_mode, target, hidden, budget)
+            self._predicted[target] = set(predicted)
+            for e in predicted:
+                key = (target, e)
+                if key in entry or key in self.ram_inflight or issued >= room:
+                    continue
+                job = Job(key, -1, partial(self._ram_read, key))
+                self.ram_inflight[key] = job
+                self.ram_prefetched.add(key)
+                self.stats.layers[target].prefetch_issued += 1
+                self.transfer.submit(job)
+                issued += 1
+
+    def _ram_read(self, key: Key) -> tuple[str, int]:
+        with self.store_lock:
+            return self.store.read_into(key[0], key[1], {})
+
+    def _settle_ram(self, layer: int, experts: list[int]) -> None:
+        """Before `layer` computes: its predicted reads that have not started are cancelled (this step reads them
+        itself), the running ones waited for (late: the wait is stall time); finished reads of any layer counted."""
+        needed = set(experts)
+        for key, job in list(self.ram_inflight.items()):
+            if key[0] == layer:
+                if job.cancel():
+                    self.ram_prefetched.discard(key)
+                    if key[1] not in needed:
+                        self.stats.layers[layer].prefetch_wasted += 1
+                elif key[1] in needed:
+                    late = not job.done()
+                    waited = job.wait()
+                    if late:
+                        self.stats.layers[layer].prefetch_late += 1
+                        self.stats.layers[layer].stall_seconds += waited
+            if job.done():
+                del self.ram_inflight[key]
+                if job.state == DONE:
+                    if job.result[0] != "ram":  # a read that found its expert already there moved nothing
+                        self._count_bytes(self.stats.layers[key[0]], *job.result)
+                else:
+                    self.ram_prefetched.discard(key)
+
     def _cancel_inflight(self) -> None:
         for job in list(self.inflight.values()):
             job.cancel()
@@ -552,6 +656,14 @@ class CachedProvider:
         self.transfer.quiesce()
         for key in list(self.inflight):
             self._complete(key)
+        for key, job in list(self.ram_inflight.items()):
+            job.wait()
+            del self.ram_inflight[key]
+            if job.state == DONE:
+                if job.result[0] != "ram":
+                    self._count_bytes(self.stats.layers[key[0]], *job.result)
+            else:
+                self.ram_prefetched.discard(key)
         self._hidden = None
 
     def close(self) -> None:
@@ -577,6 +689,28 @@ class CachedProvider:
                 self.store.read_into(key[0], key[1], pool.views(slot))
             pool.finish_load(slot)
             self.policy.admit(key)
+        self.warm_loaded += len(keys)
+        return len(keys)
+
+    def warm_start(self, counts: np.ndarray) -> int:
+        """The start of a run: warm the tier hits come from. On a CPU computing misses in place the slots are never
+        filled by a miss, so the RAM tier is warmed instead (nothing to do when every expert is in RAM)."""
+        return self._warm_ram(counts) if self.fast_tier == "ram" else self.warm(counts)
+
+    def _warm_ram(self, counts: np.ndarray) -> int:
+        """Read the most used experts of a profile from disk into the bounded RAM tier (all but one entry)."""
+        if self._all_in_ram():
+            return 0
+        flat = np.asarray(counts, dtype=np.float64).reshape(-1)
+        room = max(getattr(self.store, "capacity", 0) - 1, 0)  # one entry stays free for the first reads
+        keys: list[Key] = []
+        for idx in np.argsort(-flat, kind="stable"):
+            if flat[idx] <= 0 or len(keys) >= room:
+                break
+            keys.append(divmod(int(idx), self.pool.num_experts))
+        with self.store_lock:
+            for key in reversed(keys):  # least used first: recency-based policies rank the most used highest
+                self.store.read_into(key[0], key[1], {})
         self.warm_loaded += len(keys)
         return len(keys)
 
@@ -657,4 +791,27 @@ class CachedProvider:
             host_layers=len(self.host_layers),
             where_ran=self.where_ran.copy(),
             cost_model=self.cost.to_json() if self.cost is not None else None,
+            fast_tier=self.fast_tier,
+            ram_hits=tuple(s.ram_hits for s in layers) if self.pool.device.type == "cpu" else (),
+            disk_reads=tuple(s.disk_reads for s in layers) if self.pool.device.type == "cpu" else (),
+            ram_resident=self._ram_resident(),
+            ram_tier_experts=self._ram_tier_experts(),
+            expert_bytes=int(getattr(self.store, "expert_bytes", 0)),
         )
+
+    def _ram_resident(self) -> np.ndarray:
+        """[L, E] bool: the experts the RAM tier holds now."""
+        out = np.zeros((self.num_layers, self.num_experts), dtype=bool)
+        entry = getattr(self.store, "entry", None)
+        if entry is None:
+            for layer in getattr(self.store, "tensors", {}):
+                out[layer] = True
+        else:
+            for layer, e in list(entry):
+                out[layer, e] = True
+        return out
+
+    def _ram_tier_experts(self) -> int:
+        if self._all_in_ram():
+            return sum(self.num_experts for _ in getattr(self.store, "tensors", {}))
+        return int(getattr(self.store, "capacity", 0))

@@ -31,6 +31,9 @@ class LayerStats:
     routed: int = 0  # distinct experts the layer used in steps that had a prediction
     host_computed: int = 0  # misses computed on the host from the RAM tier instead of loaded (hybrid)
     host_seconds: float = 0.0  # time the host spent computing them
+    # On a CPU the slots and the RAM tier are both RAM: what a request costs is whether it read the disk.
+    ram_hits: int = 0  # requests served from RAM (a slot or the RAM tier), CPU only
+    disk_reads: int = 0  # requests that read their expert from disk, CPU only
 
 
 @dataclass
@@ -94,6 +97,14 @@ class CacheSnapshot:
     host_layers: int = 0  # the first N MoE layers always run on the host
     where_ran: np.ndarray | None = None  # [L, E] int8: 0 never, 1 device (slot), 2 host, 3 both (this session)
     cost_model: dict | None = None  # the hybrid cost model's current numbers (auto)
+    # "slots": hits are slot hits (a GPU, or load on a CPU); "ram": a CPU computing misses in place, where the
+    # cache that exists is the RAM tier over the disk, and hits are `ram_hits` (no disk read) of ram + disk.
+    fast_tier: str = "slots"
+    ram_hits: tuple[int, ...] = ()  # per layer, CPU only
+    disk_reads: tuple[int, ...] = ()
+    ram_resident: np.ndarray | None = None  # [L, E] bool: in the RAM tier now (every MoE expert when all in RAM)
+    ram_tier_experts: int = 0  # experts the RAM tier holds at most (every MoE expert when all in RAM)
+    expert_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -103,6 +114,12 @@ class CacheSnapshot:
     @property
     def layer_hit_rates(self) -> tuple[float, ...]:
         return tuple(h / (h + m) if h + m else float("nan") for h, m in zip(self.hits, self.misses, strict=True))
+
+    @property
+    def ram_hit_rate(self) -> float:
+        """Requests that read nothing from disk, of all (CPU; NaN before any request or off a CPU)."""
+        h, m = sum(self.ram_hits), sum(self.disk_reads)
+        return h / (h + m) if h + m else float("nan")
 
     @property
     def demand_misses(self) -> int:
@@ -135,6 +152,9 @@ class CacheSnapshot:
         if self.host_computed:
             for i, layer in enumerate(layers):
                 layer["host_computed"] = self.host_computed[i]
+        if self.ram_hits:
+            for i, layer in enumerate(layers):
+                layer.update(ram_hits=self.ram_hits[i], disk_reads=self.disk_reads[i])
         return {
             "slots": self.num_slots,
             "slots_used": self.slots_used,
@@ -165,6 +185,11 @@ class CacheSnapshot:
             "host_computed": sum(self.host_computed),
             "host_seconds": round(self.host_seconds, 6),
             "cost_model": self.cost_model,
+            "fast_tier": self.fast_tier,
+            "ram_hits": sum(self.ram_hits),
+            "disk_reads": sum(self.disk_reads),
+            "ram_hit_rate": rate(self.ram_hit_rate),
+            "ram_tier_experts": self.ram_tier_experts,
             "layers": layers,
         }
 

@@ -328,8 +328,8 @@ def test_predictor_previous_token_and_budget():
 def test_cli_prefetch_flags_and_json(tiny_models, capsys):
     path, _ = tiny_models["qwen3_moe"]
     argv = ["run", str(path), "--prompt-ids", "1,2,3,4,5", "--max-tokens", "6", "--temperature", "0", "--json",
-            "--expert-slots", "6", "--prefetch", "both", "--prefetch-depth", "2"]
-    assert main(argv) == 0
+            "--expert-slots", "6", "--on-miss", "load", "--prefetch", "both", "--prefetch-depth", "2"]
+    assert main(argv) == 0  # misses loaded into slots (on a CPU computing them in place, see test_cpu_tier.py)
     cache = json.loads(capsys.readouterr().out)["cache"]
     assert cache["prefetch"] == "both" and cache["prefetch_depth"] == 2
     for field in ("prefetch_issued", "prefetch_used", "prefetch_wasted", "demand_misses", "stall_seconds",
