@@ -7,9 +7,9 @@ hostile server cannot stretch:
   HEAD, a header read, config.json) METADATA_DEADLINE_S in all, checked between the pieces of its body (so at
   most the deadline plus one read timeout): a server dripping a byte every 0.5 s fails after a minute, not
   hours. Downloads keep hub.py's progress rule instead (a slow file that moves is never killed).
-- size: a metadata body is read raw and inflated here 16 KiB at a time (zlib with max_length), stopping past
-  MAX_METADATA_BYTES decompressed: a 2 MB gzip body that inflates to 2 GiB costs 16 MiB, not 3 GB.
-  (httpx's own iter_bytes inflates a whole network read at once: up to ~1000x of 64 KiB.)
+- size: a metadata body is read raw, one network read at a time, and inflated here with zlib's max_length, so
+  it stops past MAX_METADATA_BYTES decompressed having held no more: a 2 MB gzip body that inflates to 2 GiB
+  costs 16 MiB, not 3 GB (httpx's iter_bytes inflates a whole read at once: up to ~1000x of 64 KiB).
 - pages: a tree listing follows at most MAX_PAGES `Link: rel="next"` pages, on the endpoint's origin only (the
   token is never sent elsewhere), ends at an empty page, and refuses a next URL it has already fetched.
 - shape: every JSON answer is checked against the fields moechat reads (model info, tree entries, search hits,
@@ -58,7 +58,6 @@ MAX_SAFETENSORS_HEADER = 100 * MiB  # the safetensors format's own limit
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 MAX_NAME_BYTES = 255  # NAME_MAX on every common file system
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_PIECE = 16 * KiB
 
 
 # -- who and what an error is about ---------------------------------------------------------------------------
@@ -206,7 +205,7 @@ class _Deadline:
 
 
 def _read_body(r, cap: int, deadline: _Deadline, *, truncate: bool = False, ctx: Ctx, what: str) -> bytes:
-    """At most `cap` decompressed bytes of the body, inflated here piece by piece (never more than `cap` + 16 KiB
+    """At most `cap` decompressed bytes of the body, inflated here read by read (never more than `cap` + one read
     in memory); past `cap` an error, or with `truncate` the first `cap` bytes."""
     encoding = (r.headers.get("content-encoding") or "identity").strip().lower()
     if encoding in ("", "identity"):
@@ -223,7 +222,7 @@ def _read_body(r, cap: int, deadline: _Deadline, *, truncate: bool = False, ctx:
                         + (" decompressed" if inflate is not None else "") + " (a real answer is far smaller)")
 
     try:
-        for raw in r.iter_raw(_PIECE):
+        for raw in r.iter_raw():  # as the network delivers (a chunk_size would wait for that many bytes)
             deadline.check(len(out))
             if inflate is None:
                 out += raw

@@ -5,20 +5,23 @@ Two origins: the Hub (`url`) answers the API and `/{repo}/resolve/{rev}/{file}`,
 
     GET  /api/models?search=...                        search (config, downloads, likes, gated, safetensors)
     GET  /api/models/{repo}[/revision/{rev}][?blobs=1]  sha, siblings (+ size, blobId, lfs), gated, config
-    GET  /api/models/{repo}/tree/{rev}                 files with oid, size, lfs
+    GET  /api/models/{repo}/tree/{rev}[?cursor=N]      files with oid, size, lfs (pages linked by Link: next)
     HEAD/GET /{repo}/resolve/{rev}/{file}              X-Repo-Commit, ETag / X-Linked-Etag, Content-Length /
                                                        X-Linked-Size; small files served here, LFS -> 302 CDN
     GET  /blobs/{sha256}  (CDN)                        the LFS file, with Range
 
 Errors as the Hub sends them (X-Error-Code RepoNotFound / RevisionNotFound / GatedRepo, 401 "Invalid
 credentials in Authorization header"). `faults` injects what the real world does: drop the connection at a
-byte offset, ignore Range, serve wrong bytes or a wrong length, serve slowly. Every request is recorded.
+byte offset, ignore Range, serve wrong bytes or a wrong length, serve slowly; and the API's JSON answers as a
+hostile server sends them (endless pages, a dripped body, a gzip bomb, any status, headers and body: `Canned`).
+Every request is recorded.
 
 Loaded by tests/engine/conftest.py (tests are not a package).
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -86,6 +89,27 @@ class Faults:
     api_hang_s: float = 0.0  # the model API waits this long before answering (an API that never answers)
     listing_patch: dict[str, dict] = field(default_factory=dict)  # file -> fields replaced in its listing entry
     etag: dict[str, str] = field(default_factory=dict)  # file -> the ETag headers a resolve answers with
+    # the API's JSON answers ("info", "tree", "search"), as a hostile or broken server sends them:
+    info_without_sizes: bool = False  # model info lists names only (as without ?blobs=1): the tree is read
+    tree_page: int = 0  # entries per tree page, linked with `Link: <...?cursor=N>; rel="next"` (0: one page)
+    tree_endless: str | None = None  # after the files: "empty" pages, "junk" pages of new entries, "same" (a page
+    # linking to itself), "foreign" (a next page on another server), for up to `endless_pages` pages
+    endless_pages: int = 1000
+    drip_s: float = 0.0  # API JSON bodies written one byte at a time, this long apart
+    gzip_pad: dict[str, int] = field(default_factory=dict)  # kind -> padded with spaces to this size, then gzipped
+    canned: dict[str, Canned] = field(default_factory=dict)  # kind -> this answer instead of the real one
+
+
+@dataclass
+class Canned:
+    """Any answer at all: status, headers, body; `length` a Content-Length other than the body's (a truncated
+    body when larger); `gzip` compresses the body and says so."""
+
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    length: int | None = None
+    gzip: bool = False
 
 
 @dataclass
@@ -108,6 +132,7 @@ class HubServer:
         self.tokens: set[str] = set()  # valid tokens; any other bearer token gets 401 invalid credentials
         self.faults = Faults()
         self.requests: list[Request] = []
+        self.gzipped: dict[tuple[bytes, int], bytes] = {}
         self._lock = threading.Lock()
         self.hub = _serve(self, "hub")
         self.cdn = _serve(self, "cdn")
@@ -250,10 +275,9 @@ class _Handler(BaseHTTPRequestHandler):
             if repo is None:
                 return
             if m.group("tree") is not None:
-                return self._json([{"type": "file", "oid": repo.blob_id(f), "size": len(d), "path": f,
-                                    **({"lfs": {"oid": repo.sha256(f), "size": len(d), "pointerSize": 134}}
-                                       if repo.is_lfs(f) else {})} for f, d in repo.files.items()])
-            return self._json(self._info(repo, blobs="blobs" in self.query))
+                return self._tree(repo)
+            return self._api("info", self._info(repo, blobs="blobs" in self.query
+                                                and not self.hub.faults.info_without_sizes))
         m = _RESOLVE.match(p)
         if m:
             return self._resolve(m.group("repo"), m.group("rev"), m.group("file"))
@@ -269,6 +293,68 @@ class _Handler(BaseHTTPRequestHandler):
                 "2025-01-01T00:00:00.000Z", "config": {"model_type": repo.model_type} if repo.model_type else {},
                 "safetensors": {"parameters": {"F32": total}, "total": total}, "siblings": siblings}
 
+    def _api(self, kind: str, data, headers: dict | None = None):
+        """An API answer, through the faults: canned, padded and gzipped, or dripped."""
+        f = self.hub.faults
+        canned = f.canned.get(kind)
+        if canned is None:
+            body = json.dumps(data).encode()
+            if kind in f.gzip_pad:
+                key = (body, f.gzip_pad[kind])
+                if key not in self.hub.gzipped:  # compressed once: a test can measure the client's memory alone
+                    self.hub.gzipped[key] = gzip.compress(body + b" " * max(0, key[1] - len(body)), compresslevel=9)
+                body = self.hub.gzipped[key]
+                headers = {**(headers or {}), "Content-Encoding": "gzip"}
+            canned = Canned(200, headers or {}, body)
+        elif canned.gzip:
+            canned = Canned(canned.status, {**canned.headers, "Content-Encoding": "gzip"}, gzip.compress(canned.body),
+                            canned.length)
+        self._status = canned.status
+        self.send_response(canned.status)
+        sent = {k.lower(): v for k, v in canned.headers.items()}
+        sent.setdefault("content-type", "application/json")
+        sent.setdefault("content-length", str(len(canned.body) if canned.length is None else canned.length))
+        for k, v in {**sent, "connection": "close"}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.method == "HEAD":
+            return
+        if f.drip_s:
+            for i in range(len(canned.body)):
+                self.wfile.write(canned.body[i:i + 1])
+                self.wfile.flush()
+                self._sent += 1
+                time.sleep(f.drip_s)
+        else:
+            self.wfile.write(canned.body)
+            self._sent += len(canned.body)
+        if canned.length is not None and canned.length > len(canned.body):
+            self.wfile.flush()
+            self.connection.shutdown(2)  # fewer bytes than announced
+
+    def _tree(self, repo: Repo):
+        f = self.hub.faults
+        entries = [{"type": "file", "oid": repo.blob_id(p), "size": len(d), "path": p,
+                    **({"lfs": {"oid": repo.sha256(p), "size": len(d), "pointerSize": 134}} if repo.is_lfs(p) else {})}
+                   for p, d in repo.files.items()]
+        entries.insert(0, {"type": "directory", "oid": "0" * 40, "size": 0, "path": "original"})
+        cursor = int((self.query.get("cursor") or ["0"])[0])
+        size = f.tree_page or len(entries)
+        pages = -(-len(entries) // size)
+        base = f"{self.hub.url}{self.url_path}"
+        if cursor < pages:
+            page = entries[cursor * size:(cursor + 1) * size]
+            more = cursor + 1 < pages or f.tree_endless is not None
+        else:  # past the real listing: the endless kind
+            page = [] if f.tree_endless == "empty" else [
+                {"type": "file", "oid": "1" * 40, "size": 1, "path": f"junk-{cursor}.txt"}]
+            more = True
+        if sum(1 for r in list(self.hub.requests) if "/tree/" in r.path) > f.endless_pages:
+            more = False  # even an endless listing ends, so a client without a page cap is slow, not hung
+        nxt = {"same": f"{base}?cursor={cursor}", "foreign": f"{self.hub.cdn_url}{self.url_path}?cursor={cursor + 1}"
+               }.get(f.tree_endless if cursor + 1 >= pages else "", f"{base}?cursor={cursor + 1}")
+        return self._api("tree", page, {"Link": f'<{nxt}>; rel="next"'} if more else None)
+
     def _search(self):
         text = (self.query.get("search") or [""])[0].lower()
         limit = int((self.query.get("limit") or ["1000"])[0])
@@ -276,7 +362,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if text in r.repo_id.lower()]
         for h in hits:
             h.pop("siblings")
-        self._json(hits[:limit])
+        self._api("search", hits[:limit])
 
     def _resolve(self, repo_id: str, rev: str, file: str):
         self._file = file
@@ -308,6 +394,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, None, "NoSuchKey")
         repo, file = found
         self._file = file
+        if "cdn" in self.hub.faults.canned:  # any answer at all, for a header read or a download
+            return self._api("cdn", None)
         if file in self.hub.faults.redirect_loop:  # a misconfigured CDN: the same URL again, forever
             return self._reply(302, headers={"Location": f"{self.hub.cdn_url}{self.path}"})
         self._body(repo, file, {"ETag": f'"{repo.sha256(file)}"'})

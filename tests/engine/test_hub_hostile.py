@@ -12,12 +12,20 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from moechat.engine import hub as hubmod
-from moechat.engine.errors import DownloadIntegrityError, HubError, UnsafeHubResponseError
+from moechat.engine import hubhttp
+from moechat.engine.errors import (
+    DownloadIntegrityError,
+    HubError,
+    NetworkError,
+    NotDownloadedError,
+    UnsafeHubResponseError,
+)
 
 SHARD = "model-00001-of-00004.safetensors"
 
@@ -178,3 +186,178 @@ def test_unsafe_names_fail(name):
     assert hubmod.unsafe_file_name(name) is not None
     with pytest.raises(ValueError):
         hubmod.RepoFile(name, 3, None, "a" * 40)
+
+
+# -- a hostile or broken Hub API: every answer bounded in pages, time and size, and checked in shape ---------------
+
+def _tree_gets(hub) -> list:
+    return [r for r in list(hub.server.requests) if "/tree/" in r.path]
+
+
+def test_a_tree_listing_ends_at_an_empty_page_whatever_its_link_says(hub):
+    f = hub.server.faults
+    f.info_without_sizes, f.tree_page, f.tree_endless = True, 4, "empty"  # pages of 4, then empty ones
+    path = hub.client.download(hub.repo)
+    assert not hubmod.snapshot_problems(path)
+    pages = -(-(len(hub.server.repos[hub.repo].files) + 1) // 4)  # the files and a folder
+    assert pages >= 3 and len(_tree_gets(hub)) == pages + 1  # and the first empty one, not a thousand
+
+
+@pytest.mark.parametrize("endless, message", [
+    ("junk", r"the Hub's tree listing \(http://127.0.0.1:\d+/api/models/tiny-org/chat-moe/tree/[0-9a-f]{40}\) is not "
+             r"usable: it goes on past 6 pages"),
+    ("same", r"the Hub's tree listing .* is not usable: page \d+ links back to a page already fetched"),
+    ("foreign", r"the Hub's tree listing .* is not usable: page \d+ links its next page to another server "
+                r"\(http://127.0.0.1:\d+\), where the token would follow"),
+])
+def test_a_tree_listing_without_end_is_one_typed_error(hub, monkeypatch, endless, message):
+    monkeypatch.setattr(hubhttp, "MAX_PAGES", 6)
+    f = hub.server.faults
+    f.info_without_sizes, f.tree_page, f.tree_endless = True, 4, endless
+    with pytest.raises(UnsafeHubResponseError, match=message + r".*nothing was written: check HF_ENDPOINT"):
+        hub.client.download(hub.repo)
+    assert len(_tree_gets(hub)) <= 6
+    assert not [r for r in hub.server.requests if r.origin == "cdn"]  # the token never went to the other server
+    assert hub.client.local_snapshot(hub.repo) is None
+
+
+def test_a_dripped_model_info_ends_at_the_metadata_deadline(hub, monkeypatch):
+    monkeypatch.setattr(hubhttp, "METADATA_DEADLINE_S", 0.6)
+    hub.server.faults.drip_s = 0.05  # ~3 kB of model info: 2.5 minutes, each byte well within the read timeout
+    start = time.monotonic()
+    with pytest.raises(NetworkError, match=r"^tiny-org/chat-moe: the Hub's model info \(http://127.0.0.1:\d+/api/"
+                       r"models/tiny-org/chat-moe/revision/main\) took more than 0.6 s \(\d+ B received\): the server "
+                       r"or the connection is too slow; try again later"):
+        hub.client.download(hub.repo)
+    assert time.monotonic() - start < 3.0
+
+
+def test_a_slow_download_that_moves_is_not_cut_by_the_metadata_deadline(hub, monkeypatch):
+    monkeypatch.setattr(hubhttp, "METADATA_DEADLINE_S", 0.5)
+    hub.server.faults.slow_s = 0.04  # 16 KiB every 40 ms: each ~250 kB shard takes ~0.6 s
+    start = time.monotonic()
+    path = hub.client.download(hub.repo)
+    assert time.monotonic() - start > 2 * 0.5  # the weights took longer than one metadata deadline, and arrived
+    assert (path / SHARD).read_bytes() == hub.server.repos[hub.repo].files[SHARD]
+
+
+@pytest.mark.parametrize("kind", ["info", "tree", "search"])
+def test_a_gzip_bomb_is_cut_off_at_the_cap_in_bounded_memory(hub, monkeypatch, kind):
+    import tracemalloc
+
+    monkeypatch.setattr(hubhttp, "MAX_METADATA_BYTES", 2 << 20)
+    f = hub.server.faults
+    f.gzip_pad[kind] = 48 << 20  # valid JSON padded to 48 MiB: ~50 kB on the wire
+    f.info_without_sizes = kind == "tree"
+    what = {"info": "model info", "tree": "tree listing", "search": "search"}[kind]
+    call = (lambda: hub.client.search("moe")) if kind == "search" else (lambda: hub.client.listing(hub.repo))
+    message = rf"the Hub's {what} \(.*\) is not usable: the body is larger than 2097152 B decompressed"
+    with pytest.raises(UnsafeHubResponseError, match=message + r" \(a real answer is far smaller\)"):
+        call()  # the server compresses its bomb once, here; the second call measures the client alone
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafeHubResponseError, match=message):
+            call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, peak  # the cap and a piece, not the 48 MiB (nor 2 GiB)
+
+
+_INFO_SHAPES = [
+    (b"<html>502 Bad Gateway</html>", r"the answer is not JSON \(JSONDecodeError"),
+    (b"[1, 2]", r"the answer is a list, not an object"),
+    (b'{"sha": 5, "siblings": []}', r"the answer.sha is 5, not a string"),
+    (b'{"sha": "main", "siblings": []}', r"sha 'main' is not a 40-hex commit id"),
+    (b'{"sha": "' + b"a" * 40 + b'", "siblings": "config.json"}', r"siblings is a string, not a list"),
+    (b'{"sha": "' + b"a" * 40 + b'", "siblings": ["config.json"]}', r"siblings\[0\] is a string, not an object"),
+    (b'{"sha": "' + b"a" * 40 + b'", "siblings": [{"rfilename": "config.json", "size": "12"}]}',
+     r"siblings\[0\].size is '12', not a byte count"),
+    (b'{"sha": "' + b"a" * 40 + b'", "siblings": [{"rfilename": "x.safetensors", "size": 1, "lfs": [1]}]}',
+     r"siblings\[0\].lfs is a list, not an object"),
+    (b'{"sha": "' + b"a" * 40 + b'", "siblings": [], "config": {"model_type": ["qwen3_moe"]}}',
+     r"the answer.config.model_type is a list, not a string"),
+    (b"[" * 100_000, r"the answer is not JSON \(RecursionError"),
+]
+
+
+@pytest.mark.parametrize("body, problem", _INFO_SHAPES)
+def test_hostile_model_info_shapes_are_one_typed_line(hub, body, problem):
+    hub.server.faults.canned["info"] = hub.module.Canned(body=body)
+    with pytest.raises(UnsafeHubResponseError, match=r"^tiny-org/chat-moe: the Hub's model info \(http://127.0.0.1:"
+                       rf"\d+/api/models/tiny-org/chat-moe/revision/main\) is not usable: {problem}") as e:
+        hub.client.download(hub.repo)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind, body, problem", [
+    ("tree", b'{"files": []}', r"page 1 is an object, not a list"),
+    ("tree", b'[{"type": "file", "size": 3}]', r"page 1\[0\].path is missing"),
+    ("tree", b'[{"type": "file", "path": "config.json", "size": 3, "lfs": {"size": 3}}]',
+     r"page 1\[0\].lfs.oid is missing"),
+    ("search", b'{"models": []}', r"the answer is an object, not a list"),
+    ("search", b'[{"id": 7}]', r"result\[0\].id is 7, not a string"),
+    ("search", b'[{"id": "a/b", "downloads": "many"}]', r"result\[0\].downloads is 'many', not an integer"),
+    ("search", b'[{"id": "a/b", "safetensors": {"total": -1}}]', r"result\[0\].safetensors.total is -1, not a byte"),
+])
+def test_hostile_tree_and_search_shapes_are_one_typed_line(hub, kind, body, problem):
+    hub.server.faults.canned[kind] = hub.module.Canned(body=body)
+    hub.server.faults.info_without_sizes = True
+    what = {"tree": "tree listing", "search": "search"}[kind]
+    with pytest.raises(UnsafeHubResponseError, match=rf"the Hub's {what} \(.*\) is not usable: {problem}"):
+        hub.client.search("moe") if kind == "search" else hub.client.listing(hub.repo)
+
+
+def test_a_hostile_safetensors_header_is_one_typed_line(hub, tmp_path):
+    from moechat.engine.hardware import probe
+
+    bad = b'{"w": {"dtype": "F32", "shape": [2, "x"], "data_offsets": [0, 8]}}'
+    hub.server.faults.canned["cdn"] = hub.module.Canned(status=206, body=len(bad).to_bytes(8, "little") + bad)
+    hardware = probe(tmp_path, nvml=None, cuda=None).with_overrides(vram_gb=0, ram_gb=16, disk_gb=100)
+    with pytest.raises(UnsafeHubResponseError, match=r"the Hub's safetensors header of model-0000\d-of-00004."
+                       r"safetensors \(.*\) is not usable: tensor 'w'.shape \[2, 'x'\] is not a list of sizes"):
+        hub.client.fit(hub.repo, hardware=hardware)
+
+
+def test_a_file_name_too_long_for_the_file_system_is_refused_up_front(hub, tmp_path):
+    victim = _victim(tmp_path)
+    hub.server.faults.listing_patch["tokenizer.json"] = {"rfilename": "t" * 300 + ".json"}
+    result, log = _record(lambda: hub.client.download(hub.repo))
+    assert isinstance(result, UnsafeHubResponseError), result
+    assert "is 305 bytes long, more than a file name may be (255)" in str(result)
+    assert "nothing was written" in str(result)
+    repo = hub.cache / "models--tiny-org--chat-moe"
+    assert not [p for ev, p in log if ev != "open-read" and _inside(p, repo)]  # not one blob, link or folder
+
+
+@pytest.mark.parametrize("name, why", [
+    ("é" * 127 + ".json", "is 259 bytes long, more than a file name may be (255)"),  # 132 characters, 259 bytes
+    ("\udc80.json", "is not valid Unicode"),
+])
+def test_names_the_file_system_cannot_take_fail(name, why):
+    assert why in hubmod.unsafe_file_name(name)
+    assert hubmod.unsafe_file_name("a" * 250 + ".json") is None
+
+
+def test_a_damaged_ref_is_ignored_and_main_resolved_by_the_snapshot(hub):
+    path = hub.client.download(hub.repo)
+    ref = hub.cache / "models--tiny-org--chat-moe" / "refs" / "main"
+    ref.write_bytes(b"\xff\xfe\x00\x9c not a commit")
+    assert hub.client.cached_sha(hub.repo) is None
+    assert hub.client.resolve(hub.repo) == path and hub.client.local_snapshot(hub.repo) == path
+    hub.client.download(hub.repo)  # online, the pull writes it again
+    assert ref.read_text() == hub.server.repos[hub.repo].sha
+
+
+def test_a_complete_snapshot_without_a_ref_is_usable_and_two_are_told_apart(hub):
+    import shutil
+
+    path = hub.client.download(hub.repo)
+    (hub.cache / "models--tiny-org--chat-moe" / "refs" / "main").unlink()
+    assert hub.client.resolve(hub.repo) == path
+    shutil.copytree(path, path.with_name("b" * 40), symlinks=True)  # another complete commit, no ref to choose
+    with pytest.raises(NotDownloadedError, match=r"^tiny-org/chat-moe: refs/main is missing or damaged and 2 "
+                       r"complete snapshots are cached \(.*\): run moechat pull tiny-org/chat-moe to settle main, or "
+                       r"name one with --revision <commit>$"):
+        hub.client.resolve(hub.repo)
+    assert hub.client.resolve(hub.repo, revision="b" * 40) == path.with_name("b" * 40)
