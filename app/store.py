@@ -15,7 +15,7 @@ copies what can be read into an in-memory database, the write is made there, `pr
 and `on_problem` (the app's notice) is called once; the chat goes on, kept in memory for the rest of the
 session. Exports are written whole or not at all.
 
-Nothing is written to a file before it has been checked, on a read-only connection: `PRAGMA quick_check`
+Nothing is written to a file before it has been checked, on a read-only connection: `PRAGMA integrity_check`
 (~0.1 s for 100 MB), then the marker (`application_id`) or, on files of versions 1-2 that have none, the schema.
 A damaged file is never written: it is renamed `chats.sqlite3.damaged-<time>` (its -wal beside it), what can be
 read is recovered (the sqlite3 CLI's `.recover` when it is installed, else row by row, skipping rows that fail)
@@ -110,6 +110,17 @@ def default_path() -> Path:
     return data_dir() / "chats.sqlite3"
 
 
+def _stats(text) -> dict | None:
+    """A reply's saved stats; None for none, or for a value a damaged (recovered) row left unreadable."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def title_of(text: str) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     line = re.sub(r"\s+", " ", line)
@@ -148,7 +159,7 @@ class Inspection:
 
 
 def inspect(path: str | Path) -> Inspection:
-    """Check a chat file without writing it: integrity (quick_check), then its marker or schema and version."""
+    """Check a chat file without writing it: integrity (integrity_check: b-trees, key order, indexes against tables), then its marker or schema and version."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -165,13 +176,14 @@ def inspect(path: str | Path) -> Inspection:
         raise
     try:
         try:
-            check = [row[0] for row in db.execute("PRAGMA quick_check")]
+            check = [row[0] for row in db.execute("PRAGMA integrity_check")]
             app_id = db.execute("PRAGMA application_id").fetchone()[0]
             version = db.execute("PRAGMA user_version").fetchone()[0]
             names = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
                                                     "AND name NOT LIKE 'sqlite_%'")]
-            tables = {name: {c[0] for c in db.execute("SELECT name FROM pragma_table_info(?)", (name,))}
-                      for name in names}
+            info = {name: {c[0]: (str(c[1]).upper(), c[2]) for c in
+                           db.execute("SELECT name, type, pk FROM pragma_table_info(?)", (name,))} for name in names}
+            tables = {name: set(cols) for name, cols in info.items()}
         except sqlite3.Error as e:
             if _corrupt(e):
                 return Inspection("damaged", str(e))
@@ -188,6 +200,8 @@ def inspect(path: str | Path) -> Inspection:
     if not ours:
         return Inspection("foreign", f"it holds the tables {', '.join(sorted(tables)) or '(none)'}, not moechat's"
                           if app_id == 0 else "moechat's tables are missing")
+    if any(info[name]["id"] != ("INTEGER", 1) for name in COLUMNS):  # the schema's text itself was damaged
+        return Inspection("damaged", "the schema of moechat's tables is damaged (their ids are no longer keys)")
     if version > SCHEMA_VERSION:
         return Inspection("newer", f"its schema version is {version}; this moechat reads up to {SCHEMA_VERSION}",
                           version)
@@ -436,10 +450,12 @@ class ChatStore:
         memory = self._connect(":memory:")
         try:
             self.db.backup(memory)  # what the file holds so far (readable even when another writer locks it)
-            ok = [row[0] for row in memory.execute("PRAGMA quick_check")] == ["ok"]
+            ok = [row[0] for row in memory.execute("PRAGMA integrity_check")] == ["ok"]
             if ok:
                 with memory:
                     self._create(memory)
+                    # the copy takes the file's header: one that says "read-only" (a write version above 2) too
+                    memory.execute(f"PRAGMA user_version={memory.execute('PRAGMA user_version').fetchone()[0]}")
         except sqlite3.Error:
             ok = False
         if not ok:  # damaged pages would fail again in memory: the rows that can be read, one by one
@@ -560,7 +576,7 @@ class ChatStore:
                                                 (conversation_id,)).fetchall())
         messages = tuple(
             SavedMessage(r["id"], r["role"], r["content"], "interrupted" if r["status"] == "streaming" else r["status"],
-                         json.loads(r["stats"]) if r["stats"] else None, r["thinking"])
+                         _stats(r["stats"]), r["thinking"])
             for r in rows)
         return SavedConversation(c["id"], c["title"] or "(untitled)", c["model"], c["system"], c["created"],
                                  c["updated"], messages)

@@ -27,14 +27,22 @@ sorted by token then layer).
 from __future__ import annotations
 
 import json
+import os
 import zipfile
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..files import atomic_write
+from ..errors import MoechatError
+from ..files import atomic_write, open_regular
+
+
+class TraceError(MoechatError, ValueError):
+    """A file that is not a routing trace this version reads (damaged, truncated, another format); a ValueError too,
+    as `RoutingTrace.load` raised before."""
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -106,21 +114,24 @@ class RoutingTrace:
 
     @classmethod
     def load(cls, path) -> RoutingTrace:
-        """moechat's own .npz, or either converted trace of ../shared/traces; ValueError for anything else."""
+        """moechat's own .npz, or either converted trace of ../shared/traces; TraceError (a ValueError) for anything
+        else: a damaged or truncated file, a FIFO or a directory, arrays of the wrong shape or type."""
         path = Path(path)
+        fd = open_regular(path, "routing trace", error=TraceError)  # FileNotFoundError passes; a FIFO never blocks
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
-        except FileNotFoundError:
-            raise
-        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise ValueError(f"{path}: not a routing trace: cannot read it as .npz ({exc})") from exc
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, MemoryError, KeyError, TypeError,
+                AttributeError, NotImplementedError, RuntimeError) as exc:  # AttributeError: a bare .npy, not a zip
+            raise TraceError(f"{path}: not a routing trace: cannot read it as .npz ({exc})") from None
         meta = {}
         if "meta_json" in arrays:
             try:
                 meta = json.loads(str(arrays["meta_json"]))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: meta_json is not JSON ({exc})") from exc
+            except (ValueError, RecursionError) as exc:
+                raise TraceError(f"{path}: meta_json is not JSON ({exc})") from None
+            if not isinstance(meta, dict):
+                raise TraceError(f"{path}: meta_json must be a JSON object, found {type(meta).__name__}")
         keys = set(arrays)
         try:
             if meta.get("format") == FORMAT:
@@ -129,15 +140,19 @@ class RoutingTrace:
                 return cls._from_token_layer_table(arrays, meta)
             if {"experts", "layer", "token_idx", "problem_id", "dataset"} <= keys and arrays["experts"].ndim == 2:
                 return cls._from_flat_decode_table(arrays, meta)
+        except TraceError:
+            raise
         except KeyError as exc:
-            raise ValueError(f"{path}: routing trace lacks the array {exc}") from exc
-        raise ValueError(f"{path}: not a routing trace this version reads (arrays: {', '.join(sorted(keys))}); "
+            raise TraceError(f"{path}: routing trace lacks the array {exc}") from None
+        except (ValueError, TypeError, IndexError, OverflowError, MemoryError) as exc:  # shapes, types, ranges
+            raise TraceError(f"{path}: not a valid routing trace ({exc})") from None
+        raise TraceError(f"{path}: not a routing trace this version reads (arrays: {', '.join(sorted(keys))}); "
                          f"expected moechat's format ({FORMAT}) or a converted trace of shared/traces")
 
     @classmethod
     def _from_moechat(cls, a: dict, meta: dict, path: Path) -> RoutingTrace:
         if meta.get("version") != VERSION:
-            raise ValueError(f"{path}: routing trace version {meta.get('version')}; this moechat reads {VERSION}")
+            raise TraceError(f"{path}: routing trace version {meta.get('version')}; this moechat reads {VERSION}")
         return cls(int(meta["num_layers"]), int(meta["num_experts"]), int(meta["top_k"]), a["layer"], a["token"],
                    a["phase"], a["topk_ids"], str(meta.get("model", "")), a["sequence"])
 
