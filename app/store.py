@@ -413,6 +413,7 @@ class ChatStore:
     def _connect(cls, where: str) -> sqlite3.Connection:
         db = sqlite3.connect(where, timeout=cls.BUSY_TIMEOUT_S)
         db.row_factory = sqlite3.Row
+        db.text_factory = lambda b: b.decode("utf-8", "replace")  # a damaged byte in a message is not a crash
         db.execute("PRAGMA foreign_keys=ON")
         return db
 
