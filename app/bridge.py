@@ -174,8 +174,11 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
         progress(f"loading {path.name} on {device} with {fmt} experts"
                  + (" (the first start converts every expert into a repacked file: minutes for a big model)"
                     if first else " (from the repacked file written at the first start)"))
-    return Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache,
-                       expert_format=None if fmt == "native" else fmt)
+    engine = Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache,
+                         expert_format=None if fmt == "native" else fmt)
+    for notice in engine.notices:  # e.g. a tokenizer far smaller than the model's embedding
+        progress(f"warning: {notice}")
+    return engine
 
 
 def _cache_defaults(path: Path, device: str, options: LoadOptions, progress) -> tuple[int | None, int | None]:

@@ -132,6 +132,10 @@ def load_engine_from_args(args: argparse.Namespace, check=None):
     cache = cache_config_from_args(args, device)
     engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
                          expert_format=args.expert_format)
+    from moechat.app.fit import warn
+
+    for notice in engine.notices:  # e.g. a tokenizer far smaller than the model's embedding
+        warn(notice)
     if cache is not None and cache.expert_slots is None and args.ram_cache_mb is not None:
         _explain_ram_cache_alone(engine, args.ram_cache_mb)
     return engine

@@ -112,6 +112,7 @@ class Engine:
         self.context = context
         self.prefill_chunk = prefill_chunk
         self.profile_path: Path | None = None  # where this model's routing profile is saved (cached only)
+        self.notices: list[str] = []  # what a user should know about this model, a line each (CLI and app show them)
         eos = _ids(generation_config.get("eos_token_id")) + _ids(loaded.args.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
@@ -139,6 +140,8 @@ class Engine:
         loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context or DEFAULT_CONTEXT,
                             resident_experts=cache is None, expert_format=expert_format,
                             repack_dir=cache.repack_dir if cache is not None else None)
+        # a tokenizer with ids past the embedding is refused; one far smaller than it gets a notice
+        notice = tokenizer.check_fits(loaded.args.vocab_size, str(model_dir)) if tokenizer is not None else None
         context = loaded.model.max_positions  # clamped to the model's own maximum
         if loaded.expert_format.name != "dense" or (loaded.device.type == "cpu" and loaded.dtype == torch.bfloat16):
             # Packed experts run on the CPU (a CPU engine, or host misses), and bf16 decode attention on a CPU:
@@ -152,6 +155,7 @@ class Engine:
             provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
                                              loaded.device, cache, loaded.expert_format, loaded.native_format)
         engine = cls(loaded, tokenizer, template, generation_config, context, prefill_chunk, provider)
+        engine.notices.extend(n for n in (notice,) if n)
         if provider is not None:
             provider.set_predictor(Predictor.from_model(loaded.model))
             engine.profile_path = profile_path(model_dir, cache.profile_dir)

@@ -195,6 +195,29 @@ class Tokenizer:
         """Number of ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_id(self) -> int:
+        """The largest id encode() can produce (ids may have gaps, so not always vocab_size - 1)."""
+        return max(self._backend.get_vocab(with_added_tokens=True).values(), default=-1)
+
+    def check_fits(self, model_vocab_size: int, where: str) -> str | None:
+        """Refuse a tokenizer whose ids the model's embedding does not have (TokenizerError); return a notice when
+        it is much smaller than the embedding, else None.
+
+        Real models pad the embedding past the tokenizer (Qwen3 151,669 tokens in 151,936 rows, gpt-oss 200,019 in
+        201,088), so only a tokenizer under half the rows is worth a word: most likely another model's.
+        """
+        if self.max_id >= model_vocab_size:
+            raise TokenizerError(
+                f"{where}: the tokenizer has {self.vocab_size:,} tokens (ids up to {self.max_id:,}) but the model's "
+                f"vocab_size is {model_vocab_size:,}, so some ids have no embedding row: this tokenizer.json belongs "
+                "to another model; put the model's own tokenizer files beside its weights"
+            )
+        if self.vocab_size * 2 < model_vocab_size:
+            return (f"the tokenizer has {self.vocab_size:,} tokens but the model has {model_vocab_size:,} embedding "
+                    "rows: it may be another model's tokenizer, and the output garbage; check tokenizer.json")
+        return None
+
     @property
     def backend(self) -> tokenizers.Tokenizer:
         return self._backend

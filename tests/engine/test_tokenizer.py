@@ -386,3 +386,57 @@ def test_stream_window_stays_small(pair, monkeypatch):
     deltas = _stream(tok, ids)
     assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
     assert max(sizes) <= 16  # a window of a few tokens, not the whole text
+
+
+# -- a tokenizer that does not fit the model (issue 25) --------------------------------------------------------
+
+def _model_with_vocab(tmp_path_factory, tiny_chat_model, vocab_size: int):
+    """A tiny qwen3_moe with `vocab_size` embedding rows beside tiny_chat_model's tokenizer (~400 tokens)."""
+    import shutil
+
+    from tests.conftest import TINY_MODELS, build_tiny_model
+
+    source = tiny_chat_model[0]
+    path = tmp_path_factory.mktemp(f"vocab_{vocab_size}")
+    build_tiny_model(path, "qwen3_moe", dict(TINY_MODELS["qwen3_moe"][1], vocab_size=vocab_size), seed=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    return path
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused(tmp_path_factory, tiny_chat_model):
+    """Old: ids past the embedding reached the model (an index error mid-prefill, or garbage on a GPU)."""
+    from moechat.engine.generate import Engine
+
+    tok = Tokenizer.from_model_dir(tiny_chat_model[0])
+    path = _model_with_vocab(tmp_path_factory, tiny_chat_model, 300)
+    with pytest.raises(TokenizerError) as e:
+        Engine.load(path, dtype="float32", context=64)
+    message = str(e.value)
+    assert f"{tok.vocab_size:,} tokens (ids up to {tok.max_id:,})" in message and "vocab_size is 300" in message
+    assert "\n" not in message
+
+
+def test_a_tokenizer_far_smaller_than_the_embedding_gets_a_notice(tmp_path_factory, tiny_chat_model):
+    """Old: a 400-token tokenizer on a 4,096-row model ran and printed garbage, silently."""
+    from moechat.engine.generate import Engine
+
+    tok = Tokenizer.from_model_dir(tiny_chat_model[0])
+    engine = Engine.load(_model_with_vocab(tmp_path_factory, tiny_chat_model, 4096), dtype="float32", context=64)
+    assert len(engine.notices) == 1
+    assert f"{tok.vocab_size:,} tokens but the model has 4,096 embedding rows" in engine.notices[0]
+
+
+def test_a_padded_embedding_is_normal(tmp_path_factory, tiny_chat_model):
+    """Real models pad their rows past the tokenizer (Qwen3: 151,669 tokens, 151,936 rows): no notice."""
+    from moechat.engine.generate import Engine
+
+    tok = Tokenizer.from_model_dir(tiny_chat_model[0])
+    assert Engine.load(tiny_chat_model[0], dtype="float32", context=64).notices == []
+    padded = _model_with_vocab(tmp_path_factory, tiny_chat_model, tok.max_id + 1 + 256)
+    assert Engine.load(padded, dtype="float32", context=64).notices == []
+    assert tok.check_fits(tok.max_id + 1, "m") is None
+    with pytest.raises(TokenizerError):
+        tok.check_fits(tok.max_id, "m")
+    assert tok.check_fits(2 * tok.vocab_size + 1, "m") is not None and tok.check_fits(2 * tok.vocab_size, "m") is None
