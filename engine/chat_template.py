@@ -13,12 +13,17 @@ Design:
 * Every failure becomes a one-line ``ChatTemplateError`` (template) or ``ConfigError`` (files). One deliberate
   difference: reading an unsafe attribute (``x.__class__``, ``list.append``) fails at once, where Jinja would
   hand back an Undefined that renders as ''. Real templates never do this; an escape attempt should be loud.
-* Rendering is bounded, because a template is code from the Hub: in output size (``'x' * 10**9``, ``~``
-  concatenation, ``+``, ``%`` formatting, a filter's or method's width argument and result, and the output
-  stream itself are checked against ``max_chars`` before or as they grow), in work (template lines executed,
-  counted by a trace function on the template's own frames only: ~0.3 us a line; a 400-message chat
-  through GLM-4.6's template runs ~12k lines, the cap is 2M) and in time (10 s), and it is cancellable (a
-  ``threading.Event`` checked every 256 lines). Three nested ``range(100000)`` loops fail in about a second.
+* Rendering is bounded, because a template is code from the Hub, and every bound is checked *before* the value
+  is built (one C call, such as str() of a list or a sort, cannot be interrupted): strings at ``max_chars``
+  (``*``, ``+``, ``~``, ``%``/format fields and widths, each str method and filter by what it adds to its input),
+  lists and dicts at 200,000 items (``*``, ``+``, every filter that consumes or builds a sequence; a generator is
+  read into a capped list), the text of a list or dict (output, ``string``, ``tojson``, ``join``, ``~``) by a walk
+  capped at 200,000 items (shared sub-lists count each time), integers at 65,536 bits, the filters that split text
+  into words in Python (wordwrap, urlize, title, striptags, wordcount) at 1M characters, lipsum at 100k words,
+  pprint at 20k items. So each call ends well under a second; work is bounded by template lines (a trace function
+  on the template's frames only: ~0.3 us a line; a 400-message chat through GLM-4.6's template runs ~12k lines,
+  the cap is 2M), and a watchdog thread flags the 10 s deadline, the memory cap and the caller's cancel event,
+  checked at every template line and sandbox hook. Three nested ``range(100000)`` loops fail in about a second.
 """
 
 from __future__ import annotations
@@ -625,8 +630,8 @@ _FILTER_CHECKS = {
     "batch": _check_batch, "slice": _check_slice, "reverse": _check_reverse, "join": _check_join,
     "sum": _sum_linear, "string": _check_string, "tojson": _check_tojson, "pprint": _check_pprint,
     "format": _check_format_filter, "xmlattr": _check_xmlattr, "urlencode": _check_urlencode,
-    **{name: _sized_input(f"a {name}") for name in ("sort", "dictsort", "groupby", "unique", "list", "min", "max", "map",
-                                                        "select", "reject", "selectattr", "rejectattr")},
+    **{name: _sized_input(f"a {name}") for name in ("sort", "dictsort", "groupby", "unique", "list", "min", "max",
+                                                    "map", "select", "reject", "selectattr", "rejectattr")},
     **{name: _text_check(lambda b, a, s, n: n * _ascii_or(s, 3)) for name in ("upper", "lower", "capitalize")},
     "title": _text_check(_wordy(3)),
     "striptags": _text_check(_wordy()),
@@ -1155,7 +1160,7 @@ class ChatTemplate:
 
         Bounded (module docstring): past ``max_chars`` characters of output (or of any string the template builds),
         2M template lines or 10 s it stops with a ChatTemplateError; ``cancel`` set stops it with
-        GenerationCancelled within 256 template lines.
+        GenerationCancelled within ~20 ms (the watchdog's period).
         """
         chat = _prepare_messages(messages)
         tool_schemas = _prepare_tools(tools)

@@ -29,7 +29,8 @@ HOSTILE = {
     "method width": ("{{ 'x'.ljust(999999999) }}", "a call to ljust"),
     "percent width": ("{{ '%1000000000d' % 1 }}", "a width of more than 9,999,999"),
     "format width": ("{{ '{:1000000000}'.format(1) }}", "a width of more than 9,999,999"),
-    "replace": ("{{ ('x' * 1000000)|replace('x', 'y' * 2000) }}", "the result of the replace filter would be 2,000,000,000"),
+    "replace": ("{{ ('x' * 1000000)|replace('x', 'y' * 2000) }}",
+                "the result of the replace filter would be 2,000,000,000"),
     "join": ("{{ (range(100000)|list)|join('x' * 100000) }}", "a join would be 10,00"),
     "output": ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "the rendered prompt would be"),
     "recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed too deeply"),
@@ -268,7 +269,8 @@ def test_a_500_message_chat_with_tools_renders_through_real_templates(path):
 
 
 def test_a_500_message_chat_through_tojson_and_loops_renders():
-    source = ("{{ tools | tojson(indent=2) }}{% for m in messages %}{{ m | tojson }}{{ m.content.split('\\n') | length }}"
+    source = ("{{ tools | tojson(indent=2) }}{% for m in messages %}{{ m | tojson }}"
+              "{{ m.content.split('\\n') | length }}"
               "{% for line in m.content.splitlines() %}{{ line | trim | upper | length }}{% endfor %}"
               "{{ m.content | replace('fox', 'cat') | wordcount }}{% endfor %}{{ messages | map(attribute='role')"
               " | unique | list | join(',') }}{{ messages | selectattr('role', 'eq', 'user') | list | length }}")
@@ -282,7 +284,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402 - the fuzzing 
 from hypothesis import strategies as st  # noqa: E402
 
 _LITERALS = st.sampled_from(["0", "3", "1000", "100000", "10**6", "''", "'a'", "'ab c-d'", "'x\\n\\ty'", "'ß<&>'",
-                             "'%s'", "'{}'", "('ab ' * 50000)", "(range(1000) | list)", "[1, 'a']", "[[1], [2, 3]]", "{'k': [1, 2]}", "range(100000)",
+                             "'%s'", "'{}'", "('ab ' * 50000)", "(range(1000) | list)", "[1, 'a']", "[[1], [2, 3]]",
+                             "{'k': [1, 2]}", "range(100000)",
                              "none", "true", "2.5", "messages", "lipsum(2, false, 5, 10)",
                              "lipsum(1000, false, 5, 1000)", "namespace(a=[1])", "dict(a='b')"])
 _FILTERS = st.sampled_from([
