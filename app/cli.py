@@ -21,9 +21,8 @@ from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 from .argtypes import finite_float as _finite_float
 from .argtypes import non_negative_float as _non_negative_float
 from .argtypes import non_negative_int as _non_negative_int
-from .argtypes import positive_int as _positive_int
 from .argtypes import utf8_text as _utf8_text
-from .engine_args import add_load_args
+from .engine_args import add_load_args, context_length, say_clamp
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -66,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "medium for gpt-oss)")
     run.add_argument("--show-thinking", action="store_true", help="stream the model's reasoning to stderr "
                      "(dimmed on a terminal); by default only the answer is printed")
-    run.add_argument("--max-tokens", type=_positive_int, metavar="N", help="tokens to generate at most "
-                     "(default: the model's max_new_tokens, else 512)")
+    run.add_argument("--max-tokens", type=context_length, metavar="N", help="tokens to generate at most "
+                     "(default: the model's max_new_tokens, else 512; at most what the context leaves, said if lower)")
     run.add_argument("--temperature", type=_non_negative_float, metavar="T", help="0 = greedy (default: the "
                      "model's generation_config.json)")
     run.add_argument("--top-k", type=_non_negative_int, metavar="K", help="sample among the K likeliest tokens "
@@ -91,7 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_remote_args(add_chat_parser(sub))  # chat --remote URL: the app on any OpenAI-compatible server
     add_pull_parser(sub)
     add_serve_parser(sub)
+    parser.run_parser = run  # main's checks between flags end in its usage line
     return parser
+
+
+def _check_run_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that contradict each other, refused at parse time (exit 2) rather than one of them ignored."""
+    if args.system is not None and (args.raw or args.prompt_ids is not None):
+        without = "--raw" if args.raw else "--prompt-ids"
+        parser.run_parser.error(f"--system is a chat-template message and {without} sends no chat template: drop "
+                                f"--system, or put the system text in the prompt yourself")
 
 
 def _check_run_args(args: argparse.Namespace, device: str) -> None:
@@ -131,6 +139,10 @@ def _run(args: argparse.Namespace) -> int:
         effort = {} if args.reasoning_effort is None else {"reasoning_effort": args.reasoning_effort}
         prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": args.prompt}], **effort)
         reasoning = engine.reasoning_parser(prompt_ids)
+    room = engine.context - len(prompt_ids)
+    if args.max_tokens is not None and 0 < room < args.max_tokens:
+        say_clamp(args, "--max-tokens", args.max_tokens, room, f"the {len(prompt_ids):,}-token prompt leaves "
+                  f"{room:,} of the {engine.context:,}-token context")
     cancel = threading.Event()
     token_ids: list[int] = []
     text: list[str] = []
@@ -196,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
             "prefill_tokens_per_s": last.prefill_tokens_per_s if last else 0.0,
             "decode_tokens_per_s": last.decode_tokens_per_s if last else 0.0,
             "cache": cache_json,
+            "clamps": getattr(args, "clamps", None) or [],  # each flag value moechat lowered: asked, got, why
         }))
     else:
         sys.stdout.write("\n")
@@ -272,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     debug, argv = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     args = None
     try:
-        args = build_parser().parse_args(argv)  # --version and --help print too
+        parser = build_parser()
+        args = parser.parse_args(argv)  # --version and --help print too
+        if args.command == "run":
+            _check_run_flags(parser, args)
         code = guarded(lambda: _flushed(_dispatch, args), debug=debug)
     except BrokenPipeError:  # raised outside the guard: printing --version into a closed pipe
         code = _closed_stdout()

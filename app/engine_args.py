@@ -17,6 +17,45 @@ from .argtypes import positive_int as _positive_int
 from .argtypes import prefetch_depth as _prefetch_depth
 
 
+def _at_most(limit: int, unit: str, why: str, minimum=_positive_int):
+    """An argparse type: `minimum`'s whole number, refused above `limit` (a value no model could use: a typo, or an
+    int64 overflow later) with one usage line that says why."""
+    def parse(text: str) -> int:
+        value = minimum(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"expected at most {limit:,} {unit} ({why}), got {value:,}")
+        return value
+
+    parse.__name__ = minimum.__name__  # argparse names the type in its "invalid ... value" line
+    return parse
+
+
+def _caps():
+    from moechat.engine.validate import MAX_CONTEXT, MAX_EXPERTS, MAX_LAYERS  # pure Python
+
+    return MAX_CONTEXT, MAX_EXPERTS, MAX_LAYERS
+
+
+_MAX_CONTEXT, _MAX_EXPERTS, _MAX_LAYERS = _caps()
+# Shared with `moechat fit --context` and `run --max-tokens`: tokens past any model's positions.
+context_length = _at_most(_MAX_CONTEXT, "tokens", "more positions than any model moechat loads has")
+expert_slots = _at_most(_MAX_LAYERS * _MAX_EXPERTS, "slots", "more experts than any model moechat loads has")
+host_layers = _at_most(_MAX_LAYERS, "layers", "more layers than any model moechat loads has",
+                       minimum=_non_negative_int)
+ram_cache_mb = _at_most(1 << 30, "MiB", "1 PiB", minimum=_non_negative_int)
+
+
+def say_clamp(args: argparse.Namespace, flag: str, asked, got, why: str) -> None:
+    """A value moechat lowered (or did not apply): one stderr line with what was asked, what it got and why, and an
+    entry in `args.clamps` for the --json output. No clamp is silent."""
+    from moechat.app.fit import warn
+
+    warn(f"{flag} {asked}: using {got}: {why}")
+    if getattr(args, "clamps", None) is None:
+        args.clamps = []
+    args.clamps.append({"flag": flag, "asked": asked, "got": got, "why": why})
+
+
 def _policies() -> list[str]:
     from moechat.engine.cache.policy import POLICIES  # pure Python: no torch at start-up
 
@@ -45,16 +84,16 @@ def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True)
     """--dtype, --context, --device and the "expert cache" argument group (with --record-trace when asked)."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="compute dtype (default: the checkpoint's)")
-    parser.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
-                        "cache for (default 4096, at most the model's)")
+    parser.add_argument("--context", type=context_length, metavar="N", help="context length to allocate the KV "
+                        "cache for (default 4096, at most the model's: a larger value is lowered, and said)")
     parser.add_argument("--device", default=None, help="compute device: cpu, cuda or cuda:N (default: "
                         "cuda if available, else cpu)")
     cache = parser.add_argument_group("expert cache", "keep only N experts on the compute device, the rest in RAM "
                                       "or on disk (default: every expert resident)")
-    cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")
+    cache.add_argument("--expert-slots", type=expert_slots, metavar="N", help="slots for experts on the device")
     cache.add_argument("--policy", choices=_policies(), help="eviction policy of the slots (default: %(default)s)",
                        default=_default_policy())
-    cache.add_argument("--ram-cache-mb", type=_non_negative_int, metavar="MB", help="bound the RAM tier to MB; "
+    cache.add_argument("--ram-cache-mb", type=ram_cache_mb, metavar="MB", help="bound the RAM tier to MB; "
                        "experts beyond it stream from disk (default: every expert in RAM)")
     if record_trace:
         cache.add_argument("--record-trace", metavar="PATH", help="save the routing trace of this run as .npz")
@@ -67,7 +106,7 @@ def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True)
                        "it on the CPU straight from the RAM tier, sending only activations), or auto (a cost model "
                        "from measured numbers decides per miss; on a CPU-only machine that is always host: no copy). "
                        "Default: auto")
-    cache.add_argument("--host-layers", type=_non_negative_int, default=0, metavar="N",
+    cache.add_argument("--host-layers", type=host_layers, default=0, metavar="N",
                        help="keep every expert of the first N MoE layers on the host, never slotted (like "
                        "llama.cpp's --n-cpu-moe)")
     cache.add_argument("--repack-dir", metavar="DIR", help="stream experts from a repacked copy kept in DIR "
@@ -138,7 +177,35 @@ def load_engine_from_args(args: argparse.Namespace, check=None):
         warn(notice)
     if cache is not None and cache.expert_slots is None and args.ram_cache_mb is not None:
         _explain_ram_cache_alone(engine, args.ram_cache_mb)
+    say_load_clamps(args, engine)
     return engine
+
+
+def say_load_clamps(args: argparse.Namespace, engine) -> None:
+    """Each load flag the engine could not take as given, said (`say_clamp`): a context past the model's positions,
+    more slots than the model has experts, more host layers than MoE layers, host layers with every expert resident
+    or with no RAM tier to compute from."""
+    if args.context is not None and engine.context < args.context:
+        say_clamp(args, "--context", args.context, engine.context, f"the model has {engine.context:,} positions "
+                  "(max_position_embeddings)")
+    loaded, provider = engine.loaded, engine.provider
+    moe_layers = len(loaded.cls.moe_layers(loaded.args)) if loaded.cls is not None else None
+    snap = engine.cache_snapshot()
+    if snap is not None and args.expert_slots is not None and snap.num_slots < args.expert_slots:
+        say_clamp(args, "--expert-slots", args.expert_slots, snap.num_slots, f"the model has {snap.num_slots:,} "
+                  "routed experts, and a slot holds one")
+    asked = getattr(args, "host_layers", 0) or 0
+    if asked:
+        got = len(getattr(provider, "host_layers", ()) or ())
+        if snap is None:
+            why = (f"every expert is resident on the {loaded.device.type} (no --expert-slots or --ram-cache-mb), so "
+                   "none needs the host")
+        elif got == 0:
+            why = "the experts stream from disk, and there is no RAM tier to compute them from"
+        else:
+            why = f"the model has {moe_layers:,} MoE layers"
+        if got < asked:
+            say_clamp(args, "--host-layers", asked, got, why)
 
 
 def _explain_ram_cache_alone(engine, ram_cache_mb: int) -> None:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from .argtypes import non_negative_float as _non_negative_float
-from .argtypes import positive_int as _positive_int
+from .engine_args import context_length  # no torch
 
 EXIT_REFUSED = 3
 EXPERT_FORMATS = ("native", "int8", "int4")  # moechat run --expert-format (engine/format_plan.py FORMATS)
@@ -35,8 +35,9 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
     fit.add_argument("model", metavar="MODEL", help="model directory (config.json alone is enough) or a Hub repo id "
                      "(org/name: read from the Hub's metadata, without downloading the weights)")
     fit.add_argument("--json", action="store_true", help="print the plan, model spec and hardware as one JSON object")
-    fit.add_argument("--context", type=_positive_int, metavar="N", help="tokens of KV cache to plan for (default: "
-                     "4096, lowered if needed; with --prefer context, the model's maximum)")
+    fit.add_argument("--context", type=context_length, metavar="N", help="tokens of KV cache to plan for (default: "
+                     "4096, lowered if needed; with --prefer context, the model's maximum; a value past the model's "
+                     "is lowered to it, and said)")
     fit.add_argument("--vram-gb", type=_non_negative_float, metavar="GIB", help="what if the GPU had this much free "
                      "memory (0: no GPU)")
     fit.add_argument("--ram-gb", type=_non_negative_float, metavar="GIB", help="what if this much RAM were available")
@@ -134,7 +135,7 @@ def hub_refusal(repo_id: str, config: dict, headers: dict, dtype: str | None = N
 def checked_fit_spec(model: str, dtype: str | None = None):
     """(the ModelSpec fit plans, or None when it cannot be read; why `run` refuses the model, or None): app/pull.py's
     `fit_spec` beside the loader's checks over the same files (a folder, a downloaded snapshot) or the same
-    headers (a Hub repo, fetched once for both)."""
+    headers (a Hub repo: the loader's checks over the headers fetched here)."""
     from moechat.engine.hub import INDEX_FILE, Hub, is_offline, looks_like_repo_id
     from moechat.engine.validate import check_index
 
@@ -170,7 +171,7 @@ def checked_fit_spec(model: str, dtype: str | None = None):
     if shards is None and len(listing.weight_files) == 1:
         shards = dict.fromkeys(headers, listing.weight_files[0].path)
     refused = hub_refusal(model, hub._fetch_json(model, "config.json", listing), headers, dtype, shards)
-    return spec_or_none(lambda: hub.remote_spec(model, listing=listing, headers=headers), refused)
+    return spec_or_none(lambda: hub.remote_spec(model, listing=listing), refused)  # (its own ranged reads again)
 
 
 def headline(plan, spec, hw, why_not: str | None, expert_format: str, plan_now=None,
@@ -267,6 +268,11 @@ def run_fit(args: argparse.Namespace) -> int:
         return _refused_only(args, refused)
     if args.dtype:
         spec = spec.in_dtype(FLOAT_SIZES[args.dtype], args.dtype)
+    if args.context is not None and args.context > spec.max_context:
+        from .engine_args import say_clamp
+
+        say_clamp(args, "--context", args.context, spec.max_context, f"the model has {spec.max_context:,} positions "
+                  "(max_position_embeddings)")
     where = spec.path or (args.model if Path(args.model).expanduser().exists() else default_cache_dir())
     # Planned on the machine's total RAM (what is free changes by the minute), the free figure kept for a note
     hw = probe(where).on_total_ram().with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb,
@@ -295,7 +301,8 @@ def run_fit(args: argparse.Namespace) -> int:
                           "plan": plan.to_json(), "spec": spec.to_json(), "formats": advice.to_json(),
                           "hardware": hw.to_json(),
                           "scale_out": None if plan.ok else _scale_out(spec).to_json(),
-                          "run_flags": _run_flags(plan, spec, chosen.name) if plan.ok or plan.overridden else None},
+                          "run_flags": _run_flags(plan, spec, chosen.name) if plan.ok or plan.overridden else None,
+                          "clamps": getattr(args, "clamps", None) or []},
                          indent=1))
     else:
         print(format_plan(plan, spec, hw, why_not, advice, chosen.name, verdict=verdict, calibration=cal,
