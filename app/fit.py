@@ -10,6 +10,8 @@ loader cannot read); the exit status follows it: 0, 0, 3 (0 with --force when on
 error such as a missing config. It plans on the machine's total RAM and says what is free now.
 
 Start-up imports neither torch nor the engine; a config-only directory is planned without torch at all.
+"cannot run" also comes from the loader's own checks (engine/loader.py `check_model`, headers and shapes only)
+over a folder's weights or a Hub repo's fetched headers: what `run` refuses, fit refuses in the same words.
 """
 
 from __future__ import annotations

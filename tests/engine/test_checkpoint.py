@@ -199,3 +199,43 @@ def test_config_with_nonsense_sizes(model_dir):
 def test_missing_directory(tmp_path):
     with pytest.raises(ConfigError, match="no such model directory"):
         load_model(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], "model.safetensors", 7, None])
+def test_an_index_whose_weight_map_is_not_an_object_is_one_typed_line(model_dir, weight_map):
+    """Every reader of the index (the loader, and the planner `run` and `fit` consult first) names the file."""
+    from moechat.engine.plan import read_model_spec
+
+    index = model_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    for read in (Checkpoint.open, read_model_spec):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: weight_map") as e:
+            read(model_dir)
+        assert e.value.path == str(index) and "\n" not in str(e.value)
+
+
+def test_check_model_reads_no_weight_and_fetched_headers_get_the_same_checks(model_dir, monkeypatch):
+    """check_model (what `moechat fit` calls) reads headers only; over a Hub repo's fetched entries it holds each
+    to a local header's rules and finds the same mismatch the folder's own headers show."""
+    from types import SimpleNamespace
+
+    from moechat.engine import checkpoint
+    from moechat.engine.checkpoint import tensors_from_entries
+    from moechat.engine.loader import check_model
+
+    monkeypatch.setattr(checkpoint.Checkpoint, "get", lambda *a: pytest.fail("a weight was read"))
+    checked = check_model(model_dir)
+    checked.disk.close()
+    entries = {name: SimpleNamespace(dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes)
+               for name, t in checked.checkpoint.tensors.items()}
+    raw = json.loads((model_dir / "config.json").read_text())
+    tensors = tensors_from_entries("org/m", entries, dict.fromkeys(entries, "model.safetensors"))
+    check_model("org/m", raw_config=raw, tensors=tensors).disk.close()
+    with pytest.raises(CheckpointError, match=r"^org/m/model\.safetensors: tensor 'model\.layers\.0\.self_attn\."
+                                              r"q_proj\.weight' has shape \[64, 64\], the config implies \[48, 64\]"):
+        check_model("org/m", raw_config={**raw, "num_attention_heads": 3, "num_key_value_heads": 1}, tensors=tensors)
+    bad = {**entries, EXPERT: SimpleNamespace(dtype="BF16", shape=[32, 64], nbytes=5)}
+    with pytest.raises(CheckpointError, match="header is inconsistent"):
+        tensors_from_entries("org/m", bad)
+    with pytest.raises(CheckpointError, match="unknown dtype 'Q3'"):
+        tensors_from_entries("org/m", {EXPERT: SimpleNamespace(dtype="Q3", shape=[1], nbytes=1)})
