@@ -1,11 +1,13 @@
 """The Hugging Face Hub: the catalog's live state, search, a fit verdict before download, and downloads that
 survive the real world.
 
-Everything goes through huggingface_hub (`HfApi` for model info, search and safetensors headers,
-`get_hf_file_metadata` for each file's ETag, size and CDN location, its HTTP session and its error
-types), into the standard cache (`$HF_HOME/hub`: `models--org--name/{blobs,snapshots/<commit>,refs}`),
-so other tools see what moechat pulled and the other way round. Reading the headers of a model costs
-one ranged request per shard (the first 100 kB), so a verdict for a 60 GB model moves about 2 MB.
+Every request goes through one bounded HTTP layer, engine/hubhttp.py (model info, the tree listing, search,
+each file's HEAD for its ETag, size and CDN location, safetensors headers, small JSON files, the download
+connections), over huggingface_hub's HTTP session and read with its error types: each metadata answer has a
+deadline, a decompressed-size cap and a shape check, a tree listing a page cap. Files land in the standard cache
+(`$HF_HOME/hub`: `models--org--name/{blobs,snapshots/<commit>,refs}`), so other tools see what moechat pulled and
+the other way round. Reading the headers of a model costs one ranged request per shard (the first 100 kB), so a
+verdict for a 60 GB model moves about 2 MB.
 
 The weight files are fetched by our own loop rather than `hf_hub_download` because huggingface_hub 2.x
 writes each attempt to a process-unique temporary file and deletes it on failure: nothing survives a crash
@@ -36,7 +38,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -52,7 +53,6 @@ from .errors import (
     DownloadBusyError,
     DownloadCancelled,
     DownloadIntegrityError,
-    HubAuthError,
     HubError,
     HubOfflineError,
     MoechatError,
@@ -67,7 +67,6 @@ from . import hubhttp
 from .hubhttp import MAX_NAME_BYTES, MAX_PATH_BYTES, MAX_REDIRECTS
 from .hubhttp import Ctx as _Ctx
 from .hubhttp import Tensor as _Tensor
-from .hubhttp import hub_errors as _hub_errors
 from .hubhttp import redirect_loop as _redirect_loop
 from .hubhttp import transport_errors as _transport_errors
 

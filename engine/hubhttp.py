@@ -297,6 +297,8 @@ def fetch(url: str, ctx: Ctx, what: str, *, headers: dict, params=None, max_byte
     headers = {**headers, "Accept-Encoding": headers.get("Accept-Encoding", "gzip, deflate")}
     with hub_errors(ctx), open_stream(method, url, ctx, what, headers=headers, params=params,
                                       follow_redirects=follow_redirects, limit_s=seconds) as r:
+        if follow_redirects and 300 <= r.status_code < 400:  # a redirect the client could not follow
+            raise unusable(ctx, what, url, f"it answered {r.status_code} without a usable Location")
         content = b"" if method == "HEAD" else _read_body(r, cap, deadline, truncate=truncate, ctx=ctx, what=what)
         deadline.check(len(content))
         return Body(r.status_code, r.headers, content, str(r.url), dict(r.links))

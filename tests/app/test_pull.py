@@ -79,3 +79,20 @@ def test_progress_bar_draws_in_place_on_a_terminal(hub):
     bar.finish()
     text = stream.getvalue()
     assert "to download: 0.9 MiB" in text and "100.0%" in text and "10/10 files" in text and "\r\x1b[2K" in text
+
+
+def test_a_hostile_hub_api_is_one_line_for_pull_and_fit(hub, capsys, monkeypatch):
+    from moechat.engine import hubhttp
+
+    monkeypatch.setattr(hubhttp, "MAX_PAGES", 5)
+    f = hub.server.faults
+    f.info_without_sizes, f.tree_page, f.tree_endless = True, 4, "junk"  # a tree listing without end
+    for argv in (["pull", hub.repo], ["fit", hub.repo, "--vram-gb", "0", "--ram-gb", "16", "--disk-gb", "10"]):
+        code, out, err = _main(capsys, *argv)
+        assert code == 1 and out == "" and err.count("\n") == 1, (argv, err)
+        assert "the Hub's tree listing (" in err and "it goes on past 5 pages" in err, (argv, err)
+    hub.server.reset()
+    hub.server.faults.canned["info"] = hub.module.Canned(body=b'{"sha": "' + b"a" * 40 + b'", "siblings": [7]}')
+    code, out, err = _main(capsys, "pull", hub.repo)
+    assert code == 1 and err.count("\n") == 1
+    assert "the Hub's model info (" in err and "siblings[0] is a number, not an object" in err
