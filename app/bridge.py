@@ -225,7 +225,8 @@ def cache_state(engine, snap) -> CacheState | None:
     expert_bytes = getattr(store, "expert_bytes", None)
     return CacheState(snap.num_slots, max_slots, snap.policy, snap.ram_cache_bytes, snap.ram_cache_used_bytes,
                       expert_bytes * max_slots if expert_bytes else None, getattr(snap, "prefetch", "off"),
-                      getattr(snap, "prefetch_depth", 0))
+                      getattr(snap, "prefetch_depth", 0), getattr(snap, "fast_tier", "slots"), int(expert_bytes or 0),
+                      int(getattr(snap, "ram_tier_experts", 0)))
 
 
 def format_info(engine, moe_layers: int | None) -> tuple[str, str, dict[str, int], frozenset[str]]:

@@ -59,6 +59,11 @@ class DashboardStats:
     resident: np.ndarray | None = field(default=None, compare=False)  # [L, E] bool
     recent: np.ndarray | None = field(default=None, compare=False)  # [L, E] float in [0, 1]
     hosted: np.ndarray | None = field(default=None, compare=False)  # [L, E] bool: ran on the host (session)
+    # "ram": a CPU computing misses in place, where the cache is the RAM tier over the disk: hits, misses, the
+    # rates and `resident` above then count that tier (a hit: no disk read) and the slots are not shown
+    fast_tier: str = "slots"
+    ram_tier_experts: int = 0  # how many experts the RAM tier holds at most
+    expert_bytes: int = 0
 
     @property
     def has_cache(self) -> bool:
@@ -142,7 +147,12 @@ class StatsTracker:
             stall, prev_stall = getattr(snap, "stall_seconds", 0.0), getattr(prev, "stall_seconds", 0.0)
             self._stall_per_token = max(stall - prev_stall, 0.0) * 1000 / dt
         self._prev, self._prev_tokens = snap, self.tokens
-        hits, misses = sum(snap.hits), sum(snap.misses)
+        tier = getattr(snap, "fast_tier", "slots")
+        layer_hits, layer_misses = snap.hits, snap.misses
+        resident = snap.resident
+        if tier == "ram":  # the slots hold nothing a miss put there: count and draw the RAM tier over the disk
+            layer_hits, layer_misses, resident = snap.ram_hits, snap.disk_reads, snap.ram_resident
+        hits, misses = sum(layer_hits), sum(layer_misses)
         turn_hits = turn_misses = 0
         if self._turn_waiting and self.generated_tokens >= 1:  # the prefill is done: this reply's decode starts
             self._turn_waiting = False
@@ -154,7 +164,7 @@ class StatsTracker:
             turn_hit_rate=turn_hits / (turn_hits + turn_misses) if turn_hits + turn_misses else None,
             turn_hits=turn_hits, turn_misses=turn_misses,
             layer_hit_rates=tuple(h / (h + m) if h + m else math.nan
-                                  for h, m in zip(snap.hits, snap.misses, strict=True)),
+                                  for h, m in zip(layer_hits, layer_misses, strict=True)),
             hits=hits, misses=misses, bytes_from_ram=snap.bytes_from_ram, bytes_from_disk=snap.bytes_from_disk,
             num_slots=snap.num_slots, slots_used=snap.slots_used, policy=snap.policy,
             ram_cache_bytes=snap.ram_cache_bytes, ram_cache_used_bytes=snap.ram_cache_used_bytes,
@@ -162,7 +172,9 @@ class StatsTracker:
             prefetch_used=sum(getattr(snap, "prefetch_used", ())),
             prefetch_wasted=sum(getattr(snap, "prefetch_wasted", ())),
             on_miss=getattr(snap, "on_miss", "load"), host_computed=sum(getattr(snap, "host_computed", ())),
-            hosted=_hosted(snap), resident=np.asarray(snap.resident, dtype=bool).copy())
+            hosted=None if tier == "ram" else _hosted(snap), resident=np.asarray(resident, dtype=bool).copy(),
+            fast_tier=tier, ram_tier_experts=int(getattr(snap, "ram_tier_experts", 0)),
+            expert_bytes=int(getattr(snap, "expert_bytes", 0)))
 
     # -- output ---------------------------------------------------------------------------------------
     def stats(self) -> DashboardStats:

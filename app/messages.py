@@ -34,6 +34,10 @@ class CacheState:
     all_experts_bytes: int | None = None  # the size of every expert: the RAM tier's "all in RAM" point
     prefetch: str = "off"  # cross-layer prefetch mode (engine/cache/prefetch.py PREFETCH_MODES)
     prefetch_depth: int = 0
+    # "ram": a CPU computing misses in place; the slot count changes nothing there, the RAM tier's size does
+    fast_tier: str = "slots"
+    expert_bytes: int = 0  # one expert in the format the tiers hold
+    ram_tier_experts: int = 0  # experts the RAM tier holds at most now
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ MEMORY_INTERVAL_S = 1.0
 SPARK_POINTS = 40  # the sparkline always spans this many samples, so a short history starts at the right
 
 
-def _row(key: str, *values: tuple[str, str]) -> Horizontal:
+def _row(key: str, *values: tuple[str, str], key_id: str | None = None) -> Horizontal:
     """A 'key  value value' line; each value a Label with an id (and a fixed width in the tcss)."""
-    return Horizontal(Label(key, classes="key"),
+    return Horizontal(Label(key, id=key_id, classes="key"),
                       *(Label(text, id=id_, classes="value", markup=False) for id_, text in values),
                       classes="stat-row")
 
@@ -47,10 +47,22 @@ def hit_counts_text(s: DashboardStats) -> str:
     """'1,204 hits · 96 misses' and, when misses may run on the host, '(40 on host)'."""
     if not s.has_cache:
         return "no cache"
-    text = f"{s.hits:,} hits · {s.misses:,} misses"
+    if s.fast_tier == "ram":  # a CPU: every expert computed where it lives; a miss is a read from disk
+        return f"{s.hits:,} from RAM · {s.misses:,} from disk"
+    text = f"{s.hits:,} {'hit' if s.hits == 1 else 'hits'} · {s.misses:,} {'miss' if s.misses == 1 else 'misses'}"
     if s.on_miss != "load" or s.host_computed:
         text += f" ({s.host_computed:,} on host)"
     return text
+
+
+def tier_text(s: DashboardStats) -> str:
+    """The fast tier's line: slots in use, or on a CPU the RAM tier over the disk."""
+    if s.fast_tier != "ram":
+        return f"{s.slots_used}/{s.num_slots} used · {s.policy}"
+    if not s.ram_cache_bytes:
+        return f"RAM: all {s.ram_tier_experts:,} experts, none from disk"
+    held = s.ram_cache_used_bytes // s.expert_bytes if s.expert_bytes else 0
+    return f"RAM {held:,}/{s.ram_tier_experts:,} experts · {fmt_bytes(s.ram_cache_bytes)} · {s.policy}"
 
 
 def _used_free(used: int, free: int) -> str:
@@ -73,7 +85,7 @@ class Dashboard(Vertical):
         # this reply's hit rate beside the session's: after a retune the session's hides what the cache does now
         yield _row("hits", ("turn-hit-rate", "turn –"), ("hit-rate-label", "session"), ("hit-rate", "–"))
         yield _row("", ("hit-counts", ""))
-        yield _row("slots", ("slots-used", "–"))
+        yield _row("slots", ("slots-used", "–"), key_id="tier-key")
         yield _row("moved", ("bytes-ram", "RAM –"), ("bytes-disk", "disk –"))
         yield _row("fetch", ("prefetch-used", "–"), ("stall", ""))
         yield _row("RAM", ("ram", "–"), ("ram-app", ""))
@@ -140,7 +152,8 @@ class Dashboard(Vertical):
         self._set("hit-rate", fmt_pct(s.hit_rate))
         self._set("hit-counts", hit_counts_text(s))
         if s.has_cache:
-            self._set("slots-used", f"{s.slots_used}/{s.num_slots} used · {s.policy}")
+            self._set("tier-key", "cache" if s.fast_tier == "ram" else "slots")
+            self._set("slots-used", tier_text(s))
         self._set("bytes-ram", f"RAM {fmt_bytes(s.bytes_per_token_ram)}/tok")
         self._set("bytes-disk", f"disk {fmt_bytes(s.bytes_per_token_disk)}/tok")
         if s.has_cache:
@@ -151,6 +164,6 @@ class Dashboard(Vertical):
             rates = s.layer_hit_rates or tuple(math.nan for _ in range(s.resident.shape[0]))
             heatmap.set_data(s.resident, s.recent, rates, s.hosted)
             legend = q(HeatmapLegend)
-            hosting = s.on_miss != "load" or s.host_computed > 0
+            hosting = s.fast_tier != "ram" and (s.on_miss != "load" or s.host_computed > 0)  # CPU: all on the host
             if legend.hosting != hosting:
                 legend.hosting = hosting

@@ -15,6 +15,11 @@ chosen policy's, replayed through the real policy class at that slot count (engi
 bridge worker asked a quarter second after the knob or the policy settles: `PredictionWanted`). Hidden
 until a curve has arrived.
 
+On a CPU that computes every miss in place (on-miss auto or host: `CacheState.fast_tier` "ram") no miss ever
+fills a slot, so the slots knob is not shown: the RAM tier over the disk is the cache there, and the prediction
+moves under the RAM knob, read at the number of experts that many MiB hold (the share of requests served
+without a disk read).
+
 The format `Select` posts `TuningPanel.FormatChosen`: the chat screen confirms it (the first start in a
 converted format writes a repacked file as big as the experts in that format, shown beside the knob) and
 reloads the model through the bridge.
@@ -73,6 +78,12 @@ class StepInput(Input):
 def describe_state(state: CacheState | None) -> str:
     if state is None:
         return "now: every expert resident (no cache)"
+    if state.fast_tier == "ram":  # a CPU computing misses in place: the RAM tier over the disk is the cache
+        fetch = f" · prefetch {state.prefetch} (disk -> RAM)" if state.prefetch != "off" else ""
+        if not state.ram_budget_bytes:
+            return f"now: every expert in RAM, none read from disk · {state.policy}{fetch}"
+        return (f"now: RAM tier {fmt_bytes(state.ram_used_bytes)}/{fmt_bytes(state.ram_budget_bytes)} "
+                f"({state.ram_tier_experts:,} of {state.max_slots:,} experts) · {state.policy}{fetch}")
     pct = f" ({state.slots / state.max_slots:.0%})" if state.max_slots else ""
     if state.ram_budget_bytes:
         ram = f"RAM tier {fmt_bytes(state.ram_used_bytes)}/{fmt_bytes(state.ram_budget_bytes)}"
@@ -110,6 +121,25 @@ def describe_prediction(curve: HitCurve, slots: int | None, policy: str | None =
     head = (f"predicted {policy} at {slots} slots: replaying…" if policy_rate is None
             else f"predicted ~{policy_rate:.0%} at {slots} slots ({policy})")
     return f"{head}\n  LRU ~{lru_text} · {what}\n{where}"
+
+
+def describe_ram_prediction(curve: HitCurve, experts: int | None, total: int, policy: str | None = None,
+                            policy_rate: float | None = None) -> str:
+    """Under the RAM knob on a CPU: the share of requests served from RAM (no disk read) predicted for a RAM tier
+    of `experts` experts (None: the knob is empty, every expert in RAM), warm cache."""
+    where = f"  on {curve.source or 'recorded routing'}, {curve.tokens:,} tokens"
+    if experts is None or experts >= total:
+        return f"predicted 100% from RAM (every expert in RAM: nothing read from disk)\n{where}"
+    if experts < 1:
+        return f"predicted 0% from RAM (a RAM tier under one expert: every request reads the disk)\n{where}"
+    lru = lru_warm_rate(curve, experts)
+    lru_text = "–" if lru is None else f"{lru:.0%}"
+    held = f"{experts:,} of {total:,} experts"
+    if policy in (None, "", "lru"):
+        return f"predicted ~{lru_text} from RAM ({held}, lru)\n  warm cache, the rest from disk\n{where}"
+    head = (f"predicted {policy} with {held}: replaying…" if policy_rate is None
+            else f"predicted ~{policy_rate:.0%} from RAM ({held}, {policy})")
+    return f"{head}\n  LRU ~{lru_text} · warm cache, the rest from disk\n{where}"
 
 
 EXPERT_FORMATS = ("native", "int8", "int4")
@@ -162,7 +192,7 @@ class TuningPanel(Vertical):
 
     def compose(self):
         yield Label("↑↓ step · +/- by 1 · Enter apply · Tab next", id="tuning-keys", classes="hint", markup=False)
-        with Horizontal(classes="knob"):
+        with Horizontal(classes="knob", id="slots-knob"):
             yield Label("slots", classes="knob-label")
             yield StepInput(id="slots", minimum=1, validators=[Integer(minimum=1)], valid_empty=False)
             yield Label("", id="slots-of", classes="knob-note")
@@ -172,6 +202,7 @@ class TuningPanel(Vertical):
             yield StepInput(id="ram-mb", minimum=0, placeholder="all", validators=[Integer(minimum=0)],
                             valid_empty=True)
             yield Label("", id="ram-of", classes="knob-note")
+        yield Label("", id="ram-predicted", markup=False)
         with Horizontal(classes="knob"):
             yield Label("policy", classes="knob-label")
             yield Select([(p, p) for p in self.policies], id="policy", allow_blank=True, compact=True,
@@ -190,6 +221,29 @@ class TuningPanel(Vertical):
     def on_mount(self) -> None:
         self.disabled = True  # until a model with a cache is loaded
         self.query_one("#predicted", Label).display = False
+        self.query_one("#ram-predicted", Label).display = False
+
+    @property
+    def ram_tier(self) -> bool:
+        """A CPU computing misses in place: the slots change nothing, so the RAM knob carries the prediction."""
+        return self.state is not None and self.state.fast_tier == "ram"
+
+    def knob_ram_experts(self) -> int | None:
+        """The RAM knob as a number of experts (None: empty, every expert in RAM)."""
+        value = self.query_one("#ram-mb", StepInput).value
+        if not value or self.state is None or not self.state.expert_bytes:
+            return None
+        try:
+            return (int(value) << 20) // self.state.expert_bytes
+        except ValueError:
+            return None
+
+    def _capacity(self) -> int | None:
+        """What the prediction is asked at: slots, or the RAM tier's experts on a CPU."""
+        if not self.ram_tier:
+            return self.knob_slots()
+        experts = self.knob_ram_experts()
+        return None if experts is None or experts >= self.state.max_slots else experts
 
     def show_curve(self, curve: HitCurve) -> None:
         """A new hit-rate curve (new routing): predict at the slot count the knob shows now."""
@@ -219,12 +273,17 @@ class TuningPanel(Vertical):
             return None
 
     def _show_prediction(self, ask: bool = True) -> None:
-        label = self.query_one("#predicted", Label)
+        label = self.query_one("#ram-predicted" if self.ram_tier else "#predicted", Label)
         if self.curve is None:
             return
-        slots, policy = self.knob_slots(), self.knob_policy()
+        slots, policy = self._capacity(), self.knob_policy()
         replayed = self.replayed.get((policy, slots)) if policy and slots else None
-        label.update(describe_prediction(self.curve, slots, policy, replayed, self.on_miss))
+        if self.ram_tier:
+            experts = self.knob_ram_experts()
+            label.update(describe_ram_prediction(self.curve, experts, self.state.max_slots, policy,
+                                                 replayed if experts is not None else None))
+        else:
+            label.update(describe_prediction(self.curve, slots, policy, replayed, self.on_miss))
         label.display = True
         if ask and policy and policy != "lru" and slots and slots >= 1 and (policy, slots) not in self.replayed:
             if self._predict_timer is not None:
@@ -233,11 +292,11 @@ class TuningPanel(Vertical):
 
     def _ask_prediction(self) -> None:
         self._predict_timer = None
-        slots, policy = self.knob_slots(), self.knob_policy()
+        slots, policy = self._capacity(), self.knob_policy()
         if policy and slots and slots >= 1 and (policy, slots) not in self.replayed:
             self.post_message(self.PredictionWanted(policy, slots))
 
-    @on(Input.Changed, "#slots")
+    @on(Input.Changed, "#slots, #ram-mb")
     def _slots_moved(self, event: Input.Changed) -> None:
         event.stop()
         self._show_prediction()
@@ -252,6 +311,10 @@ class TuningPanel(Vertical):
         slots = self.query_one("#slots", StepInput)
         ram = self.query_one("#ram-mb", StepInput)
         policy = self.query_one("#policy", Select)
+        ram_tier = state is not None and state.fast_tier == "ram"
+        self.query_one("#slots-knob").display = not ram_tier  # on a CPU computing misses in place: no effect
+        self.query_one("#predicted", Label).display = not ram_tier and self.curve is not None
+        self.query_one("#ram-predicted", Label).display = ram_tier and self.curve is not None
         if state is None:
             slots.value = ""
             return

@@ -95,7 +95,8 @@ async def test_the_demo_model_predicts_from_its_bundled_trace_before_any_reply(a
     from moechat.engine.cache.trace import RoutingTrace
 
     demo = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
-    app = make_app(demo, options=LoadOptions(dtype="float32", expert_slots=24, device="cpu"),
+    # on-miss load: the slots fill from misses even on a CPU (with auto the RAM tier is the cache: see below)
+    app = make_app(demo, options=LoadOptions(dtype="float32", expert_slots=24, device="cpu", on_miss="load"),
                    settings=Settings(path=app_env / "settings.toml"), store=ChatStore(":memory:"),
                    memory_probe=fakes.Memory(), export_dir=app_env)
     async with app.run_test(size=SIZE) as pilot:
@@ -107,3 +108,82 @@ async def test_the_demo_model_predicts_from_its_bundled_trace_before_any_reply(a
         trace = RoutingTrace.load(demo / "routing_trace.npz")
         assert _predicted(screen) == (24, round(100 * replay_policy(trace, "lrfu-layered", 24).warm_rate))
         assert f"LRU ~{lru_warm_rate(lru_hit_curve(trace), 24):.0%}" in label
+
+
+def _ram_predicted(screen) -> tuple[int, int] | None:
+    """(experts, percent) from the RAM knob's prediction, or None when it shows no number."""
+    text = str(screen.query_one("#ram-predicted", Label).content)
+    m = re.search(r"~(\d+)% from RAM \(([\d,]+) of", text)
+    return (int(m[2].replace(",", "")), int(m[1])) if m else None
+
+
+async def _demo_on_a_cpu(app_env, fakes, **options):
+    from pathlib import Path
+
+    from moechat.app.app import make_app
+    from moechat.app.bridge import LoadOptions
+    from moechat.app.settings import Settings
+    from moechat.app.store import ChatStore
+
+    demo = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
+    return demo, make_app(demo, options=LoadOptions(dtype="bfloat16", device="cpu", warm_start=False, **options),
+                          settings=Settings(path=app_env / "settings.toml"), store=ChatStore(":memory:"),
+                          memory_probe=fakes.Memory(), export_dir=app_env)
+
+
+async def test_on_a_cpu_the_panel_shows_the_ram_tier_and_the_ram_knob_predicts(app_env, fakes):
+    """A CPU computing misses in place (on-miss auto): no slot knob (it changes nothing there), the hit figures are
+    the RAM tier's over the disk, and they move with the RAM budget as the prediction under the RAM knob says."""
+    from moechat.engine.cache.trace import RoutingTrace
+
+    demo, app = await _demo_on_a_cpu(app_env, fakes, ram_cache_mb=1)  # 1 MiB: 6 of the 96 experts of 168 KiB
+    trace = RoutingTrace.load(demo / "routing_trace.npz")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+        await fakes.wait_for(pilot, lambda: _ram_predicted(screen) is not None and "lrfu-layered" in str(
+            screen.query_one("#ram-predicted", Label).content), timeout=120, what="the RAM tier's prediction")
+        assert not screen.query_one("#slots-knob").display and not screen.query_one("#predicted", Label).display
+        assert _ram_predicted(screen) == (6, round(100 * replay_policy(trace, "lrfu-layered", 6).warm_rate))
+        effective = str(screen.query_one("#effective", Label).content)
+        assert "RAM tier" in effective and "6 of 96 experts" in effective
+        knob = screen.query_one("#ram-mb", StepInput)
+        knob.value = "8"  # 48 experts
+        await fakes.wait_for(pilot, lambda: _ram_predicted(screen) is not None and _ram_predicted(screen)[0] == 48,
+                             timeout=60, what="the prediction to follow the RAM knob")
+        assert _ram_predicted(screen)[1] == round(100 * replay_policy(trace, "lrfu-layered", 48).warm_rate)
+        knob.value = ""
+        await fakes.wait_for(pilot, lambda: "100% from RAM" in str(screen.query_one("#ram-predicted", Label).content),
+                             what="every expert in RAM")
+
+        rates = {}
+        for mb in (1, 8):
+            screen.bridge.retune(ram_cache_bytes=mb << 20)
+            await fakes.wait_for(pilot, lambda: f"/{mb}.0 MiB" in str(screen.query_one("#effective", Label)
+                                                                     .content), timeout=60, what="the retune")
+            screen.query_one("#prompt").load_text("What does os.listdir do?")
+            await pilot.press("enter")
+            await fakes.wait_for(pilot, lambda: screen.gen_id is None and "from disk" in str(
+                screen.query_one("#hit-counts", Label).content), timeout=120, what="a reply")
+            await pilot.pause(0.5)
+            counts = str(screen.query_one("#hit-counts", Label).content)
+            assert re.fullmatch(r"[\d,]+ from RAM · [\d,]+ from disk", counts), counts
+            tier = str(screen.query_one("#slots-used", Label).content)
+            assert tier.startswith("RAM ") and f"/{(mb << 20) // (168 * 1024)} experts" in tier, tier
+            rates[mb] = screen.dashboard.stats.turn_hit_rate
+        assert rates[1] < rates[8], rates  # a bigger RAM tier: more of this reply's requests served from RAM
+
+
+async def test_on_a_cpu_with_every_expert_in_ram_nothing_is_a_miss(app_env, fakes):
+    _, app = await _demo_on_a_cpu(app_env, fakes, expert_slots=96)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.screen
+        await fakes.wait_for(pilot, lambda: screen.info is not None, timeout=120, what="the model")
+        screen.query_one("#prompt").load_text("What does os.listdir do?")
+        await pilot.press("enter")
+        await fakes.wait_for(pilot, lambda: screen.gen_id is None and "from RAM" in str(
+            screen.query_one("#hit-counts", Label).content), timeout=120, what="a reply")
+        await pilot.pause(0.5)
+        assert str(screen.query_one("#hit-counts", Label).content).endswith(" from RAM · 0 from disk")
+        assert screen.dashboard.stats.turn_hit_rate == 1.0
+        assert str(screen.query_one("#slots-used", Label).content) == "RAM: all 96 experts, none from disk"
+        assert "every expert in RAM, none read from disk" in str(screen.query_one("#effective", Label).content)
