@@ -264,6 +264,15 @@ def test_a_gzip_bomb_is_cut_off_at_the_cap_in_bounded_memory(hub, monkeypatch, k
     assert peak < 12 << 20, peak  # the cap and a piece, not the 48 MiB (nor 2 GiB)
 
 
+def test_gzip_answers_under_the_cap_are_read_whole(hub):
+    f = hub.server.faults
+    f.gzip_pad.update(info=300_000, tree=300_000, search=300_000)  # padded JSON, gzipped: still the answer
+    f.info_without_sizes = True
+    listing = hub.client.listing(hub.repo)
+    assert listing.sha == hub.server.repos[hub.repo].sha and listing.file("config.json") is not None
+    assert {h.repo_id for h in hub.client.search("moe")} >= {hub.repo}
+
+
 _INFO_SHAPES = [
     (b"<html>502 Bad Gateway</html>", r"the answer is not JSON \(JSONDecodeError"),
     (b"[1, 2]", r"the answer is a list, not an object"),
