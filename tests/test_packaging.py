@@ -42,6 +42,23 @@ def test_every_package_folder_is_listed():
             assert (py.parent / "__init__.py").exists(), f"{py.parent} has modules but no __init__.py"
 
 
+def test_triton_is_installed_only_where_it_is_used():
+    """A CPU-only install never loads triton (engine/quant/kernels imports it for CUDA tensors): not a dependency of
+    every install, but the gpu extra's and the tests' (the interpreter runs the kernels on the CPU)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    for extra in ("gpu", "test"):
+        assert [d for d in project["optional-dependencies"][extra] if d.startswith("triton")], extra
+
+
+def test_the_readme_installs_the_cpu_torch_with_pipx_and_uv():
+    text = (ROOT / "README.md").read_text()
+    pipx = [line for line in text.splitlines() if line.startswith("pipx install")]
+    uv = [line for line in text.splitlines() if line.startswith("uv tool install")]
+    assert pipx and "download.pytorch.org/whl/cpu" in pipx[0]
+    assert uv and "--torch-backend cpu" in uv[0]
+
+
 def test_import_names_map_to_the_top_level_folders():
     assert Path(moechat.engine.__file__).parent == ROOT / "engine"
     assert Path(moechat.app.__file__).parent == ROOT / "app"
