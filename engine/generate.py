@@ -122,9 +122,11 @@ class Engine:
     @typed_errors("loading the model")
     def load(cls, model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu",
              context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             cache: CacheConfig | None = None, expert_format: str | None = None) -> Engine:
+             cache: CacheConfig | None = None, expert_format: str | None = None,
+             dense_format: str | None = None) -> Engine:
         """Load a model directory. With `cache`, experts go to a slot pool over RAM/disk tiers; `expert_format`
-        int8/int4 holds them quantized in every tier (None or `native`: as the checkpoint ships them)."""
+        int8/int4 holds them quantized in every tier (None or `native`: as the checkpoint ships them);
+        `dense_format` int8 holds attention's projections and the LM head in int8 (CPU; quant/dense_int8.py)."""
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ConfigError(f"{model_dir}: no such model directory")
@@ -138,12 +140,14 @@ class Engine:
             template = ChatTemplate.from_string(template.source, {**tokenizer.special_tokens,
                                                                    **template.special_tokens})
         loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context or DEFAULT_CONTEXT,
+                            dense_format=dense_format,
                             resident_experts=cache is None, expert_format=expert_format,
                             repack_dir=cache.repack_dir if cache is not None else None)
         # a tokenizer with ids past the embedding is refused; one far smaller than it gets a notice
         notice = tokenizer.check_fits(loaded.args.vocab_size, str(model_dir)) if tokenizer is not None else None
         context = loaded.model.max_positions  # clamped to the model's own maximum
-        if loaded.expert_format.name != "dense" or (loaded.device.type == "cpu" and loaded.dtype == torch.bfloat16):
+        if loaded.expert_format.name != "dense" or loaded.model.dense_format != "native" or (
+                loaded.device.type == "cpu" and loaded.dtype == torch.bfloat16):
             # Packed experts run on the CPU (a CPU engine, or host misses), and bf16 decode attention on a CPU:
             # build or load the native kernels now, not in the first token (the first build on a machine compiles
             # for 1-3 s; a cached one loads in ~5 ms).

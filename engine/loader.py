@@ -210,13 +210,16 @@ class LoadedModel:
 
 def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device: str | torch.device = "cpu",
                max_positions: int | None = None, resident_experts: bool = True, expert_format: str | None = None,
-               repack_dir: str | os.PathLike | None = None) -> LoadedModel:
+               repack_dir: str | os.PathLike | None = None, dense_format: str | None = None) -> LoadedModel:
     """Load and validate a model; with resident_experts=False the experts are left on disk for a cache.
 
     `expert_format` int8/int4 holds the experts in that form (converted once into a repacked file in
     `repack_dir`, default under $XDG_CACHE_HOME/moechat/repacked); None/`native` keeps the checkpoint's."""
     model_dir = Path(model_dir)
     device = resolve_device(device)
+    from .quant.dense_int8 import check_dense_format
+
+    dense_format = check_dense_format(dense_format, device)
     checked = check_model(model_dir, dtype=dtype)  # every check, before any weight is read
     cls, args, raw, fmt, ckpt, dense, disk = (checked.cls, checked.args, checked.raw, checked.format,
                                               checked.checkpoint, checked.dense, checked.disk)
@@ -229,6 +232,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     model.load_state_dict(state, assign=True, strict=True)
     # The RoPE table and any KV cache built on this model cover at most the model's own context.
     model.finalize(min(max_positions or args.max_position_embeddings, args.max_position_embeddings))
+    model.quantize_dense(dense_format)  # int8 attention projections and LM head, or nothing
     model.eval()
     if not resident_experts:
         disk.close()

@@ -301,13 +301,26 @@ class Attention(nn.Module):
                                              self.k_norm.weight.expand(self.n_kv, -1)])  # [nH+nKV, D]
         if self.sinks is not None:  # decode's scores are [nKV, G, S]: the sinks as [nKV, G, 1]
             self.sink_logits = self.sinks.detach().view(self.n_kv, self.n_heads // self.n_kv, 1)
+        self.qkv_q = self.o_q = None  # int8 projections (`quantize_dense`)
+
+    def quantize_dense(self) -> None:
+        """q/k/v and o in int8 per output channel (quant/dense_int8.py); the full-precision copies are freed."""
+        from ..quant.dense_int8 import Int8Linear
+
+        self.qkv_q = Int8Linear(self.qkv_t.t(), self.qkv_bias)
+        self.o_q = Int8Linear(self.o_weight_t.t(), self.o_bias)
+        self.qkv_t = self.o_weight_t = None
+        del self.o_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int,
                 residual: torch.Tensor) -> torch.Tensor:
         """residual + attention(x) [T, H]; x is the normed input [T, H], positions start..start+T-1."""
         T = x.shape[0]
         nH, nKV, D = self.n_heads, self.n_kv, self.head_dim
-        qkv = x @ self.qkv_t if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_t)  # [T, out]
+        if self.qkv_q is not None:
+            qkv = self.qkv_q(x)  # [T, out]
+        else:
+            qkv = x @ self.qkv_t if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_t)  # [T, out]
         if self.qk_norm == "full" or self.clip_qkv is not None:
             q, k, v = qkv.split(self.split, dim=-1)
             if self.qk_norm == "full":
@@ -400,6 +413,8 @@ class Attention(nn.Module):
 
     def _out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + o_proj(attn) as one GEMM-with-accumulate."""
+        if self.o_q is not None:
+            return self.o_q(attn, residual)  # [T, H]
         out = torch.addmm(residual, attn, self.o_weight_t)  # [T, H]
         return out if self.o_bias is None else out + self.o_bias
 
@@ -582,6 +597,24 @@ class MoEForCausalLM(nn.Module):
         self.rope_cos = cos.to(dtype).to(device)[:, None, :]  # [S, 1, R]
         self.rope_sin = (sin.to(dtype) * sign.to(dtype)).to(device)[:, None, :]  # [S, 1, R]
         self.max_positions = max_positions
+        self.lm_q = None  # the LM head in int8 (`quantize_dense`)
+        self.dense_format = "native"
+
+    def quantize_dense(self, name: str) -> None:
+        """`--dense-format int8`: attention's projections and the LM head in int8 (quant/dense_int8.py). MLA
+        attention keeps its own layout (its absorbed decode multiplies the latent by the weights directly)."""
+        if name == "native":
+            return
+        from ..quant.dense_int8 import Int8Linear
+
+        for layer in self.layer_list:
+            if isinstance(layer.self_attn, Attention):
+                layer.self_attn.quantize_dense()
+        self.lm_q = Int8Linear(self.lm_weight_t.t())
+        self.lm_weight_t = None
+        if not self.args.tie_word_embeddings:
+            del self.lm_head  # the int8 copy is the LM head now; a tied table stays for the embedding lookups
+        self.dense_format = name
 
     def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:
         """input_ids [T] at positions kv.length.. -> final-normed hidden states [T, H]; advances kv.length."""
@@ -596,6 +629,8 @@ class MoEForCausalLM(nn.Module):
         return self.final_norm(x, self.norm_weight, self.args.rms_norm_eps)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.lm_q is not None:
+            return self.lm_q(hidden_states, out_dtype=torch.float32)  # [T, V]
         return (hidden_states @ self.lm_weight_t).float()  # [T, V]
 
     @classmethod
