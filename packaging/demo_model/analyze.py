@@ -51,6 +51,10 @@ PROMPTS = [
     ("What does json.dumps do in Python?", "json.dumps", "doc"),
     ("What does re.sub do in Python?", "re.sub", "doc"),
     ("What does textwrap.shorten do?", "textwrap.shorten", "doc"),
+    ("What does len do?", "len", "doc"),
+    ("What does math.sqrt do?", "math.sqrt", "doc"),
+    ("Tell me what json.dumps does.", "json.dumps", "doc"),
+    ("What does os.fizzle do?", "os.fizzle", "unknown"),
     ("What is 12 + 7?", "12 + 7", "arith"),
     ("What is 45 * 3?", "45 * 3", "arith"),
     ("What does \"hacker\" mean in hacker jargon?", "hacker", "jargon"),
@@ -476,12 +480,15 @@ def main():
 
     # greedy chat transcripts
     train_q = {}
-    with open(Path(args.corpus) / "train.jsonl") as f:
-        for line in f:
-            d = json.loads(line)
-            if d["domain"] == "chat":
-                for q in d.get("questions", []):
-                    train_q[q] = True
+    for name in ("train.jsonl", "finetune.jsonl"):  # finetune.jsonl: the continued training (train.py --mix)
+        if not (Path(args.corpus) / name).exists():
+            continue
+        with open(Path(args.corpus) / name) as f:
+            for line in f:
+                d = json.loads(line)
+                if d["domain"] == "chat":
+                    for q in d.get("questions", []):
+                        train_q[q] = True
     import re
     sys.path.insert(0, str(HERE))
     import build_corpus
@@ -489,7 +496,8 @@ def main():
     docs.update(build_corpus.core_pairs())  # the core set's answers are shorter (CORE_MAX_CHARS)
     jargon = {t: build_corpus.first_sentences(re.sub(r"^\[[^\]]*\]\s*", "", d.replace("\n", " ")), 300)
               for t, _, d in build_corpus.jargon_entries()}
-    forms = {"doc": build_corpus.QUESTION_FORMS + build_corpus.MODULE_FORMS,
+    forms = {"doc": build_corpus.QUESTION_FORMS + build_corpus.MODULE_FORMS + [build_corpus.UNSEEN_FORM],
+             "unknown": build_corpus.QUESTION_FORMS + [build_corpus.UNSEEN_FORM],
              "jargon": build_corpus.JARGON_FORMS, "arith": build_corpus.ARITH_FORMS}
     subjects, reference = {}, {}
     for p, subj, kind in PROMPTS:
@@ -499,6 +507,8 @@ def main():
             reference[p] = docs.get(subj)
         elif kind == "jargon":
             reference[p] = jargon.get(subj)
+        elif kind == "unknown":
+            reference[p] = build_corpus.DONTKNOW.format(n=subj)
         else:
             reference[p] = f"{subj} = {eval(subj)}"
     core = set(build_corpus.CORE_NAMES)
@@ -561,13 +571,17 @@ def greedy_replies(model, tok, questions, max_new=48, bs=32):
 
 
 def chat_eval(model, tok, corpus: Path, build_corpus):
-    """How often the model's answer to "What does X do?" is X's docstring answer, over whole sets of names.
+    """How often the model's answer to "What does X do?" is X's docstring answer, over whole sets of names,
+    and how often it says it does not know.
 
-    Sets: the core names asked in a training wording and in the wording held back from training for
-    them; non-core names whose (only) question is in the training split; names whose question is only
-    in the held-out split. Scores: exact match with the source answer, and bag-of-words F1 against the
-    name's own answer vs against another name's answer of the same set (a fixed derangement): the gap
-    is how much of the reply is about *this* name rather than docstring boilerplate."""
+    Sets: the core names asked in a training wording and in build_corpus.UNSEEN_FORM, a wording no
+    training document uses; non-core names whose (only) question is in the training split; names whose
+    question is only in the held-out split; names no chat question is about (build_corpus.unknown_names,
+    the evaluated quarter: real stdlib names and made-up ones), whose source answer is "I don't know".
+    Scores: exact match with the source answer; bag-of-words F1 against the name's own answer vs against
+    another name's answer of the same set (a fixed derangement): the gap is how much of the reply is
+    about *this* name rather than docstring boilerplate; and the share of replies that begin
+    "I don't know" (dont_know)."""
     import random
     core = dict(build_corpus.core_pairs())
     split_q = {"train": {}, "heldout": {}}
@@ -589,13 +603,18 @@ def chat_eval(model, tok, corpus: Path, build_corpus):
                 return q[len(pre):len(q) - len(post)]
         return None
 
+    unseen = build_corpus.UNSEEN_FORM
     sets = {"core, training wording": [(forms[0].format(n=n), a) for n, a in core.items()],
-            "core, wording not trained for it": [(forms[-1].format(n=n), a) for n, a in core.items()]}
+            "core, wording not trained for it": [(unseen.format(n=n), a) for n, a in core.items()]}
     for split, label in (("train", "other names, question in training data"),
                          ("heldout", "other names, question only in held-out data")):
         items = sorted((q, docs[subject(q)]) for q in split_q[split] if subject(q) in docs)
         random.Random(0).shuffle(items)
         sets[label] = items[:120]
+    evaluated = build_corpus.unknown_names()[1]
+    for kind in ("real", "made-up"):
+        sets[f"names no question is about, {kind}"] = [
+            (forms[0].format(n=n), build_corpus.DONTKNOW.format(n=n)) for n, k in evaluated if k == kind]
     res = {}
     for label, items in sets.items():
         replies = greedy_replies(model, tok, [q for q, _ in items])
@@ -604,20 +623,23 @@ def chat_eval(model, tok, corpus: Path, build_corpus):
         exact = [r.strip() == a.strip() for r, a in zip(replies, refs, strict=True)]
         own = [word_f1(r, a) for r, a in zip(replies, refs, strict=True)]
         other = [word_f1(r, a) for r, a in zip(replies, shift, strict=True)]
+        dont = [r.strip().startswith("I don't know") for r in replies]
         res[label] = {"n": len(items), "exact_match": float(np.mean(exact)), "f1_own": float(np.mean(own)),
-                      "f1_other": float(np.mean(other)),
+                      "f1_other": float(np.mean(other)), "dont_know": float(np.mean(dont)),
                       "examples": [{"q": q, "reply": r, "source": a}
                                    for (q, a), r in list(zip(items, replies, strict=True))[:5]]}
         print(f"chat eval {label}: n={len(items)} exact {np.mean(exact):.3f} F1 own {np.mean(own):.3f} "
-              f"other {np.mean(other):.3f}", file=sys.stderr, flush=True)
+              f"other {np.mean(other):.3f} don't know {np.mean(dont):.3f}", file=sys.stderr, flush=True)
     return res
 
 
 def markdown_chat_eval(ce):
-    lines = ["| question set | names | exact match | word F1 vs own answer | word F1 vs another name's answer |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| question set | names | exact match | word F1 vs own answer | word F1 vs another name's answer "
+             "| \"I don't know\" |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for label, r in ce.items():
-        lines.append(f"| {label} | {r['n']} | {r['exact_match']:.1%} | {r['f1_own']:.3f} | {r['f1_other']:.3f} |")
+        lines.append(f"| {label} | {r['n']} | {r['exact_match']:.1%} | {r['f1_own']:.3f} | {r['f1_other']:.3f} "
+                     f"| {r['dont_know']:.1%} |")
     return "\n".join(lines)
 
 

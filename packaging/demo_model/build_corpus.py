@@ -12,6 +12,8 @@ Domains (each document carries one label; the router analysis uses them):
 
 Deterministic: sorted file lists, fixed seeds, hash-based held-out split.
 Output: OUT/train.jsonl, OUT/heldout.jsonl (one {"domain","source","text"} per line)
+        OUT/finetune.jsonl (the continued-training set for train.py --mix: core names in all five
+        wordings, "I don't know" answers for names the corpus never asks about)
         OUT/sources.json (documents and characters per source).
 
 Prerequisites (Debian 12):
@@ -73,6 +75,7 @@ LICENSES = {
     "chat-jargon": "public domain (answers copied from the Jargon File)",
     "chat-arith": "generated",
     "chat-core": "PSF License 2.0 (answers copied from stdlib docstrings)",
+    "chat-dontknow": "generated (fixed answer naming the asked name)",
 }
 
 
@@ -474,6 +477,86 @@ def chat_docs(jargon):
     yield from core_chat_docs()
 
 
+# ---------------------------------------------------------------- continued-training set
+# `finetune.jsonl` (written next to train.jsonl, used by `train.py --mix`): the core set in all five
+# QUESTION_FORMS, and "I don't know" answers for names that no chat question of the corpus is about.
+# No chat document ever uses UNSEEN_FORM, so the card can still ask the core names a wording the model
+# never saw. Unknown names are split by a hash of the name: 3 in 4 are taught, the rest only evaluated.
+UNSEEN_FORM = "Tell me what {n} does."
+FINETUNE_CORE_REPEAT = 2  # the docstrings are harder to learn than the one fixed "don't know" answer
+DONTKNOW = "I don't know what {n} is."
+# Real standard-library modules outside DOC_MODULES: their names are asked nowhere in the corpus.
+UNKNOWN_MODULES = sorted("""
+optparse getopt mailbox pydoc doctest pdb bdb cmd code codeop pyclbr py_compile compileall runpy
+modulefinder symtable tabnanny trace pstats cProfile webbrowser wsgiref.util xmlrpc.client socketserver
+http.server http.cookies mailcap sndhdr imghdr uu nntplib telnetlib cgi crypt pty tty curses readline
+rlcompleter mmap fcntl resource grp pwd termios atexit faulthandler sysconfig site zipimport zipapp venv
+turtle ctypes multiprocessing asyncore asynchat smtpd xdrlib aifc sunau audioop stringprep cgitb chunk
+pipes nis spwd ossaudiodev tkinter
+""".split())
+# Made-up names under the prefixes the core set uses, so a familiar prefix is no cue by itself.
+FAKE_PREFIXES = ["", "os.", "os.path.", "json.", "str.", "list.", "dict.", "set.", "math.", "re.", "random.",
+                 "time.", "sys.", "shutil.", "itertools.", "functools.", "collections.", "pathlib.Path.",
+                 "subprocess.", "datetime.", "statistics.", "textwrap.", "heapq.", "copy."]
+ONSETS = ["b", "bl", "br", "d", "dr", "f", "fl", "fr", "g", "gl", "gr", "k", "kl", "m", "n", "p", "pl", "sn",
+          "sp", "st", "tr", "v", "w", "z"]
+NUCLEI = ["a", "e", "i", "o", "u", "oo", "ee", "ai"]
+CODAS = ["b", "ck", "g", "mp", "nk", "p", "rp", "sh", "t", "x", "zz", "ble", "zle", "rk", "nd", "ff"]
+
+
+def unknown_names():
+    """(taught, evaluated): sorted lists of (name, kind) with kind "real" or "made-up", names that no
+    chat question of the corpus is about. A hash of the name puts 1 in 4 in the evaluated list."""
+    import pydoc
+    warnings.simplefilter("ignore")
+    known = {q for q, _, _ in docstring_pairs()} | set(CORE_NAMES)
+    names = {}
+    for mname in UNKNOWN_MODULES:
+        try:
+            mod = importlib.import_module(mname)
+        except Exception:
+            continue  # not built on this interpreter
+        for n in sorted(dir(mod)):
+            obj = getattr(mod, n, None)
+            qn = f"{mname}.{n}"
+            if n.startswith("_") or inspect.ismodule(obj) or not callable(obj) or qn in known:
+                continue
+            owner = getattr(obj, "__module__", None)
+            if isinstance(owner, str) and owner.split(".")[0].lstrip("_") not in (mname.split(".")[0], "builtins"):
+                continue  # a re-export such as aifc.namedtuple is another module's name
+            names[qn] = "real"
+    rng = random.Random(SEED + 5)
+    n_real = len(names)
+    while len(names) < 2 * n_real:
+        word = "".join(rng.choice(ONSETS) + rng.choice(NUCLEI) for _ in range(rng.choice([1, 1, 2])))
+        qn = rng.choice(FAKE_PREFIXES) + word + rng.choice(CODAS)
+        if qn in known or qn in names or pydoc.locate(qn) is not None:
+            continue
+        names[qn] = "made-up"
+    def held(qn):
+        return int(hashlib.sha256(("unknown:" + qn).encode()).hexdigest(), 16) % 4 == 0
+    taught = sorted((n, k) for n, k in names.items() if not held(n))
+    evaluated = sorted((n, k) for n, k in names.items() if held(n))
+    return taught, evaluated
+
+
+def finetune_docs():
+    """The continued-training set: every core name in all five QUESTION_FORMS (one question per
+    conversation), and one "I don't know" conversation per taught unknown name in a random form."""
+    for name, ans in core_pairs():
+        for i, form in enumerate(QUESTION_FORMS):
+            q = form.format(n=name)
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]
+            yield {"domain": "chat", "source": "chat-core", "id": f"finetune:core:{name}:{i}",
+                   "text": render(msgs), "questions": [q], "core": True, "repeat": FINETUNE_CORE_REPEAT}
+    rng = random.Random(SEED + 6)
+    for name, kind in unknown_names()[0]:
+        q = rng.choice(QUESTION_FORMS).format(n=name)
+        msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": DONTKNOW.format(n=name)}]
+        yield {"domain": "chat", "source": "chat-dontknow", "id": f"finetune:unknown:{name}",
+               "text": render(msgs), "questions": [q], "unknown": kind}
+
+
 # ---------------------------------------------------------------- main
 def is_heldout(doc_id: str) -> bool:
     return int(hashlib.sha256(doc_id.encode()).hexdigest(), 16) % HELDOUT_MOD == 0
@@ -519,6 +602,11 @@ def main():
             stats[f"{split}:{d['domain']}:{d['source']}"].update(docs=1, chars=len(d["text"]))
     meta = {"python": sys.version, "stdlib": str(stdlib_dir()), "seed": SEED,
             "licenses": LICENSES, "stats": {k: dict(v) for k, v in sorted(stats.items())}}
+    ft = list(finetune_docs())
+    with open(out / "finetune.jsonl", "w") as f:
+        for d in ft:
+            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+            stats[f"finetune:{d['domain']}:{d['source']}"].update(docs=1, chars=len(d["text"]))
     (out / "sources.json").write_text(json.dumps(meta, indent=1))
     for k, v in sorted(stats.items()):
         print(k, dict(v), file=sys.stderr)

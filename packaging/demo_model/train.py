@@ -12,6 +12,10 @@
   --resume continues from the last one
 * stops at --steps or when --minutes of wall clock have passed, whichever is
   first, and then always writes the final bf16 model directory
+* continued training: --init-from DIR starts from a saved model directory (same shape flags; fresh
+  optimizer and schedule), and --mix F draws a share F of every batch's windows from the corpus'
+  finetune.jsonl (build_corpus.py: the core names in all five wordings and "I don't know" answers),
+  the rest from the usual training stream, so the other domains and the routing losses stay in play
 """
 
 import argparse
@@ -107,6 +111,42 @@ def tokenize_corpus(corpus: Path, tok_dir: Path, data: Path, chat_repeat: int, s
         ids = [t for d, e in zip(held, enc, strict=True) if d["domain"] == dom for t in e.ids + [eot]]
         np.save(data / f"heldout_{dom}.npy", np.array(ids, dtype=np.uint16))
     stamp.write_text(json.dumps(want))
+
+
+def tokenize_finetune(corpus: Path, tok_dir: Path, data: Path, seed: int) -> Path:
+    """finetune.npy: finetune.jsonl's documents, each repeated its own "repeat" times, shuffled, joined."""
+    out, stamp = data / "finetune.npy", data / "finetune_stamp.json"
+    want = {"corpus_mtime": os.path.getmtime(corpus / "finetune.jsonl"),
+            "tok_mtime": os.path.getmtime(tok_dir / "tokenizer.json"), "seed": seed}
+    if out.exists() and stamp.exists() and json.loads(stamp.read_text()) == want:
+        return out
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    with open(corpus / "finetune.jsonl") as f:
+        ft = [json.loads(l) for l in f]
+    docs = []
+    for d, e in zip(ft, tok.encode_batch([d["text"] for d in ft]), strict=True):
+        docs += [e.ids + [eot]] * int(d.get("repeat", 1))
+    random.Random(seed + 1).shuffle(docs)
+    np.save(out, np.fromiter((t for d in docs for t in d), dtype=np.uint16))
+    stamp.write_text(json.dumps(want))
+    return out
+
+
+def init_from(path: Path, cfg) -> Qwen3MoeForCausalLM:
+    """A float32 model with the weights of a saved model directory, whose shape must be cfg's."""
+    model = Qwen3MoeForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "tie_word_embeddings")
+    got = {k: getattr(model.config, k) for k in keys}
+    want = {k: getattr(cfg, k) for k in keys}
+    if got != want:
+        raise SystemExit(f"--init-from {path}: its shape {got} differs from the flags' {want}: pass the same "
+                         "--layers/--hidden/--experts/--topk/--moe-inter/--tie as that model was trained with")
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = cfg.router_aux_loss_coef
+    return model
 
 
 def balance_loss(router_logits, k: int):
@@ -228,6 +268,11 @@ def main():
     ap.add_argument("--export-only", action="store_true",
                     help="write --out from the last checkpoint in --ckpt-dir without training")
     ap.add_argument("--bench", type=int, default=0, help="only time this many steps, save nothing")
+    ap.add_argument("--init-from", default=None,
+                    help="start from the weights of this model directory (e.g. assets/demo-moe) instead of "
+                         "a random initialisation; optimizer and schedule start afresh")
+    ap.add_argument("--mix", type=float, default=0.0,
+                    help="share of each batch's windows drawn from CORPUS/finetune.jsonl (0 = none)")
     args = ap.parse_args()
     t_start = time.time()
 
@@ -242,7 +287,7 @@ def main():
     pad_id = hf_tok.convert_tokens_to_ids("<|endoftext|>")
 
     cfg = model_config(len(hf_tok), eos_ids, pad_id, args)
-    model = Qwen3MoeForCausalLM(cfg)
+    model = init_from(Path(args.init_from), cfg) if args.init_from else Qwen3MoeForCausalLM(cfg)
     if args.experts_impl != "eager":
         model.set_experts_implementation(args.experts_impl)
     model.float().train()
@@ -261,6 +306,29 @@ def main():
 
     def order_for_epoch(ep):
         return np.random.default_rng(args.seed * 1000 + ep).permutation(n_chunks)
+
+    n_mix = int(round(args.batch * args.mix))
+    if not 0 <= n_mix <= args.batch:
+        raise SystemExit(f"--mix {args.mix}: give a share between 0 and 1")
+    n_main = args.batch - n_mix
+    if n_mix:
+        ft_ids = np.load(tokenize_finetune(Path(args.corpus), tok_dir, data, args.seed), mmap_mode="r")
+        n_ft = (len(ft_ids) - 1) // args.seq
+        print(f"finetune tokens: {len(ft_ids)}  chunks: {n_ft}  windows/step: {n_mix} of {args.batch}", flush=True)
+
+    def batch_at(step):
+        """Windows of step `step`: n_main from the training stream, n_mix from the finetune stream, each
+        stream read in its own seeded per-epoch order."""
+        rows = []
+        if n_main:
+            ep, within = divmod(step, n_chunks // n_main)
+            idx = order_for_epoch(ep)[within * n_main:(within + 1) * n_main]
+            rows = [train_ids[i * args.seq:(i + 1) * args.seq + 1] for i in idx]
+        if n_mix:
+            ep, within = divmod(step, n_ft // n_mix)
+            fidx = np.random.default_rng(args.seed * 1000 + 500 + ep).permutation(n_ft)
+            rows += [ft_ids[i * args.seq:(i + 1) * args.seq + 1] for i in fidx[within * n_mix:(within + 1) * n_mix]]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     step, ckpt = 0, Path(args.ckpt_dir)
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -301,10 +369,7 @@ def main():
         if (time.time() - t_start) / 60 > args.minutes:
             stop_reason = "minutes"
             break
-        per_epoch = n_chunks // args.batch
-        ep, within = divmod(step, per_epoch)
-        idx = order_for_epoch(ep)[within * args.batch:(within + 1) * args.batch]
-        x = torch.from_numpy(np.stack([train_ids[i * args.seq:(i + 1) * args.seq + 1] for i in idx]).astype(np.int64))
+        x = batch_at(step)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         out = model(input_ids=x[:, :-1], output_router_logits=True)
