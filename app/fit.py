@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .argtypes import non_negative_float as _non_negative_float
@@ -44,8 +45,20 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
                      "memory (0: no GPU)")
     fit.add_argument("--ram-gb", type=_non_negative_float, metavar="GIB", help="what if this much RAM were available")
     fit.add_argument("--disk-gb", type=_non_negative_float, metavar="GIB", help="what if this much disk were free")
-    fit.add_argument("--link-gbps", type=_non_negative_float, metavar="GBPS", help="host->GPU link bandwidth, usable "
-                     "GB/s (PCIe 4.0 x16 ~ 25)")
+    fit.add_argument("--link-gbs", "--link-gbps", dest="link_gbps", type=_positive_float, metavar="GBS",
+                     help="what if the host->GPU link moved this many usable GB/s (PCIe 4.0 x16 ~ 25)")
+    hw = fit.add_argument_group("what-if machine", "model a machine you do not have: presets carry their vendor's "
+                                "figures (named in the output); a flag given beside a preset wins")
+    hw.add_argument("--gpu", type=_preset("gpu"), metavar="PRESET", help="a GPU by name, with its memory, memory "
+                    "bandwidth and PCIe link from its spec sheet: rtx-3060, rtx-4060, rtx-4070, rtx-4090, rtx-5090, "
+                    "h100-pcie, ... (a wrong name lists them all); --vram-gb sets its free memory")
+    hw.add_argument("--ram", type=_preset("ram"), metavar="PRESET", help="the RAM's peak bandwidth by kind: "
+                    "ddr4-single, ddr4-dual, ddr5-dual, ddr5-quad (JEDEC figures)")
+    hw.add_argument("--link", type=_preset("link"), metavar="PRESET", help="the host->GPU link by PCIe generation "
+                    "and width: pcie3-x16, pcie4-x8, pcie4-x16, pcie5-x16")
+    hw.add_argument("--ram-bw-gbs", type=_positive_float, metavar="GBS", help="the RAM's peak bandwidth in GB/s "
+                    "(dual-channel DDR5-5600: 89.6); decode on the CPU reads at 70%% of it, at most ~20 GB/s a thread")
+    hw.add_argument("--cores", type=_positive_int, metavar="N", help="CPU cores (moechat computes on all but one)")
     fit.add_argument("--disk-read-gbps", type=_non_negative_float, metavar="GBPS", help="disk read bandwidth for "
                      "streamed experts (default: 2, an NVMe SSD)")
     fit.add_argument("--prefer", choices=["speed", "context"], default="speed", help="spare device memory goes to "
@@ -58,12 +71,46 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
                      "moechat run --dtype would (default: the checkpoint's own formats)")
     fit.add_argument("--hit-curve", metavar="PATH", help="miss-ratio curve JSON ({\"points\": [[fraction, "
                      "hit_rate], ...]} or bench/replay.py --json output) instead of the conservative default")
+    fit.add_argument("--on-miss", choices=["load", "host", "auto"], default="auto", help="predict decode with misses "
+                     "served this way, as moechat run --on-miss would (default: %(default)s, run's default)")
     fit.add_argument("--expert-format", choices=list(EXPERT_FORMATS), help="show the plan in this expert format "
                      "(native: as the checkpoint ships them; int8, int4: converted once by moechat); default: the "
                      "recommended one. Every format is planned and compared either way")
     fit.add_argument("--force", action="store_true", help="show the plan that loading anyway would use, and exit 0 "
                      "even when it does not fit")
     return fit
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value:g}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    from .argtypes import positive_int
+
+    value = positive_int(text)
+    if value > 4096:
+        raise argparse.ArgumentTypeError(f"expected at most 4096 cores, got {value}")
+    return value
+
+
+def _preset(kind: str):
+    """An argparse type for --gpu/--ram/--link: the preset itself (engine/hardware.py's tables, imported only when
+    the flag is given), or one usage line listing every name."""
+    def parse(text: str):
+        from moechat.engine.hardware import GPU_PRESETS, LINK_PRESETS, RAM_PRESETS
+
+        table = {"gpu": GPU_PRESETS, "ram": RAM_PRESETS, "link": LINK_PRESETS}[kind]
+        preset = table.get(text.strip().lower())
+        if preset is None:
+            raise argparse.ArgumentTypeError(f"no {kind} preset {text!r}: use one of {', '.join(table)}")
+        return preset
+
+    parse.__name__ = f"{kind} preset"
+    return parse
 
 
 def why_not_runnable(spec) -> str | None:
@@ -275,17 +322,25 @@ def run_fit(args: argparse.Namespace) -> int:
 
         say_clamp(args, "--context", args.context, spec.max_context, f"the model has {spec.max_context:,} positions "
                   "(max_position_embeddings)")
-    where = spec.path or (args.model if Path(args.model).expanduser().exists() else default_cache_dir())
+    where, what = disk_target(spec, default_cache_dir())
     # Planned on the machine's total RAM (what is free changes by the minute), the free figure kept for a note
-    hw = probe(where).on_total_ram().with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb,
-                                                    disk_gb=args.disk_gb, link_gbps=args.link_gbps)
+    hw = probe(where).on_total_ram()
+    if hw.disk is not None:
+        hw = replace(hw, disk=replace(hw.disk, path=str(where), what=what))
+    hw = hw.with_overrides(vram_gb=args.vram_gb, ram_gb=args.ram_gb, disk_gb=args.disk_gb, link_gbps=args.link_gbps,
+                           gpu_preset=args.gpu, link_preset=args.link)
     if args.margin >= 1:
         raise ConfigError(f"--margin {args.margin:g}: a fraction below 1, e.g. 0.05")
-    cal = _calibration(hw, measure=args.ram_gb is None)
+    # a what-if machine's RAM read rate is never this machine's probe (the RAM, or the whole box, is another one)
+    what_if_cpu = any(v is not None for v in (args.vram_gb, args.ram_gb, args.gpu))
+    cal = _calibration(hw, measure=not what_if_cpu)
+    host = _host_rate(args, cal, what_if_cpu)
+    measured_cpu = host.source.startswith("measured on this machine")
     prefs = Preferences(context=args.context, prefer=args.prefer, device=args.device, margin=args.margin,
                         hit_curve=_load_curve(args.hit_curve, spec.num_experts), disk_read_gbps=args.disk_read_gbps,
-                        override=args.force, repacked=repacked_formats(spec.path), host_read_gbps=cal.ram_read_gbps,
-                        cpu_layer_s=cal.cpu_layer_s)
+                        override=args.force, repacked=repacked_formats(spec.path), host_read_gbps=host.gbps,
+                        host_read_source=host.source, cpu_layer_s=cal.cpu_layer_s if measured_cpu else None,
+                        on_miss=args.on_miss)
     advice = plan_formats(spec, hw, prefs)
     chosen = advice.option(args.expert_format) if args.expert_format else advice.best
     if chosen.plan is None:
@@ -295,21 +350,108 @@ def run_fit(args: argparse.Namespace) -> int:
     plan_now = _plan_on_free_ram(chosen, hw, prefs) if plan.ok else None
     need = least_free_ram(chosen.spec, hw, prefs) if plan_now is not None and not plan_now.ok else None
     verdict, status = headline(plan, spec, hw, why_not, chosen.name, plan_now, need)
+    rates = machine_rates(plan, hw, prefs)
+    flags = _run_flags(plan, spec, chosen.name, args.on_miss)
     if args.json:
         print(json.dumps({"model": args.model, "headline": verdict, "verdict": verdict.partition(":")[0].partition(
                           " with")[0] + (" with" if verdict.startswith("runs with") else ""),
                           "fits": plan.ok, "runnable": why_not is None, "why_not_runnable": why_not,
-                          "expert_format": chosen.name, "calibration": cal.describe() or None,
+                          "expert_format": chosen.name, "on_miss": args.on_miss,
+                          "calibration": cal.describe() or None, "calibration_used": measured_cpu,
+                          "rates": {k: {"gbps": r.gbps, "source": r.source} for k, r in rates.items()},
                           "plan": plan.to_json(), "spec": spec.to_json(), "formats": advice.to_json(),
                           "hardware": hw.to_json(),
                           "scale_out": None if plan.ok else _scale_out(spec).to_json(),
-                          "run_flags": _run_flags(plan, spec, chosen.name) if plan.ok or plan.overridden else None,
+                          "run_flags": flags if plan.ok or plan.overridden else None,
                           "clamps": getattr(args, "clamps", None) or []},
                          indent=1))
     else:
-        print(format_plan(plan, spec, hw, why_not, advice, chosen.name, verdict=verdict, calibration=cal,
-                          plan_now=plan_now))
+        print(format_plan(plan, spec, hw, why_not, advice, chosen.name, verdict=verdict,
+                          calibration=cal if measured_cpu else None, plan_now=plan_now, rates=rates,
+                          on_miss=args.on_miss))
     return status
+
+
+def disk_target(spec, hf_cache: Path) -> tuple[Path, str]:
+    """(the folder whose filesystem the disk check is on, which one it is in words). Weights still to download go
+    where `moechat pull` puts them, the Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub), unless a local folder
+    already holds part of them; a downloaded model needs disk only for a repacked file (--expert-format), which
+    goes to the repack cache."""
+    if not spec.weights_present:
+        if spec.path is not None and spec.present_bytes and not _in(Path(spec.path), hf_cache):
+            return Path(spec.path), "the model folder, which holds part of the download"
+        return hf_cache, "the Hugging Face cache, HF_HUB_CACHE or HF_HOME/hub: where moechat pull downloads"
+    return repack_dir(spec.path, "int8").parent, "the repack cache, where --expert-format writes ($XDG_CACHE_HOME)"
+
+
+def _in(path: Path, folder: Path) -> bool:
+    try:
+        path.expanduser().resolve().relative_to(folder.expanduser().resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _host_rate(args, cal, what_if_cpu: bool):
+    """The CPU's read rate the plan uses, with its source (engine/hardware.py `host_read_rate`)."""
+    from moechat.engine.hardware import Rate, host_read_rate, usable_cores
+
+    peak = None
+    if args.ram_bw_gbs is not None:
+        peak = Rate(args.ram_bw_gbs, "given (--ram-bw-gbs)")
+    elif args.ram is not None:
+        peak = Rate(args.ram.peak_gbps, f"from --ram {args.ram.name} preset ({args.ram.source})")
+    cores, cores_source = args.cores, "given (--cores)"
+    if cores is None and peak is not None:
+        cores, cores_source = (None, "") if what_if_cpu else (usable_cores(), "measured on this machine")
+    return host_read_rate(peak=peak, cores=cores, cores_source=cores_source, measured_gbps=cal.ram_read_gbps,
+                          what_if=what_if_cpu)
+
+
+def _this_machine(source: str) -> str | None:
+    """A GPU figure's source as said: the probe's (NVML) is "measured on this machine"; None when unknown."""
+    if source in ("unknown", ""):
+        return None
+    if source.startswith(("from --", "given", "assumed")):
+        return source
+    return f"measured on this machine ({source})"
+
+
+def machine_rates(plan, hw, prefs) -> dict:
+    """Every bandwidth the plan computes with, each with where it comes from: name -> Rate."""
+    from moechat.engine.hardware import (
+        ASSUMED_DISK_GBPS,
+        ASSUMED_GPU_MEMORY_GBPS,
+        ASSUMED_LINK_GBPS,
+        ASSUMED_RAM_GBPS,
+        Rate,
+    )
+
+    rates = {}
+    gpu = None if plan.device == "cpu" else hw.gpu(int(plan.device.partition(":")[2] or 0))
+    if gpu is not None:
+        src = _this_machine(gpu.memory_source) if gpu.memory_gbps is not None else None
+        rates["GPU memory"] = (Rate(gpu.memory_gbps, src) if src else
+                               Rate(ASSUMED_GPU_MEMORY_GBPS, "assumed: not reported; --gpu PRESET sets it"))
+        src = _this_machine(gpu.link_source) if gpu.link_gbps is not None else None
+        rates["link"] = (Rate(gpu.link_gbps, src) if src else
+                         Rate(ASSUMED_LINK_GBPS, "assumed PCIe 4.0 x16: not reported; --link PRESET sets it"))
+    rates["RAM read"] = Rate(prefs.host_read_gbps or ASSUMED_RAM_GBPS, prefs.host_read_source or "assumed")
+    rates["disk read"] = (Rate(prefs.disk_read_gbps, "given (--disk-read-gbps)") if prefs.disk_read_gbps else
+                          Rate(ASSUMED_DISK_GBPS, "assumed: an NVMe SSD; --disk-read-gbps sets it"))
+    return rates
+
+
+def _rate_lines(rates: dict) -> list[str]:
+    from moechat.engine.plan import GPU_EFFICIENCY
+
+    out = []
+    for name, r in rates.items():
+        text = f"{name} {r.gbps:.3g} GB/s"
+        if name == "GPU memory":
+            text += f" peak (decode reads at {GPU_EFFICIENCY:.0%} of it: {r.gbps * GPU_EFFICIENCY:.3g} GB/s)"
+        out.append(f"{'' if out else '  rates':<12}{text}: {r.source}")
+    return out
 
 
 def _refused_only(args: argparse.Namespace, why: str) -> int:
@@ -341,7 +483,7 @@ def repack_dir(model_dir, fmt: str) -> Path:
     return Path(base) / "moechat" / "repacked" / f"{profile_key(model_dir)}-{fmt}"
 
 
-def _run_flags(plan, spec, expert_format: str = "native") -> list[str]:
+def _run_flags(plan, spec, expert_format: str = "native", on_miss: str = "auto") -> list[str]:
     """The `moechat run` flags that reproduce the plan."""
     flags = ["--context", str(plan.context)]
     if spec.float_dtype != (spec.config_dtype or "float32"):  # the loader's default: config.json's dtype, else fp32
@@ -354,11 +496,14 @@ def _run_flags(plan, spec, expert_format: str = "native") -> list[str]:
         flags += ["--device", plan.device]
     if expert_format != "native":
         flags += ["--expert-format", expert_format]
+    if on_miss != "auto" and plan.needs_cache:
+        flags += ["--on-miss", on_miss]
     return flags
 
 
 def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format: str = "native", *,
-                verdict: str | None = None, calibration=None, plan_now=None) -> str:
+                verdict: str | None = None, calibration=None, plan_now=None, rates: dict | None = None,
+                on_miss: str = "auto") -> str:
     from moechat.engine.plan import gib, rate, rate_range
 
     if verdict is None:
@@ -379,11 +524,12 @@ def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format:
         return " (what-if)" if source == "what-if" else ""
 
     gpus = "; ".join(f"{g.label} {g.name} {gib(g.free_bytes)} free{mark(g.source)}" for g in hw.gpus if g.usable)
-    disk = "disk unknown" if hw.disk is None else f"disk {gib(hw.disk.free_bytes)} free on {hw.disk.path}"
+    disk = "disk unknown" if hw.disk is None else f"disk {gib(hw.disk.free_bytes)} free on {hw.disk.describe()}"
     ram = f"RAM {gib(hw.ram.available_bytes)} available{mark(hw.ram.source)}"
     if hw.ram.free_now_bytes is not None:
         ram = f"RAM {gib(hw.ram.available_bytes)} in all (the plan's), {gib(hw.ram.free_now_bytes)} free now"
     out.append(f"  hardware  {gpus or 'no usable GPU'}; {ram}; {disk}{mark(hw.disk.source if hw.disk else '')}")
+    out += _rate_lines(rates or {})
     rows = [(d.item, "" if d.bytes is None else gib(d.bytes), d.where, d.reason) for d in plan.decisions]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
@@ -395,8 +541,9 @@ def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format:
     out.append("")
     if plan.decode is not None:
         d = plan.decode
-        out.append(f"  decode    {rate_range(d.low, d.high)} tok/s predicted   (bound {rate(d.bound)} tok/s, set by "
-                   f"{d.bound_by}; formula in docs/plan.md)")
+        mode = "" if d.on_miss is None else f" with --on-miss {d.on_miss}"
+        out.append(f"  decode    {rate_range(d.low, d.high)} tok/s predicted{mode}   (bound {rate(d.bound)} tok/s, set "
+                   f"by {d.bound_by}; formula in docs/plan.md)")
         now = plan_now.decode if plan_now is not None and plan_now.ok else None
         if now is not None and (now.low, now.high) != (d.low, d.high):
             out.append(f"            with the {gib(hw.ram.free_now_bytes)} of RAM free now: "
@@ -409,7 +556,8 @@ def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format:
             ways = (f"{p.mode} {rate_range(p.low, p.high)} (bound {rate(p.bound)}, {p.bound_by})"
                     for p in plan.placements)
             out.append("  misses    " + " · ".join(ways)
-                       + f" tok/s; best: --on-miss {best.mode}" + (" (the default)" if best.mode == "auto" else ""))
+                       + f" tok/s; best: --on-miss {best.mode}" + (" (the default)" if best.mode == "auto" else "")
+                       + ("" if best.mode == on_miss else f"; predicted above with --on-miss {on_miss}, as asked"))
     if plan.refusal is not None:
         out.append(f"  REFUSED   {plan.refusal.message}")
         if not plan.overridden:
@@ -422,7 +570,7 @@ def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format:
     if (plan.ok or plan.overridden) and runnable:
         when = [w for w, cond in (("after the download", not spec.weights_present), ("on that hardware", hw.what_if))
                 if cond]
-        flags = " ".join(_run_flags(plan, spec, expert_format))
+        flags = " ".join(_run_flags(plan, spec, expert_format, on_miss))
         out.append(f"  run with  moechat run {spec.path or spec.name} {flags} --prompt ..."
                    + (f"   ({', '.join(when)})" if when else ""))
     if plan.notes:

@@ -118,6 +118,19 @@ class FormatOption:
                 {"low": p.decode.low, "high": p.decode.high, "bound": p.decode.bound, "bound_by": p.decode.bound_by}}
 
 
+def sizes_apart(a: int, b: int) -> tuple[str, str]:
+    """Two different byte counts written so that they read differently: "42.0 MiB" while that differs, else with
+    more decimals ("42.02 MiB vs 42.00 MiB"), else in bytes."""
+    if gib(a) != gib(b):
+        return gib(a), gib(b)
+    unit, div = ("GiB", 1 << 30) if max(a, b) >= 1 << 30 else ("MiB", 1 << 20) if max(a, b) >= 1 << 20 else ("KiB", 1024)
+    for decimals in (2, 3, 4):
+        x, y = f"{a / div:.{decimals}f} {unit}", f"{b / div:.{decimals}f} {unit}"
+        if x != y:
+            return x, y
+    return f"{a:,} B", f"{b:,} B"
+
+
 def tok_s(plan: MemoryPlan) -> str:
     """"11.0-14.2 tok/s predicted (bound 16.0)"."""
     d = plan.decode
@@ -170,9 +183,11 @@ def _option(name: str, native: ModelSpec, hw: Hardware, prefs: Preferences) -> F
     except ConfigError as e:
         return FormatOption(name, None, None, False, "", note=f"cannot be used: {e}")
     notes = []
-    if spec.expert_bytes >= native.expert_bytes:
-        notes.append(f"larger than native {native.expert_format_name} ({gib(spec.expert_bytes)} vs "
-                     f"{gib(native.expert_bytes)} an expert)")
+    if spec.expert_bytes == native.expert_bytes:
+        notes.append(f"the same size as native {native.expert_format_name} ({spec.expert_bytes:,} B an expert)")
+    elif spec.expert_bytes > native.expert_bytes:
+        ours, theirs = sizes_apart(spec.expert_bytes, native.expert_bytes)
+        notes.append(f"larger than native {native.expert_format_name} ({ours} vs {theirs} an expert)")
     q = QUALITY[name]
     if native.format_key != "dense":
         quality = (f"not measured from {native.expert_format_name} (converting rounds its experts a second time); "

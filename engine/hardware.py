@@ -41,6 +41,12 @@ PCIE_EFFICIENCY = 0.8  # usable fraction of the raw rate for large host->device 
 ASSUMED_LINK_GBPS = round(PCIE_LANE_GBPS[4] * 16 * PCIE_EFFICIENCY, 1)  # PCIe 4.0 x16, usable: 25.2
 ASSUMED_GPU_MEMORY_GBPS = 300.0  # a modest consumer GPU (RTX 3060: 360 GB/s)
 ASSUMED_RAM_GBPS = 20.0  # what a decode step's mat-vecs reach on dual-channel DDR4/DDR5 desktops
+# A what-if CPU (--ram PRESET / --ram-bw-gbs / --cores) reads at min(RAM_EFFICIENCY x peak, threads x
+# PER_THREAD_READ_GBPS), threads = cores - 1 (`leave_a_core`): one thread's mat-vecs reach ~20 GB/s on a desktop,
+# all of them together ~70% of the DIMMs' peak (STREAM-like reads); docs/plan.md
+RAM_EFFICIENCY = 0.7
+PER_THREAD_READ_GBPS = ASSUMED_RAM_GBPS
+ASSUMED_RAM_PEAK_GBPS = 51.2  # dual-channel DDR4-3200, when --cores is given without a RAM figure
 ASSUMED_DISK_GBPS = 2.0  # an NVMe SSD reading MB-sized expert ranges with one reader
 # cgroup v1 writes "no limit" as a huge page-aligned number (2^63 - 4096 on x86-64).
 CGROUP_V1_UNLIMITED = 1 << 62
@@ -129,6 +135,119 @@ def pcie_link_gbps(generation: int | None, width: int | None) -> float | None:
     return PCIE_LANE_GBPS[generation] * width * PCIE_EFFICIENCY
 
 
+# -- what-if presets (`moechat fit --gpu/--ram/--link`) ------------------------------------------------------
+# Each figure is a vendor's or a standard's published number, named in `source`; the plan applies its own
+# efficiencies on top (GPU_EFFICIENCY in plan.py, RAM_EFFICIENCY and PCIE_EFFICIENCY here), and says so.
+
+@dataclass(frozen=True)
+class GpuPreset:
+    name: str  # the flag's value: rtx-4070
+    label: str  # NVIDIA GeForce RTX 4070
+    vram_gib: float  # GDDR sizes are binary: "12 GB" is 12 GiB
+    memory_gbps: float  # peak memory bandwidth
+    pcie_gen: int
+    pcie_width: int
+    source: str = "NVIDIA spec"
+
+
+GPU_PRESETS = {p.name: p for p in (
+    GpuPreset("rtx-3060", "NVIDIA GeForce RTX 3060", 12, 360, 4, 16),
+    GpuPreset("rtx-3090", "NVIDIA GeForce RTX 3090", 24, 936, 4, 16),
+    GpuPreset("rtx-4060", "NVIDIA GeForce RTX 4060", 8, 272, 4, 8),
+    GpuPreset("rtx-4060-ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", 16, 288, 4, 8),
+    GpuPreset("rtx-4070", "NVIDIA GeForce RTX 4070", 12, 504, 4, 16),
+    GpuPreset("rtx-4080", "NVIDIA GeForce RTX 4080", 16, 716.8, 4, 16),
+    GpuPreset("rtx-4090", "NVIDIA GeForce RTX 4090", 24, 1008, 4, 16),
+    GpuPreset("rtx-5090", "NVIDIA GeForce RTX 5090", 32, 1792, 5, 16),
+    GpuPreset("a100-80gb-pcie", "NVIDIA A100 80GB PCIe", 80, 1935, 4, 16),
+    GpuPreset("h100-pcie", "NVIDIA H100 PCIe", 80, 2000, 5, 16),
+)}
+
+
+@dataclass(frozen=True)
+class RamPreset:
+    name: str  # ddr5-dual
+    label: str  # dual-channel DDR5-5600
+    channels: int  # 64-bit channels (a DDR5 DIMM's two 32-bit subchannels count as one)
+    mts: int  # transfers per second, millions
+
+    @property
+    def peak_gbps(self) -> float:
+        return self.channels * 8 * self.mts / 1000  # 8 bytes a transfer per channel
+
+    @property
+    def source(self) -> str:
+        return f"JEDEC {self.label.split()[-1]}: {self.channels} x 8 B x {self.mts:,} MT/s = {self.peak_gbps:g} GB/s peak"
+
+
+RAM_PRESETS = {p.name: p for p in (
+    RamPreset("ddr4-single", "single-channel DDR4-3200", 1, 3200),
+    RamPreset("ddr4-dual", "dual-channel DDR4-3200", 2, 3200),
+    RamPreset("ddr5-dual", "dual-channel DDR5-5600", 2, 5600),
+    RamPreset("ddr5-quad", "quad-channel DDR5-5600", 4, 5600),
+)}
+
+
+@dataclass(frozen=True)
+class LinkPreset:
+    name: str  # pcie4-x16
+    gen: int
+    width: int
+
+    @property
+    def gbps(self) -> float:
+        return pcie_link_gbps(self.gen, self.width)
+
+    @property
+    def source(self) -> str:
+        return (f"PCI-SIG PCIe {self.gen}.0 x{self.width}: {PCIE_LANE_GBPS[self.gen] * self.width:.1f} GB/s raw, "
+                f"{PCIE_EFFICIENCY:.0%} usable")
+
+
+LINK_PRESETS = {p.name: p for p in (LinkPreset("pcie3-x16", 3, 16), LinkPreset("pcie4-x8", 4, 8),
+                                    LinkPreset("pcie4-x16", 4, 16), LinkPreset("pcie5-x16", 5, 16))}
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A bandwidth the plan uses and where it comes from, said beside it: "measured on this machine", "from --gpu
+    rtx-4070 preset (NVIDIA spec: 504 GB/s)", "given (--ram-bw-gbs)", "assumed (...)"."""
+
+    gbps: float
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.gbps:.3g} GB/s ({self.source})"
+
+
+def host_read_rate(*, peak: Rate | None = None, cores: int | None = None, cores_source: str = "",
+                   measured_gbps: float | None = None, what_if: bool = False) -> Rate:
+    """The rate the CPU reads expert bytes at during a decode (`Preferences.host_read_gbps`).
+
+    A RAM peak (a --ram preset or --ram-bw-gbs) or --cores: min(RAM_EFFICIENCY x peak, threads x
+    PER_THREAD_READ_GBPS), threads = cores - 1 (the pool `leave_a_core` leaves), the peak ASSUMED_RAM_PEAK_GBPS when
+    only the cores are given. Else this machine's one-thread probe (`measured_gbps`, what engine/calibration.py
+    keeps), unless the machine is a what-if (--vram-gb/--ram-gb): then ASSUMED_RAM_GBPS, said as assumed, never
+    this machine's figure silently."""
+    if peak is not None or cores is not None:
+        if peak is None:
+            peak = Rate(ASSUMED_RAM_PEAK_GBPS, "assumed dual-channel DDR4-3200")
+        threads = max(1, (cores or 1) - 1)
+        by_ram, by_threads = RAM_EFFICIENCY * peak.gbps, threads * PER_THREAD_READ_GBPS
+        if by_ram <= by_threads:
+            how = f"{RAM_EFFICIENCY:.0%} of {peak.gbps:g} GB/s peak, {peak.source}"
+        else:
+            how = (f"{threads} thread{'s' if threads > 1 else ''} x {PER_THREAD_READ_GBPS:g} GB/s assumed each"
+                   f" ({cores or 1} cores{', ' + cores_source if cores_source else ''}, one left free), under "
+                   f"{RAM_EFFICIENCY:.0%} of the {peak.gbps:g} GB/s peak ({peak.source})")
+        return Rate(min(by_ram, by_threads), how)
+    if measured_gbps is not None and not what_if:
+        return Rate(measured_gbps, "measured on this machine, one thread")
+    if what_if:
+        return Rate(ASSUMED_RAM_GBPS, "assumed: a what-if machine's RAM; --ram PRESET or --ram-bw-gbs sets it")
+    return Rate(ASSUMED_RAM_GBPS, "assumed: not measured yet")
+
+
 def _norm_uuid(uuid) -> str | None:
     """NVML says 'GPU-8c5f...'; torch says '8c5f...' (a uuid.UUID or str); compare without prefix."""
     if uuid is None:
@@ -159,6 +278,7 @@ class GpuInfo:
     link_source: str = "unknown"
     memory_gbps: float | None = None  # device memory bandwidth, peak
     source: str = "nvml"  # nvml | torch | nvml+torch | what-if
+    memory_source: str = "NVML: max memory clock x 2 x bus width"  # where memory_gbps comes from
 
     @property
     def label(self) -> str:
@@ -186,6 +306,11 @@ class DiskInfo:
     free_bytes: int | None
     total_bytes: int | None = None
     source: str = "statvfs"
+    what: str = ""  # which disk this is: "the Hugging Face cache, where moechat pull downloads", "given by --disk-gb"
+
+    def describe(self) -> str:
+        """"/root/.cache/huggingface/hub (the Hugging Face cache, where moechat pull downloads)"."""
+        return f"{self.path} ({self.what})" if self.what else self.path
 
 
 @dataclass(frozen=True)
@@ -218,15 +343,32 @@ class Hardware:
         return max(usable, key=lambda g: (g.free_bytes, -g.torch_index)) if usable else None
 
     def with_overrides(self, *, vram_gb: float | None = None, ram_gb: float | None = None,
-                       disk_gb: float | None = None, link_gbps: float | None = None) -> Hardware:
+                       disk_gb: float | None = None, link_gbps: float | None = None,
+                       gpu_preset: GpuPreset | None = None, link_preset: LinkPreset | None = None) -> Hardware:
         """The same machine with some numbers replaced (what-ifs): GiB for memory and disk, GB/s for the link.
 
         `vram_gb` keeps one GPU, the probed best one (for its link and memory bandwidth) or a hypothetical
-        one, with that much free memory; 0 means no GPU at all.
+        one, with that much free memory; 0 means no GPU at all. `gpu_preset` is that hypothetical GPU with its
+        spec sheet's memory, bandwidth and PCIe link (`vram_gb` still sets its memory); `link_preset` or
+        `link_gbps` (given) replace the link. Each figure's source is kept beside it (`link_source`,
+        `memory_source`).
         """
         gpus, ram, disk, what_if = self.gpus, self.ram, self.disk, list(self.what_if)
         gpu_notes = self.gpu_notes
-        if vram_gb is not None:
+        if gpu_preset is not None and (vram_gb is None or vram_gb > 0):
+            gpu_notes = ()
+            size = int((gpu_preset.vram_gib if vram_gb is None else vram_gb) * GiB)
+            src = f"from --gpu {gpu_preset.name} preset"
+            gpus = (GpuInfo(None, 0, gpu_preset.label, total_bytes=size, free_bytes=size, pcie_gen=gpu_preset.pcie_gen,
+                            pcie_width=gpu_preset.pcie_width,
+                            link_gbps=pcie_link_gbps(gpu_preset.pcie_gen, gpu_preset.pcie_width),
+                            link_source=f"{src} (PCIe {gpu_preset.pcie_gen}.0 x{gpu_preset.pcie_width} at "
+                                        f"{PCIE_EFFICIENCY:.0%} of raw)",
+                            memory_gbps=gpu_preset.memory_gbps,
+                            memory_source=f"{src} ({gpu_preset.source}: {gpu_preset.memory_gbps:g} GB/s)",
+                            source="what-if"),)
+            what_if.append(f"GPU {gpu_preset.label} with {size / GiB:g} GiB free")
+        elif vram_gb is not None:
             gpu_notes = ()
             if vram_gb <= 0:
                 gpus = ()
@@ -235,19 +377,26 @@ class Hardware:
                 size = int(vram_gb * GiB)
                 base = self.best_gpu() or (self.gpus[0] if self.gpus else None)
                 if base is None:
-                    base = GpuInfo(None, 0, "what-if GPU", link_source="assumed", source="what-if")
+                    base = GpuInfo(None, 0, "what-if GPU", link_source="assumed", source="what-if",
+                                   memory_source="assumed")
                 gpus = (replace(base, torch_index=0 if base.torch_index is None else base.torch_index,
                                 total_bytes=size, free_bytes=size, source="what-if"),)
                 what_if.append(f"GPU with {vram_gb:g} GiB free")
+        if link_preset is not None and link_gbps is None:
+            gpus = tuple(replace(g, link_gbps=link_preset.gbps, pcie_gen=link_preset.gen, pcie_width=link_preset.width,
+                                 link_source=f"from --link {link_preset.name} preset ({link_preset.source})")
+                         for g in gpus)
+            what_if.append(f"link {link_preset.name}")
         if link_gbps is not None:
-            gpus = tuple(replace(g, link_gbps=float(link_gbps), link_source="given") for g in gpus)
+            gpus = tuple(replace(g, link_gbps=float(link_gbps), link_source="given (--link-gbs)") for g in gpus)
             what_if.append(f"link {link_gbps:g} GB/s")
         if ram_gb is not None:
             size = int(ram_gb * GiB)
             ram = HostMemory(size, size, source="what-if")
             what_if.append(f"RAM {ram_gb:g} GiB available")
         if disk_gb is not None:
-            disk = DiskInfo(disk.path if disk else ".", int(disk_gb * GiB), None, source="what-if")
+            disk = DiskInfo(disk.path if disk else ".", int(disk_gb * GiB), None, source="what-if",
+                            what="given by --disk-gb")
             what_if.append(f"disk {disk_gb:g} GiB free")
         return Hardware(gpus, ram, disk, self.notes, tuple(what_if), gpu_notes)
 

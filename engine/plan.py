@@ -46,6 +46,7 @@ from .hardware import (
 from .validate import check_common, check_index
 
 MiB = 1 << 20
+ON_MISS_MODES = ("load", "host", "auto")  # engine/cache/hybrid.py ON_MISS (a test keeps them equal)
 REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py default_repack_dir
 DEFAULT_CONTEXT = 4096  # what `moechat run` allocates when --context is not given (engine/generate.py)
 MIN_CONTEXT = 512  # below this a chat is not worth planning for
@@ -858,6 +859,7 @@ class Preferences:
     hit_curve: MissRatioCurve | None = None
     disk_read_gbps: float | None = None
     host_read_gbps: float | None = None  # the CPU's read rate over packed experts (None: ASSUMED_RAM_GBPS)
+    host_read_source: str = ""  # where host_read_gbps comes from, for the plan's lines ("measured on this machine")
     cpu_layer_s: float | None = None  # measured seconds per layer on the CPU beyond the reads (engine/calibration.py)
     override: bool = False  # load anyway: a refused plan is still made, best effort, and check() passes
     # True: sliding-window layers are allocated `window` tokens, as a ring would need; False: every layer the
@@ -865,6 +867,9 @@ class Preferences:
     windowed_kv: bool = KV_WINDOWED_ALLOCATION
     prefill_chunk: int = PREFILL_CHUNK
     repacked: frozenset[str] = frozenset()  # converted formats whose repacked file is already written (reused)
+    # where misses run (`moechat run --on-miss`, default auto): the mode `decode` predicts; the others are in
+    # `MemoryPlan.placements`
+    on_miss: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -919,6 +924,7 @@ class DecodeEstimate:
     link_gbps: float | None
     disk_gbps: float
     compute_efficiency: float = 1.0  # the expert format's compute rate / the dense read rate (EXPERT_COMPUTE_...)
+    on_miss: str | None = None  # the --on-miss mode low/high/bound are for (None: no miss runs anywhere else)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -1132,9 +1138,11 @@ def _placements(spec: ModelSpec, decode: DecodeEstimate, hostbw: float) -> tuple
         if disk_b:
             limits["disk"] = disk_b / (decode.disk_gbps * GB)
         rates.append((1 / t, limits, Lm * K * (1 - h)))
-    (lo, _, n_host), (hi, limits, _) = rates
+    (lo, lo_limits, n_host), (hi, hi_limits, _) = rates
+    limits = hi_limits if hi >= lo else lo_limits  # the bound of the faster end, so that high <= bound
     bound_by = max(limits, key=limits.get)
-    host = MissPlacement("host", lo, hi, 1 / limits[bound_by], bound_by, host_experts=n_host)
+    # low-high as rates, not as hit rates: with a slow device path (int4 on a GPU today) more hits are slower
+    host = MissPlacement("host", min(lo, hi), max(lo, hi), 1 / limits[bound_by], bound_by, host_experts=n_host)
     best = max((out[0], host), key=lambda p: p.low)
     out += [host, replace(best, mode="auto")]
     return tuple(out)
@@ -1147,7 +1155,9 @@ def rate(x: float) -> str:
 
 def rate_range(low: float, high: float) -> str:
     """"11.0-14.2", or one number when the two are the same: with as many decimals (up to 3) as it takes for two
-    different rates to read differently, so a range never shows as "5.2-5.2"."""
+    different rates to read differently, so a range never shows as "5.2-5.2"; always low-high, whichever end a
+    caller names first (a host placement is faster at the *low* hit rate when its GPU path is slow)."""
+    low, high = min(low, high), max(low, high)
     for decimals in (1, 2, 3):
         a, b = f"{low:.{decimals}f}", f"{high:.{decimals}f}"
         if a != b:
@@ -1188,6 +1198,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     """Where everything goes, why, and how fast decode will be. Pure: same inputs, same plan."""
     if prefs.prefer not in ("speed", "context"):
         raise ConfigError(f"prefer {prefs.prefer!r}: use speed or context")
+    if prefs.on_miss not in ON_MISS_MODES:
+        raise ConfigError(f"--on-miss {prefs.on_miss!r}: use one of {', '.join(ON_MISS_MODES)}")
     gpu, device_why = _pick_device(hw, prefs)
     kind = "gpu" if gpu else "cpu"
     notes = list(spec.notes) + list(hw.all_notes)
@@ -1209,11 +1221,15 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         link = gpu.link_gbps
         if link is None:
             link = ASSUMED_LINK_GBPS
-            notes.append(f"PCIe link not reported: {link:g} GB/s assumed (PCIe 4.0 x16); pass --link-gbps")
+            notes.append(f"PCIe link not reported: {link:g} GB/s assumed (PCIe 4.0 x16); pass --link-gbs or --link "
+                         "PRESET")
         devbw = gpu.memory_gbps
         if devbw is None:
             devbw = ASSUMED_GPU_MEMORY_GBPS
-            notes.append(f"GPU memory bandwidth not reported: {devbw:g} GB/s assumed")
+            # the table's figure is the peak x GPU_EFFICIENCY: say both, so the note and the table agree
+            notes.append(f"GPU memory bandwidth not reported: {devbw:g} GB/s peak assumed, so decode reads at "
+                         f"{devbw * GPU_EFFICIENCY:g} GB/s ({GPU_EFFICIENCY:.0%} of it, the figure the table uses); "
+                         "pass --gpu PRESET")
         why = " (what-if)" if device_why == "what-if" else f": {device_why}"
         decisions.append(Decision("device", total, dev_label,
                                   f"{gpu.name}, {gib(gpu.free_bytes)} free of {gib(total)}{why}; budget "
@@ -1382,7 +1398,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     disk_free = hw.disk.free_bytes if hw.disk else None
     download = 0 if spec.weights_present else max(0, spec.checkpoint_bytes - spec.present_bytes)
     disk_need = download + (all_bytes if to_write else 0)
-    where = hw.disk.path if hw.disk else "disk"
+    where = hw.disk.describe() if hw.disk else "disk"
     if download:
         decisions.append(Decision("download", download, "disk",
                                   f"{gib(download)} of weights to download"
@@ -1396,6 +1412,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         if download > disk_free and spec.format_key == "dense" and spec.expert_bits >= 16:
             fixes.append(f"an FP8 checkpoint of this model, where one is published (about "
                          f"{gib(spec.fp8_checkpoint_bytes())}; moechat loads block-FP8 as shipped)")
+        fixes.append(f"--disk-gb {math.ceil(disk_need / GiB)} to plan for a disk with that much free")
         if download and to_write:
             needs = f"the download ({gib(download)}) and the repacked experts ({gib(all_bytes)}) need"
         else:
@@ -1403,8 +1420,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         refusal_parts.append(Refusal("disk", disk_need, disk_free, tuple(fixes),
                                      detail=f"{needs} {gib(disk_need)}, {gib(disk_free)} free on {where}"))
     if not download and disk_free is not None and hw.disk:
-        notes.append(f"weights already on disk ({gib(spec.checkpoint_bytes)}); {gib(disk_free)} free on "
-                     f"{hw.disk.path}")
+        notes.append(f"weights already on disk ({gib(spec.checkpoint_bytes)}): no disk needed for them; "
+                     f"{gib(disk_free)} free on {where}")
 
     refusal = None
     if refusal_parts:
@@ -1419,30 +1436,40 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
                else f"{decode.hit_rate_low:.1%}-{decode.hit_rate_high:.1%}")
         decisions.append(Decision("expected hit rate", None, "-", f"{hit} at C = {slots:,} ({frac:.1%} of experts): "
                                   f"{decode.hit_source}"))
+    placements: tuple[MissPlacement, ...] = ()
+    hostbw = prefs.host_read_gbps or ASSUMED_RAM_GBPS
+    host_src = prefs.host_read_source or ("given" if prefs.host_read_gbps else "assumed")
+    if decode is not None and gpu and slots < N and ram_experts:
+        placements = _placements(spec, decode, hostbw)
+    load_decode = decode
+    if placements:  # the headline, the formats and --json all predict the mode `run` will use
+        chosen = next(p for p in placements if p.mode == prefs.on_miss)
+        decode = replace(decode, low=chosen.low, high=chosen.high, bound=chosen.bound, bound_by=chosen.bound_by,
+                         on_miss=chosen.mode)
+    if decode is not None:
         moved = []
-        if decode.link_bytes_low:
-            moved.append(f"{decode.link_bytes_high / GB:.2f}-{decode.link_bytes_low / GB:.2f} GB over the "
-                         f"{link:g} GB/s link")
+        if load_decode.link_bytes_low:
+            moved.append(f"{load_decode.link_bytes_high / GB:.2f}-{load_decode.link_bytes_low / GB:.2f} GB over the "
+                         f"{link:.3g} GB/s link" + ("" if decode.on_miss in (None, "load") else " if every miss loads"))
         if decode.disk_bytes_low:
             moved.append(f"{decode.disk_bytes_high / GB:.2f}-{decode.disk_bytes_low / GB:.2f} GB from disk")
+        mode = "" if decode.on_miss is None else f" with --on-miss {decode.on_miss}"
         decisions.append(Decision("decode", None, "-",
-                                  f"{rate_range(decode.low, decode.high)} tok/s predicted; bound {rate(decode.bound)} "
-                                  f"tok/s ({decode.bound_by}); per token {decode.device_bytes / GB:.2f} GB of "
-                                  f"{dev_label} reads at {decode.device_gbps:.0f} GB/s"
+                                  f"{rate_range(decode.low, decode.high)} tok/s predicted{mode}; bound "
+                                  f"{rate(decode.bound)} tok/s ({decode.bound_by}); per token "
+                                  f"{decode.device_bytes / GB:.2f} GB of {dev_label} reads at "
+                                  f"{decode.device_gbps:.0f} GB/s"
                                   + (f" ({spec.format_key} experts compute at {decode.compute_efficiency:.0%} of "
                                      "that rate today)" if decode.compute_efficiency < 1 else "")
                                   + ("; " + ", ".join(moved) if moved else "")))
-    placements: tuple[MissPlacement, ...] = ()
-    if decode is not None and gpu and slots < N and ram_experts:
-        placements = _placements(spec, decode, prefs.host_read_gbps or ASSUMED_RAM_GBPS)
+    if placements:
         load, host_p = placements[0], placements[1]
         decisions.append(Decision("where misses run", None, "-",
                                   f"load {rate_range(load.low, load.high)} tok/s (bound {rate(load.bound)}, "
                                   f"{load.bound_by})"
                                   f" | host {rate_range(host_p.low, host_p.high)} (bound {rate(host_p.bound)}, "
                                   f"{host_p.bound_by}; {host_p.host_experts:.0f} experts/token on the CPU at "
-                                  f"{prefs.host_read_gbps or ASSUMED_RAM_GBPS:g} GB/s"
-                                  f"{'' if prefs.host_read_gbps else ' assumed'}) | auto: per miss the cheaper, "
+                                  f"{hostbw:.3g} GB/s, {host_src}) | auto: per miss the cheaper, "
                                   f"at least the better ({rate_range(placements[2].low, placements[2].high)})"))
     if overridden:
         decisions.append(Decision("override", None, "-", f"loading anyway as asked: {refusal.message}"))

@@ -299,7 +299,7 @@ def test_what_if_overrides(tmp_path):
     real = _probe(tmp_path, nvml=FakeNvml([RTX4090]))
     hw = real.with_overrides(vram_gb=12, ram_gb=32, disk_gb=100, link_gbps=50)
     (g,) = hw.gpus
-    assert g.free_bytes == g.total_bytes == 12 * GiB and g.link_gbps == 50 and g.link_source == "given"
+    assert g.free_bytes == g.total_bytes == 12 * GiB and g.link_gbps == 50 and g.link_source == "given (--link-gbs)"
     assert g.memory_gbps == real.gpus[0].memory_gbps  # the probed GPU's bandwidth is kept
     assert hw.ram == HostMemory(32 * GiB, 32 * GiB, source="what-if") and hw.disk.free_bytes == 100 * GiB
     assert len(hw.what_if) == 4
