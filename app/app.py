@@ -43,7 +43,7 @@ class MoechatApp(App):
     def __init__(self, model: str | None, *, engine_factory: EngineFactory, options: LoadOptions,
                  settings: Settings, store: ChatStore, memory_probe, export_dir: Path,
                  welcome_reason: str = NO_MODEL, notices: tuple[str, ...] = (), hub: HubOptions | None = None,
-                 reasoning_effort: str | None = None):
+                 reasoning_effort: str | None = None, sampling: dict | None = None, max_tokens: int | None = None):
         super().__init__()
         self.model = model
         self.engine_factory = engine_factory
@@ -59,6 +59,9 @@ class MoechatApp(App):
         self.hub = hub or HubOptions()
         # `moechat chat --reasoning-effort`: this session only, until a choice in the sampling dialog (saved)
         self.reasoning_effort = reasoning_effort
+        # `moechat chat --temperature ... --max-tokens`: over the saved settings for this session only (never
+        # saved), until a choice in the sampling dialog replaces them
+        self.session_sampling, self.session_max_tokens = dict(sampling or {}), max_tokens
         # `moechat chat MODEL --expert-format`: for that model in this session, until a choice in the panel (saved)
         self.session_formats = {model: options.expert_format} if model and options.expert_format else {}
         self.startup_notices = [n for n in (*notices, settings.problem, getattr(store, "notice", None)) if n]
@@ -77,6 +80,15 @@ class MoechatApp(App):
     def prompt_history(self) -> list[str]:
         """What the user sent before, oldest first (the prompt's Up key walks it back): kept in the chat store."""
         return self.store.recent_prompts()
+
+    def sampling(self) -> tuple[dict, int | None]:
+        """(sampling overrides, max tokens) for the next reply: the saved settings, under this session's flags."""
+        max_tokens = self.settings.max_tokens if self.session_max_tokens is None else self.session_max_tokens
+        return {**self.settings.sampling, **self.session_sampling}, max_tokens
+
+    def choose_sampling(self) -> None:
+        """A choice made in the sampling dialog (now in the settings) replaces this session's flags."""
+        self.session_sampling, self.session_max_tokens = {}, None
 
     def expert_format(self, model: str) -> str:
         """The --expert-format to load `model` with: this session's flag, else the one saved for it, else native."""
@@ -114,13 +126,15 @@ def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFa
              options: LoadOptions | None = None, settings: Settings | None = None,
              store: ChatStore | None = None, memory_probe=None, export_dir: str | os.PathLike | None = None,
              welcome_reason: str = NO_MODEL, hub: HubOptions | None = None,
-             reasoning_effort: str | None = None) -> MoechatApp:
+             reasoning_effort: str | None = None, sampling: dict | None = None,
+             max_tokens: int | None = None) -> MoechatApp:
     """The app on `model` (a directory or cached Hub repo id), or the welcome screen when None.
 
     Defaults: settings from the XDG config dir, chats in the XDG data dir, the real engine, psutil (+
     NVML when present) for memory, exports offered in the data dir's exports/, the Hub and cache of the environment
     (`hub`: another endpoint, cache, catalog or what-if hardware for the setup wizard), and the reasoning
-    effort saved in the settings (`reasoning_effort` overrides it for this session).
+    effort saved in the settings (`reasoning_effort` overrides it for this session; so do `sampling`, SamplingParams'
+    names -> values, and `max_tokens` over the saved sampling settings).
     """
     notices = []
     settings = settings if settings is not None else Settings.load()
@@ -135,4 +149,4 @@ def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFa
                       memory_probe=memory_probe if memory_probe is not None else MemoryProbe(),
                       export_dir=Path(export_dir) if export_dir is not None else data_dir() / "exports",
                       welcome_reason=welcome_reason, notices=tuple(notices), hub=hub,
-                      reasoning_effort=reasoning_effort)
+                      reasoning_effort=reasoning_effort, sampling=sampling, max_tokens=max_tokens)

@@ -64,3 +64,34 @@ def utf8_text(text: str) -> str:
         raise argparse.ArgumentTypeError(f"not valid UTF-8 text ({byte} at character {e.start}); pass UTF-8, or "
                                          "token ids with --prompt-ids") from None
     return text
+
+
+def _sampling_type(name: str, parse, kind: str, *, no_zero: tuple[str, str] | None = None):
+    """An argparse type for the sampling parameter `name`, refused by the engine's own rule (engine/sampling.py
+    `problem`, pure Python: no torch at start-up) with one usage line; `no_zero` = (the range without 0, why not
+    0) refuses 0 as well, and names that range for any refused value."""
+    def check(text: str):
+        from moechat.engine.sampling import problem
+
+        try:
+            value = parse(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        rule = problem(name, value)
+        if no_zero is not None and (rule is not None or value == 0):
+            rule = no_zero[0] + (f" ({no_zero[1]})" if value == 0 else "")
+        if rule is not None:
+            rule = rule.removesuffix(" or null")  # JSON's null is the flag left out here
+            raise argparse.ArgumentTypeError(f"expected {'a number ' if rule[0] in 'i<>' else ''}{rule}, got {text}")
+        return value
+
+    check.__name__ = name  # argparse names the type in its "invalid ... value" line
+    return check
+
+
+temperature = _sampling_type("temperature", float, "a number")
+top_k = _sampling_type("top_k", int, "a whole number")
+top_p = _sampling_type("top_p", float, "a number", no_zero=("in (0, 1]", "0 would keep only the likeliest token: for that, pass --temperature 0"))
+min_p = _sampling_type("min_p", float, "a number")
+repetition_penalty = _sampling_type("repetition_penalty", float, "a number")
+seed = _sampling_type("seed", int, "a whole number")

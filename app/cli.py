@@ -18,11 +18,8 @@ import sys
 
 from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 
-from .argtypes import finite_float as _finite_float
-from .argtypes import non_negative_float as _non_negative_float
-from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import utf8_text as _utf8_text
-from .engine_args import add_load_args, context_length, say_clamp
+from .engine_args import MODEL_HELP, add_load_args, add_sampling_args, say_clamp, sampling_overrides
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -41,7 +38,7 @@ def _token_ids(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="moechat", description="Run Mixture-of-Experts models bigger than your GPU, and see what the expert cache "
         "does. `moechat` alone opens the chat app on the bundled demo model (else the model used last).",
         epilog="Start with: moechat run --prompt \"What does math.sqrt do?\" --temperature 0   (the demo model); "
@@ -51,10 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(accepted after any subcommand too; or set MOECHAT_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="generate a reply from a model (default: the bundled demo model)",
-                         description="Generate from a local Hugging Face MoE model directory (safetensors), a Hub repo "
-                         "id downloaded with moechat pull, or without MODEL_DIR the bundled demo model.")
-    run.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", help="directory with config.json and *.safetensors, "
-                     "or a Hub repo id downloaded with moechat pull (default: the bundled demo model)")
+                         description="Generate from MODEL: a local Hugging Face MoE model directory (safetensors) or "
+                         "a Hub repo id downloaded with moechat pull; without MODEL, the bundled demo model.")
+    run.add_argument("model_dir", metavar="MODEL", nargs="?", help=MODEL_HELP)
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=_utf8_text, help="the user message (the chat template is applied unless --raw)")
     src.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="token ids, e.g. 1,2,3 (no template)")
@@ -65,19 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "medium for gpt-oss)")
     run.add_argument("--show-thinking", action="store_true", help="stream the model's reasoning to stderr "
                      "(dimmed on a terminal); by default only the answer is printed")
-    run.add_argument("--max-tokens", type=context_length, metavar="N", help="tokens to generate at most "
-                     "(default: the model's max_new_tokens, else 512; at most what the context leaves, said if lower)")
-    run.add_argument("--temperature", type=_non_negative_float, metavar="T", help="0 = greedy (default: the "
-                     "model's generation_config.json)")
-    run.add_argument("--top-k", type=_non_negative_int, metavar="K", help="sample among the K likeliest tokens "
-                     "only (0 = all; default: the model's generation_config.json)")
-    run.add_argument("--top-p", type=_finite_float, metavar="P", help="sample among the likeliest tokens whose "
-                     "probabilities add up to P, in (0, 1] (default: the model's)")
-    run.add_argument("--min-p", type=_finite_float, metavar="P", help="drop tokens less likely than P x the likeliest "
-                     "one, in [0, 1] (default: the model's, else 0)")
-    run.add_argument("--repetition-penalty", type=_finite_float, metavar="R", help="divide the scores of tokens "
-                     "already in the text by R > 0; 1 = off (default: the model's, else 1)")
-    run.add_argument("--seed", type=int, metavar="S", help="sampling seed (same seed, same reply)")
+    add_sampling_args(run, "run")  # --max-tokens --temperature --top-k ...: the same flags as chat and serve
     run.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     add_load_args(run)  # --dtype --context --device and the expert cache: the same flags as `moechat serve`
     from moechat.app.fit import add_fit_parser  # no torch, no engine
@@ -105,12 +89,8 @@ def _check_run_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 def _check_run_args(args: argparse.Namespace, device: str) -> None:
     from moechat.engine.files import check_writable
     from moechat.engine.loader import resolve_device
-    from moechat.engine.sampling import SamplingParams
 
-    resolve_device(device)  # a typo, or cuda where there is none
-    SamplingParams.from_generation_config({}, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                                          seed=args.seed)  # each override's range
+    resolve_device(device)  # a typo, or cuda where there is none (the sampling flags were checked at parse time)
     if args.record_trace:
         check_writable(args.record_trace, "routing trace")  # not after the reply: the trace would be lost
 
@@ -122,8 +102,7 @@ def _run(args: argparse.Namespace) -> int:
 
     # a Hub repo id resolved to its snapshot; a bad value fails in one line before the model loads
     engine = load_engine_from_args(args, check=_check_run_args)
-    sampling = engine.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    sampling = engine.sampling(**sampling_overrides(args))
     reasoning = None
     chat = args.prompt_ids is None and not args.raw
     if args.reasoning_effort is not None and not (chat and engine.template_reads("reasoning_effort")):
@@ -209,6 +188,7 @@ def _run(args: argparse.Namespace) -> int:
             "decode_tokens_per_s": last.decode_tokens_per_s if last else 0.0,
             "cache": cache_json,
             "clamps": getattr(args, "clamps", None) or [],  # each flag value moechat lowered: asked, got, why
+            **({"cpu_paths": cpu_paths()} if engine.loaded.device.type == "cpu" else {}),
         }))
     else:
         sys.stdout.write("\n")
@@ -236,8 +216,26 @@ def _run(args: argparse.Namespace) -> int:
     return status
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (the command, what is wrong, where the flags are listed) and exit
+    status 2, instead of the whole usage block above it; the subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:  # named by the subcommand they were given to: its --help lists what it takes
+            command = getattr(args, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            self.exit(EXIT_USAGE, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)\n")
+        return args
+
+
 class _Version(argparse.Action):
-    """--version: read from the installed package's metadata when asked, not at every start-up."""
+    """--version: read from the installed package's metadata when asked, not at every start-up. The version line
+    comes first and alone (scripts compare it); then one line per CPU compute path active here, and why (the native
+    kernels and torch's guarded packed kernels: importing torch is fine, --version is asked for)."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -249,8 +247,26 @@ class _Version(argparse.Action):
             text = version("moechat")
         except PackageNotFoundError:  # run from a source tree that was never installed
             text = "unknown (not installed)"
-        print(f"moechat {text}")  # stdout, as argparse's own version action
+        print(f"moechat {text}", flush=True)  # stdout, as argparse's own version action
+        for line in cpu_paths_lines():
+            print(line)
         parser.exit()
+
+
+def cpu_paths() -> dict:
+    """The CPU compute paths active on this machine: {"native": why, "torch": [one line per guarded path]}."""
+    from moechat.engine.quant import native, torch_paths
+
+    return {"native": native.status(), "torch": torch_paths.status()}
+
+
+def cpu_paths_lines() -> list[str]:
+    """`cpu_paths()` as lines for a person; a path that cannot say (a broken install) says so in its line."""
+    try:
+        paths = cpu_paths()
+    except Exception as e:  # noqa: BLE001 - --version must answer whatever the engine's state
+        return [f"cpu paths: unknown ({type(e).__name__}: {e})"]
+    return [f"cpu: native kernels: {paths['native']}"] + [f"cpu: {line}" for line in paths["torch"]]
 
 
 class _ThinkingPrinter:

@@ -1,6 +1,7 @@
 """The flags that say how to load a model, shared by `moechat run` and `moechat serve`, and the load itself.
 
     add_load_args(parser)                     # --dtype --context --device and the "expert cache" group
+    add_sampling_args(parser, "run")          # --temperature --top-k ... --max-tokens, in run, chat and serve
     engine = load_engine_from_args(args)      # resolve MODEL, check values, plan the cache, Engine.load
 
 One definition, so the two commands cannot drift: a flag added here exists in both, with the same
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import argtypes as _types
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
 from .argtypes import prefetch_depth as _prefetch_depth
@@ -43,6 +45,47 @@ expert_slots = _at_most(_MAX_LAYERS * _MAX_EXPERTS, "slots", "more experts than 
 host_layers = _at_most(_MAX_LAYERS, "layers", "more layers than any model moechat loads has",
                        minimum=_non_negative_int)
 ram_cache_mb = _at_most(1 << 30, "MiB", "1 PiB", minimum=_non_negative_int)
+
+
+# The positional of run, chat and serve (fit's also takes a Hub repo id it has not downloaded): one name, one help.
+MODEL_HELP = ("a model directory (config.json and *.safetensors) or a Hub repo id downloaded with moechat pull "
+              "(default: the bundled demo model)")
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")  # SamplingParams' names
+_SAMPLING_SCOPE = {
+    "run": ("", "the model's generation_config.json"),
+    "chat": ("for this session's chat, until one is chosen in the sampling dialog (F3); ",
+             "the one set in the app, else the model's"),
+    "serve": ("for the requests that do not send it; ", "the model's generation_config.json"),
+}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, scope: str) -> None:
+    """The "sampling" group of `run`, `chat` and `serve` (scope: which one, for the help): one definition, checked
+    at parse time by the engine's own rules (app/argtypes.py), so a bad value is a usage line before any load."""
+    lead, default = _SAMPLING_SCOPE[scope]
+    group = parser.add_argument_group("sampling", "how each next token is chosen; a value left out is the "
+                                      "model's (generation_config.json, read as transformers' generate() reads it)")
+    group.add_argument("--max-tokens", type=context_length, metavar="N", help=f"{lead}tokens to generate at most "
+                       "(default: the model's max_new_tokens, else 512; at most what the context leaves, said if "
+                       "lower)" if scope != "chat" else f"{lead}tokens to generate at most (default: {default}, "
+                       "else its max_new_tokens, else 512)")
+    group.add_argument("--temperature", type=_types.temperature, metavar="T", help=f"{lead}0 = greedy, else at "
+                       f"least 0.001 (default: {default})")
+    group.add_argument("--top-k", type=_types.top_k, metavar="K", help=f"{lead}sample among the K likeliest tokens "
+                       f"only (0 = all; default: {default})")
+    group.add_argument("--top-p", type=_types.top_p, metavar="P", help=f"{lead}sample among the likeliest tokens "
+                       f"whose probabilities add up to P, in (0, 1] (default: {default})")
+    group.add_argument("--min-p", type=_types.min_p, metavar="P", help=f"{lead}drop tokens less likely than P x the "
+                       f"likeliest one, in [0, 1] (default: {default}, else 0)")
+    group.add_argument("--repetition-penalty", type=_types.repetition_penalty, metavar="R", help=f"{lead}divide "
+                       f"the scores of tokens already in the text by R > 0; 1 = off (default: {default}, else 1)")
+    group.add_argument("--seed", type=_types.seed, metavar="S", help=f"{lead}sampling seed, 0 to 2**64-1 (same "
+                       "seed, same reply; default: a fresh one each time)")
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    """The sampling flags given (SamplingParams' names -> values); those left out are not in it."""
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
 
 
 def say_clamp(args: argparse.Namespace, flag: str, asked, got, why: str) -> None:
@@ -127,7 +170,7 @@ def cache_config_from_args(args: argparse.Namespace, device: str):
     """The CacheConfig the flags ask for (None: every expert resident); unset sizes come from the memory plan."""
     from moechat.app.fit import cache_defaults, warn
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.errors import MoechatError
+    from moechat.engine.errors import ConfigError, MoechatError
 
     record = bool(getattr(args, "record_trace", None))
     slots, ram_cache_bytes = cache_defaults(args.model_dir, device=device, dtype=args.dtype, context=args.context,
@@ -146,6 +189,11 @@ def cache_config_from_args(args: argparse.Namespace, device: str):
         check_prefetch(prefetch, args.prefetch_depth)
     except ValueError as e:
         raise MoechatError(str(e)) from None
+    if prefetch != "off" and str(device).split(":")[0] == "cpu" and args.on_miss != "load" and ram_cache_bytes is None:
+        from moechat.engine.cache.prefetch import nothing_to_prefetch
+
+        # misses computed in place and the plan keeps every expert in RAM: the provider would refuse it at load
+        raise ConfigError(nothing_to_prefetch(prefetch))
     return CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
                        record_trace=record, repack_dir=args.repack_dir, prefetch=prefetch,
                        prefetch_depth=args.prefetch_depth, warm_start=args.warm_start, on_miss=args.on_miss,

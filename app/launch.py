@@ -23,6 +23,7 @@ from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
 from .argtypes import prefetch_depth as _prefetch_depth
+from .engine_args import MODEL_HELP, add_sampling_args, sampling_overrides
 from .pull import DEMO_MODEL  # noqa: F401 - re-exported: the app and the tests read it here
 
 # No Textual here either (app/bridge.py imports it): `moechat run` builds this parser, and Textual's import is
@@ -37,8 +38,7 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
         description="Open the chat app on a local Hugging Face MoE model directory (or a Hub repo id downloaded "
                     "with moechat pull). The experts are kept in a slot cache so the panel can show it; "
                     "retune it live from the panel.")
-    chat.add_argument("model", metavar="MODEL", nargs="?", help="directory with config.json and *.safetensors, or a "
-                      "downloaded Hub repo id (default: the bundled demo model)")
+    chat.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
     chat.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                       help="compute dtype (default: the checkpoint's)")
     chat.add_argument("--context", type=_positive_int, metavar="N", help="context length to allocate the KV "
@@ -84,6 +84,7 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     cache.add_argument("--host-layers", type=_non_negative_int, default=0, metavar="N",
                        help="keep every expert of the first N MoE layers on the host, never slotted (like "
                        "llama.cpp's --n-cpu-moe)")
+    add_sampling_args(chat, "chat")  # the app's sampling settings start from them, for this session
     chat.set_defaults(handler=run_chat)
     return chat
 
@@ -123,7 +124,8 @@ def run_chat(args: argparse.Namespace) -> int:
         model = resolve_model_arg(model)
     from .app import make_app
 
-    return _run(make_app(model, options=options_from_args(args), reasoning_effort=args.reasoning_effort))
+    return _run(make_app(model, options=options_from_args(args), reasoning_effort=args.reasoning_effort,
+                         sampling=sampling_overrides(args), max_tokens=args.max_tokens))
 
 
 def default_model(demo: Path | None = None, settings=None) -> str | None:

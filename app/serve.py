@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .argtypes import positive_int as _positive_int
-from .engine_args import add_load_args
+from .engine_args import MODEL_HELP, add_load_args, add_sampling_args, sampling_overrides
 from .serve_request import (
     BadRequest,
     error_body,
@@ -52,9 +52,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve", help="serve a model over an OpenAI-compatible HTTP API, with Prometheus metrics",
         description="Load MODEL once and serve /v1/chat/completions, /v1/completions and /v1/models (streamed or "
                     "not), /health and /metrics. One sequence at a time: requests queue in arrival order.")
-    serve.add_argument("model_dir", metavar="MODEL", nargs="?", default=None,
-                       help="directory with config.json and *.safetensors, or a downloaded Hub repo id (default: "
-                       "the bundled demo model)")
+    serve.add_argument("model_dir", metavar="MODEL", nargs="?", default=None, help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine "
                        "only; 0.0.0.0 serves the network: set --api-key)")
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT, help="TCP port (default: %(default)s; 0: any "
@@ -90,6 +88,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     gate.add_argument("--max-connections", metavar="N", type=_positive_int, default=MAX_CONNECTIONS,
                       help="open connections at most; one more is answered 503 and closed (default: %(default)s)")
     add_load_args(serve, record_trace=False)
+    add_sampling_args(serve, "serve")  # the defaults of a request that leaves a field out; checked at parse time
     serve.set_defaults(handler=run_serve)
     return serve
 
@@ -373,8 +372,11 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
 # -- the app -----------------------------------------------------------------------------------------------
 class Server:
     def __init__(self, worker, metrics, *, model_name: str, api_key: str | None, info: dict,
-                 gate: GateConfig | None = None):
+                 gate: GateConfig | None = None, sampling: dict | None = None, max_tokens: int | None = None):
         self.worker = worker
+        # `moechat serve --temperature ... --max-tokens`: what a request that leaves the field out gets
+        self.sampling_defaults = dict(sampling or {})
+        self.default_max_tokens = max_tokens
         self.gate = gate or GateConfig()
         self.metrics = metrics
         self.model_name = model_name
@@ -408,7 +410,8 @@ class Server:
         from moechat.engine.errors import MoechatError
 
         try:
-            return self.worker.engine.sampling(**fields["sampling"])
+            given = {k: v for k, v in fields["sampling"].items() if v is not None}
+            return self.worker.engine.sampling(**{**self.sampling_defaults, **given})
         except (MoechatError, ValueError) as e:
             raise BadRequest(str(e), None) from None
 
@@ -458,7 +461,8 @@ class Server:
         try:
             body = await self._read_json(request)
             fields = parse_common(body, self.model_name)
-            job = Job(kind=kind, endpoint=kind, max_tokens=fields["max_tokens"], stop=fields["stop"],
+            max_tokens = self.default_max_tokens if fields["max_tokens"] is None else fields["max_tokens"]
+            job = Job(kind=kind, endpoint=kind, max_tokens=max_tokens, stop=fields["stop"],
                       ignore_eos=fields["ignore_eos"], sampling=self._sampling(fields),
                       logprobs=parse_logprobs(body, kind))
             if kind == "chat":
@@ -728,15 +732,17 @@ class _ApiKey:
         await response(scope, receive, send)
 
 
-def model_info(engine, model_dir: Path) -> dict:
-    """What /v1/models says about the model beyond OpenAI's fields (read by `moechat chat --remote`)."""
+def model_info(engine, model_dir: Path, sampling: dict | None = None, max_tokens: int | None = None) -> dict:
+    """What /v1/models says about the model beyond OpenAI's fields (read by `moechat chat --remote`); `sampling` and
+    `max_tokens` are the server's defaults for a request (moechat serve --temperature ...), over the model's."""
     args = engine.args
     try:
         moe_layers = len(engine.loaded.cls.moe_layers(args))
     except Exception:  # noqa: BLE001
         moe_layers = int(args.num_hidden_layers)
     try:
-        sampling = {k: v for k, v in vars(engine.sampling()).items() if isinstance(v, (int, float, bool, type(None)))}
+        sampling = {k: v for k, v in vars(engine.sampling(**(sampling or {}))).items()
+                    if isinstance(v, (int, float, bool, type(None)))}
     except Exception:  # noqa: BLE001
         sampling = {}
     # the directory's name, not its path: a client has no use for where the files lie on the server
@@ -744,7 +750,7 @@ def model_info(engine, model_dir: Path) -> dict:
             "dtype": str(engine.loaded.dtype).removeprefix("torch."), "device": str(engine.loaded.device),
             "num_layers": int(args.num_hidden_layers), "moe_layers": moe_layers,
             "num_experts": int(args.num_experts), "top_k": int(args.top_k), "context": int(engine.context),
-            "default_max_tokens": int(engine.default_max_tokens()), "sampling_defaults": sampling,
+            "default_max_tokens": int(max_tokens or engine.default_max_tokens()), "sampling_defaults": sampling,
             "generation_config": dict(engine.generation_config or {}),
             "has_chat_template": engine.chat_template is not None,
             "reads_reasoning_effort": engine.template_reads("reasoning_effort"),
@@ -786,7 +792,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = load_engine_from_args(args, check=_check_serve_args)
     return serve_engine(engine, sock, model_name=args.served_model_name or Path(args.model_dir).name,
                         api_key=api_key, max_queue=args.max_queue, model_dir=Path(args.model_dir),
-                        cache_line=_cache_line(args), prefix_cache=args.prefix_cache, gate=gate)
+                        cache_line=_cache_line(args), prefix_cache=args.prefix_cache, gate=gate,
+                        sampling=sampling_overrides(args), max_tokens=args.max_tokens)
 
 
 def _cache_line(args) -> dict:
@@ -794,16 +801,18 @@ def _cache_line(args) -> dict:
 
 
 def serve_engine(engine, sock, *, model_name: str, api_key: str | None, max_queue: int,
-                 model_dir: Path, cache_line: dict, prefix_cache: bool = False, gate: GateConfig | None = None) -> int:
+                 model_dir: Path, cache_line: dict, prefix_cache: bool = False, gate: GateConfig | None = None,
+                 sampling: dict | None = None, max_tokens: int | None = None) -> int:
     """Serve `engine` on a bound socket until Ctrl+C (KeyboardInterrupt once the engine is closed: exit 130) or
-    SIGTERM (the process then ends by that signal, as before, but after the engine is closed)."""
+    SIGTERM (the process then ends by that signal, as before, but after the engine is closed). `sampling` and
+    `max_tokens`: the defaults of a request that leaves them out (moechat serve --temperature ... --max-tokens)."""
     import signal
 
     from .serve_metrics import ServerMetrics
     from .serve_worker import EngineWorker
 
     worker = EngineWorker(engine, max_queue=max_queue, prefix_cache=prefix_cache)
-    info = model_info(engine, model_dir)
+    info = model_info(engine, model_dir, sampling, max_tokens)
     metrics = ServerMetrics(lambda: worker.snapshot, {"model": model_name, "model_type": info["model_type"],
                                                       "device": info["device"], "dtype": info["dtype"],
                                                       **cache_line})
@@ -812,7 +821,8 @@ def serve_engine(engine, sock, *, model_name: str, api_key: str | None, max_queu
     sock.listen(128)  # connections made from here on wait for uvicorn instead of being refused
     host, port = sock.getsockname()[:2]
     gate = gate or GateConfig.for_bind(host)
-    server = Server(worker, metrics, model_name=model_name, api_key=api_key, info=info, gate=gate)
+    server = Server(worker, metrics, model_name=model_name, api_key=api_key, info=info, gate=gate,
+                    sampling=sampling, max_tokens=max_tokens)
     shown = f"[{host}]" if ":" in host else host
     uv = _uvicorn_server(uvicorn_config(build_app(server), gate, timeout_graceful_shutdown=5), worker)
     if not api_key and host not in LOOPBACK_NAMES:

@@ -34,8 +34,15 @@ def _number(body: dict, name: str, lo: float, hi: float, *, integer: bool = Fals
     if not ok or isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
         raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)}", name)
     if not lo <= value <= hi:
-        raise BadRequest(f"{name} must be between {lo:g} and {hi:g}, got {value}", name)
+        raise BadRequest(f"{name} must be between {_shown(lo, integer)} and {_shown(hi, integer)}, got "
+                         f"{f'{value:,}' if isinstance(value, int) else value}", name)
     return value
+
+
+def _shown(bound: float, integer: bool) -> str:
+    """A range's bound as a person reads it: an integer's whole, with thousands separators (1,073,741,824, not
+    1.07374e+09), a number's shortest form (0.5, 2)."""
+    return f"{int(bound):,}" if integer or float(bound).is_integer() else f"{bound:g}"
 
 
 def _text_content(content, where: str) -> str | None:

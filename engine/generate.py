@@ -514,10 +514,7 @@ class Conversation:
             if cut is None:
                 if len(ids) < context:
                     break  # what is left fits, with less room for the reply: it may end "length" sooner
-                what = "this message" if self.overflow == "drop-oldest" else "the conversation"
-                raise PromptTooLongError(
-                    f"{what} is {len(ids):,} tokens, more than the context of {context:,} leaves room for: "
-                    f"shorten it, or {self.engine.context_advice()}")
+                raise PromptTooLongError(self._too_long(ids, context))
             a, b = cut
             self.forgotten += self.messages[a:b]
             del self.messages[a:b]
@@ -525,6 +522,21 @@ class Conversation:
             ids = self.engine.encode_chat(self.messages, add_generation_prompt=True, cancel=cancel,
                                           **template_kwargs)
         return ids
+
+    def _too_long(self, ids: list[int], context: int) -> str:
+        """Why a prompt that cannot fit even alone is refused: the sizes (the new message against the room the
+        conversation so far leaves it; an API caller's whole conversation against the context), and the fix."""
+        most = int(getattr(self.engine.args, "max_position_embeddings", 0) or 0)
+        fix = (f"raise --context (the model allows {most:,}) or shorten it" if most > context
+               else f"shorten it ({context:,} tokens is this model's maximum)")
+        if self.overflow != "drop-oldest":
+            return (f"the conversation is {len(ids):,} tokens; the context of {context:,} holds {context - 1:,} "
+                    f"with a token of reply: {fix}")
+        # the message's own tokens; the rest of the prompt (system prompt, template) is the conversation so far
+        message = min(len(self.engine.encode(str(self.messages[-1].get("content") or ""))), len(ids))
+        room = max(0, context - 1 - (len(ids) - message))
+        return (f"this message is {message:,} tokens; the context of {context:,} leaves room for {room:,} after the "
+                f"conversation so far: {fix}")
 
     def send(self, content: str, *, sampling: SamplingParams | None = None, max_tokens: int | None = None,
              cancel: threading.Event | None = None, **template_kwargs) -> Iterator[GenerationChunk]:

@@ -10,6 +10,8 @@ Design:
 - Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)`` from the sampler's own seeded ``torch.Generator``:
   an exact draw from ``p`` (the trick ``torch.multinomial`` uses internally) without its host syncs, so
   the caller decides when to read the token.
+- The value rules (`problem`) are pure Python, and torch is imported where a token is picked: the CLI's
+  argparse types check --temperature, --top-p ... with these very rules at start-up, before torch loads.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # transformers 5.24 GenerationConfig._get_default_generation_params(), for the keys used here.
 _HF_DEFAULTS: dict[str, Any] = {
@@ -40,38 +43,41 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check(name: str, value: Any, where: str) -> Any:
-    """Validate one parameter; returns it normalised (floats as float, top_k as int)."""
-
-    def bad(rule: str) -> ConfigError:
-        return ConfigError(f"{where}: {name} = {value!r} is invalid; {name} must be {rule}")
-
+def problem(name: str, value: Any) -> str | None:
+    """What `value` must be for the parameter `name` (a SamplingParams field), or None when it is valid: the one
+    rule the engine, the CLI's argparse types and the app share."""
     if name == "do_sample":
-        if not isinstance(value, bool):
-            raise bad("true or false")
-        return value
+        return None if isinstance(value, bool) else "true or false"
     if name == "seed":
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or not 0 <= value < 2**64):
-            raise bad("an integer in [0, 2**64) or null")
-        return value
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64)
+        return None if ok else "an integer in [0, 2**64) or null"
     if name == "top_k":
-        if _is_number(value) and float(value).is_integer() and value >= 0:
-            return int(value)
-        raise bad("an integer >= 0 (0 turns top-k off)")
+        ok = _is_number(value) and math.isfinite(value) and float(value).is_integer() and value >= 0
+        return None if ok else "an integer >= 0 (0 turns top-k off)"
     if not _is_number(value) or not math.isfinite(value):
-        raise bad("a finite number")
-    value = float(value)
+        return "a finite number"
     if name == "temperature" and value < 0:
-        raise bad(">= 0 (0 means greedy)")
+        return ">= 0 (0 means greedy)"
     if name == "temperature" and 0 < value < MIN_TEMPERATURE:
         # logits / 1e-45 overflow to inf, softmax turns them to NaN and argmax returns token 0
-        raise bad(f"0 (greedy) or at least {MIN_TEMPERATURE:g}; below that sampling is greedy anyway")
+        return f"0 (greedy) or at least {MIN_TEMPERATURE:g}; below that sampling is greedy anyway"
     if name in ("top_p", "min_p") and not 0.0 <= value <= 1.0:
-        raise bad("in [0, 1]")
+        return "in [0, 1]"
     if name == "repetition_penalty" and value <= 0:
-        raise bad("> 0 (1.0 turns it off)")
-    return value
+        return "> 0 (1.0 turns it off)"
+    return None
+
+
+def _check(name: str, value: Any, where: str) -> Any:
+    """Validate one parameter; returns it normalised (floats as float, top_k as int)."""
+    rule = problem(name, value)
+    if rule is not None:
+        raise ConfigError(f"{where}: {name} = {value!r} is invalid; {name} must be {rule}")
+    if name == "top_k":
+        return int(value)
+    if name in ("do_sample", "seed"):
+        return value
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,8 @@ class SamplingParams:
 
 
 def _filter_top_k(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    import torch
+
     # transformers' TopKLogitsWarper: keeps every token tied with the k-th.
     k = min(top_k, scores.size(-1))
     kth = torch.topk(scores, k)[0][..., -1, None]  # [1, 1]
@@ -137,6 +145,8 @@ def _filter_top_k(scores: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def _filter_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    import torch
+
     # transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p, keep at least one.
     sorted_logits, sorted_indices = torch.sort(scores, descending=False)  # [1, V], [1, V]
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [1, V]
@@ -147,6 +157,8 @@ def _filter_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _filter_min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    import torch
+
     # transformers' MinPLogitsWarper: drop tokens below min_p * (top probability), keep the top one.
     probs = torch.softmax(scores, dim=-1)  # [1, V]
     remove = probs < min_p * probs.amax(dim=-1, keepdim=True)  # [1, V]
@@ -162,10 +174,14 @@ class Sampler:
     """Picks the next token from a [V] logits vector; one per generation (it owns the RNG state)."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        import torch
+
         self.params = params
         self.generator = self._new_generator(torch.device(device))
 
     def _new_generator(self, device: torch.device, seed: int | None = None) -> torch.Generator:
+        import torch
+
         generator = torch.Generator(device=device)
         seed = self.params.seed if seed is None else seed
         if seed is None:
@@ -177,6 +193,8 @@ class Sampler:
     def processed_logits(self, logits: torch.Tensor,
                          generated_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The logits after penalty, then (when sampling) temperature/top-k/top-p/min-p; -inf = removed."""
+        import torch
+
         p = self.params
         if logits.dim() != 1:
             raise ValueError(f"logits must be 1-D [vocab], got shape {tuple(logits.shape)}")
@@ -203,6 +221,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, generated_ids: torch.Tensor | None = None) -> torch.Tensor:
         """A 0-d int64 tensor on the logits' device; nothing here waits for the device."""
+        import torch
+
         scores = self.processed_logits(logits, generated_ids)  # [V]
         if self.params.greedy:
             return torch.argmax(scores)  # [] first maximum, like transformers' greedy search

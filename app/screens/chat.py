@@ -388,9 +388,8 @@ class ChatScreen(Screen):
         self.session.start_reply()
         self.reply = await self.transcript.add_assistant()
         self.transcript.scroll_end(animate=False)
-        settings = self.app.settings
-        self.gen_id = self.bridge.generate(history, text, settings.sampling, settings.max_tokens,
-                                           self.template_kwargs())
+        sampling, max_tokens = self.app.sampling()  # the settings, under `moechat chat --temperature ...`
+        self.gen_id = self.bridge.generate(history, text, sampling, max_tokens, self.template_kwargs())
         self.refresh_bindings()  # Escape: Stop
 
     def template_kwargs(self) -> dict:
@@ -558,13 +557,15 @@ class ChatScreen(Screen):
             if result is None:
                 return
             settings.sampling, settings.max_tokens = result.sampling, result.max_tokens
+            self.app.choose_sampling()  # the choice made here replaces the command line's for this session
             if info.reads_reasoning_effort:
                 settings.reasoning_effort = result.reasoning_effort
                 self.app.reasoning_effort = None  # the choice made here replaces --reasoning-effort's
             settings.save()
 
         effort = self.app.reasoning_effort or settings.reasoning_effort
-        dialog = SamplingScreen(info.sampling_defaults, info.generation_config, settings.sampling, settings.max_tokens,
+        sampling, max_tokens = self.app.sampling()
+        dialog = SamplingScreen(info.sampling_defaults, info.generation_config, sampling, max_tokens,
                                 info.default_max_tokens, reasoning_effort=effort,
                                 reads_reasoning_effort=info.reads_reasoning_effort)
         self.app.push_screen(dialog, done)

@@ -64,6 +64,14 @@ def check_prefetch(mode: str, depth: int) -> None:
         raise ValueError(f"prefetch depth must be 1..{MAX_PREFETCH_DEPTH}, got {depth}")
 
 
+def nothing_to_prefetch(mode: str) -> str:
+    """Why prefetch `mode` is refused on a CPU that computes misses in place with every expert in RAM: the one
+    message of the provider's check at load and of the CLI's before it (app/engine_args.py)."""
+    return (f"--prefetch {mode} has nothing to do here: on a CPU every miss is computed in place from RAM and every "
+            "expert is already in RAM; bound the RAM tier (--ram-cache-mb) to prefetch experts from disk into it, or "
+            "leave --prefetch off")
+
+
 @dataclass(frozen=True)
 class RouterWeights:
     """What predicting a layer's routing needs: its post-attention norm and router weights."""

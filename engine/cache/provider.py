@@ -236,10 +236,9 @@ class CachedProvider:
         """Refuse a prefetch that could do nothing: a CPU computing misses in place with every expert in RAM."""
         if mode != "off" and self.fast_tier == "ram" and self._all_in_ram():
             from ..errors import ConfigError
+            from .prefetch import nothing_to_prefetch
 
-            raise ConfigError(f"--prefetch {mode} has nothing to do here: on a CPU every miss is computed in place "
-                              "from RAM and every expert is already in RAM; bound the RAM tier (--ram-cache-mb) to "
-                              "prefetch experts from disk into it, or leave --prefetch off")
+            raise ConfigError(nothing_to_prefetch(mode))
 
     def _pin_host(self, layer: int, host: list[int]) -> tuple[dict | None, np.ndarray, list[int], list[int]]:
         """Pin the host experts the RAM tier can hold this step (a small RAM cache may not hold them all: the rest

@@ -34,8 +34,6 @@ def no_load(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--temperature", "1e-45"], "temperature = 1e-45 is invalid; temperature must be 0 (greedy) or at least 0.001"),
-    (["--top-p", "1.5"], "top_p = 1.5 is invalid"),
     (["--device", "foo"], "device 'foo' is not a device: use cpu, cuda or cuda:N"),
     (["--device", "tpu"], "device 'tpu'"),
     (["--record-trace", "/nonexistent/dir/trace.npz"], "the folder /nonexistent/dir does not exist"),
@@ -77,7 +75,7 @@ def test_record_trace_into_a_read_only_folder(tiny_models, tmp_path, capsys, no_
     (["--prompt", "caf\udce9"], "not valid UTF-8 text (byte 0xe9 at character 3)"),
     (["--prompt", "hi", "--system", "\udcff"], "not valid UTF-8 text (byte 0xff at character 0)"),
     (["--prompt-ids", "1", "--temperature", "nan"], "expected a finite number"),
-    (["--prompt-ids", "1", "--top-k", "-3"], "expected a number >= 0"),
+    (["--prompt-ids", "1", "--top-k", "-3"], "expected an integer >= 0"),
 ])
 def test_usage_errors(tiny_models, capsys, flags, message):
     with pytest.raises(SystemExit) as e:

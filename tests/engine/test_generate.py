@@ -164,9 +164,9 @@ def test_a_message_that_cannot_fit_alone_says_so_and_how(tiny_chat_model):
     _tokens(chat.send("Hi", sampling=GREEDY, max_tokens=4))
     before = [dict(m) for m in chat.messages]
     most = engine.args.max_position_embeddings
-    with pytest.raises(PromptTooLongError, match=rf"^this message is [\d,]+ tokens, more than the context of 96 "
-                       rf"leaves room for: shorten it, or start a new chat, or raise --context \(this model allows up "
-                       rf"to {most:,}\)"):
+    with pytest.raises(PromptTooLongError, match=rf"^this message is [\d,]+ tokens; the context of 96 leaves room "
+                       rf"for [\d,]+ after the conversation so far: raise --context \(the model allows {most:,}\) or "
+                       rf"shorten it$"):
         _tokens(chat.send("zq xv jk " * 40, sampling=GREEDY))
     assert chat.messages == before and chat.forgotten == []  # nothing dropped for a turn that never ran
     api = engine.conversation(overflow="error")
