@@ -216,6 +216,7 @@ def load_engine_from_args(args: argparse.Namespace, check=None):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if check is not None:
         check(args, device)
+    say_config_clamps(args)  # from config.json, before the plan and the weights
     cache = cache_config_from_args(args, device)
     engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
                          expert_format=args.expert_format)
@@ -229,8 +230,34 @@ def load_engine_from_args(args: argparse.Namespace, check=None):
     return engine
 
 
+def say_config_clamps(args: argparse.Namespace) -> None:
+    """The load flags past what the model's config.json allows, said before a weight is read (`say_clamp`) and
+    lowered to it: --context past its positions, --expert-slots past its routed experts, --host-layers past its MoE
+    layers. A config.json that cannot be read is left to the load, which says why in its own words."""
+    from moechat.engine.errors import MoechatError
+    from moechat.engine.loader import read_model_config
+
+    try:
+        cls, margs, _ = read_model_config(args.model_dir)
+        positions, experts = int(margs.max_position_embeddings), int(margs.num_experts)
+        moe_layers = len(cls.moe_layers(margs))
+    except (MoechatError, AttributeError, TypeError, ValueError):
+        return
+    if args.context is not None and args.context > positions:
+        say_clamp(args, "--context", args.context, positions, f"the model has {positions:,} positions "
+                  "(max_position_embeddings)")
+        args.context = positions
+    if args.expert_slots is not None and args.expert_slots > moe_layers * experts:
+        say_clamp(args, "--expert-slots", args.expert_slots, moe_layers * experts, f"the model has "
+                  f"{moe_layers * experts:,} routed experts, and a slot holds one")
+        args.expert_slots = moe_layers * experts
+    if (getattr(args, "host_layers", 0) or 0) > moe_layers:
+        say_clamp(args, "--host-layers", args.host_layers, moe_layers, f"the model has {moe_layers:,} MoE layers")
+        args.host_layers = moe_layers
+
+
 def say_load_clamps(args: argparse.Namespace, engine) -> None:
-    """Each load flag the engine could not take as given, said (`say_clamp`): a context past the model's positions,
+    """After the load, what config.json could not tell (`say_config_clamps` lowered the rest before it). Each load flag the engine could not take as given, said (`say_clamp`): a context past the model's positions,
     more slots than the model has experts, more host layers than MoE layers, host layers with every expert resident
     or with no RAM tier to compute from."""
     if args.context is not None and engine.context < args.context:

@@ -184,3 +184,27 @@ def test_a_prefetch_with_something_to_do_is_not_refused(tiny_models, flags):
                                           "--expert-slots", "6", "--prefetch", "next-layer", *flags])
     config = cache_config_from_args(args, "cpu")
     assert config is not None and config.prefetch == ("off" if flags == ["--prefetch", "off"] else "next-layer")
+
+
+def test_values_past_the_models_config_are_said_before_a_weight_is_read(tiny_models, capsys, monkeypatch):
+    """--host-layers 99 on a 3-MoE-layer model, --expert-slots 100000: lowered and said from config.json, before
+    the load starts (it is stopped here, to prove the order)."""
+    from moechat.engine.errors import ConfigError
+    from moechat.engine.generate import Engine
+
+    asked = {}
+
+    def stopped(cls, model_dir, **kw):
+        asked.update(kw)
+        raise ConfigError("the load started here")
+
+    monkeypatch.setattr(Engine, "load", classmethod(stopped))
+    code = cli.main(["run", str(tiny_models["qwen3_moe"][0]), "--prompt-ids", "1", "--device", "cpu", "--context",
+                     "8192", "--expert-slots", "100000", "--host-layers", "99"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 1 and lines == [
+        "moechat: warning: --context 8192: using 512: the model has 512 positions (max_position_embeddings)",
+        "moechat: warning: --expert-slots 100000: using 24: the model has 24 routed experts, and a slot holds one",
+        "moechat: warning: --host-layers 99: using 3: the model has 3 MoE layers",
+        "moechat: error: the load started here"]
+    assert asked["context"] == 512 and asked["cache"].expert_slots == 24 and asked["cache"].host_layers == 3

@@ -90,3 +90,18 @@ def test_run_serve_passes_the_flags_to_the_server(monkeypatch, tmp_path):
                                           "--max-tokens", "9"])
     assert serve.run_serve(args) == 0
     assert seen["sampling"] == {"min_p": 0.1, "top_k": 5} and seen["max_tokens"] == 9
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"max_tokens": 0}, "max_tokens must be between 1 and 1,073,741,824, got 0"),
+    ({"max_completion_tokens": 2**31}, "max_completion_tokens must be between 1 and 1,073,741,824, got 2,147,483,648"),
+    ({"top_k": -1}, "top_k must be between 0 and 1,048,576, got -1"),
+    ({"temperature": 2.5}, "temperature must be between 0 and 2, got 2.5"),
+    ({"top_p": 1.5}, "top_p must be between 0 and 1, got 1.5"),
+])
+def test_a_range_reads_as_numbers_a_person_writes(body, message):
+    from moechat.app.serve_request import BadRequest, parse_common
+
+    with pytest.raises(BadRequest) as e:
+        parse_common(body, "scripted")
+    assert str(e.value) == message  # never 1.07374e+09
