@@ -101,7 +101,17 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if x.shape[0] == 1 and (lib := native.library()) is not None and q.is_contiguous():  # one pass over the bytes
         y = native.int4_gemv(lib, x, q, scale.float().contiguous(), native.out_dtype(x, bias))  # [1, R]
         return _finish(y, x.dtype, bias)
+    if x.shape[0] > 1 and (lib := native.decode_library()) is not None and q.is_contiguous():
+        full = native.int4_decode(lib, q, scale.float().contiguous(), buffer("full", (rows, cols), torch.float32))
+        return decoded_linear(x, full, bias)
     return tiled_linear(x, rows, cols, lambda r0, r1, out: int4_decode(q[r0:r1], scale[r0:r1], out), bias)
+
+
+def decoded_linear(x: torch.Tensor, full: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] @ full^T (+ bias) -> [n, R] in x's dtype: the many-token GEMM over a natively decoded [R, in] fp32
+    matrix (the same GEMM as tiled_linear's, over the same bits: the same result)."""
+    y = F.linear(x.float(), full, None if bias is None else bias.float())  # [n, R]
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def _finish(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
@@ -215,6 +225,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
             native.fp8_gemv(lib, x, w[:split], s[:sh], block, y[0, :split])
             native.fp8_gemv(lib, x, w[split:], s[sh:], block, y[0, split:])
         return _finish(y, x.dtype, bias)
+    if x.shape[0] > 1 and (lib := native.decode_library()) is not None and w.is_contiguous():
+        full = buffer("full", (rows, cols), torch.float32)  # [R, in]
+        s = scale.float().contiguous()
+        if split is None:
+            native.fp8_decode(lib, w, s, block, full)
+        else:  # w13: gate and up rows, each half blocked from its own start
+            sh = -(-split // b0)
+            native.fp8_decode(lib, w[:split], s[:sh], block, full[:split])
+            native.fp8_decode(lib, w[split:], s[sh:], block, full[split:])
+        return decoded_linear(x, full, bias)
     w8 = w.view(torch.int8)
     if x.dtype == torch.bfloat16 and x.shape[0] == 1:
         y = _fp8_gemv_bf16(x, w8, scale, block, split, bias)

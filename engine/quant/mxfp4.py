@@ -175,6 +175,11 @@ def linear_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
         if bias is not None:
             y.add_(bias.float())
         return y if y.dtype == x.dtype else y.to(x.dtype)
+    if (x.shape[0] > 1 and (lib := native.decode_library()) is not None and blocks.is_contiguous()
+            and scales.is_contiguous()):  # every scale, one native pass over the bytes, then one GEMM
+        w = native.mxfp4_decode(lib, blocks, scales, _scratch(R, G * BLOCK, torch.float32, x.device))  # [R, in]
+        y = F.linear(x.float(), w, None if bias is None else bias.float())  # [n, R]
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
     if int(scales.max()) > _MAX_FAST_SCALE:
         w = dequantize_into(blocks, scales, _scratch(R, G * BLOCK, x.dtype, x.device))
         return F.linear(x, w, bias)

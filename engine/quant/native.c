@@ -24,7 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#define MOECHAT_ABI 3
+#define MOECHAT_ABI 4
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MOECHAT_SCALAR)
 #define SIMD 1
@@ -629,6 +629,109 @@ static int int8_gemv_f32(const void *x, int x_bf16, const int8_t *q, const float
     return 0;
 }
 
+/* -- many tokens (prefill): a packed matrix decoded to fp32 values [rows, cols], bit for bit the format's weight()
+ * Each weight tile is decoded once for all the tokens routed to an expert, then one GEMM (torch's) multiplies it:
+ * quant/cpu.py. Every value is one fp32 multiply of exact operands, as weight() computes it: int4 (code - 8) x its
+ * group's scale; MXFP4 2 x its E2M1 value (the magnitude from an in-register table, the sign bit apart, so -0 stays
+ * -0) x 2^(s - 128) (e8m0_half: exact for every s, 0 and 255 included); FP8 the e4m3 byte as an fp16 bit pattern
+ * (F16C, exact: value x 2^-8), x 2^8 and x its block's scale (NaN bytes decode as 480, as the GEMV's bit trick
+ * does). Output stores dominate (4 bytes per 0.5-1 packed byte): each row is written once, in element order.
+ * Rows r0..r1-1 of the whole matrix (the thread pool hands out any split: every element stands alone). */
+static inline __attribute__((always_inline)) void int4_decode_rows(const uint8_t *q, const float *scale, int64_t r0,
+                                                                    int64_t r1, int64_t cols, const int64_t group,
+                                                                    float *out) {
+    int64_t half = cols / 2, G = cols / group, full = cols / 32 * 32;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *qr = q + r * half;
+        const float *sr = scale + r * G;
+        float *o = out + r * cols;
+        int64_t c = 0;
+#if SIMD
+        const __m128i m0f = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+        for (; c < full; c += 32) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(qr + c / 2));
+            __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m0f), eight);  // even elements' q
+            __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m0f), eight);  // odd ones'
+            __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);  // elements 0-15, 16-31
+            __m256 v[4] = {i8_to_f32(e0), i8_to_f32(_mm_srli_si128(e0, 8)), i8_to_f32(e1),
+                           i8_to_f32(_mm_srli_si128(e1, 8))};
+            for (int k = 0; k < 4; k++)
+                _mm256_storeu_ps(o + c + 8 * k, _mm256_mul_ps(v[k], _mm256_broadcast_ss(sr + (c + 8 * k) / group)));
+        }
+#endif
+        (void)full;
+        for (; c < cols; c++) {
+            int code = (c & 1) ? (qr[c / 2] >> 4) : (qr[c / 2] & 15);
+            o[c] = (float)(code - 8) * sr[c / group];
+        }
+    }
+}
+
+static const float E2M1_X2_MAG[8] = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 12.0f};
+
+static void mxfp4_decode_rows(const uint8_t *blocks, const uint8_t *scales, int64_t r0, int64_t r1, int64_t G,
+                              float *out) {
+#if SIMD
+    const __m128i m0f = _mm_set1_epi8(0x0F);
+    const __m256 mag = _mm256_loadu_ps(E2M1_X2_MAG);
+    const __m256i eight = _mm256_set1_epi32(8);
+#endif
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *b = blocks + (r * G + g) * 16;
+            float f = e8m0_table[scales[r * G + g]], *o = out + (r * G + g) * 32;
+#if SIMD
+            __m128i c = _mm_loadu_si128((const __m128i *)b);
+            __m128i lo = _mm_and_si128(c, m0f), hi = _mm_and_si128(_mm_srli_epi16(c, 4), m0f);
+            __m128i e[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  // codes of elements 0-15, 16-31
+            __m256 fv = _mm256_set1_ps(f);
+            for (int k = 0; k < 4; k++) {
+                __m256i idx = _mm256_cvtepu8_epi32(k & 1 ? _mm_srli_si128(e[k / 2], 8) : e[k / 2]);
+                __m256 m = _mm256_permutevar8x32_ps(mag, idx);  // the low 3 bits: the magnitude
+                __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(idx, eight), 28));  // bit 3: sign
+                _mm256_storeu_ps(o + 8 * k, _mm256_mul_ps(_mm256_xor_ps(m, s), fv));
+            }
+#else
+            for (int k = 0; k < 16; k++) {
+                o[2 * k] = (b[k] & 8 ? -E2M1_X2_MAG[b[k] & 7] : E2M1_X2_MAG[b[k] & 7]) * f;
+                o[2 * k + 1] = (b[k] & 128 ? -E2M1_X2_MAG[(b[k] >> 4) & 7] : E2M1_X2_MAG[(b[k] >> 4) & 7]) * f;
+            }
+#endif
+        }
+    }
+}
+
+static int fp8_decode_rows(const uint8_t *w, const float *scale, int64_t r0, int64_t r1, int64_t cols, int64_t b0,
+                           int64_t b1, float *out) {
+    float *fac = malloc(sizeof(float) * (size_t)(cols + 1));  // the row block's scale per column
+    if (!fac) return -2;
+    int64_t nb1 = (cols + b1 - 1) / b1, cur = -1;
+    for (int64_t r = r0; r < r1; r++) {
+        if (r / b0 != cur) {
+            cur = r / b0;
+            for (int64_t j = 0; j < cols; j++) fac[j] = scale[cur * nb1 + j / b1];
+        }
+        const uint8_t *wr = w + r * cols;
+        float *o = out + r * cols;
+        int64_t j = 0;
+#if SIMD
+        const __m256i keep = _mm256_set1_epi16((short)0xBFFF);
+        const __m256 x256 = _mm256_set1_ps(256.0f);
+        for (; j + 16 <= cols; j += 16) {
+            __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + j)));  // sign-extended
+            h = _mm256_and_si256(_mm256_slli_epi16(h, 7), keep);  // fp16 of the value x 2^-8 (bit 14 cleared)
+            __m256 v0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), x256);
+            __m256 v1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), x256);
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(v0, _mm256_loadu_ps(fac + j)));
+            _mm256_storeu_ps(o + j + 8, _mm256_mul_ps(v1, _mm256_loadu_ps(fac + j + 8)));
+        }
+#endif
+        for (; j < cols; j++) o[j] = e4m3(wr[j]) * fac[j];
+    }
+    free(fac);
+    return 0;
+}
+
 /* -- the exported GEMVs: flags bit 0 = x is bf16, bit 1 = y is bf16 (each output rounded to nearest even once, NaN
  * a NaN: torch's .to(torch.bfloat16)); else y fp32. Return 0, -1 for a shape the kernel does not take, -2 where
  * memory cannot be had. */
@@ -652,7 +755,7 @@ static uint16_t f32_to_bf16(float f) {
 #define SPIN_US 50
 
 typedef struct {
-    int kind; /* 0 int4, 1 mxfp4, 2 fp8, 3 int8 */
+    int kind; /* GEMVs: 0 int4, 1 mxfp4, 2 fp8, 3 int8; decoders (y = the [rows, cols] output): 4 int4, 5 mxfp4, 6 fp8 */
     const void *x, *w, *s;
     int x_bf16;
     int64_t rows, cols, group, b0, b1, align;
@@ -663,6 +766,16 @@ static int run_share(const Job *j, int64_t a, int64_t b) {
     if (a >= b) return 0;
     const uint8_t *w = j->w;
     switch (j->kind) {
+        case 4:  // the group a constant in each (no division per 8 elements)
+            if (j->group == 32) int4_decode_rows(w, j->s, a, b, j->cols, 32, j->y);
+            else if (j->group == 16) int4_decode_rows(w, j->s, a, b, j->cols, 16, j->y);
+            else int4_decode_rows(w, j->s, a, b, j->cols, 8, j->y);
+            return 0;
+        case 5:
+            mxfp4_decode_rows(w, j->s, a, b, j->cols / 32, j->y);
+            return 0;
+        case 6:
+            return fp8_decode_rows(w, j->s, a, b, j->cols, j->b0, j->b1, j->y);
         case 0:
             return int4_gemv_f32(j->x, j->x_bf16, w + a * (j->cols / 2), (const float *)j->s + a * (j->cols / j->group),
                                  b - a, j->cols, j->group, j->y + a);
@@ -801,6 +914,29 @@ int moechat_int8_gemv(const void *x, int flags, const int8_t *q, const float *sc
                       void *y) {
     Job j = {.kind = 3, .x = x, .w = q, .s = scale, .rows = rows, .cols = cols, .align = 4};
     return run(j, flags, y, rows * cols);
+}
+
+/* -- the exported decoders: out [rows, cols] fp32 (rows split over the pool as the GEMVs' are, any split: each
+ * element is decoded alone, so any thread count writes the same bits). Return 0, -1 for a shape they do not take,
+ * -2 where memory cannot be had. */
+int moechat_int4_decode(const uint8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t group, float *out) {
+    if (group != 32 && group != 16 && group != 8) return -1;
+    if (cols % group || rows < 0) return -1;
+    Job j = {.kind = 4, .w = q, .s = scale, .rows = rows, .cols = cols, .group = group, .align = 1, .y = out};
+    return run_job(&j, rows * cols * 4);
+}
+
+int moechat_mxfp4_decode(const uint8_t *blocks, const uint8_t *scales, int64_t rows, int64_t cols, float *out) {
+    if (cols % 32 || rows < 0) return -1;
+    Job j = {.kind = 5, .w = blocks, .s = scales, .rows = rows, .cols = cols, .align = 1, .y = out};
+    return run_job(&j, rows * cols * 4);
+}
+
+int moechat_fp8_decode(const uint8_t *w, const float *scale, int64_t rows, int64_t cols, int64_t b0, int64_t b1,
+                       float *out) {
+    if (b0 <= 0 || b1 <= 0 || rows < 0) return -1;
+    Job j = {.kind = 6, .w = w, .s = scale, .rows = rows, .cols = cols, .b0 = b0, .b1 = b1, .align = 1, .y = out};
+    return run_job(&j, rows * cols * 4);
 }
 
 /* -- decode attention: one query token over a bf16 K/V cache ---------------------------------------------------

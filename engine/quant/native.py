@@ -37,9 +37,10 @@ import torch
 from ..files import atomic_write
 
 ENV = "MOECHAT_NATIVE"  # "0": the torch paths
+DECODE_ENV = "MOECHAT_NATIVE_DECODE"  # "0": many tokens decode their tiles with the torch decoders (one token unchanged)
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
-ABI = 3  # native.c's MOECHAT_ABI
+ABI = 4  # native.c's MOECHAT_ABI
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": the CDLL or None, "why": the status line
@@ -135,8 +136,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.moechat_fp8_gemv.argtypes = [p, i32, p, p, i64, i64, i64, i64, p]
     lib.moechat_int8_gemv.argtypes = [p, i32, p, p, i64, i64, p]
     lib.moechat_attn_decode.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
+    lib.moechat_int4_decode.argtypes = [p, p, i64, i64, i64, p]
+    lib.moechat_mxfp4_decode.argtypes = [p, p, i64, i64, p]
+    lib.moechat_fp8_decode.argtypes = [p, p, i64, i64, i64, i64, p]
     for f in (lib.moechat_int4_gemv, lib.moechat_mxfp4_gemv, lib.moechat_fp8_gemv, lib.moechat_int8_gemv,
-              lib.moechat_attn_decode):
+              lib.moechat_attn_decode, lib.moechat_int4_decode, lib.moechat_mxfp4_decode, lib.moechat_fp8_decode):
         f.restype = i32
     lib.moechat_set_threads.argtypes = [i32]
     lib.moechat_set_threads.restype = None
@@ -184,6 +188,12 @@ def library() -> ctypes.CDLL | None:
             if "lib" not in _STATE:
                 _STATE["lib"], _STATE["why"] = _resolve()
     return _STATE["lib"]  # type: ignore[return-value]
+
+
+def decode_library() -> ctypes.CDLL | None:
+    """The kernels for many-token tile decoding (quant/cpu.py, mxfp4.py), or None: the torch decoders, where
+    `library()` is None or MOECHAT_NATIVE_DECODE=0 (the bench's old path; one token keeps its GEMV)."""
+    return None if os.environ.get(DECODE_ENV, "1") == "0" else library()
 
 
 def status() -> str:
@@ -267,6 +277,39 @@ def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     rows, cols = q.shape
     return _run(lib, lib.moechat_int8_gemv, "int8", x, torch.empty(1, rows, dtype=dtype), q.data_ptr(),
                 scale.data_ptr(), rows, cols)
+
+
+# -- many tokens: a packed matrix decoded into out [rows, cols] fp32 (contiguous), bit for bit the format's weight()
+# (native.c's decoders; rows split over torch's thread count, the same bits at any count) -------------------------
+def _decoded(lib, fn, what: str, out: torch.Tensor, shape: tuple[int, int], *args) -> torch.Tensor:
+    if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"native {what} decoder writes a contiguous fp32 {list(shape)}, not {out.dtype} "
+                         f"{list(out.shape)}")
+    _threads(lib)
+    _check(fn(*args, out.data_ptr()), f"{what} decode")
+    return out
+
+
+def int4_decode(lib, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q [R, in/2] u8 and scale [R, in/group] fp32 (contiguous) -> out [R, in] fp32."""
+    rows, cols = q.shape[0], q.shape[1] * 2
+    return _decoded(lib, lib.moechat_int4_decode, "int4", out, (rows, cols), q.data_ptr(), scale.data_ptr(), rows,
+                    cols, cols // scale.shape[1])
+
+
+def mxfp4_decode(lib, blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """blocks [R, in/32, 16] u8 and scales [R, in/32] u8 (contiguous) -> out [R, in] fp32."""
+    rows, cols = blocks.shape[0], blocks.shape[1] * 32
+    return _decoded(lib, lib.moechat_mxfp4_decode, "mxfp4", out, (rows, cols), blocks.data_ptr(), scales.data_ptr(),
+                    rows, cols)
+
+
+def fp8_decode(lib, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor) -> torch.Tensor:
+    """One block-scaled e4m3 matrix w [R, in] (scale [ceil(R/b0), ceil(in/b1)] fp32, contiguous) -> out [R, in] fp32
+    (a contiguous view); w13's halves are two calls."""
+    rows, cols = w.shape
+    return _decoded(lib, lib.moechat_fp8_decode, "fp8", out, (rows, cols), w.data_ptr(), scale.data_ptr(), rows, cols,
+                    block[0], block[1])
 
 
 def round_x16(x: torch.Tensor) -> torch.Tensor:
