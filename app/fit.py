@@ -331,8 +331,9 @@ def run_fit(args: argparse.Namespace) -> int:
                            gpu_preset=args.gpu, link_preset=args.link)
     if args.margin >= 1:
         raise ConfigError(f"--margin {args.margin:g}: a fraction below 1, e.g. 0.05")
-    # a what-if machine's RAM read rate is never this machine's probe (the RAM, or the whole box, is another one)
-    what_if_cpu = any(v is not None for v in (args.vram_gb, args.ram_gb, args.gpu))
+    # a what-if machine's RAM read rate is never this machine's probe (the RAM, or the whole box, is another one);
+    # --vram-gb 0 is this machine's CPU without its GPU
+    what_if_cpu = args.ram_gb is not None or args.gpu is not None or bool(args.vram_gb)
     cal = _calibration(hw, measure=not what_if_cpu)
     host = _host_rate(args, cal, what_if_cpu)
     measured_cpu = host.source.startswith("measured on this machine")

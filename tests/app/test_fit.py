@@ -23,7 +23,7 @@ DSV3 = CONFIGS / "deepseek-ai--DeepSeek-V3"
 OSS20 = CONFIGS / "openai--gpt-oss-20b"
 OSS120 = CONFIGS / "openai--gpt-oss-120b"
 needs_configs = pytest.mark.skipif(not (QWEN / "config.json").exists() or not (DSV3 / "config.json").exists(),
-                                   reason="../shared/model-configs is not here")
+                                   reason="../shared/model-configs not found")
 WHAT_IF = ["--vram-gb", "12", "--ram-gb", "32", "--disk-gb", "1000", "--link-gbps", "25"]
 
 
@@ -93,7 +93,7 @@ def test_config_only_directory_and_a_disk_what_if(capsys, tmp_path):
 
 
 @pytest.mark.skipif(not (OSS20 / "config.json").exists() or not (OSS120 / "config.json").exists(),
-                    reason="../shared/model-configs has no gpt-oss configs")
+                    reason="../shared/model-configs not found (gpt-oss configs)")
 def test_gpt_oss_plans_with_packed_experts_and_is_runnable(capsys):
     code, out, err = _fit(capsys, str(OSS20), "--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "100")
     assert code == 0 and err == "" and "openai--gpt-oss-20b (gpt_oss): runs" in out
@@ -121,7 +121,7 @@ def test_gpt_oss_plans_with_packed_experts_and_is_runnable(capsys):
     assert code == EXIT_REFUSED and "GiB of disk" in out  # the 60.8 GiB download does not fit 40 GiB
 
 
-@pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs has no gpt-oss-20b")
+@pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs not found (gpt-oss-20b)")
 def test_run_plans_in_the_dtype_the_loader_picks(monkeypatch):
     from moechat.engine.hardware import GpuInfo
     from moechat.engine.loader import read_model_config, resolve_dtype
@@ -232,7 +232,7 @@ def test_qwen3_on_8_gib_vram_and_32_gib_ram_recommends_a_conversion(capsys):
     assert formats["int8"]["expert_bytes"] == 4_732_928 and formats["int4"]["expert_bytes"] == 2_949_120
 
 
-@pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs has no gpt-oss-20b")
+@pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs not found (gpt-oss-20b)")
 def test_gpt_oss_recommends_native_and_says_conversions_are_larger(capsys):
     code, out, _ = _fit(capsys, str(OSS20), "--vram-gb", "8", "--ram-gb", "32", "--disk-gb", "100")
     assert code == 0 and out.splitlines()[0].endswith("(gpt_oss): runs")

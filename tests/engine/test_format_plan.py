@@ -37,7 +37,7 @@ MIXTRAL = CONFIGS / "mistralai--Mixtral-8x7B-v0.1" / "config.json"
 
 def real_spec(path: Path):
     if not path.exists():
-        pytest.skip(f"{path} is not here")
+        pytest.skip(f"../shared/model-configs not found ({path})")
     return spec_from_config(json.loads(path.read_text()), name=path.parent.name)
 
 

@@ -28,7 +28,7 @@ from moechat.engine.plan import (
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT.parent / "shared" / "model-configs"
-needs_configs = pytest.mark.skipif(not CONFIGS.is_dir(), reason="../shared/model-configs is not here")
+needs_configs = pytest.mark.skipif(not CONFIGS.is_dir(), reason="../shared/model-configs not found")
 
 MODELS = {
     "gpt-oss-20b": "openai--gpt-oss-20b/config.json",
@@ -45,7 +45,7 @@ MODELS = {
 def spec(name: str):
     path = CONFIGS / MODELS[name]
     if not path.exists():
-        pytest.skip(f"{path} is not here")
+        pytest.skip(f"../shared/model-configs not found ({path})")
     return spec_from_config(json.loads(path.read_text()), name=name)
 
 
@@ -131,7 +131,7 @@ def test_gpt_oss_20b_from_headers_counts_packed_experts_and_adds_up_to_total_siz
 
     folder = CONFIGS / "openai--gpt-oss-20b"
     if not (folder / "model.safetensors.index.json").exists():
-        pytest.skip("the gpt-oss-20b index is not here")
+        pytest.skip("../shared/model-configs not found (the gpt-oss-20b index)")
     config = json.loads((folder / "config.json").read_text())
     names = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     exact = spec_from_headers(config, _gpt_oss_tensors(config, names), name="gpt-oss-20b")
