@@ -3,8 +3,12 @@
 MODEL is a local model directory (complete weights: exact sizes from the safetensors headers; only
 config.json, perhaps with the index: estimates from the config), or a Hub repo id: its downloaded snapshot,
 else config.json and the safetensors headers read from the Hub (a ranged read per shard, no weights; with
-HF_HUB_OFFLINE, the config.json in the local cache). `--vram-gb`, `--ram-gb`, `--disk-gb`, `--link-gbps` and
-`--context` ask "what if" without that hardware. The first line ends in exactly one of "runs", "runs with ..."
+HF_HUB_OFFLINE, the config.json in the local cache). `--vram-gb`, `--ram-gb`, `--disk-gb`, `--link-gbs`,
+`--ram-bw-gbs`, `--cores`, the presets `--gpu`, `--ram` and `--link` (engine/hardware.py, each figure with its source)
+and `--context` ask "what if" without that hardware; every rate the plan uses is printed with where it comes from
+("measured on this machine", a preset's spec sheet, given, assumed), and a what-if machine never gets this machine's
+RAM read rate. The decode it predicts is the `--on-miss` mode `run` will use (auto unless asked). The disk check is on
+the Hugging Face cache, where `moechat pull` downloads (or a repack cache for a downloaded model), or `--disk-gb`. The first line ends in exactly one of "runs", "runs with ..."
 (the flags, or the free RAM, it needs) and "cannot run: <why>" (a shortfall with the cheapest fix, or what the
 loader cannot read); the exit status follows it: 0, 0, 3 (0 with --force when only the plan refuses), and 1 on an
 error such as a missing config. It plans on the machine's total RAM and says what is free now.

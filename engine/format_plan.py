@@ -123,7 +123,8 @@ def sizes_apart(a: int, b: int) -> tuple[str, str]:
     more decimals ("42.02 MiB vs 42.00 MiB"), else in bytes."""
     if gib(a) != gib(b):
         return gib(a), gib(b)
-    unit, div = ("GiB", 1 << 30) if max(a, b) >= 1 << 30 else ("MiB", 1 << 20) if max(a, b) >= 1 << 20 else ("KiB", 1024)
+    big = max(a, b)
+    unit, div = ("GiB", 1 << 30) if big >= 1 << 30 else ("MiB", 1 << 20) if big >= 1 << 20 else ("KiB", 1024)
     for decimals in (2, 3, 4):
         x, y = f"{a / div:.{decimals}f} {unit}", f"{b / div:.{decimals}f} {unit}"
         if x != y:

@@ -177,7 +177,8 @@ class RamPreset:
 
     @property
     def source(self) -> str:
-        return f"JEDEC {self.label.split()[-1]}: {self.channels} x 8 B x {self.mts:,} MT/s = {self.peak_gbps:g} GB/s peak"
+        return (f"JEDEC {self.label.split()[-1]}: {self.channels} x 8 B x {self.mts:,} MT/s = {self.peak_gbps:g} GB/s "
+                "peak")
 
 
 RAM_PRESETS = {p.name: p for p in (

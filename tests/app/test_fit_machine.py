@@ -357,3 +357,33 @@ def test_the_assumed_gpu_bandwidth_in_the_notes_is_the_table_s():
     assert said == pytest.approx(plan.decode.device_gbps)
     decode = next(d.reason for d in plan.decisions if d.item == "decode")
     assert f"reads at {plan.decode.device_gbps:.0f} GB/s" in decode and f"{said:g} GB/s" in note
+
+
+def test_this_machine_s_gpu_figures_are_labelled_measured_and_the_on_miss_modes_are_run_s():
+    from moechat.app.fit import machine_rates
+    from moechat.engine.cache.hybrid import ON_MISS
+    from moechat.engine.plan import ON_MISS_MODES
+
+    assert ON_MISS_MODES == ON_MISS
+    gpu = GpuInfo(0, 0, "probed GPU", "GPU-0", 4 * GiB, 4 * GiB, 4, 16, link_gbps=pcie_link_gbps(4, 16),
+                  link_source="PCIe 4.0 x16 at 80% of raw", memory_gbps=1008.1)  # as hardware._probe_nvml fills it
+    box = Hardware((gpu,), HostMemory(64 * GiB, 64 * GiB), DiskInfo("/", 10_000 * GiB))
+    prefs = Preferences(host_read_gbps=14.0, host_read_source="measured on this machine, one thread")
+    rates = machine_rates(make_plan(spec_from_config(CONFIG, name="t"), box, prefs), box, prefs)
+    assert rates["GPU memory"].source == "measured on this machine (NVML: max memory clock x 2 x bus width)"
+    assert rates["link"].source == "measured on this machine (PCIe 4.0 x16 at 80% of raw)"
+    assert rates["RAM read"].gbps == 14.0 and rates["disk read"].source.startswith("assumed")
+    unknown = Hardware((GpuInfo(0, 0, "torch-only GPU", None, 4 * GiB, 4 * GiB, source="torch"),), box.ram, box.disk)
+    rates = machine_rates(make_plan(spec_from_config(CONFIG, name="t"), unknown, prefs), unknown, prefs)
+    assert rates["GPU memory"].source.startswith("assumed") and rates["link"].source.startswith("assumed")
+
+
+def test_the_presets_fit_s_help_names_exist():
+    from moechat.app.cli import build_parser
+
+    text = build_parser()._subparsers._group_actions[0].choices["fit"].format_help()
+    text = " ".join(text.split())
+    for table in (GPU_PRESETS, RAM_PRESETS, LINK_PRESETS):
+        named = [n for n in re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)+", text) if n.split("-")[0] in
+                 {k.split("-")[0] for k in table}]
+        assert named and all(n in table for n in named), named
