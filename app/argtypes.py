@@ -91,7 +91,8 @@ def _sampling_type(name: str, parse, kind: str, *, no_zero: tuple[str, str] | No
 
 temperature = _sampling_type("temperature", float, "a number")
 top_k = _sampling_type("top_k", int, "a whole number")
-top_p = _sampling_type("top_p", float, "a number", no_zero=("in (0, 1]", "0 would keep only the likeliest token: for that, pass --temperature 0"))
+top_p = _sampling_type("top_p", float, "a number",
+                       no_zero=("in (0, 1]", "0 would keep only the likeliest token: for that, pass --temperature 0"))
 min_p = _sampling_type("min_p", float, "a number")
 repetition_penalty = _sampling_type("repetition_penalty", float, "a number")
 seed = _sampling_type("seed", int, "a whole number")

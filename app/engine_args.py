@@ -257,7 +257,8 @@ def say_config_clamps(args: argparse.Namespace) -> None:
 
 
 def say_load_clamps(args: argparse.Namespace, engine) -> None:
-    """After the load, what config.json could not tell (`say_config_clamps` lowered the rest before it). Each load flag the engine could not take as given, said (`say_clamp`): a context past the model's positions,
+    """After the load, what config.json could not tell (`say_config_clamps` lowered the rest before it). Each load
+    flag the engine could not take as given, said (`say_clamp`): a context past the model's positions,
     more slots than the model has experts, more host layers than MoE layers, host layers with every expert resident
     or with no RAM tier to compute from."""
     if args.context is not None and engine.context < args.context:
