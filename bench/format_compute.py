@@ -21,6 +21,14 @@ budget (issue 14). The compute table is what engine/plan.py's EXPERT_COMPUTE_EFF
     python bench/format_compute.py [--threads 1] [--rounds 7] [--copies 24] [--clock wall|thread] [--engine] [--runs 3]
                                    [--layers 2]
     python bench/format_compute.py --device cuda [--smoke]   # the fused FP8/int8/int4 kernel vs copy bandwidth
+3. Prefill (`--prefill`, issue 27): the many-token CPU path of the packed formats, old (the torch tile decoders,
+   MOECHAT_NATIVE_DECODE=0) vs new (native.c's decoders), interleaved ABAB in one process, medians and spread, at
+   each of `--prefill-threads`. Kernel level: decode GB/s of packed bytes of one projection (Qwen3-30B-A3B's and
+   GPT-OSS's w13), and both projections of one expert for T tokens (T = 8: a 128-token prompt's tokens per expert
+   at top-8 of 128; 128: every token); engine level (`--layers` > 0): prefill tok/s of a `--prefill-prompt`-token
+   prompt on the Qwen3-30B-A3B-shaped checkpoint, experts resident, in bf16, int4 and FP8.
+
+    python bench/format_compute.py --prefill [--prefill-threads 1,2] [--rounds 7] [--runs 3] [--layers 2]
 """
 
 from __future__ import annotations
@@ -298,6 +306,111 @@ def cuda_table(args) -> None:
     show("torch per expert (bf16)", 1, lambda: expert_compute(x, tw, batch, x, act), K * bf16_expert, K)
 
 
+# -- prefill: the many-token path, torch tile decoders (old) vs native decoders (new) -----------------------------
+DECODE_PATHS = (("torch decoders", "0"), ("native decoders", "1"))
+
+
+def _median_spread(ts: list[float], scale: float = 1.0, fmt: str = ".2f") -> str:
+    v = sorted(t * scale for t in ts)
+    return f"{statistics.median(v):{fmt}} | {v[0]:{fmt}}-{v[-1]:{fmt}}"
+
+
+def prefill_kernels(args) -> None:
+    """Decode GB/s of packed bytes (one w13) and ms per expert (w13 + w2) for T tokens, old vs new, ABAB."""
+    from moechat.engine.quant import cpu
+
+    lib = native.library()
+    print(f"\nprefill kernels, {torch.get_num_threads()} thread(s), {args.rounds} interleaved rounds (ABAB); "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| format | width | what | torch decoders | spread | native decoders | spread | speed-up |")
+    print("|---|---|---|---:|---|---:|---|---:|")
+    for name in ("int4", "fp8", "mxfp4"):
+        for model, (H, I) in WIDTHS.items():
+            fmt, t = expert(name, H, I)
+            out = torch.empty(2 * I, H)  # [2I, H] fp32
+            if name == "int4":
+                q, sc = t["w13_q"], t["w13_scale"]
+                packed = q.numel() + sc.numel() * 4
+                decoders = (lambda: cpu.int4_decode(q, sc, out), lambda: native.int4_decode(lib, q, sc, out))
+            elif name == "fp8":
+                w8, sc = t["w13"], t["w13_scale"]
+                srow, fac = cpu.fp8_scale_rows(2 * I, 128, I), sc * 256.0
+                lanes = torch.empty(2 * I, H, dtype=torch.int16)
+                packed = w8.numel() + sc.numel() * 4
+                decoders = (lambda: cpu.fp8_decode(w8.view(torch.int8), fac[srow], 128, lanes, out),
+                            lambda: (native.fp8_decode(lib, w8[:I], sc[: sc.shape[0] // 2], (128, 128), out[:I]),
+                                     native.fp8_decode(lib, w8[I:], sc[sc.shape[0] // 2:], (128, 128), out[I:])))
+            else:
+                b, sc = t["w13_blocks"], t["w13_scales"]
+                codes, signs, _ = mxfp4._tile_buffers(2 * I, H)
+                fac = mxfp4.scale_factors(sc)
+                packed = b.numel() + sc.numel()
+                decoders = (lambda: mxfp4.decode_tile(b, fac, codes, signs, out),
+                            lambda: native.mxfp4_decode(lib, b, sc, out))
+            times = [[], []]
+            for _ in range(args.rounds):
+                for k, fn in enumerate(decoders):
+                    fn()
+                    t0 = time.perf_counter()
+                    fn()
+                    times[k].append(time.perf_counter() - t0)
+            rate = [[packed / x / 1e9 for x in ts] for ts in times]
+            print(f"| {name} | {model} | decode w13, GB/s packed | {_median_spread(rate[0])} | "
+                  f"{_median_spread(rate[1])} | {statistics.median(rate[1]) / statistics.median(rate[0]):.1f}x |")
+            for T in (8, 128):
+                x13, x2 = torch.randn(T, H).bfloat16(), torch.randn(T, I).bfloat16()
+                times = [[], []]
+                for _ in range(args.rounds):
+                    for k, (_, env) in enumerate(DECODE_PATHS):
+                        os.environ[native.DECODE_ENV] = env
+                        t0 = time.perf_counter()
+                        fmt.linear(x13, t, "w13")
+                        fmt.linear(x2, t, "w2")
+                        times[k].append(time.perf_counter() - t0)
+                os.environ.pop(native.DECODE_ENV, None)
+                print(f"| {name} | {model} | expert, T={T}, ms | {_median_spread(times[0], 1e3)} | "
+                      f"{_median_spread(times[1], 1e3)} | "
+                      f"{statistics.median(times[0]) / statistics.median(times[1]):.2f}x |", flush=True)
+
+
+def prefill_engines(path: Path, fp8_path: Path, args, work: Path) -> None:
+    """Prefill tok/s of one prompt per engine (experts resident), int4/FP8 old vs new interleaved ABAB."""
+    from moechat.engine.generate import Engine
+    from moechat.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, do_sample=False)
+    prompt = list(range(3, 3 + args.prefill_prompt))
+    engines = {name: Engine.load(fp8_path if name == "fp8" else path,
+                                 expert_format=name if name == "int4" else None) for name in ("bf16", "int4", "fp8")}
+    runs = [("bf16", "1")] + [(name, env) for name in ("int4", "fp8") for _, env in DECODE_PATHS]
+    label = {r: r[0] if r[0] == "bf16" else f"{r[0]} ({dict((e, n) for n, e in DECODE_PATHS)[r[1]]})" for r in runs}
+    for threads in args.prefill_threads:
+        torch.set_num_threads(threads)
+        tok: dict[tuple, list[float]] = {r: [] for r in runs}
+        firsts: dict[tuple, set] = {r: set() for r in runs}
+        for i in range(args.runs + 1):  # the first round warms every engine up (scratch buffers, pages), not counted
+            for r in runs:
+                os.environ[native.DECODE_ENV] = r[1]
+                chunk = next(iter(engines[r[0]].generate(prompt, sampling=greedy, max_tokens=1, stop_on_eos=False)))
+                firsts[r].add(tuple(chunk.token_ids))
+                if i:
+                    tok[r].append(chunk.prefill_tokens_per_s)
+        os.environ.pop(native.DECODE_ENV, None)
+        print(f"\nQwen3-30B-A3B-shaped prefill, {args.prefill_prompt}-token prompt, experts resident, {threads} "
+              f"thread(s), {args.runs} interleaved rounds; load average {os.getloadavg()[0]:.1f}")
+        print("| format (path) | prefill tok/s median | spread | vs torch decoders | vs bf16 | same first token |")
+        print("|---|---:|---|---:|---:|---|")
+        base = statistics.median(tok[("bf16", "1")])
+        for r in runs:
+            med = statistics.median(tok[r])
+            old = statistics.median(tok[(r[0], "0")]) if r[0] != "bf16" else med
+            same = "yes" if len(firsts[r] | firsts[(r[0], "0" if r[0] != "bf16" else "1")]) == 1 else "NO"
+            print(f"| {label[r]} | {med:.1f} | {min(tok[r]):.1f}-{max(tok[r]):.1f} | {med / old:.2f}x | "
+                  f"{med / base:.2f}x | {same} |", flush=True)
+    for engine in engines.values():
+        engine.close()
+
+
 def qwen3_shaped(path: Path, layers: int) -> Path:
     """A Qwen3-30B-A3B-shaped checkpoint (real expert widths, `layers` layers, vocab 4096), random bf16 weights."""
     import transformers
@@ -332,8 +445,25 @@ def main() -> None:
                     help="cuda: the fused FP8/int8/int4 kernel's GB/s vs the device's copy bandwidth (only that)")
     ap.add_argument("--smoke", action="store_true",
                     help="with --device cuda: tiny widths on the CPU under TRITON_INTERPRET=1 (checks the script)")
+    ap.add_argument("--prefill", action="store_true", help="the many-token path: torch vs native tile decoders")
+    ap.add_argument("--prefill-threads", type=lambda v: [int(t) for t in v.split(",")], default=[1, 2])
+    ap.add_argument("--prefill-prompt", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.prefill:
+        if native.library() is None:
+            raise SystemExit(f"--prefill compares the native decoders with the torch ones: {native.status()}")
+        for threads in args.prefill_threads if args.compute else ():
+            torch.set_num_threads(threads)
+            prefill_kernels(args)
+        if args.layers:
+            work = Path(tempfile.mkdtemp(prefix="moechat-prefill-"))
+            try:
+                qwen = qwen3_shaped(work / "qwen3-shaped", args.layers)
+                prefill_engines(qwen, fp8_copy(qwen, work / "qwen3-shaped-fp8"), args, work)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        return
     if args.device == "cuda":
         with torch.inference_mode():
             cuda_table(args)

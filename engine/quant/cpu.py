@@ -4,8 +4,10 @@ One token (decode) with the native kernels loaded (quant/native.py: C, built at 
 once and decodes in registers. Otherwise, and for more tokens, a projection's rows are decoded `tile_rows` at a time
 into a 4 MB fp32 tile; for one token each tile is multiplied at once (a GEMV sums each output in the same order
 whatever the number of rows: equal to one F.linear over the dequantized matrix), so only the packed bytes come from
-RAM. More tokens (prefill) decode every tile into one reused [R, in] fp32 scratch and run one GEMM, whose cost there
-is the multiply, not the bytes. A CPU without native bf16 runs an fp32 GEMV faster than a bf16 one, so the tile is
+RAM. More tokens (prefill) decode the projection into one reused [R, in] fp32 scratch and run one GEMM, whose cost
+there is the multiply, not the bytes: with the native kernels loaded one call of native.c's decoder (AVX2, rows over
+its thread pool, bit for bit the torch decoders below: 7-20x them, so at a 128-token prompt's ~8 tokens an expert
+the GEMM is most of the time), else the torch decoders tile by tile (MOECHAT_NATIVE_DECODE=0 forces them). A CPU without native bf16 runs an fp32 GEMV faster than a bf16 one, so the tile is
 fp32 and the result is rounded once.
 
 The decoders (int4, fp8 below; MXFP4 has its own in mxfp4.py) are whole-tensor integer ops that build float bit

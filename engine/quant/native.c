@@ -1,5 +1,5 @@
 /* moechat's native CPU kernels: one token (decode) times a packed expert projection, y = W x, reading the packed
- * bytes once. Built and loaded by native.py (cc -O3 -march=native -shared, cached per source + flags + CPU);
+ * bytes once; for several tokens (prefill) the decoders below write the projection's fp32 values for one GEMM. Built and loaded by native.py (cc -O3 -march=native -shared, cached per source + flags + CPU);
  * plain C, no torch headers, called through ctypes on the raw pointers of contiguous tensors.
  *
  * Every kernel: x [cols] fp32 or bf16 (x_bf16 = 1), the packed matrix [rows, cols] in its format, y [rows] fp32.

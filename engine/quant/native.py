@@ -6,7 +6,10 @@ each pass over the tile costing more than reading the packed bytes: 0.02-0.11 of
 (bench/format_compute.py). native.c reads the packed bytes once and decodes in registers; a bf16 token through
 int4 (groups of 32) or MXFP4 is summed in integers over x rounded to 16 bits per block (`round_x16` is that
 rounding's reference). A call splits its rows over torch's thread count (native.c's thread pool); the kernels
-write fp32 or, where no bias follows, x's bf16 (`out_dtype`). It is compiled with the
+write fp32 or, where no bias follows, x's bf16 (`out_dtype`). For several tokens (prefill) `int4_decode`,
+`mxfp4_decode` and `fp8_decode` write a packed matrix's fp32 values, bit for bit the format's `weight()`, for one
+GEMM by torch (quant/cpu.py); fp32, not bf16, because a bf16 copy of those values is not exact and a bf16 GEMM on an
+AVX2 CPU is slower than an fp32 one. MOECHAT_NATIVE_DECODE=0 turns only these off (`decode_library()`). It is compiled with the
 system C compiler (`cc -O3 -march=native`, ~1 s) into $XDG_CACHE_HOME/moechat/native/, named by a hash of the
 source, the flags, the compiler and the CPU's flags, written through `files.atomic_write` (fsynced, then renamed:
 two processes may build at once) with a sidecar `<name>.so.sha256` (its size and SHA-256) written after it, and
