@@ -39,6 +39,9 @@ class MoechatApp(App):
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
     TITLE = "moechat"
     ENABLE_COMMAND_PALETTE = False
+    # Why the panel's knobs cannot act, shown in their place (`moechat chat --remote`: the server tunes its own
+    # cache, app/remote.py sets it); None: they can.
+    tuning_note: str | None = None
 
     def __init__(self, model: str | None, *, engine_factory: EngineFactory, options: LoadOptions,
                  settings: Settings, store: ChatStore, memory_probe, export_dir: Path,

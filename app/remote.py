@@ -14,7 +14,8 @@ context, sampling defaults) and exports its cache in `/metrics`; `cache_snapshot
 `CacheSnapshot` from those series (at most every METRICS_INTERVAL_S), so hit rates per layer, bytes
 moved, prefetch and slots show as they would locally. Per-expert residency is not exported, so the
 heatmap's cells stay empty (its per-layer hit rates are real). Any other server has no such metrics:
-the panel shows tok/s only, and `panel_note` says so. Tuning is done where the model runs.
+the panel shows tok/s only, and `panel_note` says so. Tuning is done where the model runs: the server has no
+API to retune, so the app hides its knobs and shows `tuning_note` in their place.
 
 No torch: nothing here loads a model.
 """
@@ -159,6 +160,13 @@ class RemoteEngine:
                     "runs (moechat serve flags).")
         return (f"Remote server {self.server} is not a moechat server: no expert-cache metrics, so the panel shows "
                 "tok/s only.")
+
+    @property
+    def tuning_note(self) -> str:
+        """In place of the panel's knobs: why they cannot act from here (one line)."""
+        if self.is_moechat:
+            return "Tuned on the server: restart moechat serve with --expert-slots, --policy or --ram-cache-mb."
+        return "No knobs: this server is not moechat serve, so moechat cannot see or tune its expert cache."
 
     # -- the engine's interface -----------------------------------------------------------------------------
     def conversation(self, system: str | None = None) -> RemoteConversation:
@@ -405,5 +413,6 @@ def run_remote_chat(args) -> int:
     app = make_app(engine.label, engine_factory=lambda model, options, progress: engine,
                    options=LoadOptions(resident=True), reasoning_effort=args.reasoning_effort)
     app.startup_notices.append(engine.panel_note)
+    app.tuning_note = engine.tuning_note  # the knobs hidden: the server has no API to retune its cache
     app.run()
     return app.return_code or 0

@@ -45,6 +45,7 @@ from ..widgets.dashboard import Dashboard
 from ..widgets.keyfooter import KeyFooter
 from ..widgets.loading import LoadingPanel
 from ..widgets.prompt import PromptInput
+from ..widgets.text import plural
 from ..widgets.transcript import AssistantMessage, Transcript
 from ..widgets.tuning import NATIVE_NAMES, StepInput, TuningPanel
 from .chats import ChatsScreen
@@ -95,6 +96,8 @@ class ChatScreen(Screen):
         Binding("f3", "sampling", "Sampling"),
         Binding("f4", "toggle_dashboard", "Panel"),
         Binding("f6", "tune", "Tune", priority=True),  # before the prompt's own F6 (select line)
+        # Ctrl+L works always; the footer shows it while no model is loaded (the failed load's notice names it)
+        Binding("ctrl+l", "open_model(True)", "Open model"),
         Binding("ctrl+l", "open_model", "Open model", show=False),
         Binding("f5", "setup", "Models", tooltip="Get models: the setup wizard"),
     ]  # and the app's Ctrl+Q Quit
@@ -175,6 +178,7 @@ class ChatScreen(Screen):
         self._tuned = set()  # per model
         self.query_one(LoadingPanel).show_stage(Path(model).name, "starting", 0.0)
         self.dashboard.show_model(None, loading=f"loading {Path(model).name}…")
+        self.refresh_bindings()  # Ctrl+L leaves the footer
         # After the next refresh: the load worker's `import torch` holds the GIL for most of a second, and
         # started here it would hold back the first frame by about as much (bench/startup.py).
         self.call_after_refresh(self.bridge.load, model, expert_format=self.app.expert_format(model))
@@ -192,8 +196,9 @@ class ChatScreen(Screen):
         self.session.model = info.path
         self.query_one(LoadingPanel).hide()
         self.sub_title = f"{info.name} · {info.model_type} · {info.device} · {info.dtype}"
-        self.dashboard.show_model(info)
+        self.dashboard.show_model(info, tuning_note=self.app.tuning_note)
         self.model_loading = False
+        self.refresh_bindings()
         self._restore_tuning(info)
         if self.queued is None:
             self._reopen_last_chat(info.path)  # a repo id's chats are saved under its snapshot's path
@@ -217,6 +222,7 @@ class ChatScreen(Screen):
         self.sub_title = f"{Path(self.model).name} · not loaded"
         self.query_one(LoadingPanel).show_error(Path(self.model).name, message.error)
         self.dashboard.show_model(None, loading="no model loaded")
+        self.refresh_bindings()  # Ctrl+L, which the notice names, in the footer
         self.notify(message.error, title="Model failed to load", severity="error", timeout=12)
 
     def on_tokens_arrived(self, message: TokensArrived) -> None:
@@ -240,7 +246,7 @@ class ChatScreen(Screen):
         if message.gen_id != self.gen_id:
             return
         status = "stopped" if message.finish_reason == "cancelled" else "done"
-        footer = f"{message.generated_tokens} tokens · {fmt_rate(message.decode_tps)} tok/s"
+        footer = f"{plural(message.generated_tokens, 'token')} · {fmt_rate(message.decode_tps)} tok/s"
         if message.finish_reason == "length":
             footer += " · hit the max tokens limit"
         stats = {"finish_reason": message.finish_reason, "prompt_tokens": message.prompt_tokens,
@@ -321,7 +327,7 @@ class ChatScreen(Screen):
     def _restore_tuning(self, info: ModelInfo) -> None:
         """The tuning saved for this model, unless this session's command line set it."""
         saved, options, state = self.app.settings.tuning(info.path), self.app.load_options, info.cache
-        if not saved or state is None or options.resident:
+        if not saved or state is None or options.resident or self.app.tuning_note:
             return
         changes = {}
         if options.expert_slots is None and saved.get("slots") and saved["slots"] != state.slots:
@@ -419,7 +425,14 @@ class ChatScreen(Screen):
             return self.gen_id is not None
         if action == "focus_prompt":
             return self.gen_id is None
+        if action == "open_model":  # the shown Ctrl+L while no model is loaded, the hidden one otherwise
+            return bool(parameters) == self.load_failed
         return True
+
+    @property
+    def load_failed(self) -> bool:
+        """No model loaded and none loading: the last load failed."""
+        return self.info is None and not self.model_loading
 
     async def action_stop(self) -> None:
         if self.gen_id is None:
@@ -440,6 +453,10 @@ class ChatScreen(Screen):
             self.add_class("-panel-open")
         self._draw_panel()
         knob = self.query_one("#slots", StepInput)
+        unavailable = self.query_one(TuningPanel).unavailable
+        if unavailable is not None:  # a remote server: the panel says why in place of the knobs
+            self.notify(unavailable, severity="warning")
+            return
         if knob.disabled:
             self.notify("The knobs work once the model has loaded with an expert cache.", severity="warning")
             return
@@ -488,7 +505,7 @@ class ChatScreen(Screen):
                 await transcript.add_user(turn.content)
             else:
                 stats = turn.stats or {}
-                footer = (f"{stats['generated_tokens']} tokens · {fmt_rate(stats['decode_tps'])} tok/s"
+                footer = (f"{plural(stats['generated_tokens'], 'token')} · {fmt_rate(stats['decode_tps'])} tok/s"
                           if "generated_tokens" in stats else "")
                 await transcript.add_assistant(turn.content, turn.status, footer, turn.thinking)
         transcript.scroll_end(animate=False)
@@ -590,7 +607,7 @@ class ChatScreen(Screen):
 
         self.call_after_refresh(draw)
 
-    def action_open_model(self) -> None:
+    def action_open_model(self, shown: bool = False) -> None:
         def done(model: str | None) -> None:
             if model:
                 self.call_later(self._reload, model)

@@ -20,6 +20,7 @@ from textual.widgets import Input, Label, OptionList
 from textual.widgets.option_list import Option
 
 from ..store import ChatStore, ConversationSummary
+from ..widgets.text import plural
 
 KEYS = "Enter reopen · Ctrl+E export · F2 rename · Ctrl+D delete · Escape close"
 
@@ -29,7 +30,7 @@ def _when(t: float) -> str:
 
 
 def describe(c: ConversationSummary) -> Text:
-    return Text.assemble(c.title, (f"  {c.model} · {c.num_messages} messages · {_when(c.updated)}", "dim"))
+    return Text.assemble(c.title, (f"  {c.model} · {plural(c.num_messages, 'message')} · {_when(c.updated)}", "dim"))
 
 
 class ChatsScreen(ModalScreen[tuple[str, int] | None]):

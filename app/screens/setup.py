@@ -20,7 +20,13 @@ bad token), shown as notices and kept beside the row.
 Offline (HF_HUB_OFFLINE, or the endpoint not answering a TCP connect within HUB_PROBE_TIMEOUT_S) the Hub is not
 asked at all: downloaded models get their exact verdict from the local snapshot, the others an estimate from
 what the catalog knows (parameters and expert format -> download size and the memory a token's weights need;
-`catalog_estimate`), marked "(est.)"; search says at once that it needs the Hub instead of retrying.
+`catalog_estimate`), marked "(est.)" ("disk short (est.)" when only the disk is short); the Predicted column says
+the speed needs the Hub (it needs config.json); search filters the catalog and says at once that the Hub itself
+is not searched.
+
+The table shows only whole columns: the columns that fit the width, in order (the rest are in the detail pane),
+and under the width of the first four (80 columns) the model's name without its owner and the speed without its
+unit (the header says "tok/s"); no column is cut at the edge ("Downl", "~12.8").
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Label, ProgressBar, Static
 from textual.worker import get_current_worker
 
+from rich.cells import cell_len
+
 from moechat.engine.catalog import CATALOG, MISSING_FEATURES, CatalogEntry
 
 from ..messages import (
@@ -55,6 +63,10 @@ from ..messages import (
 # The note comes before the family and parameters (also in the detail pane), so a normal terminal shows it whole.
 COLUMNS = (("Model", "model"), ("Verdict", "verdict"), ("Predicted", "speed"), ("Download", "download"),
            ("Note", "note"), ("Experts", "format"), ("Family", "family"), ("Params / active", "params"))
+NARROW_LABELS = {"speed": "tok/s"}  # the unit in the header when the cells drop it
+FIRST_COLUMNS = 4  # Model, Verdict, Predicted, Download: always shown (in their narrow form when need be)
+NAME_WIDTH = 30  # a narrow table's model name, cut at a '-' with '…' past this
+OFFLINE_SPEED = "? offline"  # a row without a verdict while the Hub cannot be asked: the speed needs config.json
 HUB_PROBE_TIMEOUT_S = 2.0  # a TCP connect to the endpoint: no answer in this long and the wizard works offline
 # Bytes per parameter of a checkpoint by how its experts are stored (gpt-oss: MXFP4 experts, bf16 attention: 0.6).
 BYTES_PER_PARAM = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.05, "mxfp4": 0.6}
@@ -156,6 +168,31 @@ def format_lines(verdict) -> list[str]:
     return lines
 
 
+def short_name(repo_id: str, width: int = NAME_WIDTH) -> str:
+    """A narrow table's model name: without its owner, and past `width` cut after a '-' with '…'."""
+    name = repo_id.split("/", 1)[-1]
+    if len(name) <= width:
+        return name
+    cut = name.rfind("-", 0, width - 1)
+    return name[:cut if cut > 0 else width - 1] + "…"
+
+
+def matches(entry: CatalogEntry, query: str) -> bool:
+    """An offline search: every word of `query` in the entry's repo id, family, format or note (any case)."""
+    text = " ".join((entry.repo_id, entry.family, entry.format, entry.note)).lower()
+    return all(word in text for word in query.lower().split())
+
+
+def offline_search_text(offline: str, query: str) -> str:
+    return (f"Hub search needs the Hub ({offline}); the list shows the catalog's models matching {query!r}, which "
+            "moechat knows without it")
+
+
+def strip_repo(text: str, repo_id: str) -> str:
+    """`text` without the repo id it starts with (the line naming the repo already says it)."""
+    return text[len(repo_id):].lstrip(":").strip() if repo_id and text.startswith(repo_id) else text
+
+
 def _short(text: str, repo_id: str = "", limit: int = 60) -> str:
     """An error or reason cut for a table cell: without the repo id it starts with, up to the first ';'."""
     if repo_id and text.startswith(repo_id):
@@ -234,11 +271,13 @@ def catalog_estimate(entry: CatalogEntry, hw) -> tuple[str, str, int | None]:
     ram = hw.ram.total_bytes or hw.ram.available_bytes if hw is not None else None
     memory = (ram or 0) + (gpu.free_bytes or 0 if gpu is not None else 0)
     disk = hw.disk.free_bytes if hw is not None and hw.disk is not None else None
-    if disk is not None and total > disk:
-        return "too big (est.)", f"estimate: {_size(disk)} free on disk", total
     need = active + (1 << 30)  # a token's weights (the dense part and its top-k experts) and working room
+    disk_short = disk is not None and total > disk
     if memory and need > memory:
-        return "too big (est.)", f"estimate: needs ~{_size(need)} of RAM + VRAM, {_size(memory)} here", total
+        note = f"estimate: needs ~{_size(need)} of RAM + VRAM, {_size(memory)} here"
+        return "too big (est.)", note + (f"; and {_size(disk)} free on disk" if disk_short else ""), total
+    if disk_short:  # it would run here: the download does not fit
+        return "disk short (est.)", f"estimate: the download needs ~{_size(total)}, {_size(disk)} free on disk", total
     return "fits (est.)", "estimate from the catalog's sizes" + (f"; {entry.note}" if entry.note else ""), total
 
 
@@ -258,6 +297,15 @@ def entry_for_hit(hit) -> CatalogEntry:
         return curated
     return CatalogEntry(hit.repo_id, hit.model_type or "?", (hit.params or 0) / 1e9, 0.0, "?",
                         gated=bool(hit.gated), note="from Hub search")
+
+
+class ModelTable(DataTable):
+    """The catalog's table; a resize asks the screen which columns fit whole now."""
+
+    def on_resize(self) -> None:
+        fit = getattr(self.screen, "_fit_columns", None)
+        if fit is not None:
+            self.call_after_refresh(fit)
 
 
 class SetupScreen(Screen[str | None]):
@@ -291,6 +339,8 @@ class SetupScreen(Screen[str | None]):
         self.offline: str | None = None  # why the Hub is not asked (set by the first check of the rows)
         self.plan_errors: dict[str, str] = {}  # repo -> why its plan failed (D says it)
         self.download_when_planned: str | None = None  # D pressed while that repo's plan was being read
+        self.columns: tuple[str, ...] = ()  # the column keys the table shows now (those that fit whole)
+        self.narrow = False  # the short forms of the first columns (owner-less names, speed without its unit)
 
     # -- layout ---------------------------------------------------------------------------------------
     def compose(self):
@@ -299,7 +349,7 @@ class SetupScreen(Screen[str | None]):
             yield Static("Probing this machine…", id="setup-hardware", markup=False)
             yield Input(placeholder="Search the Hub for MoE models (Enter); empty: the catalog", id="setup-search")
             with Horizontal(id="setup-body"):
-                yield DataTable(id="setup-models", cursor_type="row", zebra_stripes=True)
+                yield ModelTable(id="setup-models", cursor_type="row", zebra_stripes=True)
                 with VerticalScroll(id="setup-detail"):
                     yield Static(PICK_HINT, id="setup-summary", markup=False)
                     yield Static("", id="setup-decisions", markup=False)
@@ -319,15 +369,13 @@ class SetupScreen(Screen[str | None]):
     def on_mount(self) -> None:
         self.sub_title = "model setup"
         self.query_one("#setup-hardware", Static).border_title = "This machine"
-        table = self.table
-        for label, key in COLUMNS:
-            table.add_column(label, key=key)
+        self._set_columns(*self._fitting_columns())
         self.query_one("#setup-cancel", Button).display = False
         self.query_one("#setup-progress-box").display = False
         if self.options.hardware is not None:
             self._show_hardware(self.options.hardware)
         self.show_catalog()
-        table.focus()
+        self.table.focus()
 
     # -- the rows -------------------------------------------------------------------------------------
     def _fill(self, rows: list[_Row], listing_id: int | None = None) -> int:
@@ -336,11 +384,60 @@ class SetupScreen(Screen[str | None]):
         table = self.table
         table.clear()
         for r in rows:
-            table.add_row(*self._cells(r), key=r.entry.repo_id)
+            table.add_row(*self._shown_cells(r), key=r.entry.repo_id)
         self._clear_plan()
+        self._fit_columns()
         return self.listing_id
 
+    # -- whole columns only -----------------------------------------------------------------------------
+    def _shown_cells(self, r: _Row) -> tuple[str, ...]:
+        cells = self._cell_texts(r, self.narrow)
+        return tuple(cells[key] for key in self.columns)
+
+    def _fitting_columns(self) -> tuple[tuple[str, ...], bool]:
+        """(column keys, narrow): the longest prefix of COLUMNS whose widths (header or widest cell, padded) fit the
+        table, at least the first four, in their short forms when the full ones do not fit."""
+        width = max(self.table.size.width or self.app.size.width - 4, 1) - 2  # the vertical scrollbar
+        rows = list(self.rows.values())
+        for narrow in (False, True):
+            texts = [self._cell_texts(r, narrow) for r in rows]
+            total, keys = 0, []
+            for label, key in COLUMNS:
+                label = NARROW_LABELS.get(key, label) if narrow else label
+                need = max([cell_len(label)] + [cell_len(t[key]) for t in texts]) + 2  # a cell's padding
+                if total + need > width and len(keys) >= FIRST_COLUMNS:
+                    break
+                total += need
+                keys.append(key)
+            if total <= width or narrow:
+                return tuple(keys), narrow
+        raise AssertionError("unreachable")
+
+    def _set_columns(self, keys: tuple[str, ...], narrow: bool) -> None:
+        table = self.table
+        cursor = table.cursor_row
+        self.columns, self.narrow = keys, narrow
+        table.clear(columns=True)
+        for label, key in COLUMNS:
+            if key in keys:
+                table.add_column(NARROW_LABELS.get(key, label) if narrow else label, key=key)
+        for r in self.rows.values():
+            table.add_row(*self._shown_cells(r), key=r.entry.repo_id)
+        if table.row_count:
+            table.move_cursor(row=min(cursor, table.row_count - 1))
+
+    def _fit_columns(self) -> None:
+        """Show the columns that fit whole now (after a resize or a row's new values); a no-op when unchanged."""
+        keys, narrow = self._fitting_columns()
+        if (keys, narrow) != (self.columns, self.narrow):
+            self._set_columns(keys, narrow)
+
     def _cells(self, r: _Row) -> tuple[str, ...]:
+        """Every column's text for a row, in COLUMNS' order (the full forms)."""
+        cells = self._cell_texts(r, narrow=False)
+        return tuple(cells[key] for _, key in COLUMNS)
+
+    def _cell_texts(self, r: _Row, narrow: bool) -> dict[str, str]:
         e, s = r.entry, r.status
         verdict = s.verdict if s is not None else None
         estimate = (catalog_estimate(e, self.hardware) if self.offline and s is not None and verdict is None
@@ -375,17 +472,34 @@ class SetupScreen(Screen[str | None]):
             note = _short(s.error, e.repo_id)
         else:
             note = e.note
-        cells = {"model": e.repo_id, "verdict": word, "speed": _tok_s(verdict), "format": _format(verdict),
-                 "download": download, "family": e.family, "params": _params(e), "note": note}
-        return tuple(cells[key] for _, key in COLUMNS)
+        speed = _tok_s(verdict)
+        if not speed and estimate is not None:
+            speed = OFFLINE_SPEED
+        if narrow:
+            speed = speed.removesuffix(" tok/s")
+        cells = {"model": short_name(e.repo_id) if narrow else e.repo_id, "verdict": word, "speed": speed,
+                 "format": _format(verdict), "download": download, "family": e.family, "params": _params(e),
+                 "note": note}
+        return cells
 
     def _update_row(self, repo_id: str) -> None:
         r = self.rows.get(repo_id)
         if r is None:
             return
         table = self.table
-        for (_, key), value in zip(COLUMNS, self._cells(r), strict=True):
+        for key, value in zip(self.columns, self._shown_cells(r), strict=True):
             table.update_cell(repo_id, key, value, update_width=True)
+        self._fit_columns()
+
+    def _show_offline_matches(self, query: str) -> None:
+        """Offline, a search filters the catalog (each row's estimate or local verdict, as the full list has)."""
+        entries = [e for e in self.options.entries if matches(e, query)]
+        listing_id = self._fill([_Row(e) for e in entries])
+        if not entries:
+            self.query_one("#setup-summary", Static).update(
+                f"No model in moechat's catalog matches {query!r} (offline: the Hub is not searched). Empty the "
+                "search box for the whole catalog.")
+        self._check(listing_id, entries)
 
     def show_catalog(self) -> None:
         self.query_text = ""
@@ -394,8 +508,11 @@ class SetupScreen(Screen[str | None]):
         self._check(listing_id, entries)
 
     def cell(self, repo_id: str, column: str) -> str:
-        """What the table shows for a row (tests and the detail pane read it)."""
-        return str(self.table.get_cell(repo_id, column))
+        """What the table shows for a row (tests and the detail pane read it); a column too wide to show now: what
+        it would show (the full form)."""
+        if column in self.columns:
+            return str(self.table.get_cell(repo_id, column))
+        return self._cell_texts(self.rows[repo_id], narrow=False)[column]
 
     # -- workers --------------------------------------------------------------------------------------
     def _machine(self):
@@ -444,9 +561,8 @@ class SetupScreen(Screen[str | None]):
 
         self._machine()
         offline = hub_offline_reason(self.options.endpoint)
-        if offline is not None:  # at once, not after the HTTP client's retries
-            self.post_message(SetupFailed("search", None, "Offline", f"Hub search needs the Hub ({offline}); the "
-                                          "catalog below is what moechat knows without it"))
+        if offline is not None:  # at once, not after the HTTP client's retries; the UI filters the catalog instead
+            self.post_message(SetupFailed("search", None, "Offline", offline_search_text(offline, query)))
             return
         try:
             hits = self.options.client().search(query, limit=SEARCH_LIMIT, supported_only=False)
@@ -516,7 +632,8 @@ class SetupScreen(Screen[str | None]):
             return
         if message.offline != self.offline:
             self.offline = message.offline
-            self.sub_title = "model setup" + (f" · {message.offline}" if message.offline else "")
+            # the reason is in the detail pane and the notices; the header keeps one word (it cut the URL mid-way)
+            self.sub_title = "model setup" + (" · offline" if message.offline else "")
         r.status = status
         self._update_row(status.entry.repo_id)
         if self.chosen is None and self._highlighted() == status.entry.repo_id:
@@ -592,10 +709,14 @@ class SetupScreen(Screen[str | None]):
                          else f"Failed: {message.error}")
         elif message.what == "search":
             self.table.loading = False
+            if message.title == "Offline":
+                self.offline = self.offline or "offline"
+                self._show_offline_matches(self.query_text)
         elif message.what == "plan" and message.repo_id == self.chosen:
             self.plan_errors[message.repo_id] = message.error
             self.download_when_planned = None
-            self.query_one("#setup-summary", Static).update(f"{message.repo_id}: {message.error}")
+            self.query_one("#setup-summary", Static).update(
+                f"{message.repo_id}: {strip_repo(message.error, message.repo_id)}")
         self.notify(message.error, title=message.title, severity="warning" if message.cancelled else "error",
                     timeout=12)
 
@@ -633,10 +754,10 @@ class SetupScreen(Screen[str | None]):
             lines.append(f"on this machine: {s.verdict.summary()} (estimate from config.json)")
         elif self.offline and e.supported and r.search_note is None:
             word, note, _ = catalog_estimate(e, self.hardware)
-            lines.append(f"{self.offline}. {word}: {note}")
+            lines.append(f"{self.offline}. {word}: {note}; the predicted speed needs config.json from the Hub")
         elif s.error:
-            lines.append(s.error)
-        if e.note:
+            lines.append(strip_repo(s.error, e.repo_id))
+        if e.note and not any(e.note in line for line in lines):  # the estimate's note may carry it already
             lines.append(e.note)
         lines += ["", PICK_HINT]
         self.query_one("#setup-summary", Static).update("\n".join(x for x in lines if x is not None))
@@ -712,10 +833,14 @@ class SetupScreen(Screen[str | None]):
             self.table.focus()
             return
         self.query_text = query
+        self.table.focus()
+        if self.offline:  # known offline: the catalog filtered at once, no worker to wait for
+            self.notify(offline_search_text(self.offline, query), title="Offline", severity="error", timeout=12)
+            self._show_offline_matches(query)
+            return
         self.listing_id += 1
         self.table.loading = True
         self._search(self.listing_id, query)
-        self.table.focus()
 
     @on(Button.Pressed, "#setup-download")
     def action_download(self) -> None:

@@ -7,7 +7,9 @@ person's eye find them in the same place.
 
 Cheap to refresh by construction: every value label has a fixed width (set in moechat.tcss), so an
 update repaints that label without a layout pass of the whole screen (a reflow costs ~10 ms of the
-GIL that the generating thread also needs), and a value that did not change is not touched.
+GIL that the generating thread also needs), and a value that did not change is not touched. A value is a
+`FitLabel` (widgets/text.py): given a shorter form, it shows the longest that fits its width, and it never
+shows part of a word (the app's RSS in a 50-column panel was "app 306", its unit cut off).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..messages import MemorySampled, ModelInfo
 from ..sysmon import MemoryReading
 from .heatmap import CacheHeatmap, HeatmapLegend
 from .sparkline import FastSparkline
+from .text import FitLabel, plural
 from .tuning import TuningPanel
 
 MEMORY_INTERVAL_S = 1.0
@@ -30,9 +33,9 @@ SPARK_POINTS = 40  # the sparkline always spans this many samples, so a short hi
 
 
 def _row(key: str, *values: tuple[str, str], key_id: str | None = None) -> Horizontal:
-    """A 'key  value value' line; each value a Label with an id (and a fixed width in the tcss)."""
+    """A 'key  value value' line; each value a FitLabel with an id (and a fixed width in the tcss)."""
     return Horizontal(Label(key, id=key_id, classes="key"),
-                      *(Label(text, id=id_, classes="value", markup=False) for id_, text in values),
+                      *(FitLabel(text, id=id_, classes="value") for id_, text in values),
                       classes="stat-row")
 
 
@@ -49,7 +52,7 @@ def hit_counts_text(s: DashboardStats) -> str:
         return "no cache"
     if s.fast_tier == "ram":  # a CPU: every expert computed where it lives; a miss is a read from disk
         return f"{s.hits:,} from RAM · {s.misses:,} from disk"
-    text = f"{s.hits:,} {'hit' if s.hits == 1 else 'hits'} · {s.misses:,} {'miss' if s.misses == 1 else 'misses'}"
+    text = f"{plural(s.hits, 'hit')} · {plural(s.misses, 'miss', 'misses')}"
     if s.on_miss != "load" or s.host_computed:
         text += f" ({s.host_computed:,} on host)"
     return text
@@ -60,7 +63,7 @@ def tier_text(s: DashboardStats) -> str:
     if s.fast_tier != "ram":
         return f"{s.slots_used}/{s.num_slots} used · {s.policy}"
     if not s.ram_cache_bytes:
-        return f"RAM: all {s.ram_tier_experts:,} experts, none from disk"
+        return f"RAM: all {plural(s.ram_tier_experts, 'expert')}, none from disk"
     held = s.ram_cache_used_bytes // s.expert_bytes if s.expert_bytes else 0
     return f"RAM {held:,}/{s.ram_tier_experts:,} experts · {fmt_bytes(s.ram_cache_bytes)} · {s.policy}"
 
@@ -112,30 +115,42 @@ class Dashboard(Vertical):
         message.stop()
         self.show_memory(message.reading)
 
-    def _set(self, id_: str, text: str) -> None:
-        if self._shown.get(id_) != text:
-            self._shown[id_] = text
-            self.query_one(f"#{id_}", Label).update(text, layout=False)
+    def _set(self, id_: str, text: str, *shorter: str) -> None:
+        """Show `text` in the value label `id_`, or the first of the `shorter` forms that fits its width."""
+        key = "\0".join((text, *shorter))
+        if self._shown.get(id_) != key:
+            self._shown[id_] = key
+            label = self.query_one(f"#{id_}")
+            if isinstance(label, FitLabel):
+                label.set_texts(text, *shorter)
+            else:  # a key label
+                label.update(text, layout=False)
 
     def show_memory(self, m: MemoryReading) -> None:
         self._set("ram", _used_free(m.ram_used_bytes, m.ram_available_bytes))
-        self._set("ram-app", f"· app {fmt_bytes(m.process_rss_bytes)}")  # hidden in a narrow panel
+        # the app's own RSS where it fits whole, else nothing (hidden in a narrow panel by the tcss)
+        self._set("ram-app", f"· app {fmt_bytes(m.process_rss_bytes)}", "")
         if m.gpus:
             self._set("vram", " | ".join(_used_free(g.used_bytes, g.free_bytes) for g in m.gpus))
         else:
             self._set("vram", f"n/a ({m.vram_note})")
 
     # -- model and stats ------------------------------------------------------------------------------
-    def show_model(self, info: ModelInfo | None, loading: str | None = None) -> None:
+    def show_model(self, info: ModelInfo | None, loading: str | None = None, tuning_note: str | None = None) -> None:
+        """The loaded model (None: `loading` says what happens); `tuning_note`: why no knob can act here (a remote
+        server), shown in place of the knobs."""
         heatmap = self.query_one(CacheHeatmap)
         if info is None:
             heatmap.set_placeholder(loading or "waiting for the model…")
             return
+        tuning = self.query_one(TuningPanel)
+        if tuning_note:
+            tuning.show_unavailable(tuning_note)
         if info.cache is None:
-            heatmap.set_placeholder("no expert cache: every expert is resident; set slots below to cache")
+            heatmap.set_placeholder("the server exports no expert cache" if tuning_note else
+                                    "no expert cache: every expert is resident; set slots below to cache")
         else:
             heatmap.set_placeholder("no routing yet: send a message")
-        tuning = self.query_one(TuningPanel)
         tuning.show_state(info.cache)
         tuning.show_format(info)
 
@@ -158,7 +173,11 @@ class Dashboard(Vertical):
         self._set("bytes-disk", f"disk {fmt_bytes(s.bytes_per_token_disk)}/tok")
         if s.has_cache:
             self._set("prefetch-used", prefetch_text(s))
-            self._set("stall", "" if s.stall_ms_per_token is None else f"stall {s.stall_ms_per_token:.2f} ms/tok")
+            stall = s.stall_ms_per_token
+            if stall is None:
+                self._set("stall", "")
+            else:
+                self._set("stall", f"stall {stall:.2f} ms/tok", f"stall {stall:.2f}ms", f"{stall:.2f}ms")
         heatmap = q(CacheHeatmap)
         if s.has_cache and s.resident is not None and s.resident.size:
             rates = s.layer_hit_rates or tuple(math.nan for _ in range(s.resident.shape[0]))

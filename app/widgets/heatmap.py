@@ -11,6 +11,11 @@ fits the panel's width (256 experts in a 40-column panel: 1 cell = 8 experts), l
 vertically, and `z` zooms to one cell per expert with horizontal scrolling. Drawn with the line API:
 only visible rows are rendered, the [L, E] aggregation is done once per snapshot, not per frame, and a
 snapshot repaints only the rows whose cells or hit rate changed.
+
+When the panel is shorter than the layers, the title says which rows are shown and that the rest scroll
+("L0-L2 of 6 layers × 16 experts ↕ scroll"); a 80x24 terminal showed three rows of the demo's six and no sign
+of the others. The title is the longest of its forms that fits the width, and the placeholder wraps at word
+boundaries over the rows there are, never cut in a word.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widget import Widget
+
+from .text import first_that_fits, fit_words, plural
 
 HOT, WARM = 0.5, 0.1  # recent use (0..1, relative to the busiest expert) that counts as hot / warm
 RATE_WIDTH = 5  # " 100%"
@@ -99,6 +106,7 @@ class CacheHeatmap(ScrollView, can_focus=True):
         self.rates: tuple[float, ...] = ()
         self.placeholder = "waiting for the model…"
         self.group = 1
+        self._grouped_shown = False
         self._style_cache: dict[str, Style] = {}
         self._rows: list[tuple[str, list[int], str]] = []  # per layer: cells' glyphs, class per cell, rate
 
@@ -118,6 +126,14 @@ class CacheHeatmap(ScrollView, can_focus=True):
     def set_placeholder(self, text: str) -> None:
         self.placeholder = text
         self.refresh()
+
+    def _placeholder_lines(self, width: int) -> list[str]:
+        """The placeholder wrapped to `width`; its last visible line ends with '…' when it does not all fit."""
+        lines = [line.plain.rstrip() for line in Text(self.placeholder).wrap(self.app.console, max(width, 1))]
+        height = max(self.scrollable_content_region.height, 1)
+        if len(lines) > height:
+            lines = lines[:height - 1] + [fit_words(" ".join(lines[height - 1:]), width)]
+        return lines
 
     @property
     def label_width(self) -> int:
@@ -157,16 +173,48 @@ class CacheHeatmap(ScrollView, can_focus=True):
             regions = [Region(0, y - top, width, 1) for y in changed if 0 <= y - top < height]
             if regions:
                 self.refresh(*regions)
+        self._show_title()
+
+    def title_text(self) -> str:
+        """'6 layers × 16 experts', or with rows out of view 'L0-L2 of 6 layers × 16 experts ↕ scroll': the
+        longest form that fits the width."""
+        if self.resident is None:
+            return ""
+        L, E = self.resident.shape
+        size = f"{plural(L, 'layer')} × {plural(E, 'expert')}"
         scale = "" if self.group == 1 else f", {self.group} per cell"
-        title = f"{L} layers × {E} experts{scale}"
+        height = self.scrollable_content_region.height
+        width = max(self.size.width - 2, 1)  # the border's corner and one cell of the line before the title
+        if not height or height >= L:
+            return first_that_fits((size + scale, size), width)
+        top = min(self.scroll_offset.y, max(L - height, 0))
+        rows = f"L{top}-L{min(top + height, L) - 1} of {L}"
+        experts = plural(E, "expert")  # L > height >= 1: "layers"
+        return first_that_fits((f"{rows} layers × {experts}{scale} ↕ scroll", f"{rows} layers{scale} ↕ scroll",
+                                f"{rows} layers ↕ scroll", f"{rows} ↕"), width)
+
+    def _show_title(self) -> None:
+        title = self.title_text() or None
         if self.border_title != title:
             self.border_title = title
+        grouped = self.group > 1
+        if grouped != self._grouped_shown:  # the legend's "part" glyph; a DOM query only when it changes
+            self._grouped_shown = grouped
             for legend in self.screen.query(HeatmapLegend):
-                legend.grouped = self.group > 1
+                legend.grouped = grouped
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        if self.resident is not None and round(old_value) != round(new_value):
+            self._show_title()
 
     def on_resize(self) -> None:
         if self.resident is not None and not self.zoomed:
             self._rebuild()
+        elif self.resident is not None:
+            self._show_title()
+        else:
+            self.refresh()  # the placeholder wraps to the new width
 
     def watch_zoomed(self) -> None:
         self.scroll_to(x=0, animate=False)
@@ -190,9 +238,10 @@ class CacheHeatmap(ScrollView, can_focus=True):
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
         style = self._style
-        if not self._rows:
-            text = self.placeholder if y == 0 else ""
-            return Strip([Segment(text[:width].ljust(width), style("heatmap--empty"))], width)
+        if not self._rows:  # the placeholder, wrapped at word boundaries (never cut in a word)
+            lines = self._placeholder_lines(width)
+            text = lines[y] if y < len(lines) else ""
+            return Strip([Segment(text.ljust(width), style("heatmap--empty"))], width)
         row = self.scroll_offset.y + y
         if row >= len(self._rows):
             return Strip.blank(width, self.rich_style)

@@ -3,6 +3,8 @@ expert format (native, int8, int4), which takes a reload.
 
 Textual has no slider, so each knob is an integer `Input` that steps like one: Up/Down by a sixteenth of
 the range, +/- by one; Enter applies it (and focus goes back to the prompt), so does leaving it with Tab.
+Escape leaves it without applying: the knob shows the engine's value again, and the screen's Escape (back to
+the prompt, or Stop while a reply streams) runs as anywhere else.
 The policy and the cross-layer prefetch mode are `Select`s (Enter opens, arrows pick, Enter applies). F6
 in the chat focuses the first knob. A change is posted as `TuningPanel.Changed`; the bridge applies it
 between two tokens, and the line under the knobs shows the *effective* configuration the engine reports
@@ -14,6 +16,9 @@ the bridge off the UI thread; see engine/cache/mrc.py), read off at once as the 
 chosen policy's, replayed through the real policy class at that slot count (engine/cache/replay.py, a
 bridge worker asked a quarter second after the knob or the policy settles: `PredictionWanted`). Hidden
 until a curve has arrived.
+
+Against a remote server (`moechat chat --remote`) the knobs are hidden and one line says why: its cache is
+tuned where it runs (`show_unavailable`).
 
 On a CPU that computes every miss in place (on-miss auto or host: `CacheState.fast_tier` "ram") no miss ever
 fills a slot, so the slots knob is not shown: the RAM tier over the disk is the cache there, and the prediction
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from textual import on
+from textual.actions import SkipAction
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.validation import Integer
@@ -38,6 +45,7 @@ from textual.widgets import Input, Label, Select
 
 from ..livestats import fmt_bytes
 from ..messages import CacheState, ModelInfo
+from .text import FitLabel, plural
 
 if TYPE_CHECKING:
     from moechat.engine.cache.mrc import HitCurve
@@ -45,11 +53,21 @@ if TYPE_CHECKING:
 
 class StepInput(Input):
     """An integer input that steps like a slider within [minimum, maximum]: Up/Down by a sixteenth of the
-    range, + and - by one. Stepping only moves the value (the prediction follows); Enter applies it."""
+    range, + and - by one. Stepping only moves the value (the prediction follows); Enter applies it, Escape
+    puts back `applied` (the engine's value) and lets the screen's Escape run."""
+
+    BINDINGS = [Binding("escape", "revert", "Back without applying", show=False)]
 
     def __init__(self, *args, minimum: int = 0, maximum: int = 1 << 40, **kwargs):
         super().__init__(*args, type="integer", compact=True, **kwargs)
         self.minimum, self.maximum = minimum, maximum
+        self.applied = ""  # the value the engine runs with ("" for the RAM knob: every expert in RAM)
+
+    def action_revert(self) -> None:
+        if self.value != self.applied:
+            self.value = self.applied  # leaving the knob now posts nothing: its value is the engine's
+            self.cursor_position = len(self.value)
+        raise SkipAction()  # the screen's Escape too: back to the prompt, or Stop
 
     def step(self, direction: int, fine: bool = False) -> None:
         try:
@@ -109,17 +127,18 @@ def describe_prediction(curve: HitCurve, slots: int | None, policy: str | None =
     miss into a slot; with `on_miss` auto or host some misses run on the host and stay misses (the demo at 24
     slots: 85% measured with load, 41% with auto), which the last line says."""
     what = "decode, warm cache" if curve.phase == "decode" else "warm cache"
-    where = f"  on {curve.source or 'recorded routing'}, {curve.tokens:,} tokens"
+    where = f"  on {curve.source or 'recorded routing'}, {plural(curve.tokens, 'token')}"
     if on_miss != "load":
         where += f"\n  if each miss loads a slot; on-miss {on_miss} runs some on the host: fewer hits, not slower"
     if slots is None or slots < 1:
         return f"predicted –\n{where}"
     lru = lru_warm_rate(curve, slots)
     lru_text = "–" if lru is None else f"{lru:.0%}"
+    at = plural(slots, "slot")
     if policy in (None, "", "lru"):
-        return f"predicted ~{lru_text} at {slots} slots (lru)\n  {what}\n{where}"
-    head = (f"predicted {policy} at {slots} slots: replaying…" if policy_rate is None
-            else f"predicted ~{policy_rate:.0%} at {slots} slots ({policy})")
+        return f"predicted ~{lru_text} at {at} (lru)\n  {what}\n{where}"
+    head = (f"predicted {policy} at {at}: replaying…" if policy_rate is None
+            else f"predicted ~{policy_rate:.0%} at {at} ({policy})")
     return f"{head}\n  LRU ~{lru_text} · {what}\n{where}"
 
 
@@ -127,7 +146,7 @@ def describe_ram_prediction(curve: HitCurve, experts: int | None, total: int, po
                             policy_rate: float | None = None) -> str:
     """Under the RAM knob on a CPU: the share of requests served from RAM (no disk read) predicted for a RAM tier
     of `experts` experts (None: the knob is empty, every expert in RAM), warm cache."""
-    where = f"  on {curve.source or 'recorded routing'}, {curve.tokens:,} tokens"
+    where = f"  on {curve.source or 'recorded routing'}, {plural(curve.tokens, 'token')}"
     if experts is None or experts >= total:
         return f"predicted 100% from RAM (every expert in RAM: nothing read from disk)\n{where}"
     if experts < 1:
@@ -188,6 +207,7 @@ class TuningPanel(Vertical):
         self._sent: dict[str, int] = {}  # knob id -> the value last posted (a blur after Enter does not repeat it)
         self.replayed: dict[tuple[str, int], float | None] = {}  # (policy, slots) -> warm rate, this curve
         self.on_miss = "load"  # where the engine runs a miss (the prediction assumes load)
+        self.unavailable: str | None = None  # why no knob can act here (a remote server), when so
         self._predict_timer = None
 
     def compose(self):
@@ -195,13 +215,13 @@ class TuningPanel(Vertical):
         with Horizontal(classes="knob", id="slots-knob"):
             yield Label("slots", classes="knob-label")
             yield StepInput(id="slots", minimum=1, validators=[Integer(minimum=1)], valid_empty=False)
-            yield Label("", id="slots-of", classes="knob-note")
+            yield FitLabel("", id="slots-of", classes="knob-note")
         yield Label("", id="predicted", markup=False)
         with Horizontal(classes="knob"):
             yield Label("RAM MiB", classes="knob-label")
             yield StepInput(id="ram-mb", minimum=0, placeholder="all", validators=[Integer(minimum=0)],
                             valid_empty=True)
-            yield Label("", id="ram-of", classes="knob-note")
+            yield FitLabel("", id="ram-of", classes="knob-note")
         yield Label("", id="ram-predicted", markup=False)
         with Horizontal(classes="knob"):
             yield Label("policy", classes="knob-label")
@@ -215,13 +235,25 @@ class TuningPanel(Vertical):
         with Horizontal(classes="knob"):
             yield Label("format", classes="knob-label")
             yield Select([(f, f) for f in EXPERT_FORMATS], id="format", allow_blank=True, compact=True, prompt="–")
-            yield Label("", id="format-of", classes="knob-note", markup=False)
+            yield FitLabel("", id="format-of", classes="knob-note")
         yield Label("now: waiting for the model…", id="effective")
+        yield Label("", id="tuning-off", markup=False)
 
     def on_mount(self) -> None:
         self.disabled = True  # until a model with a cache is loaded
         self.query_one("#predicted", Label).display = False
         self.query_one("#ram-predicted", Label).display = False
+        self.query_one("#tuning-off", Label).display = False
+
+    def show_unavailable(self, reason: str) -> None:
+        """No knob can act here (a remote server tunes its own cache): every knob hidden, `reason` in one line."""
+        self.unavailable = reason
+        for child in self.children:
+            child.display = child.id in ("tuning-off", "effective")  # and what the server runs with
+        off = self.query_one("#tuning-off", Label)
+        off.update(reason)
+        off.display = True
+        self.disabled = True
 
     @property
     def ram_tier(self) -> bool:
@@ -307,6 +339,8 @@ class TuningPanel(Vertical):
         self.state = state
         applied = "" if at_token is None else f" (applied at token {at_token})"
         self.query_one("#effective", Label).update(describe_state(state) + applied)
+        if self.unavailable is not None:  # a remote server: the knobs stay hidden
+            return
         self.disabled = False
         slots = self.query_one("#slots", StepInput)
         ram = self.query_one("#ram-mb", StepInput)
@@ -316,16 +350,16 @@ class TuningPanel(Vertical):
         self.query_one("#predicted", Label).display = not ram_tier and self.curve is not None
         self.query_one("#ram-predicted", Label).display = ram_tier and self.curve is not None
         if state is None:
-            slots.value = ""
+            slots.value = slots.applied = ""
             return
         slots.maximum = state.max_slots
-        slots.value = str(state.slots)
+        slots.value = slots.applied = str(state.slots)
         self._show_prediction()
         self.query_one("#slots-of", Label).update(f"of {state.max_slots:,}")
         if state.all_experts_bytes:
             ram.maximum = -(-state.all_experts_bytes // (1 << 20))
-            self.query_one("#ram-of", Label).update(f"of {ram.maximum:,} MiB (empty: all)")
-        ram.value = str(state.ram_budget_bytes >> 20) if state.ram_budget_bytes else ""
+            self.query_one("#ram-of", FitLabel).set_texts(f"of {ram.maximum:,} MiB (empty: all)", f"of {ram.maximum:,} MiB")
+        ram.value = ram.applied = str(state.ram_budget_bytes >> 20) if state.ram_budget_bytes else ""
         with policy.prevent(Select.Changed):
             policy.value = state.policy if state.policy in self.policies else Select.BLANK
         self._show_prediction()

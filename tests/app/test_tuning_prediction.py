@@ -37,7 +37,7 @@ def tracing_engine(fakes, **kwargs):
 def _predicted(screen) -> tuple[int, int] | None:
     """(slots, percent) from the label, or None when it shows no number."""
     text = str(screen.query_one("#predicted", Label).content)
-    m = re.search(r"~(\d+)% at (\d+) slots", text)
+    m = re.search(r"~(\d+)% at (\d+) slots?\b", text)
     return (int(m[2]), int(m[1])) if m else None
 
 
