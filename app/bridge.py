@@ -82,6 +82,7 @@ class LoadOptions:
     expert_format: str | None = None  # native, int8, int4 (None: native); int8/int4 convert once into a repacked file
     on_miss: str = "auto"  # where a miss runs: load (into a slot), host (from the RAM tier, in place), auto
     host_layers: int = 0  # the first N MoE layers' experts stay on the host
+    dense_format: str = "native"  # int8: attention projections and LM head in int8 (CPU; quant/dense_int8.py)
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
                  + (" (the first start converts every expert into a repacked file: minutes for a big model)"
                     if first else " (from the repacked file written at the first start)"))
     engine = Engine.load(path, dtype=options.dtype, device=device, context=options.context, cache=cache,
-                         expert_format=None if fmt == "native" else fmt)
+                         expert_format=None if fmt == "native" else fmt, dense_format=options.dense_format)
     for notice in engine.notices:  # e.g. a tokenizer far smaller than the model's embedding
         progress(f"warning: {notice}")
     return engine

@@ -64,6 +64,11 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
                        "them), int8 or int4 (converted once into a repacked file under $XDG_CACHE_HOME/moechat/"
                        "repacked); default: the one chosen for this model in the app's panel, else native. `moechat "
                        "fit MODEL` says which one to use")
+    chat.add_argument("--dense-format", choices=["native", "int8"], default="native",
+                        help="how the dense weights (attention projections, LM head) are held: native (the "
+                        "model's dtype) or int8 (per output channel, quantized at load; CPU only: half the bytes a "
+                        "token reads there, perplexity within 0.05%% of native on the demo model, "
+                        "bench/expert_formats.py --dense). Default: native")
     from moechat.engine.cache.prefetch import MAX_PREFETCH_DEPTH, PREFETCH_MODES  # pure Python: no torch
 
     cache.add_argument("--prefetch", choices=list(PREFETCH_MODES), default=None,
@@ -95,7 +100,8 @@ def options_from_args(args: argparse.Namespace):
     return LoadOptions(dtype=args.dtype, device=args.device, context=args.context, expert_slots=args.expert_slots,
                        policy=args.policy, ram_cache_mb=args.ram_cache_mb, resident=args.resident,
                        prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, warm_start=args.warm_start,
-                       expert_format=args.expert_format, on_miss=args.on_miss, host_layers=args.host_layers)
+                       expert_format=args.expert_format, on_miss=args.on_miss, host_layers=args.host_layers,
+                       dense_format=args.dense_format)
 
 
 def _run(app) -> int:

@@ -13,7 +13,10 @@ Speed, per format: decode tok/s of the demo model with every expert resident and
 holding a quarter of the experts over a RAM tier of the same byte budget for every format (so a smaller
 format holds more experts in the same bytes), runs interleaved (ABAB), median and spread.
 
-    python bench/expert_formats.py [--corpus DIR] [--seqs 24] [--seq 256] [--runs 5]
+`--dense`: each format also with the dense weights (attention projections, LM head) in int8 (`--dense-format int8`,
+quant/dense_int8.py), quality against the all-native model. `--no-speed` skips the decode speed part.
+
+    python bench/expert_formats.py [--corpus DIR] [--seqs 24] [--seq 256] [--runs 5] [--dense] [--no-speed]
 """
 
 from __future__ import annotations
@@ -39,6 +42,19 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "assets" / "demo-moe"
 FORMATS = ("native", "int8", "int4")
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
+
+
+def variants(dense: bool) -> dict[str, tuple[str, str]]:
+    """name -> (expert format, dense format): every expert format, and with --dense each also over int8 dense."""
+    out = {fmt: (fmt, "native") for fmt in FORMATS}
+    if dense:
+        out.update({f"{fmt} + int8 dense": (fmt, "int8") for fmt in FORMATS})
+    return out
+
+
+def load_variants(path, names: dict[str, tuple[str, str]]) -> dict[str, Engine]:
+    return {name: Engine.load(path, dtype="float32", expert_format=fmt, dense_format=dense)
+            for name, (fmt, dense) in names.items()}
 
 
 def all_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
@@ -158,11 +174,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dense", action="store_true", help="also each format over int8 dense weights")
+    ap.add_argument("--no-speed", action="store_true", help="skip the decode speed part")
     args = ap.parse_args()
     os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="moechat_bench_"))  # repacked files: scratch
     torch.manual_seed(0)
 
-    engines = {fmt: Engine.load(DEMO, dtype="float32", expert_format=fmt) for fmt in FORMATS}
+    names = variants(args.dense)
+    engines = load_variants(DEMO, names)
     prompts = [engines["native"].encode_chat([{"role": "user", "content": q}])
                for q in ("What does json.dumps do?", "What does str.split do?", "What is 12 + 7?",
                          "What does os.path.join do?", "What does collections.Counter do?")]
@@ -182,13 +201,14 @@ def main() -> None:
         path = Path(tempfile.mkdtemp(prefix=f"tiny_{name}_"))
         model_type, overrides = TINY_MODELS[name]
         build_tiny_model(path, model_type, overrides, seed=1)
-        tiny = {fmt: Engine.load(path, dtype="float32", expert_format=fmt) for fmt in FORMATS}
+        tiny = load_variants(path, names)
         g = torch.Generator().manual_seed(0)
         seqs = [torch.randint(0, 256, (65,), generator=g).tolist() for _ in range(16)]
         prompts_t = [torch.randint(0, 256, (8,), generator=g).tolist() for _ in range(8)]
         print_quality(f"tiny random {name} (16 x 64 random tokens)", quality(tiny, seqs, prompts_t), perplexity=False)
 
-    decode_speed(args.runs, args.tokens)
+    if not args.no_speed:
+        decode_speed(args.runs, args.tokens)
 
 
 if __name__ == "__main__":

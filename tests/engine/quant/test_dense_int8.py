@@ -113,3 +113,22 @@ def test_the_dense_format_is_checked():
         check_dense_format("int3", torch.device("cpu"))
     with pytest.raises(ConfigError, match="CPU only"):
         check_dense_format("int8", torch.device("cuda"))
+
+
+def test_run_and_chat_take_the_flag(tiny_models, capsys):
+    import json
+
+    from moechat.app.cli import build_parser, main
+    from moechat.app.launch import options_from_args
+
+    path, _ = tiny_models["qwen3_moe"]
+    argv = ["run", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "3", "--temperature", "0", "--json"]
+    assert main(argv + ["--dense-format", "int8"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    native_out = json.loads(capsys.readouterr().out)
+    assert int8["generated_tokens"] == native_out["generated_tokens"] == 3
+    args = build_parser().parse_args(["chat", str(path), "--dense-format", "int8"])
+    assert options_from_args(args).dense_format == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", str(path), "--dense-format", "int4"])
