@@ -189,6 +189,7 @@ class ModelSpec:
     converted_from: str | None = None  # the checkpoint's format when moechat converts the experts (--expert-format)
     quant_method: str | None = None  # config.json's quantization_config.quant_method, as written
     remote_code: bool = False  # config.json has an auto_map (custom code shipped with the model)
+    dense_format: str = "native"  # "int8": attention projections and LM head held in int8 (--dense-format int8)
 
     @property
     def expert_bytes(self) -> int:
@@ -290,6 +291,29 @@ class ModelSpec:
                        notes=self.notes + (f"experts converted to {name} once, into a repacked file "
                                            f"(--expert-format {name})",))
 
+    def in_dense_format(self, name: str | None) -> ModelSpec:
+        """The same model as `--dense-format int8` holds it (quant/dense_int8.py): attention's projections (GQA; MLA
+        keeps its layout) and the LM head at one byte a weight plus an fp32 scale per output row; a tied LM head
+        gets its own int8 copy beside the embedding table, which stays for lookups."""
+        if name in (None, "native"):
+            return self
+        fb = max(1, self.float_bytes)
+
+        def int8(nbytes: int) -> int:
+            elems = nbytes // fb
+            return elems + 4 * max(1, elems // max(1, self.hidden_size))  # + a scale per row of H inputs
+
+        parts = []
+        for what, b in self.dense_parts:
+            quantized = what == "lm_head" or (what == "attention" and self.kv_kind != "MLA latent")
+            parts.append((what, int8(b) if quantized else b))
+        embedding = self.embedding_bytes
+        if not any(what == "lm_head" for what, _ in self.dense_parts):  # tied: the table is now only looked up
+            embedding = dict(self.dense_parts).get("embeddings", 0)
+            parts.append(("lm_head", int8(embedding)))
+        return replace(self, dense_parts=tuple(parts), dense_format=name, embedding_bytes=embedding,
+                       notes=self.notes + ("attention projections and the LM head in int8 (--dense-format int8)",))
+
     def in_dtype(self, elem_bytes: int, name: str) -> ModelSpec:
         """The same model as `moechat run --dtype` holds it: float weights converted, quantized ones kept."""
         if elem_bytes == self.float_bytes:
@@ -316,6 +340,7 @@ class ModelSpec:
             "expert_tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes}
                                for t in self.expert_tensors],
             "all_experts_bytes": self.all_experts_bytes, "dense_bytes": self.dense_bytes,
+            "dense_format": self.dense_format, "dense_read_bytes": self.dense_read_bytes,
             "dense_parts": dict(self.dense_parts), "shared_experts": self.shared_experts,
             "shared_expert_bytes": self.shared_expert_bytes, "kv_kind": self.kv_kind,
             "kv_bytes_per_token": self.kv_bytes_per_token(), "kv_sliding_window": self.window,
