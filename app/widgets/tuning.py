@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from textual import on
-from textual.actions import SkipAction
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.validation import Integer
@@ -56,18 +54,16 @@ class StepInput(Input):
     range, + and - by one. Stepping only moves the value (the prediction follows); Enter applies it, Escape
     puts back `applied` (the engine's value) and lets the screen's Escape run."""
 
-    BINDINGS = [Binding("escape", "revert", "Back without applying", show=False)]
-
     def __init__(self, *args, minimum: int = 0, maximum: int = 1 << 40, **kwargs):
         super().__init__(*args, type="integer", compact=True, **kwargs)
         self.minimum, self.maximum = minimum, maximum
         self.applied = ""  # the value the engine runs with ("" for the RAM knob: every expert in RAM)
 
-    def action_revert(self) -> None:
+    def revert(self) -> None:
+        """Back to the engine's value: leaving the knob then posts nothing."""
         if self.value != self.applied:
-            self.value = self.applied  # leaving the knob now posts nothing: its value is the engine's
+            self.value = self.applied
             self.cursor_position = len(self.value)
-        raise SkipAction()  # the screen's Escape too: back to the prompt, or Stop
 
     def step(self, direction: int, fine: bool = False) -> None:
         try:
@@ -85,7 +81,9 @@ class StepInput(Input):
         self.step(-1)
 
     async def _on_key(self, event) -> None:
-        if event.character in ("+", "-", "=", "_"):  # = and _: the same keys unshifted / shifted
+        if event.key == "escape":  # not a binding: the footer keeps the screen's Escape (Prompt / Stop), which
+            self.revert()  # runs as the key goes on up to the app's bindings
+        elif event.character in ("+", "-", "=", "_"):  # = and _: the same keys unshifted / shifted
             event.stop()
             event.prevent_default()
             self.step(+1 if event.character in "+=" else -1, fine=True)
@@ -358,7 +356,8 @@ class TuningPanel(Vertical):
         self.query_one("#slots-of", Label).update(f"of {state.max_slots:,}")
         if state.all_experts_bytes:
             ram.maximum = -(-state.all_experts_bytes // (1 << 20))
-            self.query_one("#ram-of", FitLabel).set_texts(f"of {ram.maximum:,} MiB (empty: all)", f"of {ram.maximum:,} MiB")
+            self.query_one("#ram-of", FitLabel).set_texts(f"of {ram.maximum:,} MiB (empty: all)",
+                                                          f"of {ram.maximum:,} MiB")
         ram.value = ram.applied = str(state.ram_budget_bytes >> 20) if state.ram_budget_bytes else ""
         with policy.prevent(Select.Changed):
             policy.value = state.policy if state.policy in self.policies else Select.BLANK

@@ -211,6 +211,7 @@ async def test_escape_in_a_knob_restores_it_and_applies_nothing(build_app, fakes
         await fakes.wait_for(pilot, lambda: app.focused is knob, what="the slots knob")
         await pilot.press("up", "up")
         assert knob.value == "30"
+        assert _footer_keys(screen).get("escape") == "Prompt"  # the footer still says what Escape does
         await pilot.press("escape")
         await pilot.pause(0.3)
         assert isinstance(app.focused, PromptInput)
