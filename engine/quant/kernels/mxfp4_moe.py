@@ -48,6 +48,81 @@ def _e8m0(s):
 
 
 @triton.jit
+def _f16_pair(h):
+    """Two fp16 bit patterns packed in a uint32 (element a in the low half, b in the high) -> (a, b) in fp32."""
+    # joined, the two halves of one word sit side by side, so the widening reads them in place (no repacking)
+    halves = tl.join(h.to(tl.uint16), (h >> 16).to(tl.uint16))
+    return tl.split(halves.to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _e2m1_pair(words, EM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
+    """Nibbles t and t + 4 of each uint32 of E2M1 codes -> two fp32 tensors, the values x 2^-14, exactly.
+
+    The shifts place each code's e1 e0 m bits at fp16's lowest exponent bits and top mantissa bit (bits 11..9)
+    and its sign at bit 15, in both halves at once: e = 0 is then fp16's subnormal, so 0.5 needs no branch, and
+    widening fp16 to fp32 is exact."""
+    if EM_SHIFT >= 0:
+        em = words << EM_SHIFT
+    else:
+        em = words >> -EM_SHIFT
+    sign = words << SIGN_SHIFT
+    return _f16_pair((em & 0x0E000E00) | (sign & 0x80008000))
+
+
+@triton.jit
+def _x_split8(xv):
+    """[A, 8] -> its eight columns, [A] each (a register shuffle where a thread holds whole rows)."""
+    a, b = tl.split(tl.reshape(xv, (xv.shape[0], 2, 2, 2)))  # columns 0 mod 2, 1 mod 2
+    a0, a1 = tl.split(a)  # 0 mod 4, 2 mod 4
+    b0, b1 = tl.split(b)  # 1 mod 4, 3 mod 4
+    c0, c4 = tl.split(a0)
+    c2, c6 = tl.split(a1)
+    c1, c5 = tl.split(b0)
+    c3, c7 = tl.split(b1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
+                 BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """x[x_row] [2 KB] . W[w_rows] -> [BLOCK_N] fp32 for one pair (decode): W one slot's packed rows as in
+    _packed_dot. A thread holds whole 16-byte scale blocks (one 16-byte load of 4 words, one scale byte),
+    decodes two codes an instruction pair, sums the block's 32 products in FMA chains and scales the sum once;
+    x is loaded contiguously and split in registers to meet the codes' nibble order."""
+    BG: tl.constexpr = BLOCK_KB // 16  # scale blocks per tile row
+    KW = KB // 4  # words per packed row
+    G = KB // 16
+    g = tl.arange(0, BG)  # [BG]
+    words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (w_rows[:, None, None] * KW + 4 * g[None, :, None]
+                                                         + tl.arange(0, 4)[None, None, :]))  # [BN, BG, 4]
+    s_at = s_ptr + (w_rows[:, None] * G + g[None, :])  # [BN, BG]
+    x_at = x_ptr + x_row.to(tl.int64) * stride_x + (32 * g[:, None] + tl.arange(0, 32)[None, :])  # [BG, 32]
+    acc = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+    for k0 in range(0, G, BG):  # in scale blocks
+        g_ok = g < G - k0
+        words = tl.load(words_at + 4 * k0, mask=w_ok[:, None, None] & g_ok[None, :, None], other=0)  # [BN, BG, 4]
+        xv = tl.load(x_at + 32 * k0, mask=g_ok[:, None], other=0.0).to(tl.float32)  # [BG, 32]
+        # element 8w + t of a block is nibble t of its word w
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(tl.reshape(xv, (BG * 4, 8)))
+        w0, w4 = _e2m1_pair(words, 9, 12)
+        w1, w5 = _e2m1_pair(words, 5, 8)
+        w2, w6 = _e2m1_pair(words, 1, 4)
+        w3, w7 = _e2m1_pair(words, -3, 0)
+        part = w0 * tl.reshape(x0, (BG, 4))[None, :, :]
+        part += w1 * tl.reshape(x1, (BG, 4))[None, :, :]
+        part += w2 * tl.reshape(x2, (BG, 4))[None, :, :]
+        part += w3 * tl.reshape(x3, (BG, 4))[None, :, :]
+        part += w4 * tl.reshape(x4, (BG, 4))[None, :, :]
+        part += w5 * tl.reshape(x5, (BG, 4))[None, :, :]
+        part += w6 * tl.reshape(x6, (BG, 4))[None, :, :]
+        part += w7 * tl.reshape(x7, (BG, 4))[None, :, :]
+        scale = tl.load(s_at + k0, mask=w_ok[:, None] & g_ok[None, :], other=127).to(tl.int32)  # [BN, BG]
+        acc += tl.sum(part, axis=2) * _e8m0(scale)
+    return tl.sum(acc, axis=1) * 16384.0  # the codes' 2^-14
+
+
+@triton.jit
 def _packed_dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
                 USE_DOT: tl.constexpr, DOT_BF16: tl.constexpr):
@@ -108,10 +183,15 @@ def _w13_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, group_slot_pt
         slot64 = slot.to(tl.int64)  # a pool of slots can pass 2^31 bytes
         w_ptr = blocks_ptr + slot64 * stride_bc
         s_ptr = scales_ptr + slot64 * stride_sc
-        gate = _packed_dot(x_ptr, tokens, ok, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB,
-                           BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
-        up = _packed_dot(x_ptr, tokens, ok, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB,
-                         BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
+        if USE_DOT:
+            gate = _packed_dot(x_ptr, tokens, ok, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB,
+                               BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
+            up = _packed_dot(x_ptr, tokens, ok, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB,
+                             BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
+        else:  # decode: BLOCK_M = 1, one pair
+            token = tl.max(tokens, axis=0)
+            gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, BLOCK_N, BLOCK_KB)[None, :]
+            up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, BLOCK_N, BLOCK_KB)[None, :]
         if HAS_BIAS:
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -140,8 +220,13 @@ def _w2_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_pt
         j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         j_ok = j < N
         slot64 = slot.to(tl.int64)
-        acc = _packed_dot(act_ptr, rows, ok, stride_act, blocks_ptr + slot64 * stride_bc,
-                          scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
+        if USE_DOT:
+            acc = _packed_dot(act_ptr, rows, ok, stride_act, blocks_ptr + slot64 * stride_bc,
+                              scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT,
+                              DOT_BF16)
+        else:  # decode: BLOCK_M = 1, one pair
+            acc = _packed_gemv(act_ptr, tl.max(rows, axis=0), stride_act, blocks_ptr + slot64 * stride_bc,
+                               scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_N, BLOCK_KB)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + rows, mask=ok, other=0.0).to(tl.float32)  # [BM]
@@ -152,13 +237,13 @@ def _w2_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_pt
 def _configs(use_dot: bool) -> list[triton.Config]:
     if INTERPRET:  # one config, big tiles: the interpreter runs a program in numpy
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
-    # sm_90 (ptxas -v): these hold <= 230 registers a thread without spilling; GEMV tiles of 8 products a thread
-    # keep ~50 registers, so an SM runs enough warps to keep the loads in flight
+    # sm_90 (ptxas -v): these hold <= 230 registers a thread without spilling. GEMV tiles give a thread 32-64
+    # code bytes (two to four 16-byte loads in flight) in <= 128 registers (bench/kernel_sass.py: the first)
     if use_dot:
         return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st)
                 for n, kb, w, st in [(32, 32, 4, 2), (64, 32, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3)]]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st)
-            for n, kb, w, st in [(8, 128, 4, 2), (4, 256, 4, 2), (8, 256, 8, 2), (16, 128, 8, 2), (8, 256, 4, 2)]]
+            for n, kb, w, st in [(64, 256, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2), (16, 256, 4, 2)]]
 
 
 _KEY = ["N", "KB", "BLOCK_M"]

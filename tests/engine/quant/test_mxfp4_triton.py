@@ -122,6 +122,10 @@ INTERPRETED = [Case(kind, T, mode, pairs, residual)
 INTERPRETED += [Case("clamped_swiglu", 5, "grouped", "some-absent", True), Case("clamped_swiglu", 5, gain=2),
                 Case("swiglu", 3, "gemv", "all", True), Case("clamped_swiglu", 4, "gemv", "all", False, torch.bfloat16),
                 Case("clamped_swiglu", 4, "grouped", "all", True, torch.bfloat16, H=96, I=32)]
+# the decode GEMV at odd widths: a last tile with part of its 16-byte scale blocks (KB = 48, 80 against a tile of
+# 32 bytes), outputs past the last BLOCK_N tile (I = 160 in tiles of 32 is whole, H = 96 is not a power of two)
+INTERPRETED += [Case("clamped_swiglu", 3, "gemv", "some", True, H=96, I=160),
+                Case("swiglu", 2, "gemv", "all", False, torch.bfloat16, H=160, I=96, E=3, K=3)]
 
 
 def _interpreted_main() -> None:
