@@ -1,0 +1,71 @@
+"""bench/kernel_sass.py on one kernel: it compiles for sm_90 on the CPU, finds the K loop and its figures parse.
+
+The report runs as a script in a child process without TRITON_INTERPRET (an interpreted kernel cannot be
+compiled); it needs triton's bundled ptxas and cuobjdump, not a GPU. Its figures are deterministic for one triton
+and ptxas, so the bound below holds the MXFP4 decode loop to its rewrite (31.6 SASS instructions per packed byte
+before, with 8-byte code loads and a scale load per byte).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "kernel_sass.py"
+
+
+def _bundled_tools() -> Path | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def test_sass_report_parses_for_the_mxfp4_decode_kernel_on_sm_90():
+    tools = _bundled_tools()
+    if tools is None:
+        pytest.skip("triton is not installed: nothing to compile")
+    if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
+        pytest.skip(f"triton's bundled ptxas / cuobjdump are absent from {tools}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--arch", "90", "--kernel", "mxfp4:w2", "--json",
+                          "--workers", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["skipped"] == []
+    (row,) = report["rows"]
+    assert row["kernel"] == "mxfp4:w2" and row["arch"] == 90 and row["loops"] == 1
+    assert row["bytes_per_thread"] >= 16 and row["widest_load_bits"] == 128  # whole 16-byte scale blocks
+    assert row["instructions_per_byte"] == pytest.approx(row["loop_instructions"] / row["bytes_per_thread"], abs=0.01)
+    assert 1 < row["instructions_per_byte"] < 16
+    assert row["registers"] > 0 and row["spills"] == 0
+
+
+def test_parse_sass_finds_the_backward_branch_of_both_syntaxes(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_sass", SCRIPT)  # by path: bench/ is no package
+    ks = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "kernel_sass", ks)  # its dataclass looks its module up
+    spec.loader.exec_module(ks)
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;",
+        "        /*0020*/                   FFMA R8, R4, R5, R8 ;",
+        "        /*0030*/                   STL [R1], R8 ;",
+        "        /*0040*/              @!P0 BRA 0x10 ;",
+        "        /*0050*/                   LDG.E.64 R4, desc[UR4][R2.64] ;",
+        "        /*0060*/                   BRA.U !UP1, 0x50 ;",
+        "        /*0070*/                   EXIT ;",
+        "        /*0080*/                   BRA 0x80;",
+    ])
+    loops, info = ks.parse_sass(sass)
+    assert loops == [4, 2]  # 0x10..0x40 and 0x50..0x60; the self-branch after EXIT is no loop
+    assert info == {"spills": 1, "widest_load_bits": 128}
