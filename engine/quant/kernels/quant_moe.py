@@ -33,15 +33,16 @@ FORMAT_IDS = {"fp8": FP8, "int8": INT8, "int4": INT4}
 
 @triton.jit
 def _e4m3(code):
-    """float8_e4m3fn bytes (int32, 0..255) -> fp32, exactly (the NaN pattern, refused at load, reads as 480)."""
-    em = code & 0x7F
-    # exponent field 0: subnormal m x 2^-9; else fp32 bits: exponent e - 7 + 127, mantissa m << 20
-    v = tl.where(em < 8, em.to(tl.float32) * 0.001953125, ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True))
-    return tl.where((code & 0x80) != 0, -v, v)
+    """float8_e4m3fn bytes (int32, 0..255) -> fp32 x 2^-8, exactly (the NaN pattern, refused at load, reads as
+    480 x 2^-8): the byte's exponent and mantissa placed at fp16's lowest exponent bits and top mantissa bits
+    (e = 0 is then fp16's subnormal, no branch), its sign at bit 15, widened to fp32 (exact). Three integer ops
+    and a conversion a byte, where a branch on the subnormals took eight."""
+    bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS, S_DIV,
+def _dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS, S_DIV: tl.constexpr,
          FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr,
          USE_DOT: tl.constexpr, DOT_BF16: tl.constexpr):
     """x[x_rows] [BLOCK_M, in] @ W[w_rows]^T -> [BLOCK_M, BLOCK_N] fp32 (int8: before the row scale).
@@ -81,7 +82,7 @@ def _dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, 
             else:  # fp8: e4m3 x its block's scale
                 codes = tl.load(w_ptr + w_rows[:, None] * KB + kk[None, :], mask=w_mask, other=0).to(tl.int32)
                 scale = tl.load(s_ptr + s_rows[:, None] * S_COLS + (kk // S_DIV)[None, :], mask=w_mask, other=0.0)
-                w = _e4m3(codes) * scale  # [BN, BKB]
+                w = _e4m3(codes) * scale  # [BN, BKB] x 2^-8
             xv = tl.load(x_ptr + x_rows[:, None] * stride_x + kk[None, :], mask=x_mask, other=0.0).to(tl.float32)
             if USE_DOT:
                 if DOT_BF16:  # int8 codes are exact in bf16; fp8 weights x scale rounded as the torch path does
@@ -94,6 +95,8 @@ def _dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, 
         acc = tl.sum(acc_e, axis=2)
     if FMT == 1:
         acc = acc * tl.load(s_ptr + s_rows, mask=w_ok, other=0.0)[None, :]
+    if FMT == 0:
+        acc = acc * 256.0  # the codes' 2^-8 (a power of two: the sum rounds as the true weights' would)
     return acc
 
 
@@ -106,9 +109,10 @@ def _scale_rows(rows, SPLIT, SPLIT_AT, B0):
 
 @triton.jit
 def _w13_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, group_slot_ptr, group_pairs_ptr, act_ptr,
-                stride_act, N, KB, TOPK, limit, alpha, stride_wc, stride_sc, stride_biasc, S_COLS, S_DIV, SPLIT_AT,
-                B0, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, USE_DOT: tl.constexpr,
-                DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+                stride_act, N, KB, TOPK, limit, alpha, stride_wc, stride_sc, stride_biasc, S_COLS,
+                S_DIV: tl.constexpr, SPLIT_AT, B0, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                USE_DOT: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_KB: tl.constexpr):
     """act[pair, j] = activation(gate_j, up_j) for the group's pairs and a tile of j in [0, I) (N = I)."""
     slot = tl.load(group_slot_ptr + tl.program_id(0))
     if slot >= 0:
@@ -146,7 +150,7 @@ def _w13_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, group_slot_ptr, group
 
 @triton.jit
 def _w2_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr, group_slot_ptr, group_pairs_ptr,
-               y_ptr, stride_y, N, KB, stride_wc, stride_sc, stride_biasc, S_COLS, S_DIV, B0,
+               y_ptr, stride_y, N, KB, stride_wc, stride_sc, stride_biasc, S_COLS, S_DIV: tl.constexpr, B0,
                FMT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_BF16: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
     """y[pair, j] = (down_j . act[pair] + bias_j) * topk_weight[pair] for a tile of j in [0, H) (N = H)."""
@@ -170,18 +174,24 @@ def _w2_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr, group
 def _configs(use_dot: bool) -> list[triton.Config]:
     if INTERPRET:  # one config, big tiles: the interpreter runs a program in numpy
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
-    # a subset of the MXFP4 kernel's tiles (sm_90, no spills), with a wider GEMV byte tile for one-byte elements:
-    # few configs, so the first call of each shape compiles in seconds
+    # few configs, so the first call of each shape compiles in seconds; GEMV tiles give a thread 16-32 code bytes
+    # (16-byte loads; bench/kernel_sass.py reports the first), <= 168 registers on sm_90, no spills
     if use_dot:
         return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st)
                 for n, kb, w, st in [(64, 32, 8, 3), (128, 32, 8, 3)]]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st)
-            for n, kb, w, st in [(8, 128, 4, 2), (8, 256, 8, 2), (4, 512, 4, 2)]]
+            for n, kb, w, st in [(16, 256, 4, 2), (8, 256, 4, 2), (8, 512, 8, 2)]]
 
 
 _KEY = ["N", "KB", "BLOCK_M", "FMT"]
 _W13 = {d: triton.autotune(_configs(d), key=_KEY)(_w13_kernel) for d in (False, True)}
 _W2 = {d: triton.autotune(_configs(d), key=_KEY)(_w2_kernel) for d in (False, True)}
+
+
+def decode_constexprs(fmt: str, block: tuple[int, int] | None = None, group: int = 32) -> dict[str, int]:
+    """The compile-time scale blocking of a format: S_DIV elements along the input share a scale (FP8: the block's
+    b1; int4: the group; int8: 1, unused), so the scale column is a shift, not a division per element."""
+    return {"S_DIV": block[1] if fmt == "fp8" else group if fmt == "int4" else 1}
 
 
 def _cdiv(a: int, b: int) -> int:

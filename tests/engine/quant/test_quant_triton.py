@@ -148,6 +148,10 @@ INTERPRETED = [Case(fmt, kind, T, mode, pairs, residual, bias=bias)
 INTERPRETED += [Case(fmt, "swiglu", 4, mode, "all", True, torch.bfloat16)
                 for fmt in ("fp8", "int8", "int4") for mode in ("gemv", "grouped")]
 INTERPRETED += [Case("fp8", "swiglu", 3, "grouped", block=(32, 16)), Case("int4", "swiglu", 3, "gemv", H=64, I=48)]
+# the decode GEMV at odd widths with the scale blocking a compile-time constant: FP8 blocks of 16 columns against
+# a 32-byte tile (H = 80, I = 56: a partial last block and tile), bias and clamped activation
+INTERPRETED += [Case("fp8", "clamped_swiglu", 3, "gemv", "some", True, bias=True, H=80, I=56, block=(32, 16)),
+                Case("int8", "swiglu", 2, "gemv", "all", False, torch.bfloat16, H=80, I=56)]
 
 
 def _interpreted_main() -> None:
