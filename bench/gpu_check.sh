@@ -2,7 +2,8 @@
 # The GPU check: the `gpu` tests (engine on CUDA, the fused MXFP4 kernel at GPT-OSS-20B widths, the fused
 # FP8/int8/int4 kernel at Qwen3-30B-A3B widths), prefetch off vs
 # on (copy stream), the engine benchmark on CUDA, then the fused MXFP4 MoE kernel's GB/s against the device's
-# copy bandwidth, and the FP8/int8/int4 kernel's: short tables last.
+# copy bandwidth, and the FP8/int8/int4 kernel's: short tables last; first, the decode kernels' SASS per packed
+# byte on this GPU's arch (bench/kernel_sass.py, no launch), to read beside the GB/s.
 # Run only on a machine with a CUDA GPU (under 8 minutes on one H200). Needs torch and transformers;
 # textual is not needed. Usage: bash bench/gpu_check.sh
 # Timeouts add up to 480 s; a failing gpu test stops the script, a bench that runs out of time says so and the
@@ -21,16 +22,19 @@ mkdir -p "$shim/moechat"
 ln -s "$PWD/engine" "$shim/moechat/engine"
 ln -s "$PWD/app" "$shim/moechat/app"
 export PYTHONPATH="$shim:$PYTHONPATH"
+# the decode kernels' SASS instructions per packed byte for this device's compute capability (compiled, not run)
+cap=$(python -c "import torch; a, b = torch.cuda.get_device_capability(0); print(10 * a + b)")
+timeout 25 python bench/kernel_sass.py --arch "$cap" --workers 8 || echo "bench/kernel_sass.py: exit $?"
 timeout 150 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/quant/test_mxfp4_triton.py \
     tests/engine/test_gpu_hybrid.py -p no:cacheprovider 2>&1 | tail -8
 # the fused FP8 / int8 / int4 MoE kernel at Qwen3-30B-A3B widths, and expert_compute dispatching to it
 timeout 100 python -m pytest -q -m gpu tests/engine/quant/test_quant_triton.py -p no:cacheprovider 2>&1 | tail -4
 # hybrid execution: load over PCIe vs host (CPU while the GPU runs the resident experts) vs auto
-timeout 50 python bench/hybrid.py --device cuda --runs 3 --tokens 32 --fractions 0.25 --layers 1 2>&1 \
+timeout 40 python bench/hybrid.py --device cuda --runs 3 --tokens 32 --fractions 0.25 --layers 1 2>&1 \
     | grep -v "Writing model shards" || echo "bench/hybrid.py: exit $?"
 timeout 35 python bench/prefetch.py --device cuda --tier ram --runs 3 --new 64 2>&1 | tail -18 || echo "bench/prefetch.py: exit $?"
-timeout 55 python bench/engine_vs_transformers.py --device cuda --runs 3 2>&1 | grep -v "Writing model shards" \
+timeout 45 python bench/engine_vs_transformers.py --device cuda --runs 3 2>&1 | grep -v "Writing model shards" \
     || echo "bench/engine_vs_transformers.py: exit $?"
-timeout 55 python bench/quantized_experts.py --device cuda || echo "bench/quantized_experts.py: exit $?"
+timeout 50 python bench/quantized_experts.py --device cuda || echo "bench/quantized_experts.py: exit $?"
 # the fused FP8 / int8 / int4 kernel's GB/s at Qwen3-30B-A3B widths (compiled by the tests above: cached)
 timeout 35 python bench/format_compute.py --device cuda || echo "bench/format_compute.py: exit $?"
