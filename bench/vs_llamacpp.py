@@ -11,7 +11,8 @@ For each row and each thread count: prefill tok/s of a `--prompt`-token prompt a
 greedy tokens (llama-bench's pp and tg tests; moechat's GenerationChunk figures), medians over `--rounds` rounds in
 which the engines alternate, each engine's fraction of its bandwidth bound (bytes one decode token reads in that
 engine's own weights: attention, LM head, K of E experts per layer / the read probe of `moechat fit`'s calibration,
-one thread, best of the probes taken between rounds; so at 2 threads a fraction can pass 1), and peak RSS (every run is its own process: `wait4`'s ru_maxrss).
+one thread, best of the probes taken between rounds; so at 2 threads a fraction can pass 1), and peak RSS (every run is its own
+process, forked from a small launcher: `wait4`'s ru_maxrss).
 
 llama.cpp is found, in order: `--llama-cpp DIR`, the environment variable MOECHAT_LLAMA_CPP (a CMake build folder
 holding bin/llama-bench and bin/llama-quantize, or a folder holding them), or `--build-llama-cpp`, which downloads
@@ -325,19 +326,30 @@ def gguf_token_bytes(llama: LlamaCpp, path: Path, k: int, e: int) -> dict[str, i
 
 
 # -- one measured run per process ----------------------------------------------------------------------------------
+# Linux keeps a process's peak RSS across exec, and a child forked from this (large) process starts from this
+# process's size: a small launcher forks the measured command, so its peak is the command's own.
+LAUNCH = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{usage.ru_maxrss} {os.waitstatus_to_exitcode(status)}")
+"""
+
+
 def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, float]:
-    """Run `cmd`, return (stdout, peak RSS in GB) from wait4's rusage of that child alone."""
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
-        out = proc.stdout.read().decode()
-        proc.stdout.close()
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode:
+    """Run `cmd`, return (stdout, peak RSS in GB of that command alone)."""
+    with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        r = subprocess.run([sys.executable, "-c", LAUNCH, rss.name, *cmd], stdout=subprocess.PIPE, stderr=err,
+                           env=env)
+        kib, code = (int(x) for x in (rss.read().split() or ["0", str(r.returncode or 1)]))
+        if code or r.returncode:
             err.seek(0)
             tail = err.read().decode(errors="replace").strip().splitlines() or ["no output"]
-            raise BenchError(f"{Path(cmd[0]).name} exited {proc.returncode}: {tail[-1]}")
-    return out, usage.ru_maxrss * 1024 / 1e9  # ru_maxrss is in KiB on Linux
+            raise BenchError(f"{Path(cmd[0]).name} exited {code or r.returncode}: {tail[-1]}")
+    return r.stdout.decode(), kib * 1024 / 1e9  # ru_maxrss is in KiB on Linux
 
 
 def llama_bench(llama: LlamaCpp, gguf: Path, threads: int, prompt: int, tokens: int) -> dict:
