@@ -41,7 +41,7 @@ from typing import Any
 from textual import work
 from textual.widget import Widget
 
-from moechat.engine.hardware import leave_a_core as leave_a_core_for_the_ui  # no torch; shared with `run`
+from moechat.engine.hardware import quiet_openmp, set_threads  # no torch; shared with `run`
 
 from .livestats import StatsTracker
 from .messages import (
@@ -83,6 +83,7 @@ class LoadOptions:
     on_miss: str = "auto"  # where a miss runs: load (into a slot), host (from the RAM tier, in place), auto
     host_layers: int = 0  # the first N MoE layers' experts stay on the host
     dense_format: str = "native"  # int8: attention projections and LM head in int8 (CPU; quant/dense_int8.py)
+    threads: int | None = None  # --threads: compute threads (None: every core but one, `hardware.set_threads`)
 
 
 @dataclass(frozen=True)
@@ -142,9 +143,10 @@ TRACE_ROWS = 250_000  # routing rows the session keeps for the predicted hit rat
 def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None]):
     """The real engine factory; runs in the load worker, where torch gets imported."""
     progress("importing torch")
+    quiet_openmp()  # before torch loads its OpenMP runtime: idle workers sleep, not spin
     import torch
 
-    leave_a_core_for_the_ui(torch)
+    set_threads(torch, options.threads)  # default: one core left for the UI thread
     from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.generate import Engine
 

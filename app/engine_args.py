@@ -47,6 +47,19 @@ host_layers = _at_most(_MAX_LAYERS, "layers", "more layers than any model moecha
 ram_cache_mb = _at_most(1 << 30, "MiB", "1 PiB", minimum=_non_negative_int)
 
 
+def _max_threads() -> int:
+    from moechat.engine.hardware import MAX_THREADS  # no torch
+
+    return MAX_THREADS
+
+
+threads = _at_most(_max_threads(), "threads", "more than any machine moechat runs on has cores")
+# run, serve and chat (app/launch.py): one help, so the three say the same default.
+THREADS_HELP = ("CPU threads that compute (torch's and the native kernels' pools, set once at load; the greedy "
+                "tokens are the same at any N). Default: every core but one (1 on a 2-core machine, where a second "
+                "thread measured slower: bench/threads.py), or OMP_NUM_THREADS when set")
+
+
 # The positional of run, chat and serve (fit's also takes a Hub repo id it has not downloaded): one name, one help.
 MODEL_HELP = ("a model directory (config.json and *.safetensors) or a Hub repo id downloaded with moechat pull "
               "(default: the bundled demo model)")
@@ -131,6 +144,7 @@ def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True)
                         "cache for (default 4096, at most the model's: a larger value is lowered, and said)")
     parser.add_argument("--device", default=None, help="compute device: cpu, cuda or cuda:N (default: "
                         "cuda if available, else cpu)")
+    parser.add_argument("--threads", type=threads, metavar="N", help=THREADS_HELP)
     cache = parser.add_argument_group("expert cache", "keep only N experts on the compute device, the rest in RAM "
                                       "or on disk (default: every expert resident)")
     cache.add_argument("--expert-slots", type=expert_slots, metavar="N", help="slots for experts on the device")
@@ -212,12 +226,14 @@ def load_engine_from_args(args: argparse.Namespace, check=None):
 
     args.model_dir = resolve_model_arg(args.model_dir)  # no network
 
+    from moechat.engine.hardware import quiet_openmp, set_threads
+
+    quiet_openmp()  # before torch loads its OpenMP runtime: no spinning workers taking the native pool's core
     import torch
 
     from moechat.engine.generate import Engine
-    from moechat.engine.hardware import leave_a_core
 
-    leave_a_core(torch)  # as the app does: an op on every core collapses when anything else takes one
+    set_threads(torch, getattr(args, "threads", None))  # default every core but one, as the app's
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if check is not None:
         check(args, device)

@@ -23,7 +23,7 @@ from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 from .argtypes import non_negative_int as _non_negative_int
 from .argtypes import positive_int as _positive_int
 from .argtypes import prefetch_depth as _prefetch_depth
-from .engine_args import MODEL_HELP, add_sampling_args, sampling_overrides
+from .engine_args import MODEL_HELP, THREADS_HELP, add_sampling_args, sampling_overrides, threads
 from .pull import DEMO_MODEL  # noqa: F401 - re-exported: the app and the tests read it here
 
 # No Textual here either (app/bridge.py imports it): `moechat run` builds this parser, and Textual's import is
@@ -45,6 +45,7 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
                       "cache for (default 4096, at most the model's)")
     chat.add_argument("--device", default=None, help="compute device: cpu, cuda or cuda:N (default: "
                       "cuda if available, else cpu)")
+    chat.add_argument("--threads", type=threads, metavar="N", help=THREADS_HELP)
     chat.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, help="how hard a reasoning model thinks "
                       "in this session, passed to the chat template (gpt-oss; default: the one set in the app, "
                       "else the template's own, medium for gpt-oss)")
@@ -101,7 +102,7 @@ def options_from_args(args: argparse.Namespace):
                        policy=args.policy, ram_cache_mb=args.ram_cache_mb, resident=args.resident,
                        prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, warm_start=args.warm_start,
                        expert_format=args.expert_format, on_miss=args.on_miss, host_layers=args.host_layers,
-                       dense_format=args.dense_format)
+                       dense_format=args.dense_format, threads=args.threads)
 
 
 def _run(app) -> int:

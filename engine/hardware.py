@@ -107,11 +107,54 @@ def _cfs(d: Path) -> float | None:
 
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+MAX_THREADS = 1024  # --threads above this is a typo (native.c's pool takes 64; torch's cap is the core count anyway)
+
+
+def default_threads(cores: int | None = None) -> int:
+    """The compute threads `--threads` defaults to: every core but one (one thread on 1 or 2 cores).
+
+    Measured on the 2-core CI machine (bench/threads.py, load average 6-9 from other work, medians of interleaved
+    fresh processes): the demo model decoded at ~100 tok/s on 1 thread and 1.4-95 on 2, the Qwen3-30B-A3B-shaped
+    layer at 24-29 on 1 and 7-9 on 2: the second thread's core is never free there, and an OpenMP op waits for its
+    slowest thread. The spare core keeps the UI thread, the transfer worker and the CUDA driver off the pool's."""
+    cores = usable_cores() if cores is None else cores
+    return max(1, cores - 1)
+
+
+def quiet_openmp(environ=os.environ) -> None:
+    """OMP_WAIT_POLICY=passive unless the user set a policy: torch's OpenMP workers then sleep after each op
+    instead of spinning (libgomp's default), so they do not take the core native.c's pool wants next (issue 27:
+    2 threads decoded 1.4 tok/s with spinning workers on the busy 2-core machine, 95 passive; bench/threads.py).
+    It acts only before torch loads its OpenMP runtime: the CLI and the app's load thread call it before
+    `import torch`."""
+    if "OMP_WAIT_POLICY" not in environ:
+        environ["OMP_WAIT_POLICY"] = "passive"
+
+
+def set_threads(torch, threads: int | None = None) -> int:
+    """Size torch's intra-op pool and native.c's (which follows torch's count) once, at load: `threads` when given
+    (`--threads N`), else an explicit OMP_NUM_THREADS / MKL_NUM_THREADS is left alone, else `default_threads()`.
+    Returns the pool's size. Results do not depend on it: the engine's paths are chosen by shape, never by the
+    thread count, and native.c splits outputs, never a sum (tests/engine/test_threads.py)."""
+    if threads is None:
+        if any(os.environ.get(name) for name in THREAD_ENV):
+            return torch.get_num_threads()
+        threads = min(torch.get_num_threads(), default_threads())  # a pool already made smaller is kept
+    if not 1 <= threads <= MAX_THREADS:
+        from .errors import ConfigError
+
+        raise ConfigError(f"--threads {threads}: give 1 to {MAX_THREADS} (this machine has {usable_cores()} cores)")
+    torch.set_num_threads(threads)
+    from .quant import native
+
+    lib = native.library()
+    if lib is not None:
+        native.set_threads(lib, threads)
+    return torch.get_num_threads()
 
 
 def leave_a_core(torch) -> int:
-    """Give torch's CPU thread pool every core but one; returns the pool's size. `moechat run`, `serve` and the app
-    (where the spare core is the UI thread's) all call this before the first op.
+    """Give torch's CPU thread pool every core but one; returns the pool's size (`set_threads` with the default).
 
     torch runs an op on one thread per core, and an OpenMP op waits at its barrier for its slowest thread: when
     any other thread (the app's UI, another process) takes a core, a descheduled worker stalls every op. On the
@@ -120,12 +163,7 @@ def leave_a_core(torch) -> int:
     speed on 2 threads and 2% on 1 (bench/tui_overhead.py, bench/startup.py). An explicit OMP_NUM_THREADS or
     MKL_NUM_THREADS is left alone.
     """
-    if any(os.environ.get(name) for name in THREAD_ENV):
-        return torch.get_num_threads()
-    cores = usable_cores()
-    if cores > 1 and torch.get_num_threads() >= cores:
-        torch.set_num_threads(cores - 1)
-    return torch.get_num_threads()
+    return set_threads(torch)
 
 
 def pcie_link_gbps(generation: int | None, width: int | None) -> float | None:

@@ -348,8 +348,11 @@ class Attention(nn.Module):
                 # faster than SDPA's fused kernel at S=4000; without it SDPA (fp32 accumulation), 5x faster there
                 # than two bf16 matmuls whose shape changes every token (bench/soak.py); fp32 and fp16 keep the
                 # matmuls below, where SDPA's CPU path gains little or loses.
-                # One thread runs the kernel: with more, SDPA's own split over heads can catch up, so it keeps them.
-                lib = native.library() if torch.get_num_threads() <= 2 else None
+                # Chosen by dtype and layout, never by the thread count: a path that changed with the count would
+                # change the rounding, and greedy tokens with it (issue 27: SDPA at 3 threads, this at 1 and 2).
+                # The kernel runs on one thread, so SDPA's split over heads may be faster on many cores at long
+                # contexts; the same tokens at any --threads are worth more here.
+                lib = native.library()
                 if lib is not None and kc.stride(2) == 1 and kc.stride(1) == D and vc.stride(2) == 1 \
                         and vc.stride(1) == D:
                     out = native.attn_decode(lib, q, kc, vc, first, end, self.scale).to(torch.bfloat16)

@@ -226,12 +226,19 @@ def out_dtype(x: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
     return torch.bfloat16 if bias is None and x.dtype == torch.bfloat16 else torch.float32
 
 
+def set_threads(lib, n: int) -> None:
+    """Let one call use up to n threads (native.c's pool: the caller and n - 1 workers). Rows are split, never a
+    sum, so every count writes the same bits; `hardware.set_threads` sets it with torch's at load."""
+    lib.moechat_set_threads(n)
+    lib.moechat_threads = n
+
+
 def _threads(lib) -> None:
-    """The GEMVs split their rows over torch's intra-op thread count (native.c's pool), told when it changes."""
+    """The GEMVs split their rows over torch's intra-op thread count (native.c's pool), told when it changes (a
+    later torch.set_num_threads: the tests, the benches)."""
     n = torch.get_num_threads()
     if getattr(lib, "moechat_threads", None) != n:
-        lib.moechat_set_threads(n)
-        lib.moechat_threads = n
+        set_threads(lib, n)
 
 
 def _flags(x_bf16: int, y: torch.Tensor) -> int:

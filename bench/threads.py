@@ -1,0 +1,116 @@
+"""Decode tok/s at 1 and 2 (or --threads) torch threads, with OpenMP's default wait policy vs OMP_WAIT_POLICY=passive,
+on the bundled demo model and a Qwen3-30B-A3B-shaped checkpoint (bench/format_compute.py's `qwen3_shaped`).
+
+    python bench/threads.py [--rounds 5] [--tokens 64] [--layers 1] [--threads 1,2] [--skip-qwen3]
+
+Each measurement is a fresh process (OMP_WAIT_POLICY is read once, when torch loads its OpenMP runtime): load, 8
+greedy tokens of warm-up, then `--tokens` greedy tokens whose decode tok/s is the figure; the configurations are
+interleaved round by round (a busy neighbour hits all of them alike) and the table gives medians with the spread
+(min-max), the load average before and after, and whether every configuration produced the same greedy tokens
+(the engine's thread-count invariance: one line per model).
+
+Why: torch's OpenMP workers spin after each op (libgomp's default, OMP_WAIT_POLICY unset: ~200 ms on a
+machine with fewer threads than cores) and take the core that native.c's pool wants next (issue 27); passive puts
+them to sleep at once. `moechat run`/`serve`/`chat` set passive before torch loads unless the user set a policy
+(engine/hardware.quiet_openmp), and size the pool with `--threads` (default `leave_a_core`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "assets" / "demo-moe"
+
+CHILD = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+from moechat.engine.generate import Engine
+from moechat.engine.sampling import SamplingParams
+engine = Engine.load(sys.argv[1], dtype="bfloat16")
+engine.eos_token_ids = frozenset()  # fixed-length replies
+greedy = SamplingParams(temperature=0.0, do_sample=False)
+prompt = list(range(3, 19))
+list(engine.generate(prompt, sampling=greedy, max_tokens=8))
+chunks = list(engine.generate(prompt, sampling=greedy, max_tokens=int(sys.argv[3])))
+print(json.dumps({"tok_s": chunks[-1].decode_tokens_per_s, "tokens": [t for c in chunks for t in c.token_ids],
+                  "threads": torch.get_num_threads()}))
+"""
+
+
+def measure(model: Path, threads: int, policy: str | None, tokens: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run([sys.executable, "-c", CHILD, str(model), str(threads), str(tokens)], env=env, check=True,
+                         capture_output=True, text=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=1, help="layers of the Qwen3-30B-A3B-shaped model")
+    ap.add_argument("--threads", type=lambda v: [int(t) for t in v.split(",")], default=[1, 2])
+    ap.add_argument("--skip-qwen3", action="store_true")
+    ap.add_argument("--work", type=Path, help="where the Qwen3-shaped checkpoint is kept (default: a temp dir)")
+    args = ap.parse_args()
+
+    models = {"demo": DEMO}
+    tmp = None
+    if not args.skip_qwen3:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from format_compute import qwen3_shaped
+
+        work = args.work or Path(tmp := tempfile.mkdtemp(prefix="moechat-threads-"))
+        path = work / f"qwen3-shaped-{args.layers}"
+        if not (path / "config.json").exists():
+            qwen3_shaped(path, args.layers)
+        models[f"qwen3-shaped ({args.layers} layer{'s' if args.layers > 1 else ''})"] = path
+
+    configs = [(t, p) for t in args.threads for p in (None, "passive")]
+    load0 = os.getloadavg()[0]
+    rates: dict[tuple[str, int, str | None], list[float]] = {}
+    tokens: dict[str, set[tuple[int, ...]]] = {}
+    for r in range(args.rounds):
+        for name, path in models.items():
+            for t, p in (configs if r % 2 == 0 else configs[::-1]):  # ABBA: drift hits both orders
+                got = measure(path, t, p, args.tokens)
+                rates.setdefault((name, t, p), []).append(got["tok_s"])
+                tokens.setdefault(name, set()).add(tuple(got["tokens"]))
+    load1 = os.getloadavg()[0]
+
+    print(f"cores {os.cpu_count()}, load average {load0:.1f} before, {load1:.1f} after; {args.rounds} interleaved "
+          f"rounds of {args.tokens} greedy bf16 tokens; decode tok/s median (min-max)")
+    print(f"{'model':<28}{'threads':>8}{'OMP default':>24}{'passive':>24}{'passive/default':>17}")
+    for name in models:
+        for t in args.threads:
+            cells, med = [], []
+            for p in (None, "passive"):
+                v = rates[(name, t, p)]
+                med.append(statistics.median(v))
+                cells.append(f"{med[-1]:.1f} ({min(v):.1f}-{max(v):.1f})")
+            print(f"{name:<28}{t:>8}{cells[0]:>24}{cells[1]:>24}{med[1] / med[0]:>16.2f}x")
+        base = {p: statistics.median(rates[(name, args.threads[0], p)]) for p in (None, "passive")}
+        for t in args.threads[1:]:
+            print(f"{'':<28}{f'{t} / {args.threads[0]} threads':>20}"
+                  + "".join(f"{statistics.median(rates[(name, t, p)]) / base[p]:>23.2f}x" for p in (None, "passive")))
+        print(f"{'':<28}greedy tokens {'identical' if len(tokens[name]) == 1 else 'DIFFER'} across every "
+              f"configuration")
+    if tmp:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
