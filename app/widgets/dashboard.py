@@ -51,7 +51,8 @@ def hit_counts_text(s: DashboardStats) -> str:
     if not s.has_cache:
         return "no cache"
     if s.fast_tier == "ram":  # a CPU: every expert computed where it lives; a miss is a read from disk
-        return f"{s.hits:,} from RAM · {s.misses:,} from disk"
+        text = f"{s.hits:,} from RAM · {s.misses:,} from disk"
+        return text + (f" ({s.host_computed:,} run on the host)" if s.host_computed else "")
     text = f"{plural(s.hits, 'hit')} · {plural(s.misses, 'miss', 'misses')}"
     if s.on_miss != "load" or s.host_computed:
         text += f" ({s.host_computed:,} on host)"

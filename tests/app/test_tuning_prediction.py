@@ -166,7 +166,7 @@ async def test_on_a_cpu_the_panel_shows_the_ram_tier_and_the_ram_knob_predicts(a
                 screen.query_one("#hit-counts", Label).content), timeout=120, what="a reply")
             await pilot.pause(0.5)
             counts = str(screen.query_one("#hit-counts", Label).content)
-            assert re.fullmatch(r"[\d,]+ from RAM · [\d,]+ from disk", counts), counts
+            assert re.fullmatch(r"[\d,]+ from RAM · [\d,]+ from disk \([\d,]+ run on the host\)", counts), counts
             tier = str(screen.query_one("#slots-used", Label).content)
             assert tier.startswith("RAM ") and f"/{(mb << 20) // (168 * 1024)} experts" in tier, tier
             rates[mb] = screen.dashboard.stats.turn_hit_rate
@@ -183,7 +183,8 @@ async def test_on_a_cpu_with_every_expert_in_ram_nothing_is_a_miss(app_env, fake
         await fakes.wait_for(pilot, lambda: screen.gen_id is None and "from RAM" in str(
             screen.query_one("#hit-counts", Label).content), timeout=120, what="a reply")
         await pilot.pause(0.5)
-        assert str(screen.query_one("#hit-counts", Label).content).endswith(" from RAM · 0 from disk")
+        assert re.search(r" from RAM · 0 from disk \([\d,]+ run on the host\)$",
+                         str(screen.query_one("#hit-counts", Label).content))
         assert screen.dashboard.stats.turn_hit_rate == 1.0
         assert str(screen.query_one("#slots-used", Label).content) == "RAM: all 96 experts, none from disk"
         assert "every expert in RAM, none read from disk" in str(screen.query_one("#effective", Label).content)
