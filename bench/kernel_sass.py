@@ -4,7 +4,7 @@ Method. Each decode kernel (the GEMV launch of kernels/mxfp4_moe.py and kernels/
 USE_DOT off, the first GEMV autotune config) is compiled with `triton.compile(ASTSource(fn, signature,
 constexprs, attrs), target=GPUTarget("cuda", cap, 32))`: Triton lowers to PTX and runs its bundled ptxas for
 the target, so no device or driver is needed. The signature is the one a bf16 model passes (x and biases bf16,
-codes uint8, fp32 scales and y); pointers and the integer strides / widths are marked 16-divisible, as the
+codes uint8, fp32 scales (int4: fp16) and y); pointers and the integer strides / widths are marked 16-divisible, as the
 JIT specializes them at GPT-OSS-20B and Qwen3-30B-A3B widths. The cubin is disassembled with the bundled
 `cuobjdump -sass`; a K loop is a predicated backward branch (target below it, not the self-branch after
 EXIT), its instructions are those from the target to the branch. Per kernel x arch it prints:
@@ -83,7 +83,7 @@ def kernel_spec(fmt: str, which: str):
             consts["CLAMPED"] = False
         if hasattr(mod, "decode_constexprs"):  # the scale blocking as compile-time constants
             consts.update(mod.decode_constexprs(fmt, (128, 128) if fmt == "fp8" else None, group=32))
-        scales = "*fp32"
+        scales = "*fp16" if fmt == "int4" else "*fp32"  # int4: fp16 group scales (quant/intq.py)
     fn = mod._w13_kernel if which == "w13" else mod._w2_kernel
     cfg = mod._configs(False)[0]
     consts.update(cfg.kwargs)

@@ -127,8 +127,8 @@ def int4_group(cols: int) -> int:
 
 def packed_expert_tensors(name: str, hidden: int, inter: int, float_bytes: int, bias: bool) -> tuple[TensorSpec, ...]:
     """One expert as `--expert-format int8|int4` stores it (engine/quant/intq.py's layout, byte for byte):
-    int8: q [out, in] + fp32 scale [out] per projection; int4: q [out, in/2] (two codes a byte) + fp32 scale
-    [out, in/group]; biases, when the model has them, in the compute dtype. w13 is [2I, H], w2 [H, I]."""
+    int8: q [out, in] + fp32 scale [out] per projection; int4: q [out, in/2] (two codes a byte) + fp16 scale
+    [out, in/group] (4.5 bits a weight in groups of 32); biases, when the model has them, in the compute dtype. w13 is [2I, H], w2 [H, I]."""
     if name not in CONVERTIBLE_FORMATS:
         raise ConfigError(f"--expert-format {name!r}: use native or one of {', '.join(CONVERTIBLE_FORMATS)}")
     out: list[TensorSpec] = []
@@ -139,7 +139,7 @@ def packed_expert_tensors(name: str, hidden: int, inter: int, float_bytes: int, 
         else:
             groups = cols // int4_group(cols)
             out += [TensorSpec(f"{which}_q", (rows, cols // 2), "U8", rows * (cols // 2)),
-                    TensorSpec(f"{which}_scale", (rows, groups), "F32", 4 * rows * groups)]
+                    TensorSpec(f"{which}_scale", (rows, groups), "F16", 2 * rows * groups)]
     if bias:
         tag = DTAG_OF_SIZE.get(float_bytes, "BF16")
         out += [TensorSpec("w13_bias", (2 * inter,), tag, 2 * inter * float_bytes),
@@ -286,7 +286,7 @@ class ModelSpec:
         tensors = packed_expert_tensors(name, self.hidden_size, self.expert_intermediate, self.float_bytes,
                                         self.has_expert_bias)
         label = ("int8 (per output channel, fp32 scales)" if name == "int8" else
-                 f"int4 (groups of {int4_group(self.hidden_size)}, fp32 scales)")
+                 f"int4 (groups of {int4_group(self.hidden_size)}, fp16 scales)")
         return replace(self, expert_tensors=tensors, expert_format=label, converted_from=self.expert_format_name,
                        notes=self.notes + (f"experts converted to {name} once, into a repacked file "
                                            f"(--expert-format {name})",))

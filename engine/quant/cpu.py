@@ -76,9 +76,10 @@ def tiled_linear(x: torch.Tensor, rows: int, cols: int, decode: Callable[[int, i
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-# -- int4: bytes [R, in/2] (low nibble the even element, code = q + 8), fp32 group scales [R, in/g] ---------------
+# -- int4: bytes [R, in/2] (low nibble the even element, code = q + 8), fp16 group scales [R, in/g] ---------------
 # Each byte becomes an int64 lane holding two fp32 bit patterns 0x4B000000 | code = 2^23 + code (low half the even
-# element); minus 2^23 + 8 that is q exactly, and x its group's scale it is weight() bit for bit.
+# element); minus 2^23 + 8 that is q exactly, and x its group's scale (fp16 widened to fp32: exact) it is weight()
+# bit for bit.
 _INT4_SPREAD = (1 << 28) + 1  # byte b -> b | b << 28: the high nibble lands at bit 32
 _INT4_MASK = 0xF0000000F
 _INT4_MAGIC = 0x4B0000004B000000
@@ -86,25 +87,25 @@ _INT4_BIAS = float(2**23 + 8)
 
 
 def int4_decode(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """q [n, in/2] u8, scale [n, G] fp32 -> out [n, in] fp32 (written in place through an int64 view)."""
+    """q [n, in/2] u8, scale [n, G] fp16 -> out [n, in] fp32 (written in place through an int64 view)."""
     n, half = q.shape
     lanes = out.view(torch.int64)  # [n, in/2]: the tile's own bytes
     lanes.copy_(q)
     lanes.mul_(_INT4_SPREAD).bitwise_and_(_INT4_MASK).bitwise_or_(_INT4_MAGIC)
     out.sub_(_INT4_BIAS)
-    out.view(n, scale.shape[1], -1).mul_(scale[:, :, None])
+    out.view(n, scale.shape[1], -1).mul_(scale.float()[:, :, None])
     return out
 
 
 def int4_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, in] @ W^T (+ bias) -> [n, R], W the int4 projection q [R, in/2] / scale [R, in/g]."""
+    """x [n, in] @ W^T (+ bias) -> [n, R], W the int4 projection q [R, in/2] / scale [R, in/g] fp16."""
     rows, cols = q.shape[0], q.shape[1] * 2
     if x.shape[0] == 1 and (lib := native.library()) is not None and q.is_contiguous():  # one pass over the bytes
-        y = native.int4_gemv(lib, x, q, scale.float().contiguous(), native.out_dtype(x, bias))  # [1, R]
+        y = native.int4_gemv(lib, x, q, scale.contiguous(), native.out_dtype(x, bias))  # [1, R]
         return _finish(y, x.dtype, bias)
     if x.shape[0] > 1 and (lib := native.decode_library()) is not None and q.is_contiguous():
-        full = native.int4_decode(lib, q, scale.float().contiguous(), buffer("full", (rows, cols), torch.float32))
+        full = native.int4_decode(lib, q, scale.contiguous(), buffer("full", (rows, cols), torch.float32))
         return decoded_linear(x, full, bias)
     return tiled_linear(x, rows, cols, lambda r0, r1, out: int4_decode(q[r0:r1], scale[r0:r1], out), bias)
 

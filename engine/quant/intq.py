@@ -4,8 +4,13 @@ int8: symmetric per output channel, `*_q` int8 [out, in] and `*_scale` fp32 [out
 CPU computes straight from the int8 matrix (no dequantized copy).
 int4: symmetric in groups of 32 along the input (16 or 8 when the input size is not a multiple of 32),
 `*_q` uint8 [out, in/2] (two codes a byte, low nibble the even element, code = q + 8 for q in -8..7) and
-`*_scale` fp32 [out, in/group]; the group is the input size over the scale's columns. A Qwen3-30B-A3B expert:
-9.4 MB in bf16, 4.7 MB in int8 (+12 KB of scales), 2.4 MB + 0.3 MB in int4.
+`*_scale` fp16 [out, in/group]; the group is the input size over the scale's columns. 4.5 bits a weight in groups
+of 32 (Q4_K_M: ~4.8), from 5.0 with fp32 scales. A Qwen3-30B-A3B expert: 9.4 MB in bf16, 4.7 MB in int8 (+12 KB
+of scales), 2.36 MB + 0.29 MB in int4. The scale is rounded to fp16 *up* (never below amax / 7.5) before the codes
+are computed against it, so `weight()` is codes x the stored scale exactly and every weight stays within half a
+step of it; below fp16's normal range (a group's amax under 4.6e-4) the scale is an fp16 subnormal, whose absolute
+step of 2^-24 keeps that bound (the group's error under 2^-25 + amax / 15). A group whose scale would pass fp16's
+65504 (|w| above 491,280) is a typed error that names int8 (fp32 scales), never a silent infinity.
 
 Compute: on the CPU one token runs the native kernels (quant/native.py: the codes decoded in registers; int8 and
 fp32 x in fp32 sums, a bf16 x through int4 in integer sums over x rounded to 16 bits per 32-element block);
@@ -24,13 +29,15 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from . import native, torch_paths
 from .base import ExpertFormat, TensorSpec, projection_shape, register
 from .cpu import int4_linear
 from .kernels import quant_fused_moe
 
 INT4_GROUP = 32
+INT4_SCALE_MAX = float(torch.finfo(torch.float16).max)  # 65504: fp16's largest scale, |w| up to 7.5 x it
+_F16_TINY = 2.0**-24  # fp16's smallest subnormal: the scale of an all-zero group (any positive one decodes zeros)
 
 
 def int4_group(cols: int) -> int:
@@ -89,6 +96,19 @@ class Int8Format(ExpertFormat):
         return quant_fused_moe("int8")
 
 
+def int4_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Group amax [...] fp32 -> the stored int4 scale [...] fp16: the smallest fp16 >= amax / 7.5 (at least 2^-24),
+    so |w| / scale <= 7.5 for every weight of the group: the codes' rounding stays within half a stored step."""
+    want = (amax / 7.5).clamp(min=_F16_TINY)  # [...] fp32
+    if not bool((want <= INT4_SCALE_MAX).all()):
+        big = float(amax.max())
+        raise CheckpointError(f"expert weights reach |w| = {big:.4g}, past int4's fp16 group scales (|w| up to "
+                              f"{7.5 * INT4_SCALE_MAX:,.0f}): use --expert-format int8 (fp32 scales)")
+    scale = want.to(torch.float16)  # nearest; one step up where that fell below
+    up = (scale.view(torch.int16) + 1).view(torch.float16)  # a positive finite fp16's bits + 1: the next one up
+    return torch.where(scale.float() < want, up, scale)
+
+
 class Int4Format(ExpertFormat):
     name = "int4"
     packed = True
@@ -98,18 +118,19 @@ class Int4Format(ExpertFormat):
         for w in ("w13", "w2"):
             rows, cols = projection_shape(w, hidden, inter)
             out[f"{w}_q"] = ((rows, cols // 2), torch.uint8)
-            out[f"{w}_scale"] = ((rows, cols // int4_group(cols)), torch.float32)
+            out[f"{w}_scale"] = ((rows, cols // int4_group(cols)), torch.float16)
         return out
 
     @staticmethod
     def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """w [out, in] -> q uint8 [out, in/2], scale fp32 [out, in/32]: per group, scale = amax / 7.5 and codes
-        round(w / scale) in -8..7 (the asymmetric end used for the group's most negative weight)."""
+        """w [out, in] -> q uint8 [out, in/2], scale fp16 [out, in/32]: per group, scale = amax / 7.5 rounded up to
+        fp16 and codes round(w / scale) in -8..7 against that stored scale (the asymmetric end used for the group's
+        most negative weight)."""
         rows, cols = w.shape
         group = int4_group(cols)
         g = w.float().reshape(rows, cols // group, group)  # [out, G, group]
-        scale = (g.abs().amax(dim=-1) / 7.5).clamp(min=torch.finfo(torch.float32).tiny)  # [out, G]
-        q = torch.round(g / scale[..., None]).clamp(-8, 7).to(torch.int16) + 8  # [out, G, group] codes 0..15
+        scale = int4_scale(g.abs().amax(dim=-1))  # [out, G] fp16
+        q = torch.round(g / scale.float()[..., None]).clamp(-8, 7).to(torch.int16) + 8  # [out, G, group] codes 0..15
         q = q.reshape(rows, cols // 2, 2).to(torch.uint8)
         return {"q": (q[..., 0] | (q[..., 1] << 4)).contiguous(), "scale": scale.contiguous()}
 
@@ -117,7 +138,7 @@ class Int4Format(ExpertFormat):
         q, scale = tensors[f"{which}_q"], tensors[f"{which}_scale"]
         rows = q.shape[0]
         codes = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(rows, -1).to(torch.int16) - 8  # [out, in]
-        w = codes.float().reshape(rows, scale.shape[1], -1) * scale[..., None]  # [out, G, group]
+        w = codes.float().reshape(rows, scale.shape[1], -1) * scale.float()[..., None]  # [out, G, group], exact
         return w.reshape(rows, -1).to(dtype)
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:

@@ -24,7 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#define MOECHAT_ABI 4
+#define MOECHAT_ABI 5
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MOECHAT_SCALAR)
 #define SIMD 1
@@ -43,6 +43,26 @@ static float bf16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &b, 4);
     return f;
+}
+
+/* an fp16 bit pattern -> its fp32 value, exactly (subnormals, infinities and NaN too): int4's group scales. F16C's
+ * conversion (it does not consult MXCSR.DAZ) on the SIMD build, the same bits in integer ops on the scalar one. */
+static float f16_to_f32(uint16_t h) {
+#if SIMD
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, b;
+    if (e == 31) b = sign | 0x7F800000u | m << 13;
+    else if (e) b = sign | (e + 112) << 23 | m << 13;
+    else if (m) { /* subnormal: m 2^-24, a normal fp32 */
+        int k = 0;
+        while (!(m & 1024)) m <<= 1, k++;
+        b = sign | (uint32_t)(113 - k) << 23 | (m & 1023) << 13;
+    } else b = sign;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+#endif
 }
 
 static float load_x(const void *x, int x_bf16, int64_t j) {
@@ -284,13 +304,14 @@ static inline __attribute__((always_inline)) __m256 i16_pair(const X16 *xq, int6
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s, _mm256_loadu_ps(xq->step + p * 8)), acc);
 }
 
-/* the weight scales of blocks g..g+n-1 of a row as fp32 (n = 8, 2 or 1; the rest of the lanes 0) */
+/* the weight scales of blocks g..g+n-1 of a row as fp32 (n = 8, 2 or 1; the rest of the lanes 0): int4's from
+ * fp16, MXFP4's from E8M0 */
 static inline __attribute__((always_inline)) __m256 i16_scales(const void *scale, int64_t at, const int n,
                                                                const int kind) {
-    if (kind == K_INT4) {
-        const float *sr = (const float *)scale + at;
-        if (n == 8) return _mm256_loadu_ps(sr);
-        return _mm256_castps128_ps256(n == 2 ? _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)sr)) : _mm_load_ss(sr));
+    if (kind == K_INT4) {  /* fp16 scales, widened by F16C (exact) */
+        const uint16_t *sr = (const uint16_t *)scale + at;
+        if (n == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sr));
+        return _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(n == 2 ? sr[0] | sr[1] << 16 : sr[0])));
     }
     const uint8_t *sr = (const uint8_t *)scale + at;
     __m128i b = n == 8 ? _mm_loadl_epi64((const __m128i *)sr)
@@ -347,16 +368,16 @@ static inline __attribute__((always_inline)) int i16_gemv(const void *x, const u
 }
 #endif
 
-/* -- int4: q [rows, cols/2] u8 (low nibble the even element, code = q + 8), scale [rows, cols/group] fp32 ------ */
+/* -- int4: q [rows, cols/2] u8 (low nibble the even element, code = q + 8), scale [rows, cols/group] fp16 ------ */
 #if SIMD
 /* NR rows at once: each x load serves NR rows, and NR accumulator chains keep the FMA units busy */
-static inline __attribute__((always_inline)) void int4_rows(const float *xp, const uint8_t *q, const float *scale,
+static inline __attribute__((always_inline)) void int4_rows(const float *xp, const uint8_t *q, const uint16_t *scale,
                                                             int64_t r, int64_t cols, int64_t group, float *y,
                                                             const int NR, Lut lut) {
     const __m256i idx0 = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1), idx1 = _mm256_setr_epi32(2, 2, 3, 3, 2, 2, 3, 3);
     int64_t full = cols / 32 * 32, G = cols / group, half = cols / 2;
     const uint8_t *qr = q + r * half;
-    const float *sr = scale + r * G;
+    const uint16_t *sr = scale + r * G;
     __m256 acc[NROWS];
     for (int u = 0; u < NR; u++) acc[u] = _mm256_setzero_ps();
     for (int64_t c = 0; c < full; c += 32) {
@@ -369,16 +390,16 @@ static inline __attribute__((always_inline)) void int4_rows(const float *xp, con
             if (group == 32) {  // one FMA chain over the block, then its scale
                 ta = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xc + 16), ta);
                 ta = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xc + 24), ta);
-                acc[u] = _mm256_fmadd_ps(ta, _mm256_broadcast_ss(sr + u * G + c / 32), acc[u]);
+                acc[u] = _mm256_fmadd_ps(ta, _mm256_set1_ps(f16_to_f32(sr[u * G + c / 32])), acc[u]);
                 continue;
             }
             // ta: elements 0-15 of the block, tb: 16-31
             __m256 tb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xc + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xc + 16)));
             if (group == 16) {
-                acc[u] = _mm256_fmadd_ps(ta, _mm256_broadcast_ss(sr + u * G + c / 16), acc[u]);
-                acc[u] = _mm256_fmadd_ps(tb, _mm256_broadcast_ss(sr + u * G + c / 16 + 1), acc[u]);
+                acc[u] = _mm256_fmadd_ps(ta, _mm256_set1_ps(f16_to_f32(sr[u * G + c / 16])), acc[u]);
+                acc[u] = _mm256_fmadd_ps(tb, _mm256_set1_ps(f16_to_f32(sr[u * G + c / 16 + 1])), acc[u]);
             } else {  // groups of 8: ta's lanes hold elements 0,4,8,12,1,5,9,13 (+2): groups 0,0,1,1,0,0,1,1
-                __m256 s4 = _mm256_castps128_ps256(_mm_loadu_ps(sr + u * G + c / 8));
+                __m256 s4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sr + u * G + c / 8))));
                 acc[u] = _mm256_fmadd_ps(ta, _mm256_permutevar8x32_ps(s4, idx0), acc[u]);
                 acc[u] = _mm256_fmadd_ps(tb, _mm256_permutevar8x32_ps(s4, idx1), acc[u]);
             }
@@ -388,14 +409,14 @@ static inline __attribute__((always_inline)) void int4_rows(const float *xp, con
         float a = hsum(acc[u]);
         for (int64_t j = full; j < cols; j++) {  // a last 16 or 8 elements (groups of 16 or 8)
             int code = (j & 1) ? (qr[u * half + j / 2] >> 4) : (qr[u * half + j / 2] & 15);
-            a += (float)(code - 8) * sr[u * G + j / group] * xp[j];
+            a += (float)(code - 8) * f16_to_f32(sr[u * G + j / group]) * xp[j];
         }
         y[r + u] = a;
     }
 }
 #endif
 
-static int int4_gemv_f32(const void *x, int x_bf16, const uint8_t *q, const float *scale, int64_t rows, int64_t cols,
+static int int4_gemv_f32(const void *x, int x_bf16, const uint8_t *q, const uint16_t *scale, int64_t rows, int64_t cols,
                       int64_t group, float *y) {
     if (group != 32 && group != 16 && group != 8) return -1;
     if (cols % group) return -1;
@@ -429,7 +450,7 @@ static int int4_gemv_f32(const void *x, int x_bf16, const uint8_t *q, const floa
                 uint8_t b = qr[j / 2];
                 part += (float)((b & 15) - 8) * xp[j] + (float)((b >> 4) - 8) * xp[j + 1];
             }
-            acc += part * scale[r * G + g];
+            acc += part * f16_to_f32(scale[r * G + g]);
         }
         y[r] = acc;
     }
@@ -632,18 +653,18 @@ static int int8_gemv_f32(const void *x, int x_bf16, const int8_t *q, const float
 /* -- many tokens (prefill): a packed matrix decoded to fp32 values [rows, cols], bit for bit the format's weight()
  * Each weight tile is decoded once for all the tokens routed to an expert, then one GEMM (torch's) multiplies it:
  * quant/cpu.py. Every value is one fp32 multiply of exact operands, as weight() computes it: int4 (code - 8) x its
- * group's scale; MXFP4 2 x its E2M1 value (the magnitude from an in-register table, the sign bit apart, so -0 stays
+ * group's fp16 scale (widened exactly); MXFP4 2 x its E2M1 value (the magnitude from an in-register table, the sign bit apart, so -0 stays
  * -0) x 2^(s - 128) (e8m0_half: exact for every s, 0 and 255 included); FP8 the e4m3 byte as an fp16 bit pattern
  * (F16C, exact: value x 2^-8), x 2^8 and x its block's scale (NaN bytes decode as 480, as the GEMV's bit trick
  * does). Output stores dominate (4 bytes per 0.5-1 packed byte): each row is written once, in element order.
  * Rows r0..r1-1 of the whole matrix (the thread pool hands out any split: every element stands alone). */
-static inline __attribute__((always_inline)) void int4_decode_rows(const uint8_t *q, const float *scale, int64_t r0,
+static inline __attribute__((always_inline)) void int4_decode_rows(const uint8_t *q, const uint16_t *scale, int64_t r0,
                                                                     int64_t r1, int64_t cols, const int64_t group,
                                                                     float *out) {
     int64_t half = cols / 2, G = cols / group, full = cols / 32 * 32;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *qr = q + r * half;
-        const float *sr = scale + r * G;
+        const uint16_t *sr = scale + r * G;
         float *o = out + r * cols;
         int64_t c = 0;
 #if SIMD
@@ -656,13 +677,13 @@ static inline __attribute__((always_inline)) void int4_decode_rows(const uint8_t
             __m256 v[4] = {i8_to_f32(e0), i8_to_f32(_mm_srli_si128(e0, 8)), i8_to_f32(e1),
                            i8_to_f32(_mm_srli_si128(e1, 8))};
             for (int k = 0; k < 4; k++)
-                _mm256_storeu_ps(o + c + 8 * k, _mm256_mul_ps(v[k], _mm256_broadcast_ss(sr + (c + 8 * k) / group)));
+                _mm256_storeu_ps(o + c + 8 * k, _mm256_mul_ps(v[k], _mm256_set1_ps(f16_to_f32(sr[(c + 8 * k) / group]))));
         }
 #endif
         (void)full;
         for (; c < cols; c++) {
             int code = (c & 1) ? (qr[c / 2] >> 4) : (qr[c / 2] & 15);
-            o[c] = (float)(code - 8) * sr[c / group];
+            o[c] = (float)(code - 8) * f16_to_f32(sr[c / group]);
         }
     }
 }
@@ -777,7 +798,7 @@ static int run_share(const Job *j, int64_t a, int64_t b) {
         case 6:
             return fp8_decode_rows(w, j->s, a, b, j->cols, j->b0, j->b1, j->y);
         case 0:
-            return int4_gemv_f32(j->x, j->x_bf16, w + a * (j->cols / 2), (const float *)j->s + a * (j->cols / j->group),
+            return int4_gemv_f32(j->x, j->x_bf16, w + a * (j->cols / 2), (const uint16_t *)j->s + a * (j->cols / j->group),
                                  b - a, j->cols, j->group, j->y + a);
         case 1:
             return mxfp4_gemv_f32(j->x, j->x_bf16, w + a * (j->cols / 2), (const uint8_t *)j->s + a * (j->cols / 32),
@@ -890,7 +911,7 @@ static int run(Job j, int flags, void *y, int64_t bytes) {
     return rc;
 }
 
-int moechat_int4_gemv(const void *x, int flags, const uint8_t *q, const float *scale, int64_t rows, int64_t cols,
+int moechat_int4_gemv(const void *x, int flags, const uint8_t *q, const uint16_t *scale, int64_t rows, int64_t cols,
                       int64_t group, void *y) {
     if (group <= 0) return -1;
     Job j = {.kind = 0, .x = x, .w = q, .s = scale, .rows = rows, .cols = cols, .group = group, .align = 4};
@@ -919,7 +940,8 @@ int moechat_int8_gemv(const void *x, int flags, const int8_t *q, const float *sc
 /* -- the exported decoders: out [rows, cols] fp32 (rows split over the pool as the GEMVs' are, any split: each
  * element is decoded alone, so any thread count writes the same bits). Return 0, -1 for a shape they do not take,
  * -2 where memory cannot be had. */
-int moechat_int4_decode(const uint8_t *q, const float *scale, int64_t rows, int64_t cols, int64_t group, float *out) {
+int moechat_int4_decode(const uint8_t *q, const uint16_t *scale, int64_t rows, int64_t cols, int64_t group,
+                        float *out) {
     if (group != 32 && group != 16 && group != 8) return -1;
     if (cols % group || rows < 0) return -1;
     Job j = {.kind = 4, .w = q, .s = scale, .rows = rows, .cols = cols, .group = group, .align = 1, .y = out};

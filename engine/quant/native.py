@@ -43,7 +43,7 @@ ENV = "MOECHAT_NATIVE"  # "0": the torch paths
 DECODE_ENV = "MOECHAT_NATIVE_DECODE"  # "0": many tokens decode their tiles with the torch decoders (one token unchanged)
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
-ABI = 4  # native.c's MOECHAT_ABI
+ABI = 5  # native.c's MOECHAT_ABI (5: int4's scales fp16)
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": the CDLL or None, "why": the status line
@@ -260,9 +260,18 @@ def _run(lib, fn, what: str, x: torch.Tensor, out: torch.Tensor, *args) -> torch
     return out
 
 
+def _int4_scale(scale: torch.Tensor) -> torch.Tensor:
+    """int4's group scales as native.c reads them: fp16 (the layout's dtype; quant/intq.py), contiguous."""
+    if scale.dtype != torch.float16 or not scale.is_contiguous():
+        raise ValueError(f"native int4 kernels read contiguous fp16 scales, not {scale.dtype}")
+    return scale
+
+
 def int4_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [R, in/2] u8 and scale [R, in/group] fp16 (contiguous) -> [1, R]."""
     rows, cols = q.shape[0], q.shape[1] * 2
+    scale = _int4_scale(scale)
     return _run(lib, lib.moechat_int4_gemv, "int4", x, torch.empty(1, rows, dtype=dtype), q.data_ptr(),
                 scale.data_ptr(), rows, cols, cols // scale.shape[1])
 
@@ -301,8 +310,9 @@ def _decoded(lib, fn, what: str, out: torch.Tensor, shape: tuple[int, int], *arg
 
 
 def int4_decode(lib, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """q [R, in/2] u8 and scale [R, in/group] fp32 (contiguous) -> out [R, in] fp32."""
+    """q [R, in/2] u8 and scale [R, in/group] fp16 (contiguous) -> out [R, in] fp32."""
     rows, cols = q.shape[0], q.shape[1] * 2
+    scale = _int4_scale(scale)
     return _decoded(lib, lib.moechat_int4_decode, "int4", out, (rows, cols), q.data_ptr(), scale.data_ptr(), rows,
                     cols, cols // scale.shape[1])
 

@@ -71,6 +71,10 @@ def test_packed_bytes_equal_the_quant_layout(name, hidden, inter, bias, dtype):
     planned = packed_expert_tensors(name, hidden, inter, dtype.itemsize, bias)
     layout = fmt.layout(hidden, inter, dtype, bias)
     assert {t.name: t.shape for t in planned} == {k: tuple(shape) for k, (shape, _) in layout.items()}
+    tags = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    assert {t.name: t.dtype for t in planned} == {k: tags[d] for k, (_, d) in layout.items()}
+    assert {t.name: t.nbytes for t in planned} == {k: torch.Size(shape).numel() * d.itemsize
+                                                   for k, (shape, d) in layout.items()}
     assert sum(t.nbytes for t in planned) == fmt.expert_bytes(hidden, inter, dtype, bias)
 
 
@@ -89,9 +93,11 @@ def test_qwen3_in_int8_and_int4_by_hand():
     int8 = s.in_format("int8")
     assert int8.expert_bytes == 2 * I * H + 4 * 2 * I + H * I + 4 * H == 4_732_928
     int4 = s.in_format("int4")
-    assert int4.expert_bytes == 2 * I * H // 2 + 4 * 2 * I * H // 32 + H * I // 2 + 4 * H * I // 32 == 2_949_120
+    # codes and fp16 group scales: 4.5 bits a weight (5.0 with the fp32 scales before)
+    assert int4.expert_bytes == 2 * I * H // 2 + 2 * 2 * I * H // 32 + H * I // 2 + 2 * H * I // 32 == 2_654_208
+    assert 8 * int4.expert_bytes / (3 * H * I) == 4.5
     assert (int8.format_key, int4.format_key, int8.converted_from) == ("int8", "int4", "bfloat16")
-    assert int4.expert_format_line() == "experts: int4, 2.8 MiB each (bf16 would be 9.0 MiB)"
+    assert int4.expert_format_line() == "experts: int4, 2.5 MiB each (bf16 would be 9.0 MiB)"
     assert s.in_format("native") is s and s.in_format(None) is s
     with pytest.raises(ConfigError):
         int8.in_format("int4")  # from the native spec only

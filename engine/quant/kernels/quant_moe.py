@@ -10,10 +10,11 @@ pairs by slot on the device and runs tl.dot per group. One kernel source, the fo
   [ceil(rows/b0), ceil(in/b1)]; w13's gate and up halves keep their own blocking. The e4m3 byte is decoded
   with integer ops (exact, no fp8 type needed: sm_80 and the interpreter run it too), times its block scale.
 * int8: int8 [rows, in] and an fp32 scale per output row, applied once to the row's sum.
-* int4: bytes [rows, in/2] (low nibble the even element, code = q + 8) and fp32 group scales [rows, in/group].
+* int4: bytes [rows, in/2] (low nibble the even element, code = q + 8) and fp16 group scales [rows, in/group],
+  widened to fp32 after the load (exact: the product is weight()'s).
 
-Bytes per Qwen3-30B-A3B decode step and layer (8 experts): bf16 75.5 MB, fp8 37.8, int8 37.9, int4 23.6 (codes
-+ scales); `bench/gpu_check.sh` runs the `gpu` tests and `bench/quantized_experts.py --device cuda` the rates.
+Bytes per Qwen3-30B-A3B decode step and layer (8 experts): bf16 75.5 MB, fp8 37.8, int8 37.9, int4 21.2 (codes
++ fp16 scales; 23.6 with fp32 scales); `bench/gpu_check.sh` runs the `gpu` tests and `bench/quantized_experts.py --device cuda` the rates.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, 
         x_mask = x_ok[:, None] & k_ok[None, :]
         if FMT == 2:  # int4: two elements a byte
             codes = tl.load(w_ptr + w_rows[:, None] * KB + kk[None, :], mask=w_mask, other=0x88).to(tl.int32)
-            scale = tl.load(s_ptr + s_rows[:, None] * S_COLS + ((2 * kk) // S_DIV)[None, :], mask=w_mask, other=0.0)
+            scale = tl.load(s_ptr + s_rows[:, None] * S_COLS + ((2 * kk) // S_DIV)[None, :], mask=w_mask,
+                            other=0.0).to(tl.float32)  # fp16 -> fp32, exact
             w_lo = ((codes & 15) - 8).to(tl.float32) * scale  # [BN, BKB] elements 2i
             w_hi = ((codes >> 4) - 8).to(tl.float32) * scale  # [BN, BKB] elements 2i + 1
             x_at = x_ptr + x_rows[:, None] * stride_x + 2 * kk[None, :]
@@ -206,7 +208,7 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
     hidden_states [T, H], topk_weights [T, K], slot_ids [T, K]; tensors: the slot buffers by name, for fmt
     "fp8" w13 [C, 2I, H] e4m3 + w13_scale [C, 2 ceil(I/b0), ceil(H/b1)], w2 [C, H, I] + w2_scale (block = (b0, b1));
     "int8" w13_q [C, 2I, H] int8 + w13_scale [C, 2I], w2_q + w2_scale [C, H]; "int4" w13_q [C, 2I, H/2] uint8 +
-    w13_scale [C, 2I, H/g], w2_q [C, H, I/2] + w2_scale [C, H, I/g]; optional w13_bias [C, 2I] / w2_bias [C, H].
+    w13_scale [C, 2I, H/g] fp16, w2_q [C, H, I/2] + w2_scale [C, H, I/g]; optional w13_bias [C, 2I] / w2_bias [C, H].
     act: an ExpertActivation (`swiglu`: gate rows then up rows; `clamped_swiglu`: interleaved). pairs [P]: flat
     (t, k) indices to compute (None: all). mode: "gemv" or "grouped" (None: by the number of pairs).
     """
