@@ -25,7 +25,7 @@ whatever the GGML_AMX_* options say). Converting needs the build's source (conve
 through CMakeCache.txt, or `--llama-src`) and its Python deps (torch, transformers, numpy: moechat's own).
 
 The converter needs `architectures` in config.json (both writers put it there) and a tokenizer whose pre-tokenizer
-hash it knows; the models get a 256-byte GPT-2-style byte-level BPE tokenizer (padded to the full vocabulary with
+hash it knows; the models get a GPT-2-style byte-level BPE tokenizer of the 256 bytes and 4 merges (padded to the full vocabulary with
 unused tokens by the converter), whose hash is not in its table, so the bench runs the converter with
 `get_vocab_base_pre` returning "gpt-2" (patched in that process only, nothing written to the llama.cpp source).
 llama-bench feeds random token ids, so the tokenizer plays no part in the timings.
@@ -81,13 +81,18 @@ class BenchError(Exception):
 
 
 # -- the models ----------------------------------------------------------------------------------------------------
+MERGES = [("Ġ", "t"), ("h", "e"), ("i", "n"), ("e", "r")]  # llama.cpp refuses a BPE vocabulary without merges
+
+
 def write_tokenizer(path: Path) -> None:
-    """A GPT-2-style byte-level BPE with the 256 byte tokens, no merges, and one end-of-text token (id 256)."""
+    """A GPT-2-style byte-level BPE: the 256 byte tokens, four merges, one end-of-text token (the last id)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
     vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet(), key=lambda c: ord(c)))}  # 256 byte symbols
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>"])
@@ -526,18 +531,19 @@ def run(args) -> None:
           f"{min(probes):.1f}-{max(probes):.1f}); {os.cpu_count()} cores")
     if llama is not None:
         print(f"llama.cpp: {llama.how}\n  {info}")
-    print(f"Qwen3-30B-A3B-shaped: {args.qwen_layers} of 48 layers; GPT-OSS-20B-shaped: {args.gpt_oss_layers} of 24 "
-          f"layers; full vocabularies, random weights")
+    shapes = {"qwen3": f"Qwen3-30B-A3B-shaped: {args.qwen_layers} of 48 layers",
+              "gpt-oss": f"GPT-OSS-20B-shaped: {args.gpt_oss_layers} of 24 layers"}
+    print("; ".join(shapes[m] for m in models) + "; full vocabularies, random weights")
     print("| model | moechat / llama.cpp | threads | engine | prefill tok/s | decode tok/s | MB/token | "
-          "bound tok/s | of bound | peak RSS GB |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+          "bound tok/s | of bound | peak RSS GB | moechat / llama.cpp: prefill, decode |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for c in cases:
         for t in threads:
             for engine in ("moechat", "llama.cpp"):
                 res = results.get((c.model, c.row, t, engine))
                 label = f"{c.row} / {c.llama_type}"
                 if res is None:
-                    print(f"| {c.model} | {label} | {t} | {engine} | - | - | - | - | - | skipped |")
+                    print(f"| {c.model} | {label} | {t} | {engine} | - | - | - | - | - | - | skipped |")
                     continue
                 if engine == "moechat":
                     b = res["bytes"][0]
@@ -550,9 +556,12 @@ def run(args) -> None:
                 total = sum(b.values())
                 bound = gbps * 1e9 / total
                 dec = statistics.median(res["decode"])
+                peer = results.get((c.model, c.row, t, "llama.cpp"))
+                ratio = "" if engine != "moechat" or peer is None else \
+                    f"{statistics.median(res['prefill']) / statistics.median(peer['prefill']):.2f}x, " \
+                    f"{dec / statistics.median(peer['decode']):.2f}x"
                 print(f"| {c.model} | {label} | {t} | {engine} | {_med(res['prefill'])} | {_med(res['decode'], '.2f')} "
-                      f"| {total / 1e6:.0f} | {bound:.1f} | {dec / bound:.2f} | {max(res['rss_gb']):.2f} |")
-
+                      f"| {total / 1e6:.0f} | {bound:.1f} | {dec / bound:.2f} | {max(res['rss_gb']):.2f} | {ratio} |")
 
 if __name__ == "__main__":
     main()

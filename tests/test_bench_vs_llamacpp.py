@@ -28,11 +28,13 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path)
 
 
-def test_tokenizer_is_256_bytes_and_an_end_token(tokenizer):
+def test_tokenizer_is_bytes_merges_and_an_end_token(tokenizer):
     vocab = tokenizer.get_vocab()
-    assert len(vocab) == 257 and vocab["<|endoftext|>"] == 256 and tokenizer.eos_token_id == 256
-    # one token per UTF-8 byte: no merges, so ids are the bytes in GPT-2's byte-to-unicode order
+    n = 256 + len(vs.MERGES)
+    assert len(vocab) == n + 1 and vocab["<|endoftext|>"] == n and tokenizer.eos_token_id == n
+    # one token per UTF-8 byte but for the merges (llama.cpp will not load a BPE vocabulary without any)
     assert len(tokenizer.encode("héllo", add_special_tokens=False)) == len("héllo".encode())
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode(" the", add_special_tokens=False)) == ["Ġt", "he"]
     # below both models' vocabularies, as the converter asserts before padding with unused tokens
     assert max(vocab.values()) < min(vs.QWEN3["vocab_size"], vs.GPT_OSS["vocab_size"])
 
