@@ -49,6 +49,19 @@ def test_decoders_are_bit_exact(name, which, rows, cols, block):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("cols,group", [(64, 32), (40, 8)])
+def test_int4_decoder_covers_every_fp16_scale(cols, group):
+    """The torch decoder (the fallback) over every positive finite fp16 scale, subnormals included: weight()'s bits."""
+    G = cols // group
+    scales = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)  # [31743]
+    scales = torch.cat([scales, torch.ones(-len(scales) % G, dtype=torch.float16)]).reshape(-1, G).contiguous()
+    q = torch.randint(0, 256, (scales.shape[0], cols // 2), generator=torch.Generator().manual_seed(1),
+                      dtype=torch.uint8)
+    want = get_format("int4").weight({"w2_q": q, "w2_scale": scales}, "w2", torch.float32)
+    got = cpu.int4_decode(q, scales, torch.full(want.shape, float("nan")))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_fp8_decoder_covers_every_byte():
     """All 254 finite e4m3 values (both zeros, subnormals, the largest) with a non-power-of-two scale."""
     codes = torch.arange(256, dtype=torch.uint8)

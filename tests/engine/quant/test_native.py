@@ -127,6 +127,25 @@ def test_mxfp4_every_code_and_scale(any_lib, dtype):
         assert torch.equal(got[0], w[:, k] * 0.75), k
 
 
+@pytest.mark.parametrize("cols,group", [(64, 32), (48, 16), (40, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_every_fp16_scale(any_lib, cols, group, dtype):
+    """Every positive finite fp16 scale (subnormals included) against random codes, one column at a time: x = 0.75
+    there (exact in bf16 and in the integer path's 16 bits), so each output is code x scale x 0.75 rounded once on
+    every path (groups of 32 with a bf16 x: the integer path, its fp16 scales widened by F16C eight at a time)."""
+    G = cols // group
+    scales = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)  # [31743]
+    scales = torch.cat([scales, torch.ones(-len(scales) % G, dtype=torch.float16)]).reshape(-1, G).contiguous()
+    q = torch.randint(0, 256, (scales.shape[0], cols // 2), generator=torch.Generator().manual_seed(cols),
+                      dtype=torch.uint8)
+    w = get_format("int4").weight({"w2_q": q, "w2_scale": scales}, "w2", torch.float32)  # [rows, cols]
+    for k in sorted({0, 1, group - 1, group, cols - 2, cols - 1}):
+        xk = torch.zeros(1, cols, dtype=dtype)
+        xk[0, k] = 0.75
+        got = native.int4_gemv(any_lib, xk, q, scales)
+        assert torch.equal(got[0], w[:, k] * 0.75), k
+
+
 def _four_bit(name: str, rows: int, cols: int):
     """(gemv(lib, x), weight fp32) of a random int4 (groups of 32) or MXFP4 matrix."""
     w = _w(rows, cols, 7)

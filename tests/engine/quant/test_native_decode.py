@@ -43,6 +43,38 @@ def test_int4_decode_is_weight_bit_for_bit(any_lib, rows, cols):
     assert torch.equal(_bits(got), _bits(fmt.weight(t, "w2", torch.float32)))
 
 
+def _every_fp16_scale(cols: int, group: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """An int4 w2 whose scales are every positive finite fp16 (2^-24, the subnormals, the normals to 65504; padded
+    with 1.0 to fill the last row) and whose codes are random bytes: [rows, cols / group] scales."""
+    G = cols // group
+    scales = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)  # [31743]
+    scales = torch.cat([scales, torch.ones(-len(scales) % G, dtype=torch.float16)]).reshape(-1, G).contiguous()
+    q = torch.randint(0, 256, (scales.shape[0], cols // 2), generator=torch.Generator().manual_seed(seed),
+                      dtype=torch.uint8)
+    return {"w2_q": q, "w2_scale": scales}
+
+
+@pytest.mark.parametrize("cols,group", [(64, 32), (48, 16), (40, 8)])
+def test_int4_decode_every_fp16_scale(any_lib, cols, group):
+    """int4's fp16 group scales: every positive finite value, subnormals included, widened exactly (F16C on the
+    SIMD build, integer ops on the scalar one): bit for bit weight()."""
+    t = _every_fp16_scale(cols, group)
+    want = get_format("int4").weight(t, "w2", torch.float32)
+    assert (want.abs().amax(dim=1) < 2.0**-14 * 8).sum() >= 1023 // (cols // group)  # the subnormal rows are there
+    got = native.int4_decode(any_lib, t["w2_q"], t["w2_scale"], _garbage(*want.shape))
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_int4_kernels_refuse_fp32_scales(lib):
+    """The old layout's fp32 scales are not read as fp16 bit patterns by mistake."""
+    t = get_format("int4").quantize(_w(8, 64, 0))
+    for bad in (t["scale"].float(), t["scale"].repeat(1, 2)[:, ::2]):
+        with pytest.raises(ValueError, match="fp16 scales"):
+            native.int4_decode(lib, t["q"], bad, torch.empty(8, 64))
+        with pytest.raises(ValueError, match="fp16 scales"):
+            native.int4_gemv(lib, torch.randn(1, 64), t["q"], bad)
+
+
 def test_mxfp4_decode_every_code_and_scale(any_lib):
     """Every byte value in every block position against every E8M0 scale 0..255: 2^-127 (its values subnormal), the
     normal range and 2^127..2^128 (6 x the scale overflows to inf as the reference's does); -0 stays -0."""

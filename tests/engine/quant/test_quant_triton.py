@@ -64,7 +64,7 @@ def pack(case: Case, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Ten
 
 
 def junk_like(t: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:
-    if t.dtype == torch.float32 or t.dtype == torch.bfloat16:
+    if t.dtype.is_floating_point and t.dtype.itemsize > 1:  # scales (int4's fp16 too), biases
         return torch.randn((n, *t.shape), generator=g).to(t.dtype)
     return torch.randint(0, 256, (n, *t.shape), generator=g, dtype=torch.uint8).view(t.dtype)
 
