@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import CheckpointError, ConfigError
@@ -42,6 +44,45 @@ def test_packer_round_trip_and_linear_against_the_reference(fmt, shape):
         ours = fmt.linear(x.to(dtype), parts, "w13").float()
         theirs = x.to(dtype).float() @ ref.t()
         torch.testing.assert_close(ours, theirs, atol=tol * theirs.abs().max().item(), rtol=0)
+
+
+@settings(max_examples=60, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(-40, 18), st.integers(0, 2**31 - 1), st.sampled_from([64, 48, 40]))
+def test_int4_fp16_scale_is_the_smallest_fp16_at_or_above_amax_over_7_5(exp2, seed, cols):
+    """Groups from 2^-40 (scales below fp16's subnormals: 2^-24) through the subnormal and normal range to 2^18 (|w|
+    near the 491,280 limit): the stored scale is the smallest fp16 >= max(amax / 7.5, 2^-24), every code within
+    half a stored step of its weight, and weight() = code x stored scale."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 6
+    w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 2.0**exp2  # [rows, cols]
+    w[0, : int4_group(cols)] = 0.0  # an all-zero group
+    parts = {f"w2_{k}": v for k, v in INT4.quantize(w).items()}
+    scale, group = parts["w2_scale"], int4_group(cols)
+    assert scale.dtype == torch.float16 and scale.shape == (rows, cols // group)
+    want = (w.reshape(rows, -1, group).abs().amax(dim=-1) / 7.5).clamp(min=2.0**-24)  # [rows, G] fp32
+    below = (scale.view(torch.int16) - 1).view(torch.float16).float()  # the next fp16 down
+    assert (scale.float() >= want).all() and (below < want).all() and torch.isfinite(scale).all()
+    step = scale.float().repeat_interleave(group, dim=1)  # [rows, cols]
+    ref = INT4.weight(parts, "w2", torch.float32)
+    assert ((ref - w).abs() <= step * (0.5 + 1e-6)).all()
+    codes = torch.stack([parts["w2_q"] & 15, parts["w2_q"] >> 4], -1).reshape(rows, cols).float() - 8
+    assert torch.equal(ref, codes * step) and (ref[0, :group] == 0).all()
+
+
+def test_int4_scale_past_fp16_is_a_typed_error_naming_int8():
+    ok = torch.full((2, 32), 7.5 * 65504.0)  # the largest |w| an fp16 scale holds: 65504 exactly
+    assert INT4.quantize(ok)["scale"].float().eq(65504.0).all()
+    for big in (7.5 * 65504.0 * 1.001, float("inf")):
+        w = torch.ones(2, 64)
+        w[1, 40] = -big
+        with pytest.raises(CheckpointError, match="past int4's fp16 group scales .*use --expert-format int8"):
+            INT4.quantize(w)
+
+
+def test_int4_is_4_5_bits_a_weight_in_groups_of_32():
+    H, I = 2048, 768  # Qwen3-30B-A3B's expert: codes + fp16 scales (5.0 bits with fp32 scales)
+    assert 8 * INT4.expert_bytes(H, I, torch.bfloat16, bias=False) / (3 * H * I) == 4.5
+    assert INT4.layout(H, I, torch.bfloat16, False)["w2_scale"] == ((H, I // 32), torch.float16)
 
 
 def _prompt(n, seed):
@@ -139,6 +180,51 @@ def test_repacked_store_reused_rebuilt_when_stale_and_damage_caught(tiny_models,
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
     Engine.load(path, dtype="float32", expert_format="int4", cache=config).close()
     assert _repacked(tmp_path).stat().st_mtime_ns > st.st_mtime_ns
+
+
+def test_an_int4_file_with_fp32_scales_is_stale_and_rebuilt(tiny_models, tmp_path):
+    """A repacked int4 file from before fp16 scales (fp32 `*_scale`, its own sidecar, CRCs right) is not read as
+    fp16: its sidecar names the old tensor dtypes and sizes, so the next start rebuilds it."""
+    import json
+    import zlib
+
+    path, _ = tiny_models["olmoe"]
+    config = CacheConfig(expert_slots=2, ram_cache_bytes=0, repack_dir=str(tmp_path / "repack"))
+    ids = _prompt(6, seed=4)
+    engine = Engine.load(path, dtype="float32", expert_format="int4", cache=config)
+    want = _greedy(engine, ids)
+    engine.close()
+    new_data = _repacked(tmp_path).read_bytes()
+    sidecar = _repacked(tmp_path).with_suffix(".json")
+    found = json.loads(sidecar.read_text())
+    meta = found["meta"]
+    tensors = meta["tensors"]
+    assert [tensors[f"{w}_scale"][1] for w in ("w13", "w2")] == ["torch.float16"] * 2
+    # the same experts in the old layout: each expert's tensors back to back, the scales widened to fp32
+    sizes = [(name, torch.Size(shape).numel(), torch.Size(shape).numel() * (1 if dt == "torch.uint8" else
+                                                                            2 if dt == "torch.float16" else 4))
+             for name, (shape, dt) in tensors.items()]
+    per_expert = sum(n for *_, n in sizes)
+    old, crc = bytearray(), []
+    for e in range(len(new_data) // per_expert):
+        at, c = e * per_expert, 0
+        for name, count, nbytes in sizes:
+            chunk = new_data[at: at + nbytes]
+            at += nbytes
+            if name.endswith("_scale"):
+                chunk = torch.frombuffer(bytearray(chunk), dtype=torch.float16).float().numpy().tobytes()
+            old += chunk
+            c = zlib.crc32(chunk, c)
+        crc.append(c)
+    for w in ("w13", "w2"):
+        tensors[f"{w}_scale"][1] = "torch.float32"
+    meta["expert_bytes"] = len(old) // len(crc)
+    _repacked(tmp_path).write_bytes(bytes(old))
+    st = _repacked(tmp_path).stat()
+    sidecar.write_text(json.dumps({"meta": meta, "file": [st.st_size, st.st_ino, st.st_mtime_ns], "crc": crc}))
+    again = Engine.load(path, dtype="float32", expert_format="int4", cache=config)
+    assert _repacked(tmp_path).read_bytes() == new_data and _greedy(again, ids) == want
+    again.close()
 
 
 def test_repacking_onto_a_full_disk_is_a_typed_error(tiny_models, tmp_path, monkeypatch):
