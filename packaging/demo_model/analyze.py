@@ -638,8 +638,9 @@ def markdown_chat_eval(ce):
              "| \"I don't know\" |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for label, r in ce.items():
+        dont = f"{r['dont_know']:.1%}" if "dont_know" in r else "-"  # analyses written before it was scored
         lines.append(f"| {label} | {r['n']} | {r['exact_match']:.1%} | {r['f1_own']:.3f} | {r['f1_other']:.3f} "
-                     f"| {r['dont_know']:.1%} |")
+                     f"| {dont} |")
     return "\n".join(lines)
 
 
