@@ -253,13 +253,16 @@ def build_llama_cpp(work: Path) -> Path:
 # (its hash is not in the converter's table); nothing in the llama.cpp tree is changed.
 CONVERT = """
 import sys
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+try:
+    from conversion import base  # the converter split into a package (2025-)
+except ImportError:
+    import convert_hf_to_gguf as base  # one file before that
+model = getattr(base, "TextModel", None) or base.Model
+model.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 convert_hf_to_gguf.main()
 """
-LEGACY_CONVERT = CONVERT.replace("from conversion import base\nbase.", "import convert_hf_to_gguf as base\nbase.")
 
 
 def _gguf_env(llama: LlamaCpp) -> dict[str, str]:
@@ -284,9 +287,8 @@ def check_converter(llama: LlamaCpp) -> str:
 def convert(llama: LlamaCpp, model: Path, out: Path, outtype: str) -> Path:
     if out.exists():
         return out
-    code = CONVERT if (llama.src / "conversion" / "base.py").exists() else LEGACY_CONVERT
     tmp = out.with_suffix(".part")
-    r = subprocess.run([sys.executable, "-c", code, str(model), "--outfile", str(tmp), "--outtype", outtype],
+    r = subprocess.run([sys.executable, "-c", CONVERT, str(model), "--outfile", str(tmp), "--outtype", outtype],
                        env=_gguf_env(llama), capture_output=True, text=True, cwd=llama.src)
     if r.returncode:
         raise BenchError(f"convert_hf_to_gguf.py on {model} failed: " + (r.stderr.strip().splitlines() or ["?"])[-1])

@@ -102,3 +102,29 @@ def test_peak_rss_is_the_childs_own(tmp_path):
 def test_a_failing_child_is_one_line_naming_its_last_words():
     with pytest.raises(vs.BenchError, match=r"exited 3: boom$"):
         vs.run_measured([sys.executable, "-c", "import sys; sys.stderr.write('first\\nboom\\n'); sys.exit(3)"])
+
+
+def test_tiny_qwen3_through_the_converter_and_llama_bench(tmp_path):
+    """With a llama.cpp build named by MOECHAT_LLAMA_CPP: the patched pre-tokenizer check lets the converter take the
+    bench's tokenizer, llama-bench's JSON parses, and the GGUF's bytes per token are the shapes' bf16 bytes."""
+    llama, why = vs.find_llama_cpp(None, None)
+    if llama is None or vs.check_converter(llama):
+        pytest.skip(why or vs.check_converter(llama))
+    import torch
+    import transformers
+
+    H, I, E, K, L, V = 64, 32, 8, 2, 2, 512
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, moe_intermediate_size=I, intermediate_size=128, num_experts=E, num_experts_per_tok=K,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(model_dir)
+    vs.write_tokenizer(model_dir)
+    gguf = vs.convert(llama, model_dir, tmp_path / "tiny-bf16.gguf", "bf16")
+    b = vs.gguf_token_bytes(llama, gguf, K, E)
+    attention = L * (H * 64 + 2 * H * 32 + 64 * H) * 2  # q, k, v, o in bf16 (q/k norms left out)
+    assert b == {"attention": attention, "lm_head": V * H * 2, "experts": L * 3 * E * I * H * 2 * K // E}
+    rec = vs.llama_bench(llama, gguf, 1, 8, 2)
+    assert rec["prefill"] > 0 and rec["decode"] > 0 and 0 < rec["rss_gb"] < 2 and "llama.cpp" in rec["info"]
