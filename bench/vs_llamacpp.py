@@ -11,8 +11,9 @@ For each row and each thread count: prefill tok/s of a `--prompt`-token prompt a
 greedy tokens (llama-bench's pp and tg tests; moechat's GenerationChunk figures), medians over `--rounds` rounds in
 which the engines alternate, each engine's fraction of its bandwidth bound (bytes one decode token reads in that
 engine's own weights: attention, LM head, K of E experts per layer / the read probe of `moechat fit`'s calibration,
-one thread, best of the probes taken between rounds; so at 2 threads a fraction can pass 1), and peak RSS (every run is its own
-process, forked from a small launcher: `wait4`'s ru_maxrss).
+one thread, best of the probes taken between rounds; numpy's sum reads slower than a tuned kernel does, so a
+fraction can pass 1), and peak RSS (every run is its own process, forked from a small launcher: `wait4`'s
+ru_maxrss).
 
 llama.cpp is found, in order: `--llama-cpp DIR`, the environment variable MOECHAT_LLAMA_CPP (a CMake build folder
 holding bin/llama-bench and bin/llama-quantize, or a folder holding them), or `--build-llama-cpp`, which downloads
@@ -25,19 +26,21 @@ whatever the GGML_AMX_* options say). Converting needs the build's source (conve
 through CMakeCache.txt, or `--llama-src`) and its Python deps (torch, transformers, numpy: moechat's own).
 
 The converter needs `architectures` in config.json (both writers put it there) and a tokenizer whose pre-tokenizer
-hash it knows; the models get a GPT-2-style byte-level BPE tokenizer of the 256 bytes and 4 merges (padded to the full vocabulary with
-unused tokens by the converter), whose hash is not in its table, so the bench runs the converter with
-`get_vocab_base_pre` returning "gpt-2" (patched in that process only, nothing written to the llama.cpp source).
+hash it knows; the models get a GPT-2-style byte-level BPE tokenizer of the 256 bytes and 4 merges (llama.cpp
+loads no BPE vocabulary without merges; the converter pads it to the full vocabulary with unused tokens), whose
+hash is not in its table, so the bench runs the converter with `get_vocab_base_pre` returning "gpt-2" (patched in
+that process only, nothing written to the llama.cpp source).
 llama-bench feeds random token ids, so the tokenizer plays no part in the timings.
 
     python bench/vs_llamacpp.py --build-llama-cpp --work /tmp/vs            # build once, then:
     MOECHAT_LLAMA_CPP=/tmp/vs/llama.cpp-build python bench/vs_llamacpp.py --work /tmp/vs \
         [--qwen-layers 4] [--gpt-oss-layers 4] [--threads 1,2] [--rounds 3] [--prompt 128] [--tokens 32] \
         [--models qwen3,gpt-oss] [--formats bf16,int8,int4] [--q4 Q4_0]
-    # the issue's sizes: --qwen-layers 8 --gpt-oss-layers 12 (about 12 + 6 GB of checkpoints, plus the GGUFs)
+    # the issue's sizes: --qwen-layers 8 --gpt-oss-layers 12 (about 13 + 8 GB of checkpoints, plus the GGUFs)
 
 Disk: the Qwen3-shaped checkpoint is 1.5 GB per layer in bf16 + 0.6 GB (embedding and head), its GGUFs 1.9x that
-together; the GPT-OSS-shaped one 0.4 GB per layer + 2.3 GB. Everything lands in `--work` and is reused.
+together; the GPT-OSS-shaped one 0.5 GB per layer + 2.3 GB, its GGUF as much. Everything lands in `--work` and is
+reused (moechat's int8/int4 repacked experts in `--work`/moechat-cache).
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ def gpt_oss_shaped(path: Path, layers: int) -> None:
     from moechat.engine.quant.writer import save_checkpoint
 
     config = dict(GPT_OSS, num_hidden_layers=layers,
-                  layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2))
+                  layer_types=(["sliding_attention", "full_attention"] * layers)[:layers])
     hf = transformers.GptOssConfig(**{k: v for k, v in config.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = transformers.GptOssForCausalLM(hf)
