@@ -43,7 +43,7 @@ ENV = "MOECHAT_NATIVE"  # "0": the torch paths
 DECODE_ENV = "MOECHAT_NATIVE_DECODE"  # "0": many tokens decode their tiles with the torch decoders (one token unchanged)
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
-ABI = 5  # native.c's MOECHAT_ABI (5: int4's scales fp16)
+ABI = 6  # native.c's MOECHAT_ABI (5: int4's scales fp16; 6: the bf16 GEMV)
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": the CDLL or None, "why": the status line
@@ -138,11 +138,13 @@ def load(path: Path) -> ctypes.CDLL:
     lib.moechat_mxfp4_gemv.argtypes = [p, i32, p, p, i64, i64, p]
     lib.moechat_fp8_gemv.argtypes = [p, i32, p, p, i64, i64, i64, i64, p]
     lib.moechat_int8_gemv.argtypes = [p, i32, p, p, i64, i64, p]
+    lib.moechat_bf16_gemv.argtypes = [p, i32, p, i64, i64, p]
     lib.moechat_attn_decode.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
     lib.moechat_int4_decode.argtypes = [p, p, i64, i64, i64, p]
     lib.moechat_mxfp4_decode.argtypes = [p, p, i64, i64, p]
     lib.moechat_fp8_decode.argtypes = [p, p, i64, i64, i64, i64, p]
     for f in (lib.moechat_int4_gemv, lib.moechat_mxfp4_gemv, lib.moechat_fp8_gemv, lib.moechat_int8_gemv,
+              lib.moechat_bf16_gemv,
               lib.moechat_attn_decode, lib.moechat_int4_decode, lib.moechat_mxfp4_decode, lib.moechat_fp8_decode):
         f.restype = i32
     lib.moechat_set_threads.argtypes = [i32]
@@ -289,6 +291,14 @@ def fp8_gemv(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: 
     bf16 view); w13's halves are two calls."""
     return _run(lib, lib.moechat_fp8_gemv, "fp8", x, out, w.data_ptr(), scale.data_ptr(), w.shape[0], w.shape[1],
                 block[0], block[1])
+
+
+def bf16_gemv(lib, x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [1, in] @ w^T for a bf16 w [out, in] (contiguous) -> [1, out] in `dtype` (fp32 sums; bf16 rounded once)."""
+    if w.dtype != torch.bfloat16 or not w.is_contiguous():
+        raise ValueError("the bf16 GEMV takes a contiguous bf16 [out, in] matrix")
+    rows, cols = w.shape
+    return _run(lib, lib.moechat_bf16_gemv, "bf16", x, torch.empty(1, rows, dtype=dtype), w.data_ptr(), rows, cols)
 
 
 def int8_gemv(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
