@@ -606,27 +606,26 @@ static int fp8_gemv_f32(const void *x, int x_bf16, const uint8_t *w, const float
     return 0;
 }
 
-/* -- int8: q [rows, cols] int8, scale [rows] fp32 (w = q * scale) ---------------------------------------------- */
+/* -- int8: q [rows, cols] int8, scale [rows] fp32 (w = q * scale) ----------------------------------------------
+ * One row at a time over four accumulators, 4 KB prefetched ahead: 18.3 GB/s over a [151936, 2048] matrix on one
+ * core where four rows a step read 10.7 (C harness; the row-at-a-time loop keeps one stream of loads in order). */
 #if SIMD
-static inline __attribute__((always_inline)) void int8_rows(const float *xf, const int8_t *q, const float *scale,
-                                                            int64_t r, int64_t cols, float *y, const int NR) {
-    __m256 a0[4], a1[4];
-    for (int u = 0; u < NR; u++) a0[u] = a1[u] = _mm256_setzero_ps();
+static inline __attribute__((always_inline)) void int8_row(const float *xf, const int8_t *q, const float *scale,
+                                                           int64_t r, int64_t cols, float *y) {
+    const int8_t *p = q + r * cols;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {
-        __m256 x0 = _mm256_loadu_ps(xf + j), x8 = _mm256_loadu_ps(xf + j + 8);
-        for (int u = 0; u < NR; u++) {
-            PF(q + (r + u) * cols + j, j, NR * cols);
-            __m128i b = _mm_loadu_si128((const __m128i *)(q + (r + u) * cols + j));
-            a0[u] = _mm256_fmadd_ps(i8_to_f32(b), x0, a0[u]);
-            a1[u] = _mm256_fmadd_ps(i8_to_f32(_mm_unpackhi_epi64(b, b)), x8, a1[u]);
-        }
+    for (; j + 32 <= cols; j += 32) {
+        _mm_prefetch((const char *)(p + j + 4096), _MM_HINT_T0);
+        __m128i b0 = _mm_loadu_si128((const __m128i *)(p + j)), b1 = _mm_loadu_si128((const __m128i *)(p + j + 16));
+        a0 = _mm256_fmadd_ps(i8_to_f32(b0), _mm256_loadu_ps(xf + j), a0);
+        a1 = _mm256_fmadd_ps(i8_to_f32(_mm_unpackhi_epi64(b0, b0)), _mm256_loadu_ps(xf + j + 8), a1);
+        a2 = _mm256_fmadd_ps(i8_to_f32(b1), _mm256_loadu_ps(xf + j + 16), a2);
+        a3 = _mm256_fmadd_ps(i8_to_f32(_mm_unpackhi_epi64(b1, b1)), _mm256_loadu_ps(xf + j + 24), a3);
     }
-    for (int u = 0; u < NR; u++) {
-        float acc = hsum(_mm256_add_ps(a0[u], a1[u]));
-        for (int64_t k = j; k < cols; k++) acc += (float)q[(r + u) * cols + k] * xf[k];
-        y[r + u] = acc * scale[r + u];
-    }
+    float acc = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; j < cols; j++) acc += (float)p[j] * xf[j];
+    y[r] = acc * scale[r];
 }
 #endif
 
@@ -637,8 +636,7 @@ static int int8_gemv_f32(const void *x, int x_bf16, const int8_t *q, const float
     for (int64_t j = 0; j < cols; j++) xf[j] = load_x(x, x_bf16, j);
     int64_t r = 0;
 #if SIMD
-    for (; r + 4 <= rows; r += 4) int8_rows(xf, q, scale, r, cols, y, 4);
-    for (; r < rows; r++) int8_rows(xf, q, scale, r, cols, y, 1);
+    for (; r < rows; r++) int8_row(xf, q, scale, r, cols, y);
 #else
     for (; r < rows; r++) {
         float acc = 0.0f;
