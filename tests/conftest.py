@@ -238,5 +238,8 @@ def hub(hub_server_session, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("HF_ENDPOINT", hub_server_session.url)
     client = Hub(endpoint=hub_server_session.url, cache_dir=tmp_path / "hf_home" / "hub")
-    return SimpleNamespace(server=hub_server_session, client=client, repo=HUB_REPO, gated=HUB_GATED,
-                           token=HUB_TOKEN, cache=tmp_path / "hf_home" / "hub", module=_hubserver_module())
+    repos = dict(hub_server_session.repos)  # a repo a test adds (server.add) is gone after it: searches see the same
+    yield SimpleNamespace(server=hub_server_session, client=client, repo=HUB_REPO, gated=HUB_GATED,
+                          token=HUB_TOKEN, cache=tmp_path / "hf_home" / "hub", module=_hubserver_module())
+    hub_server_session.repos.clear()
+    hub_server_session.repos.update(repos)

@@ -57,8 +57,9 @@ def test_describe_says_the_expert_format_and_its_sizes(fakes):
     n = 4 * 16
     assert (info.expert_format, info.native_format, info.repacked) == ("native", "", frozenset())
     # native from the store (1 MiB an expert); int8/int4 from the planner's formulas at hidden 256 x width 128, fp32
+    # (int8: fp32 row scales; int4: fp16 group scales of 32)
     assert info.format_bytes == {"native": n << 20, "int8": n * (3 * 256 * 128 + 4 * (2 * 128 + 256)),
-                                 "int4": n * (3 * 256 * 128 // 2 + 4 * (2 * 128 * 256 // 32 + 256 * 128 // 32))}
+                                 "int4": n * (3 * 256 * 128 // 2 + 2 * (2 * 128 * 256 // 32 + 256 * 128 // 32))}
 
 
 def test_load_engine_converts_the_experts_and_describes_them(tiny_models, monkeypatch, tmp_path):
