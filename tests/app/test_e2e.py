@@ -82,7 +82,7 @@ async def test_panel_shows_where_experts_ran(tiny_chat_model, app_env, fakes):
                                                       r"on the host\)", counts()),
                              what="RAM-tier requests and host-run experts in the panel")
         stats = screen.dashboard.stats
-        assert stats.fast_tier == "ram" and stats.turn_hit_rate == 1.0  # every expert is in RAM: none from disk
+        assert stats.fast_tier == "ram" and stats.hit_rate == 1.0  # every expert is in RAM: none from disk
         heatmap = screen.query_one("#heatmap")
         assert heatmap.resident.all()  # the heatmap draws what the RAM tier holds: all of it
         assert not screen.query_one(HeatmapLegend).hosting  # no host ring: on a CPU every expert runs there

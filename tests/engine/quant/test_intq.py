@@ -48,11 +48,11 @@ def test_packer_round_trip_and_linear_against_the_reference(fmt, shape):
         torch.testing.assert_close(ours, theirs, atol=tol * theirs.abs().max().item(), rtol=0)
 
 
-@settings(max_examples=60, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(-40, 18), st.integers(0, 2**31 - 1), st.sampled_from([64, 48, 40]))
+@settings(max_examples=60, deadline=2000, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(-40, 16), st.integers(0, 2**31 - 1), st.sampled_from([64, 48, 40]))
 def test_int4_fp16_scale_is_the_largest_fp16_at_or_below_amax_over_7_5(exp2, seed, cols):
-    """Groups from 2^-40 (scales below fp16's subnormals: 2^-24) through the subnormal and normal range to 2^18 (|w|
-    near the 491,280 limit): the stored scale is the largest fp16 <= max(amax / 7.5, 2^-24), every code within half
+    """Groups from 2^-40 (scales below fp16's subnormals: 2^-24) through the subnormal and normal range to 2^16 (|w|
+    up to ~300,000, under the 491,280 limit, whose refusal the next test checks; 2^18 drew |w| past it): the stored scale is the largest fp16 <= max(amax / 7.5, 2^-24), every code within half
     a stored step of its weight plus 7.5 x the scale's rounding (the positive extreme clamped at +7), and weight() =
     code x stored scale."""
     g = torch.Generator().manual_seed(seed)
