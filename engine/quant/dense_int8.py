@@ -18,10 +18,10 @@ scale/2 * sum|x| (tests/engine/quant/test_dense_int8.py); perplexity per choice 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from . import native, torch_paths
 from .intq import Int8Format
+
+_INT8 = Int8Format()
 
 DENSE_FORMATS = ("native", "int8")
 
@@ -29,14 +29,16 @@ DENSE_FORMATS = ("native", "int8")
 class Int8Linear:
     """y = x @ (q * scale)^T (+ bias) (+ residual) from int8 codes q [out, in] and fp32 scales [out]."""
 
-    __slots__ = ("q", "scale", "bias", "_scale_x")
+    __slots__ = ("q", "scale", "bias", "_tensors")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         packed = Int8Format.quantize(weight.detach())
         self.q = packed["q"].contiguous()  # [out, in] int8
         self.scale = packed["scale"].contiguous()  # [out] fp32
         self.bias = None if bias is None else bias.detach()
-        self._scale_x: dict[torch.dtype, torch.Tensor] = {}  # the scales in x's dtype, for torch's kernel
+        self._tensors = {"w_q": self.q, "w_scale": self.scale}
+        if self.bias is not None:
+            self._tensors["w_bias"] = self.bias
 
     @property
     def nbytes(self) -> int:
@@ -48,26 +50,12 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [T, in] -> [T, out] in x's dtype (or out_dtype: the LM head's logits in fp32, rounded once), plus
-        residual [T, out] when given."""
-        dtype = out_dtype or x.dtype
-        if x.shape[0] == 1 and x.device.type == "cpu" and (lib := native.library()) is not None:
-            want = torch.float32 if self.bias is not None or dtype != torch.bfloat16 else torch.bfloat16
-            y = native.int8_gemv(lib, x, self.q, self.scale, want)  # [1, out]
-            if self.bias is not None:
-                y = y + self.bias
-            y = y if y.dtype == dtype else y.to(dtype)
-            return y if residual is None else residual + y
-        elif torch_paths.int8pack_usable(x.dtype, self.q.shape[1]):
-            scale = self._scale_x.get(x.dtype)
-            if scale is None:
-                scale = self._scale_x[x.dtype] = self.scale.to(x.dtype)
-            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, scale)  # [T, out]
-        else:
-            y = F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)  # [T, out]
-        if self.bias is not None:
-            y = y + self.bias
-        y = y if y.dtype == dtype else y.to(dtype)
+        """x [T, in] -> [T, out] in x's dtype (or fp32 for out_dtype=float32: the LM head's logits, never rounded to
+        bf16), plus residual [T, out] when given. The int8 experts' own dispatch (Int8Format.linear): the native GEMV
+        for one token, torch's checked kernel or the cast fallback for more."""
+        if out_dtype == torch.float32 and x.dtype != torch.float32:
+            x = x.float()  # exact: the GEMV sums in fp32 either way
+        y = _INT8.linear(x, self._tensors, "w")  # [T, out]
         return y if residual is None else residual + y
 
 

@@ -91,7 +91,7 @@ class Int8Format(ExpertFormat):
             y = torch.ops.aten._weight_int8pack_mm(x, q, scale.to(x.dtype))  # [n, out]
         else:  # the slow obvious path: codes cast exactly (|q| <= 127), one GEMM
             y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
-        return y if bias is None else y + bias
+        return y if bias is None else (y + bias).to(x.dtype)  # an fp32 bias must not promote a bf16 result
 
     @property
     def fused_moe(self):
