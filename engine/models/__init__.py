@@ -1,11 +1,15 @@
 """Model architectures, one file per Hugging Face `model_type`.
 
-`ARCHITECTURES` maps a config's model_type to its class. Known types that moechat does not run say
+`ARCHITECTURES` maps a config's model_type to its class: the families below, and every module of this package that
+defines its own `ARCHITECTURES` dict (a new family registers itself in its own file, nothing to edit here). Known types that moechat does not run say
 why (a dense model needs no expert offloading; some MoE families are not implemented yet), so the user
 gets a reason instead of "unknown model".
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from .base import MoEForCausalLM
 from .deepseek_v2 import DeepseekV2ForCausalLM
@@ -28,9 +32,14 @@ ARCHITECTURES: dict[str, type[MoEForCausalLM]] = {
     "glm4_moe": Glm4MoeForCausalLM,
 }
 
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    _own = getattr(importlib.import_module(f"{__name__}.{_info.name}"), "ARCHITECTURES", None)
+    if isinstance(_own, dict):
+        ARCHITECTURES.update(_own)
+
 # MoE families moechat knows of but does not implement yet.
 PLANNED_MOE = {"phimoe", "granitemoe", "jamba", "dbrx", "llama4", "qwen3_next", "ernie4_5_moe", "minimax",
-               "hunyuan_v1_moe"}
+               "hunyuan_v1_moe"} - ARCHITECTURES.keys()
 # Dense families: nothing to offload, so nothing for moechat to do.
 DENSE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3", "gpt2", "olmo",
          "olmo2", "falcon", "gpt_neox", "starcoder2", "cohere", "granite", "smollm3"}

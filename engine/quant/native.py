@@ -42,6 +42,16 @@ from ..files import atomic_write
 ENV = "MOECHAT_NATIVE"  # "0": the torch paths
 DECODE_ENV = "MOECHAT_NATIVE_DECODE"  # "0": many tokens decode their tiles with the torch decoders (one token unchanged)
 SOURCE = Path(__file__).with_name("native.c")
+# native.c and its companions (native_*.c: kernels whose Python wrappers set their own argtypes on the loaded
+# library) are compiled into one library; the cache key hashes all of them, in name order.
+
+
+def sources() -> list[Path]:
+    return [SOURCE, *sorted(SOURCE.parent.glob("native_*.c"))]
+
+
+def _source_bytes() -> bytes:
+    return b"\0\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in sources())
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
 ABI = 6  # native.c's MOECHAT_ABI (5: int4's scales fp16; 6: the bf16 GEMV)
 
@@ -99,12 +109,12 @@ def verified(path: Path) -> bool:
 
 
 def build(flags: tuple[str, ...] = FLAGS, directory: Path | None = None, cc: str | None = None) -> Path:
-    """Compile native.c (unless this source, flags, compiler and CPU already have a verified library) -> its path.
+    """Compile native.c and its native_*.c companions (unless this source, flags, compiler and CPU already have a verified library) -> its path.
     Raises OSError / CalledProcessError / TimeoutExpired when it cannot."""
     cc = cc or _compiler()
     if cc is None:
         raise FileNotFoundError("no C compiler (cc) on PATH")
-    source = SOURCE.read_bytes()
+    source = _source_bytes()
     directory = directory or cache_dir()
     path = library_path(source, flags, cc, directory)
     if verified(path):
@@ -113,7 +123,7 @@ def build(flags: tuple[str, ...] = FLAGS, directory: Path | None = None, cc: str
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".build", dir=directory)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *flags, "-o", tmp, *map(str, sources()), "-lm"], check=True, capture_output=True, timeout=120)
         data = Path(tmp).read_bytes()
     finally:
         if os.path.exists(tmp):
