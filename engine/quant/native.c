@@ -816,6 +816,8 @@ typedef struct {
     int x_bf16;
     int64_t rows, cols, group, b0, b1, align;
     float *y;
+    int (*fn)(void *ctx, int64_t a, int64_t b); /* kind 8: a companion's work (moechat_parallel_for) */
+    void *ctx;
 } Job;
 
 static int run_share(const Job *j, int64_t a, int64_t b) {
@@ -832,6 +834,8 @@ static int run_share(const Job *j, int64_t a, int64_t b) {
             return 0;
         case 6:
             return fp8_decode_rows(w, j->s, a, b, j->cols, j->b0, j->b1, j->y);
+        case 8:
+            return j->fn(j->ctx, a, b);
         case 7:
             return bf16_gemv_f32(j->x, j->x_bf16, (const uint16_t *)w + a * j->cols, b - a, j->cols, j->y + a);
         case 0:
@@ -946,6 +950,16 @@ static int run(Job j, int flags, void *y, int64_t bytes) {
         free(yf);
     }
     return rc;
+}
+
+/* The pool for the companions (native_*.c): fn(ctx, a, b) over [a, b) of [0, units), shares cut at multiples of
+ * `align`, as many threads as `bytes` of work warrant (MIN_SHARE each) up to the set count; the first non-zero
+ * return is the call's. */
+int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, int64_t units, int64_t align,
+                         int64_t bytes) {
+    if (!fn || units < 0 || align < 1) return -1;
+    Job j = {.kind = 8, .rows = units, .align = align, .fn = fn, .ctx = ctx};
+    return run_job(&j, bytes);
 }
 
 int moechat_int4_gemv(const void *x, int flags, const uint8_t *q, const uint16_t *scale, int64_t rows, int64_t cols,
