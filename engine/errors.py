@@ -160,3 +160,11 @@ class DownloadBusyError(HubError):
 
 class NotDownloadedError(HubError):
     """A repo id that is not (completely) in the local Hugging Face cache."""
+
+
+class QuantChoiceError(HubError):
+    """A GGUF repo offers several quants and none (or one it lacks) was named; `quants` lists (name, bytes)."""
+
+    def __init__(self, message: str, *, repo_id: str | None = None, quants: tuple[tuple[str, int], ...] = ()):
+        super().__init__(message, repo_id=repo_id)
+        self.quants = quants
