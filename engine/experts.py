@@ -25,10 +25,13 @@ expanded to full width.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
 from .moe import SWIGLU, ExpertActivation, ExpertBatch
+from .quant import native
 from .quant.base import ExpertFormat
 
 # T = tokens, K = top-k, C = slots, H = hidden size, I = expert intermediate size
@@ -87,6 +90,77 @@ def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) 
     return fmt.linear(act(fmt.linear(x, tensors, "w13")), tensors, "w2")
 
 
+# -- one token on the CPU: the layer's experts in one native call (quant/native.py moe_decode) ------------------------
+# Per (virtual) slot, its tensors' addresses and the layer's shape, built once per set of buffers as the views are:
+# ((w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0), (kind, H, I, group13, group2, block, bias kind)),
+# or None where the kernels do not take that slot's tensors (another dtype, a strided buffer: the general path).
+_MOE_NAMES = {"int4": ("w13_q", "w13_scale", "w2_q", "w2_scale"), "int8": ("w13_q", "w13_scale", "w2_q", "w2_scale"),
+              "mxfp4": ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"), "fp8": ("w13", "w13_scale", "w2",
+                                                                                        "w2_scale")}
+_MOE_SCALE_DTYPES = {"int4": torch.float16, "int8": torch.float32, "mxfp4": torch.uint8, "fp8": torch.float32}
+
+
+def _moe_rows(fmt: ExpertFormat, ts) -> tuple[list]:
+    names = _MOE_NAMES[fmt.name]
+    w13, s13, w2, s2 = (ts[k] for k in names)
+    b13, b2 = ts.get("w13_bias"), ts.get("w2_bias")
+    C = w13.shape[0]
+    ok = (all(t.is_contiguous() and t.device.type == "cpu" for t in (w13, s13, w2, s2))
+          and s13.dtype == s2.dtype == _MOE_SCALE_DTYPES[fmt.name]
+          and all(b is None or (b.is_contiguous() and b.dtype in native.BIAS_KINDS) for b in (b13, b2))
+          and (b13 is None) == (b2 is None))
+    if not ok:
+        return ([None] * C,)
+    hidden, inter = w2.shape[1], w13.shape[1] // 2  # w13 [C, 2I, ...], w2 [C, H, ...] in every format
+    group13 = group2 = 0
+    if fmt.name == "int4":
+        group13, group2 = hidden // s13.shape[2], inter // s2.shape[2]
+    block = tuple(getattr(fmt, "block", (0, 0)))
+    if b13 is not None and b13.dtype != b2.dtype:
+        return ([None] * C,)
+    meta = (native.MOE_KINDS[fmt.name], hidden, inter, group13, group2, block,
+            0 if b13 is None else native.BIAS_KINDS[b13.dtype])
+    rows = []
+    for s in range(C):
+        addr = [t[s].data_ptr() for t in (w13, s13, w2, s2)]
+        addr += [0, 0] if b13 is None else [b13[s].data_ptr(), b2[s].data_ptr()]
+        rows.append((tuple(addr), meta))
+    return (rows,)
+
+
+def _native_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch, act: ExpertActivation,
+                contrib: torch.Tensor, slots: list[int], ks) -> bool:
+    """The one-token pairs ks of a CPU batch through native.moe_decode into their contrib rows; False (nothing done)
+    where the kernels do not take this batch: the per-projection path then runs (the same bits, tested)."""
+    fmt = batch.format
+    if (fmt.name not in _MOE_NAMES or act.kind not in native.ACT_KINDS or hidden_states.device.type != "cpu"
+            or hidden_states.dtype not in (torch.float32, torch.bfloat16) or not contrib.is_contiguous()
+            or (lib := native.library()) is None):
+        return False
+    rows = _cached_views(f"moe-{fmt.name}", batch, lambda ts: _moe_rows(fmt, ts))[0]
+    ks = list(ks)
+    entries = [rows[slots[k]] for k in ks]
+    if not entries or any(e is None for e in entries):
+        return not entries
+    kind, hidden, inter, group13, group2, block, bias_kind = entries[0][1]
+    if inter >= 32768 or contrib.shape[1] != hidden:  # torch would split the activation ops over threads
+        return False
+    x = hidden_states.contiguous()
+    base, row = contrib.data_ptr(), contrib.stride(0) * 4
+    flat = []
+    for k, (addr, _) in zip(ks, entries, strict=True):
+        flat += addr
+        flat.append(base + k * row)
+    weights = topk_weights[0].tolist()
+    n = len(ks)
+    ptrs = (ctypes.c_int64 * (7 * n))(*flat)
+    ws = (ctypes.c_float * n)(*(weights[k] for k in ks))
+    limit, alpha = act.limit, act.alpha
+    native.moe_decode(lib, kind, x, ptrs, ws, n, hidden, inter, group13, group2, block, bias_kind,
+                      native.ACT_KINDS[act.kind], limit, alpha)
+    return True
+
+
 def _put(contrib: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
     """contrib[idx] = w * y in fp32: each (token, k) pair's weighted expert output in its own row."""
     contrib.index_copy_(0, idx, y.float() * w.float()[:, None])
@@ -103,6 +177,8 @@ def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, 
         ks = range(K) if batch.pairs is None else batch.pairs.tolist()
         slots = slot_ids[0].tolist()
         if contrib is not None:
+            if _native_moe(hidden_states, topk_weights, batch, act, contrib, slots, ks):
+                return None
             weights = topk_weights[0].tolist()
             for k in ks:
                 y = _expert(hidden_states, batch.format, views[slots[k]], act)  # [1, H]

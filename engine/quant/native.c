@@ -24,7 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#define MOECHAT_ABI 6
+#define MOECHAT_ABI 7
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MOECHAT_SCALAR)
 #define SIMD 1
@@ -63,6 +63,42 @@ static float f16_to_f32(uint16_t h) {
     memcpy(&f, &b, 4);
     return f;
 #endif
+}
+
+/* Per-thread scratch, grown on demand and kept (freed when the thread exits): the kernels' copies of x, the bf16
+ * calls' fp32 y, the layer call's intermediates. A decode step then allocates nothing (issue 27: ~6% of a step was
+ * malloc/free). Slots: TLS_X the kernels' x, TLS_Y a bf16 call's fp32 y, TLS_MOE the layer call's buffers, TLS_ATT decode attention's. */
+enum { TLS_X, TLS_Y, TLS_MOE, TLS_ATT, TLS_SLOTS };
+typedef struct { void *p[TLS_SLOTS]; size_t n[TLS_SLOTS]; } Tls;
+static pthread_key_t tls_key;
+static pthread_once_t tls_once = PTHREAD_ONCE_INIT;
+
+static void tls_free(void *v) {
+    Tls *t = v;
+    for (int i = 0; i < TLS_SLOTS; i++) free(t->p[i]);
+    free(t);
+}
+
+static void tls_init(void) { pthread_key_create(&tls_key, tls_free); }
+
+/* this thread's buffer `slot`, at least `bytes` (64-byte aligned), or NULL where memory cannot be had */
+static void *scratch(int slot, size_t bytes) {
+    pthread_once(&tls_once, tls_init);
+    Tls *t = pthread_getspecific(tls_key);
+    if (!t) {
+        if (!(t = calloc(1, sizeof(Tls)))) return NULL;
+        if (pthread_setspecific(tls_key, t)) {
+            free(t);
+            return NULL;
+        }
+    }
+    if (t->n[slot] < bytes) {
+        free(t->p[slot]);
+        size_t n = (bytes + 63) / 64 * 64;
+        t->p[slot] = aligned_alloc(64, n < 4096 ? 4096 : n);
+        t->n[slot] = t->p[slot] ? (n < 4096 ? 4096 : n) : 0;
+    }
+    return t->p[slot];
 }
 
 static float load_x(const void *x, int x_bf16, int64_t j) {
@@ -217,8 +253,10 @@ static float x16_block_scalar(const float *v, int32_t *t) {
 
 static int x16_make(const uint16_t *x, int64_t cols, int off, X16 *o) {
     int64_t G = cols / 32, P = (G + 1) / 2;
-    o->mem = calloc((size_t)P, 64 * sizeof(int16_t) + 8 * sizeof(float) + 8 * sizeof(int32_t));
+    size_t bytes = (size_t)P * (64 * sizeof(int16_t) + 8 * sizeof(float) + 8 * sizeof(int32_t));
+    o->mem = scratch(TLS_X, bytes);
     if (!o->mem) return -2;
+    memset(o->mem, 0, bytes); /* an odd last block's pair: its second block zero */
     o->q = o->mem;
     o->step = (float *)(o->q + P * 64);
     o->corr = (int32_t *)(o->step + P * 8);
@@ -363,7 +401,6 @@ static inline __attribute__((always_inline)) int i16_gemv(const void *x, const u
     X16 xq;
     if (x16_make(x, cols, kind == K_INT4 ? 8 : 12, &xq)) return -2;
     for (int64_t r = 0; r < rows; r++) y[r] = i16_row(&xq, codes, scale, r, cols / 32, kind);
-    free(xq.mem);
     return 0;
 }
 #endif
@@ -424,7 +461,7 @@ static int int4_gemv_f32(const void *x, int x_bf16, const uint8_t *q, const uint
 #if SIMD
     if (group == 32 && x_bf16) return i16_gemv(x, q, scale, rows, cols, y, K_INT4);  // the integer path
 #endif
-    float *xp = malloc(sizeof(float) * (size_t)(cols + 1));
+    float *xp = scratch(TLS_X, sizeof(float) * (size_t)(cols + 1));
     if (!xp) return -2;
 #if SIMD
     x_four_bit(x, x_bf16, cols, xp);
@@ -455,7 +492,6 @@ static int int4_gemv_f32(const void *x, int x_bf16, const uint8_t *q, const uint
         y[r] = acc;
     }
 #endif
-    free(xp);
     return 0;
 }
 
@@ -490,7 +526,7 @@ static int mxfp4_gemv_f32(const void *x, int x_bf16, const uint8_t *blocks, cons
 #if SIMD
     if (x_bf16) return i16_gemv(x, blocks, scales, rows, cols, y, K_MXFP4);  // the integer path
 #endif
-    float *xp = malloc(sizeof(float) * (size_t)(cols + 1));
+    float *xp = scratch(TLS_X, sizeof(float) * (size_t)(cols + 1));
     if (!xp) return -2;
 #if SIMD
     x_four_bit(x, x_bf16, cols, xp);
@@ -513,7 +549,6 @@ static int mxfp4_gemv_f32(const void *x, int x_bf16, const uint8_t *blocks, cons
         y[r] = acc;
     }
 #endif
-    free(xp);
     return 0;
 }
 
@@ -562,7 +597,7 @@ static inline __attribute__((always_inline)) void fp8_rows(const float *xs, cons
 static int fp8_gemv_f32(const void *x, int x_bf16, const uint8_t *w, const float *scale, int64_t rows, int64_t cols,
                      int64_t b0, int64_t b1, float *y) {
     if (b0 <= 0 || b1 <= 0) return -1;
-    float *xs = malloc(sizeof(float) * (size_t)(2 * cols + 1));
+    float *xs = scratch(TLS_X, sizeof(float) * (size_t)(2 * cols + 1));
     if (!xs) return -2;
 #if SIMD
     float *xr = xs + cols;
@@ -602,7 +637,6 @@ static int fp8_gemv_f32(const void *x, int x_bf16, const uint8_t *w, const float
 #endif
     }
     (void)full;
-    free(xs);
     return 0;
 }
 
@@ -631,7 +665,7 @@ static inline __attribute__((always_inline)) void int8_row(const float *xf, cons
 
 static int int8_gemv_f32(const void *x, int x_bf16, const int8_t *q, const float *scale, int64_t rows, int64_t cols,
                       float *y) {
-    float *xf = malloc(sizeof(float) * (size_t)(cols + 1));
+    float *xf = scratch(TLS_X, sizeof(float) * (size_t)(cols + 1));
     if (!xf) return -2;
     for (int64_t j = 0; j < cols; j++) xf[j] = load_x(x, x_bf16, j);
     int64_t r = 0;
@@ -644,7 +678,6 @@ static int int8_gemv_f32(const void *x, int x_bf16, const int8_t *q, const float
         y[r] = acc * scale[r];
     }
 #endif
-    free(xf);
     return 0;
 }
 
@@ -659,7 +692,7 @@ static inline __m256 bf16_w8(const uint16_t *p) {
 #endif
 
 static int bf16_gemv_f32(const void *x, int x_bf16, const uint16_t *w, int64_t rows, int64_t cols, float *y) {
-    float *xf = malloc(sizeof(float) * (size_t)(cols + 1));
+    float *xf = scratch(TLS_X, sizeof(float) * (size_t)(cols + 1));
     if (!xf) return -2;
     for (int64_t j = 0; j < cols; j++) xf[j] = load_x(x, x_bf16, j);
     for (int64_t r = 0; r < rows; r++) {
@@ -680,7 +713,6 @@ static int bf16_gemv_f32(const void *x, int x_bf16, const uint16_t *w, int64_t r
         for (; j < cols; j++) acc += bf16_to_f32(p[j]) * xf[j];
         y[r] = acc;
     }
-    free(xf);
     return 0;
 }
 
@@ -758,7 +790,7 @@ static void mxfp4_decode_rows(const uint8_t *blocks, const uint8_t *scales, int6
 
 static int fp8_decode_rows(const uint8_t *w, const float *scale, int64_t r0, int64_t r1, int64_t cols, int64_t b0,
                            int64_t b1, float *out) {
-    float *fac = malloc(sizeof(float) * (size_t)(cols + 1));  // the row block's scale per column
+    float *fac = scratch(TLS_X, sizeof(float) * (size_t)(cols + 1));  // the row block's scale per column
     if (!fac) return -2;
     int64_t nb1 = (cols + b1 - 1) / b1, cur = -1;
     for (int64_t r = r0; r < r1; r++) {
@@ -783,7 +815,6 @@ static int fp8_decode_rows(const uint8_t *w, const float *scale, int64_t r0, int
 #endif
         for (; j < cols; j++) o[j] = e4m3(wr[j]) * fac[j];
     }
-    free(fac);
     return 0;
 }
 
@@ -939,7 +970,7 @@ static int run_job(const Job *j, int64_t bytes) {
 
 static int run(Job j, int flags, void *y, int64_t bytes) {
     int y_bf16 = flags & 2;  /* the kernels sum into fp32: a scratch y, rounded into the caller's at the end */
-    float *yf = y_bf16 ? malloc(sizeof(float) * (size_t)(j.rows > 0 ? j.rows : 1)) : (float *)y;
+    float *yf = y_bf16 ? scratch(TLS_Y, sizeof(float) * (size_t)(j.rows > 0 ? j.rows : 1)) : (float *)y;
     if (!yf) return -2;
     j.y = yf;
     j.x_bf16 = flags & 1;
@@ -947,7 +978,6 @@ static int run(Job j, int flags, void *y, int64_t bytes) {
     if (y_bf16) {
         if (rc == 0)
             for (int64_t r = 0; r < j.rows; r++) ((uint16_t *)y)[r] = f32_to_bf16(yf[r]);
-        free(yf);
     }
     return rc;
 }
@@ -1085,7 +1115,7 @@ int moechat_attn_decode(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                         float scale, float *out) {
     int64_t S = end - first;
     if (S <= 0) return -1;
-    float *sc = malloc(sizeof(float) * (size_t)(G * S + G * D + ATT_BR * D));
+    float *sc = scratch(TLS_ATT, sizeof(float) * (size_t)(G * S + G * D + ATT_BR * D));
     if (!sc) return -2;
     float *qf = sc + G * S, *buf = qf + G * D;
     for (int64_t h = 0; h < nkv; h++) {
@@ -1189,6 +1219,197 @@ int moechat_attn_decode(const uint16_t *q, const uint16_t *k, const uint16_t *v,
         for (int64_t g = 0; g < G; g++)
             for (int64_t j = 0; j < D; j++) oh[g * D + j] *= inv[g];
     }
-    free(sc);
     return 0;
+}
+
+/* -- one token through a layer's routed experts: moechat_moe_decode ------------------------------------------------
+ * For n experts (the layer's top-k for one token, or the pairs of one batch), each out_k = w_k * down(act(gate_up(x)))
+ * with gate_up and down the packed projections (int4, MXFP4, FP8, int8), in one call: the intermediates stay in this
+ * thread's scratch, and the pool runs two jobs, all n experts' gate/up rows, then all their down rows, instead of 2n
+ * calls from Python (~10 us of ctypes and a pool wake each; issue 27). Bit for bit the per-projection path
+ * (engine/experts.py's `_expert` through each format's `linear`, then contrib[k].add_(y, alpha=w_k) into a zero row):
+ * each GEMV row is the same kernel over the same x (rows split, never a sum); a bias is added in fp32 and the sum
+ * rounded once to x's dtype (bf16 or fp32), as `linear` does; the activation is computed as torch computes it on this
+ * CPU, rounding where torch rounds: SwiGLU silu(gate) * up, or GPT-OSS's (up + 1) * (gate * sigmoid(alpha gate))
+ * after the clamps, torch's exp being Sleef's expf_u10 over the vectorised part of each op (`vec` elements a step:
+ * 2 x the vector width, from torch's CPU capability; 0 where torch has no vectorised exp) and libm's expf over the
+ * tail, both reproduced here (tested against torch). Each output row out_k[h] = w_k * y[h] (+ 0: add_ into zeros). */
+static float pow2i(int q) {
+    uint32_t b = (uint32_t)(q + 0x7f) << 23;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* Sleef's expf_u10 (torch's Vectorized<float>::exp on AVX2 and AVX-512), one lane: the same FMAs in the same order */
+static float sleef_expf(float d) {
+    if (d != d) return d;
+    if (d < -104.0f) return 0.0f;
+    if (d > 100.0f) return INFINITY;
+    int q = (int)rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    float s = fmaf((float)q, -0.693145751953125f, d);
+    s = fmaf((float)q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    u = u * pow2i(q >> 1);
+    return u * pow2i(q - (q >> 1));
+}
+
+static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* exp(-v) as the torch op over element i of n computes it */
+static inline float torch_exp_neg(float v, int64_t i, int64_t nvec) { return i < nvec ? sleef_expf(-v) : expf(-v); }
+
+enum { ACT_SWIGLU, ACT_CLAMPED };
+
+/* gu [2I] (x's dtype values, as fp32) -> a [I] in x's dtype (bf16 bit patterns, or fp32) */
+static void moe_activation(const float *gu, int64_t I, int act, int bf16, int64_t vec, float limit, float alpha,
+                           void *a) {
+    int64_t nvec = vec > 0 ? I / vec * vec : 0;
+    for (int64_t i = 0; i < I; i++) {
+        float v;
+        if (act == ACT_SWIGLU) {  /* F.silu(gate) * up */
+            float g = gu[i], up = gu[I + i];
+            float s = round_to(g / (1.0f + torch_exp_neg(g, i, nvec)), bf16);
+            v = s * up;
+        } else {  /* gate = g.clamp(max=limit), up = u.clamp(-limit, limit): NaN stays NaN */
+            float g = gu[2 * i], u = gu[2 * i + 1];
+            g = round_to(g > limit ? limit : g, bf16);  /* a clamp's output is x's dtype: the limit rounded */
+            u = round_to(u < -limit ? -limit : u > limit ? limit : u, bf16);
+            float ga = round_to(g * alpha, bf16);
+            float sg = round_to(1.0f / (1.0f + torch_exp_neg(ga, i, nvec)), bf16);
+            float t = round_to(g * sg, bf16);
+            v = round_to(u + 1.0f, bf16) * t;
+        }
+        if (bf16) ((uint16_t *)a)[i] = f32_to_bf16(v);
+        else ((float *)a)[i] = v;
+    }
+}
+
+/* a row range of one matrix of the layer call: rows [0, rows) of w (scale s) times x into y, in units of `align`
+ * rows (FP8: its row block, so every share starts on a scale row) */
+typedef struct {
+    const void *x, *w, *s;
+    int64_t rows, cols, group, u0;
+    float *y;
+    int expert;
+} MoeSeg;
+
+typedef struct {
+    int kind, x_bf16, bias_kind, phase;
+    int64_t b0, b1, align;
+    const MoeSeg *seg;
+    int nseg;
+    const int64_t *ptrs; /* [n, 7]: w13, s13, w2, s2, b13, b2, out */
+    const float *weights;
+} MoeCtx;
+
+static float bias_at(const void *b, int kind, int64_t r) {
+    return kind == 1 ? bf16_to_f32(((const uint16_t *)b)[r]) : kind == 2 ? f16_to_f32(((const uint16_t *)b)[r])
+                                                                          : ((const float *)b)[r];
+}
+
+static int moe_share(void *vctx, int64_t ua, int64_t ub) {
+    const MoeCtx *c = vctx;
+    for (int i = 0; i < c->nseg; i++) {
+        const MoeSeg *g = &c->seg[i];
+        int64_t units = (g->rows + c->align - 1) / c->align;
+        int64_t a = ua > g->u0 ? ua - g->u0 : 0, b = ub - g->u0 < units ? ub - g->u0 : units;
+        if (a >= b) continue;
+        int64_t r0 = a * c->align, r1 = b * c->align < g->rows ? b * c->align : g->rows;
+        Job j = {.kind = c->kind, .x = g->x, .x_bf16 = c->x_bf16, .w = g->w, .s = g->s, .rows = g->rows,
+                 .cols = g->cols, .group = g->group, .b0 = c->b0, .b1 = c->b1, .y = g->y};
+        int rc = run_share(&j, r0, r1);
+        if (rc) return rc;
+        if (c->phase == 2) {  /* down rows done: + bias, x's dtype, times the routing weight, into the output row */
+            const int64_t *p = c->ptrs + 7 * g->expert;
+            const void *bias = (const void *)(intptr_t)p[5];
+            float *out = (float *)(intptr_t)p[6], w = c->weights[g->expert];
+            for (int64_t r = r0; r < r1; r++) {
+                float v = g->y[r];
+                if (bias) v = v + bias_at(bias, c->bias_kind, r);
+                out[r] = round_to(v, c->x_bf16) * w + 0.0f;
+            }
+        }
+    }
+    return 0;
+}
+
+/* kind: 0 int4, 1 MXFP4, 2 FP8, 3 int8 (the GEMVs' Job kinds). x [H] (x_bf16: bf16, else fp32); ptrs [n, 7] the
+ * addresses of each expert's w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0, and its output row (fp32
+ * [H]); weights [n]; int4's groups along H and I (group13, group2); FP8's block (b0, b1); bias_kind 0 fp32, 1 bf16,
+ * 2 fp16. Returns 0, -1 for a shape no kernel takes, -2 where memory cannot be had. */
+int moechat_moe_decode(int kind, const void *x, int x_bf16, const int64_t *ptrs, const float *weights, int64_t n,
+                       int64_t H, int64_t I, int64_t group13, int64_t group2, int64_t b0, int64_t b1, int bias_kind,
+                       int act, float limit, float alpha, int64_t vec) {
+    if (n <= 0) return n == 0 ? 0 : -1;
+    if (kind < 0 || kind > 3 || H <= 0 || I <= 0 || (kind == 2 && (b0 <= 0 || b1 <= 0))) return -1;
+    if (kind == 0 && (group13 <= 0 || group2 <= 0)) return -1;
+    int64_t nseg13 = kind == 2 ? 2 * n : n;
+    size_t abytes = (size_t)I * (x_bf16 ? 2 : 4);
+    size_t need = sizeof(float) * (size_t)(n * 2 * I + n * H) + (size_t)n * abytes + sizeof(MoeSeg) * (size_t)(nseg13 + n)
+                  + 64;
+    uint8_t *mem = scratch(TLS_MOE, need);
+    if (!mem) return -2;
+    float *gu = (float *)mem, *y2 = gu + n * 2 * I;
+    uint8_t *acts = (uint8_t *)(y2 + n * H);
+    MoeSeg *seg = (MoeSeg *)(((uintptr_t)(acts + n * abytes) + 15) & ~(uintptr_t)15);
+    int64_t align = kind == 2 ? b0 : 4;
+    /* phase 1: every expert's gate/up rows (FP8: each half blocked from its own start) */
+    int64_t u = 0, bytes = 0;
+    int ns = 0;
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t *p = ptrs + 7 * k;
+        const void *w = (const void *)(intptr_t)p[0], *s = (const void *)(intptr_t)p[1];
+        if (kind == 2) {
+            int64_t sh = (I + b0 - 1) / b0 * ((H + b1 - 1) / b1);  /* the gate half's scale rows */
+            for (int h = 0; h < 2; h++) {
+                seg[ns] = (MoeSeg){.x = x, .w = (const uint8_t *)w + h * I * H, .s = (const float *)s + h * sh,
+                                   .rows = I, .cols = H, .u0 = u, .y = gu + k * 2 * I + h * I, .expert = (int)k};
+                u += (I + align - 1) / align;
+                ns++;
+            }
+        } else {
+            seg[ns] = (MoeSeg){.x = x, .w = w, .s = s, .rows = 2 * I, .cols = H, .group = group13, .u0 = u,
+                               .y = gu + k * 2 * I, .expert = (int)k};
+            u += (2 * I + align - 1) / align;
+            ns++;
+        }
+        bytes += kind == 0 || kind == 1 ? I * H : 2 * I * H;
+    }
+    MoeCtx c = {.kind = kind, .x_bf16 = x_bf16, .bias_kind = bias_kind, .phase = 1, .b0 = b0, .b1 = b1,
+                .align = align, .seg = seg, .nseg = ns, .ptrs = ptrs, .weights = weights};
+    Job j1 = {.kind = 8, .rows = u, .align = 1, .fn = moe_share, .ctx = &c};
+    int rc = run_job(&j1, bytes);
+    if (rc) return rc;
+    /* the activations, on this thread (n x I elements: ~1% of the GEMVs' time) */
+    for (int64_t k = 0; k < n; k++) {
+        const void *b13 = (const void *)(intptr_t)ptrs[7 * k + 4];
+        float *g = gu + k * 2 * I;
+        for (int64_t r = 0; r < 2 * I; r++) {
+            float v = g[r];
+            if (b13) v = v + bias_at(b13, bias_kind, r);
+            g[r] = round_to(v, x_bf16);
+        }
+        moe_activation(g, I, act, x_bf16, vec, limit, alpha, acts + k * abytes);
+    }
+    /* phase 2: every expert's down rows, each finished into its output row */
+    MoeSeg *seg2 = seg + ns;
+    u = 0;
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t *p = ptrs + 7 * k;
+        seg2[k] = (MoeSeg){.x = acts + k * abytes, .w = (const void *)(intptr_t)p[2], .s = (const void *)(intptr_t)p[3],
+                           .rows = H, .cols = I, .group = group2, .u0 = u, .y = y2 + k * H, .expert = (int)k};
+        u += (H + align - 1) / align;
+    }
+    c.phase = 2;
+    c.seg = seg2;
+    c.nseg = (int)n;
+    Job j2 = {.kind = 8, .rows = u, .align = 1, .fn = moe_share, .ctx = &c};
+    return run_job(&j2, bytes / 2);
 }

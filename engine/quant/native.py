@@ -25,6 +25,7 @@ which path is active and why (`moechat fit --json`, the tests).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -53,7 +54,7 @@ def sources() -> list[Path]:
 def _source_bytes() -> bytes:
     return b"\0\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in sources())
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
-ABI = 6  # native.c's MOECHAT_ABI (5: int4's scales fp16; 6: the bf16 GEMV)
+ABI = 7  # native.c's MOECHAT_ABI (5: int4's scales fp16; 6: the bf16 GEMV; 7: the layer call moe_decode)
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": the CDLL or None, "why": the status line
@@ -157,6 +158,9 @@ def load(path: Path) -> ctypes.CDLL:
               lib.moechat_bf16_gemv,
               lib.moechat_attn_decode, lib.moechat_int4_decode, lib.moechat_mxfp4_decode, lib.moechat_fp8_decode):
         f.restype = i32
+    lib.moechat_moe_decode.argtypes = [i32, p, i32, p, p, i64, i64, i64, i64, i64, i64, i64, i32, i32,
+                                       ctypes.c_float, ctypes.c_float, i64]
+    lib.moechat_moe_decode.restype = i32
     lib.moechat_set_threads.argtypes = [i32]
     lib.moechat_set_threads.restype = None
     lib.moechat_init()
@@ -374,3 +378,29 @@ def attn_decode(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: i
     _check(lib.moechat_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), nkv, G, D,
                                    first, end, scale, out.data_ptr()), "attention")
     return out
+
+
+# -- one token through a layer's experts (decode): one call for all its routed experts ------------------------------
+MOE_KINDS = {"int4": 0, "mxfp4": 1, "fp8": 2, "int8": 3}  # native.c's Job kinds of the GEMVs
+BIAS_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ACT_KINDS = {"swiglu": 0, "clamped_swiglu": 1}
+
+
+@functools.cache
+def vector_step(dtype: torch.dtype) -> int:
+    """Elements a torch CPU elementwise op takes per vectorised step here (2 x its vector width: cpu_kernel_vec); the
+    rest of a contiguous tensor goes through the op's scalar form. 0 where torch has no vectorised exp (DEFAULT
+    capability: every element through libm's expf). native.c's activations follow the same split."""
+    width = {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability(), 0)  # bytes a vector
+    return 2 * width // dtype.itemsize
+
+
+def moe_decode(lib, kind: int, x: torch.Tensor, ptrs, weights, n: int, hidden: int, inter: int, group13: int,
+               group2: int, block: tuple[int, int], bias_kind: int, act: int, limit: float, alpha: float) -> None:
+    """n experts on one token x [1, H] (fp32 or bf16, contiguous) into their output rows: ptrs a ctypes int64 array
+    [n, 7] (each expert's w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0, and its fp32 [H] output row),
+    weights a ctypes float array [n] (native.c's moechat_moe_decode; engine/experts.py builds both)."""
+    _threads(lib)
+    _check(lib.moechat_moe_decode(kind, x.data_ptr(), int(x.dtype == torch.bfloat16), ptrs, weights, n, hidden,
+                                  inter, group13, group2, block[0], block[1], bias_kind, act, limit, alpha,
+                                  vector_step(x.dtype)), "expert layer")
