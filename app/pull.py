@@ -2,7 +2,9 @@
 
 Says first what it will do (files already cached, partial files it resumes, what is left), then a progress bar
 on stderr; the snapshot's path goes to stdout (or one JSON object with `--json`). Ctrl-C keeps what arrived:
-the next pull resumes it. HF_TOKEN, HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE are honoured. Also here:
+the next pull resumes it. `REPO:QUANT` (or `--quant`) fetches one GGUF quant, a split set whole, and prints the path of
+its first file; a GGUF-only repo pulled without one lists its quants with their sizes and exits 1 saying how to
+pick. HF_TOKEN, HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE are honoured. Also here:
 `resolve_model_arg`, which turns the MODEL of `run`, `chat` and `fit` into a local folder when it is a repo id.
 No torch at start-up.
 """
@@ -21,11 +23,15 @@ EXIT_INTERRUPTED = 130
 
 def add_pull_parser(subparsers) -> argparse.ArgumentParser:
     pull = subparsers.add_parser(
-        "pull", help="download a model from the Hugging Face Hub (safetensors, config and tokenizer files only)",
+        "pull", help="download a model from the Hugging Face Hub (safetensors with config and tokenizer files, or one GGUF "
+             "quant)",
         description="Download a Hub model into the Hugging Face cache (HF_HOME), pinned to the commit of REVISION: "
                     "safetensors weights, JSON and tokenizer files, never pickle weights. Checks free disk first, "
                     "verifies every file's checksum, resumes interrupted downloads. Gated models need HF_TOKEN.")
-    pull.add_argument("repo", metavar="REPO", help="Hub repo id, e.g. allenai/OLMoE-1B-7B-0125-Instruct")
+    pull.add_argument("repo", metavar="REPO", help="Hub repo id, e.g. allenai/OLMoE-1B-7B-0125-Instruct; a GGUF "
+                      "repo with its quant: unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M")
+    pull.add_argument("--quant", metavar="QUANT", help="the GGUF quant to fetch (Q4_K_M, UD-Q4_K_XL, Q8_0...): only "
+                      "its file(s), a split set whole; without it a GGUF-only repo lists its quants and sizes")
     pull.add_argument("--revision", metavar="REV", help="branch, tag or commit (default: main)")
     pull.add_argument("--json", action="store_true", help="print one JSON object at the end (path, revision, "
                       "bytes) instead of the path")
@@ -98,47 +104,87 @@ def run_pull(args: argparse.Namespace) -> int:
         _json_error(args, "stopped", "KeyboardInterrupt", EXIT_INTERRUPTED)
         raise
     except MoechatError as e:
-        _json_error(args, str(e), type(e).__name__, 1)
+        quants = [{"quant": name, "bytes": size} for name, size in getattr(e, "quants", ())]
+        _json_error(args, str(e), type(e).__name__, 1, **({"quants": quants} if quants else {}))
         raise
 
 
-def _json_error(args: argparse.Namespace, message: str, kind: str, status: int) -> None:
+def _json_error(args: argparse.Namespace, message: str, kind: str, status: int, **extra) -> None:
     from .guard import one_line
 
     print(json.dumps({"repo_id": args.repo, "revision": args.revision, "error": one_line(message), "error_type": kind,
-                      "exit_status": status}))
+                      "exit_status": status, **extra}))
     sys.stdout.flush()
 
 
-def _pull(args: argparse.Namespace) -> int:
+def _repo_and_quant(args: argparse.Namespace) -> tuple[str, str | None]:
     from moechat.engine.errors import ConfigError
-    from moechat.engine.hub import Hub, looks_like_repo_id
+    from moechat.engine.hub import looks_like_repo_id, split_quant
 
-    if not looks_like_repo_id(args.repo):
-        raise ConfigError(f"{args.repo}: not a Hub repo id; pass org/name, e.g. allenai/OLMoE-1B-7B-0125-Instruct")
+    repo, quant = split_quant(args.repo)
+    if quant is not None and getattr(args, "quant", None) and quant.upper() != args.quant.upper():
+        raise ConfigError(f"{args.repo} names quant {quant} and --quant says {args.quant}: give one of them")
+    quant = getattr(args, "quant", None) or quant
+    if not looks_like_repo_id(repo):
+        raise ConfigError(f"{args.repo}: not a Hub repo id; pass org/name, e.g. allenai/OLMoE-1B-7B-0125-Instruct "
+                          "(org/name:Q4_K_M for a GGUF quant)")
+    return repo, quant
+
+
+def print_quants(error, stream=None) -> None:
+    """The quants a GGUF repo offers, a line each with its size, before the error that says how to pick one."""
+    stream = stream or sys.stderr
+    if not error.quants:
+        return
+    print(f"{error.repo_id}: GGUF quants", file=stream)
+    for name, size in error.quants:
+        print(f"  {name:<14} {_size(size):>11}", file=stream)
+    stream.flush()
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from moechat.engine.errors import QuantChoiceError
+    from moechat.engine.hub import Hub
+
+    repo, quant = _repo_and_quant(args)
+    args.repo = repo  # what the messages and --json name
     hub = Hub()
     bar = ProgressBar()  # on stderr: stdout keeps the path (or the JSON) alone
     cancel = threading.Event()
     start = time.monotonic()
     try:
-        path = hub.download(args.repo, args.revision, progress=bar, cancel=cancel)
+        if quant is not None:
+            path = hub.download_quant(args.repo, quant, args.revision, progress=bar, cancel=cancel)
+        else:
+            path = hub.download(args.repo, args.revision, progress=bar, cancel=cancel)
+    except QuantChoiceError as e:
+        bar.finish()
+        print_quants(e)
+        raise
     except KeyboardInterrupt:
         cancel.set()
         bar.finish()
-        print(f"moechat: stopped; what arrived is kept: moechat pull {args.repo} resumes it", file=sys.stderr)
+        again = args.repo + (f":{quant}" if quant else "")
+        print(f"moechat: stopped; what arrived is kept: moechat pull {again} resumes it", file=sys.stderr)
         if args.json:
-            _json_error(args, f"stopped; what arrived is kept: moechat pull {args.repo} resumes it",
+            _json_error(args, f"stopped; what arrived is kept: moechat pull {again} resumes it",
                         "KeyboardInterrupt", EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     finally:
         bar.finish()
     if args.json:
         plan = bar.plan.to_json() if bar.plan is not None else None  # None: HF_HUB_OFFLINE and already cached
-        print(json.dumps({"repo_id": args.repo, "revision": path.name, "path": str(path),
+        print(json.dumps({"repo_id": args.repo, "revision": _revision_of(path), "path": str(path), "quant": quant,
                           "seconds": round(time.monotonic() - start, 3), "plan": plan}))
     else:
         print(path)
     return 0
+
+
+def _revision_of(path: Path) -> str:
+    """The commit of a snapshot folder, or of the snapshot a GGUF file of it lies in (snapshots/<sha>/...)."""
+    parts = path.parts
+    return parts[parts.index("snapshots") + 1] if "snapshots" in parts[:-1] else path.name
 
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-moe"  # the source tree's, or the wheel's copy
@@ -164,6 +210,11 @@ def resolve_model_arg(model: str | None) -> str:
     where = "" if path.is_absolute() else f" in {Path.cwd()}"
     demo = (f"; the bundled demo model is what `moechat run` and `moechat chat` open without MODEL ({DEMO_MODEL})"
             if path.name == DEMO_MODEL.name else "")
+    from moechat.engine.hub import split_quant
+
+    repo, quant = split_quant(model)
+    if quant is not None and looks_like_repo_id(repo):
+        return str(_cached_quant(repo, quant))
     if not looks_like_repo_id(model):
         raise ConfigError(f"{model}: no such model directory{where}; pass a directory with config.json and "
                           f"*.safetensors{demo}")
@@ -175,6 +226,21 @@ def resolve_model_arg(model: str | None) -> str:
         raise NotDownloadedError(f"{model} is not downloaded, and no such directory is{where or ' there'}: run "
                                  f"moechat pull {model} if it is a Hub repo id, or pass the model's directory (an "
                                  f"absolute path works from anywhere){demo}", repo_id=model) from None
+
+
+def _cached_quant(repo: str, quant: str) -> Path:
+    """The first file of a GGUF quant pulled before (org/name:Q4_K_M), without the network."""
+    from moechat.engine.errors import NotDownloadedError, QuantChoiceError
+    from moechat.engine.hub import Hub, choose_quant, gguf_quants
+
+    hub = Hub()
+    snapshot = hub.local_snapshot(repo)
+    if snapshot is not None:
+        try:
+            return snapshot / choose_quant(repo, gguf_quants(hub.local_listing(repo, snapshot)), quant).first
+        except QuantChoiceError:
+            pass
+    raise NotDownloadedError(f"{repo}:{quant} is not downloaded: run moechat pull {repo}:{quant}", repo_id=repo)
 
 
 def fit_spec(model: str):

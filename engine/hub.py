@@ -58,6 +58,7 @@ from .errors import (
     MoechatError,
     NetworkError,
     NotDownloadedError,
+    QuantChoiceError,
     RepoGatedError,
     RepoNotFoundError,
     UnsafeHubResponseError,
@@ -132,6 +133,155 @@ def _is_weight(path: str) -> bool:
     return path.endswith(".safetensors")
 
 
+def _wanted_any(path: str) -> bool:
+    """What one listing takes so that a pull can choose: the safetensors side and every GGUF/imatrix file."""
+    return wanted_file(path) or is_gguf_path(path) or is_imatrix_path(path)
+
+
+# -- GGUF repos: one repo, many quants (Q4_K_M, UD-Q4_K_XL, Q8_0...), each one file or a split set -----------------
+
+MAX_GGUF_DEPTH = 4  # folders deep a GGUF file may sit in a repo (unsloth: UD-Q4_K_XL/<name>-00001-of-00003.gguf)
+_GGUF_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$")
+# A quant's name at the end of a file stem, after '-', '.' or '_' (Qwen3-30B-A3B-UD-Q4_K_XL, model.Q8_0, x-BF16).
+_QUANT_NAME = re.compile(r"(?:^|[-._])(?P<quant>(?:UD-)?(?:I?Q\d(?:_[0-9A-Z]+)*|TQ\d_\d|BF16|F16|F32|"
+                         r"MXFP4(?:_MOE)?))$", re.IGNORECASE)
+
+
+def is_gguf_path(path: str) -> bool:
+    """A GGUF model file of a repo (vision projectors, mmproj-*.gguf, are not models; imatrix files are apart)."""
+    name = path.rsplit("/", 1)[-1].lower()
+    return name.endswith(".gguf") and not name.startswith("mmproj") and not is_imatrix_path(path)
+
+
+def is_imatrix_path(path: str) -> bool:
+    """llama.cpp's importance matrix shipped beside the quants (imatrix.dat, imatrix_unsloth.gguf, x.imatrix.gguf):
+    pulled with any quant, since `--warm-start` seeds the expert cache from it (engine/cache/imatrix.py)."""
+    name = path.rsplit("/", 1)[-1].lower()
+    return "imatrix" in name and name.endswith((".dat", ".gguf"))
+
+
+def unsafe_repo_path(path: object) -> str | None:
+    """Why a GGUF file's repo path cannot be a cache path (None when it can): up to MAX_GGUF_DEPTH folders, each
+    part a plain name (`unsafe_file_name`)."""
+    if not isinstance(path, str) or not path:
+        return "not a non-empty string"
+    parts = path.split("/")
+    if len(parts) > MAX_GGUF_DEPTH + 1:
+        return f"is more than {MAX_GGUF_DEPTH} folders deep"
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        return f"is longer than a path may be ({MAX_PATH_BYTES} bytes)"
+    for part in parts:
+        why = unsafe_file_name(part)
+        if why is not None:
+            return f"has a part that {why}"
+    return None
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """A file of a cached snapshot: what `gguf_quants` needs of a RepoFile."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class GGUFQuant:
+    """One quant of a GGUF repo: its file, or its split set in order (`-00001-of-00003`)."""
+
+    name: str  # as the file names spell it, upper case: Q4_K_M, UD-Q4_K_XL, BF16
+    files: tuple[RepoFile | LocalFile, ...]
+    expected_parts: int  # what the split names say (1 for a single file)
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.files) == self.expected_parts
+
+    @property
+    def first(self) -> str:
+        """The path `moechat run` takes (the first file of a split set)."""
+        return self.files[0].path
+
+    def describe(self) -> str:
+        parts = f", {len(self.files)} files" if self.expected_parts > 1 else ""
+        missing = "" if self.complete else f" (only {len(self.files)} of {self.expected_parts} parts listed)"
+        return f"{self.name:<14} {_fmt(self.size):>11}{parts}{missing}  {self.first}"
+
+
+def _split_parts(path: str) -> tuple[str, int, int]:
+    """(path without the split suffix and .gguf, part index, part count); a single file is part 1 of 1."""
+    stem = path[: -len(".gguf")]
+    m = _GGUF_SPLIT.match(stem)
+    if m is None:
+        return stem, 1, 1
+    return m["stem"], int(m["index"]), int(m["count"])
+
+
+def _quant_name(stem: str) -> str:
+    """Q4_K_M from 'Q4_K_M/Qwen3-30B-A3B-Q4_K_M'; the folder's name when the file's has none; else the stem."""
+    folder, _, name = stem.rpartition("/")
+    for candidate in (name, folder.rsplit("/", 1)[-1]):
+        m = _QUANT_NAME.search(candidate) if candidate else None
+        if m is not None:
+            return m["quant"].upper()
+    return name
+
+
+def gguf_quants(files: Iterable[RepoFile | LocalFile]) -> list[GGUFQuant]:
+    """The quants a repo offers, grouped from its file listing (a split set is one quant), smallest first."""
+    groups: dict[str, list[tuple[int, int, RepoFile | LocalFile]]] = {}
+    for f in files:
+        if not is_gguf_path(f.path):
+            continue
+        stem, index, count = _split_parts(f.path)
+        groups.setdefault(stem, []).append((index, count, f))
+    quants = []
+    for stem, members in groups.items():
+        members.sort(key=lambda m: m[0])
+        quants.append(GGUFQuant(_quant_name(stem), tuple(m[2] for m in members), max(m[1] for m in members)))
+    return sorted(quants, key=lambda q: (q.size, q.name))
+
+
+def choose_quant(repo_id: str, quants: Sequence[GGUFQuant], wanted: str | None) -> GGUFQuant:
+    """The quant named `wanted` (case-insensitive; 'Q4_K_XL' also finds 'UD-Q4_K_XL' when it is the only one), or
+    QuantChoiceError listing what the repo has and how to pick one."""
+    listed = tuple((q.name, q.size) for q in quants)
+    offer = ", ".join(f"{q.name} {_fmt(q.size)}" for q in quants[:12]) + (", ..." if len(quants) > 12 else "")
+    example = next((q.name for q in quants if q.name.endswith("Q4_K_M")), quants[0].name if quants else "Q4_K_M")
+    if not quants:
+        raise QuantChoiceError(f"{repo_id} has no GGUF model files; pull it without a quant for its safetensors",
+                               repo_id=repo_id)
+    if wanted is None:
+        raise QuantChoiceError(f"{repo_id} offers {len(quants)} GGUF quants ({offer}): pick one with moechat pull "
+                               f"{repo_id}:{example} (or --quant {example})", repo_id=repo_id, quants=listed)
+    key = wanted.upper()
+    found = [q for q in quants if q.name == key] or [q for q in quants if q.name.endswith("-" + key)]
+    if len(found) > 1:
+        names = ", ".join(q.first for q in found[:4])
+        raise QuantChoiceError(f"{repo_id}: {len(found)} file sets are named {wanted} ({names}); this pull cannot "
+                               "tell which you mean: download the one you want with another tool, or ask the repo's "
+                               "owner", repo_id=repo_id, quants=listed)
+    if not found:
+        raise QuantChoiceError(f"{repo_id} has no {wanted} quant; it offers {offer}: pick one with moechat pull "
+                               f"{repo_id}:{example}", repo_id=repo_id, quants=listed)
+    quant = found[0]
+    if not quant.complete:
+        raise QuantChoiceError(f"{repo_id}: {quant.name} is split into {quant.expected_parts} parts but the repo "
+                               f"lists {len(quant.files)}; pick another quant ({offer})", repo_id=repo_id,
+                               quants=listed)
+    return quant
+
+
+def split_quant(repo: str) -> tuple[str, str | None]:
+    """'org/name:Q4_K_M' -> ('org/name', 'Q4_K_M'); a repo id without ':' -> (repo, None)."""
+    repo_id, sep, quant = str(repo).partition(":")
+    return (repo_id, quant or None) if sep else (repo_id, None)
+
+
 def _fmt(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
@@ -177,7 +327,8 @@ class RepoFile:
     blob_id: str | None  # git blob sha1 (the blob's name for non-LFS files)
 
     def __post_init__(self):
-        why = unsafe_file_name(self.path)
+        gguf_file = isinstance(self.path, str) and (is_gguf_path(self.path) or is_imatrix_path(self.path))
+        why = unsafe_repo_path(self.path) if gguf_file else unsafe_file_name(self.path)
         if why is not None:
             raise ValueError(f"file name {self.path!r} {why}")
         if self.sha256 is not None and not (isinstance(self.sha256, str) and _SHA256.match(self.sha256)):
@@ -415,6 +566,10 @@ def snapshot_problems(path: Path) -> list[str]:
     """
     if not path.is_dir():
         return ["no snapshot folder"]
+    if not (path / "config.json").exists() and not any(path.glob("*.safetensors")):
+        ggufs = _gguf_in_snapshot(path)
+        if ggufs is not None:
+            return ggufs
     problems = []
     if not (path / "config.json").is_file():
         problems.append("config.json missing")
@@ -432,6 +587,26 @@ def snapshot_problems(path: Path) -> list[str]:
     dangling = [p.name for p in path.iterdir() if p.is_symlink() and not p.exists()]
     if dangling:
         problems.append(f"{len(dangling)} links to missing blobs")
+    return problems
+
+
+def _gguf_in_snapshot(path: Path) -> list[str] | None:
+    """A GGUF snapshot's problems ([] when every split set in it has all its parts); None when it holds no GGUF."""
+    found = [p for depth in range(MAX_GGUF_DEPTH + 1) for p in path.glob("/".join(["*"] * (depth + 1)))
+             if p.name.endswith(".gguf") and (p.is_symlink() or p.is_file())]
+    if not found:
+        return None
+    problems = []
+    dangling = [p.name for p in found if not p.exists()]
+    if dangling:
+        problems.append(f"{len(dangling)} links to missing blobs")
+    sets: dict[str, tuple[int, set[int]]] = {}
+    for p in found:
+        stem, index, count = _split_parts(p.relative_to(path).as_posix())
+        sets.setdefault(stem, (count, set()))[1].add(index)
+    for stem, (count, have) in sorted(sets.items()):
+        if len(have) < count:
+            problems.append(f"{stem.rsplit('/', 1)[-1]}: {count - len(have)} of {count} parts missing")
     return problems
 
 
@@ -545,8 +720,10 @@ class Hub:
                                  f"{repo_id}{rev} to finish it", repo_id=repo_id)
 
     # -- listing -----------------------------------------------------------------------------------------
-    def listing(self, repo_id: str, revision: str | None = None) -> RepoListing:
-        """The repo at `revision` (default main) resolved to its commit, with file sizes and checksums."""
+    def listing(self, repo_id: str, revision: str | None = None, *,
+                want: Callable[[str], bool] = wanted_file) -> RepoListing:
+        """The repo at `revision` (default main) resolved to its commit, with file sizes and checksums; `want` says
+        which files it takes (the rest are `skipped`)."""
         self.storage(repo_id)  # checks the repo id
         if revision is not None:
             safe_revision(revision)
@@ -555,11 +732,11 @@ class Hub:
         headers = self._auth_headers()
         info = hubhttp.model_info(self.endpoint_url, repo_id, revision or "main", ctx, headers)
         siblings = info.siblings
-        if any(f.size is None for f in siblings if wanted_file(f.path)):  # sizes left out: the tree has them
+        if any(f.size is None for f in siblings if want(f.path)):  # sizes left out: the tree has them
             siblings = tuple(hubhttp.tree(self.endpoint_url, repo_id, info.sha, ctx, headers))
         files, skipped, seen = [], [], set()
         for f in siblings:
-            if wanted_file(f.path) and f.size is not None and (f.sha256 or f.blob_id):
+            if want(f.path) and f.size is not None and (f.sha256 or f.blob_id):
                 try:
                     files.append(RepoFile(f.path, f.size, f.sha256, f.blob_id))
                 except ValueError as e:
@@ -780,9 +957,55 @@ class Hub:
                 files.append(FilePlan(f.path, f.size, "download", 0, note))
         return DownloadPlan(repo_id, listing.sha, tuple(files), listing.skipped)
 
+    def quants(self, repo_id: str, revision: str | None = None) -> tuple[RepoListing, list[GGUFQuant]]:
+        """The GGUF quants the repo offers (from one listing: names, sizes, split sets), smallest first."""
+        listing = self.listing(repo_id, revision, want=_wanted_any)
+        return listing, gguf_quants(listing.files)
+
+    def _what_to_pull(self, listing: RepoListing, quant: str | None) -> RepoListing:
+        """The listing cut to what this pull fetches: the named quant's files (and the repo's imatrix) for a GGUF
+        pull; the safetensors checkpoint otherwise, or QuantChoiceError when the repo has only GGUF files."""
+        gguf_side = [f for f in listing.files if is_gguf_path(f.path) or is_imatrix_path(f.path)]
+        plain = [f for f in listing.files if f not in gguf_side]
+        repo_id = listing.repo_id
+        if quant is None and (any(_is_weight(f.path) for f in plain) or not gguf_side):
+            if not any(_is_weight(f.path) for f in plain):
+                raise UnsupportedModelError(f"{repo_id} has no safetensors weights (only "
+                                            f"{', '.join(listing.skipped[:6]) or 'no files'}); moechat runs "
+                                            "safetensors checkpoints and GGUF files")
+            return replace(listing, files=tuple(plain),
+                           skipped=listing.skipped + tuple(f.path for f in gguf_side))
+        chosen = choose_quant(repo_id, gguf_quants(listing.files), quant)
+        # the imatrix beside the quants seeds the expert cache (--warm-start); one file, shipped once per repo
+        imatrix = sorted((f for f in gguf_side if is_imatrix_path(f.path)), key=lambda f: (f.path.count("/"), f.path))
+        keep = chosen.files + tuple(imatrix[:1])
+        return replace(listing, files=keep, skipped=listing.skipped + tuple(
+            f.path for f in listing.files if f not in keep))
+
+    def download_quant(self, repo_id: str, quant: str, revision: str | None = None, *,
+                       progress: ProgressSink | None = None, cancel: threading.Event | None = None) -> Path:
+        """Download one GGUF quant (its split set whole) and return the path of its first file."""
+        snapshot = self.download(repo_id, revision, progress=progress, cancel=cancel, quant=quant)
+        listing = self.local_listing(repo_id, snapshot)
+        return snapshot / choose_quant(repo_id, gguf_quants(listing), quant).first
+
+    @staticmethod
+    def local_listing(repo_id: str, snapshot: Path) -> list[LocalFile]:
+        """The GGUF files linked in a cached snapshot (sizes from their blobs), for `gguf_quants`."""
+        out = []
+        for depth in range(MAX_GGUF_DEPTH + 1):
+            for p in sorted(snapshot.glob("/".join(["*"] * (depth + 1)))):
+                rel = p.relative_to(snapshot).as_posix()
+                if is_gguf_path(rel) and p.is_file():
+                    out.append(LocalFile(rel, p.stat().st_size))
+        return out
+
     def download(self, repo_id: str, revision: str | None = None, *, progress: ProgressSink | None = None,
-                 cancel: threading.Event | None = None) -> Path:
+                 cancel: threading.Event | None = None, quant: str | None = None) -> Path:
         """Download what the engine needs into the cache and return the snapshot folder (pinned to the commit).
+
+        `quant` (Q4_K_M, UD-Q4_K_XL...): that GGUF quant's files only (plus the repo's imatrix); a repo with GGUF
+        files and no safetensors needs one (QuantChoiceError lists them).
 
         Blocking; call it from a worker thread. `progress` gets a DownloadProgress first with the plan, then as
         bytes arrive (at most every 0.1 s, and at each file boundary and event). Setting `cancel` stops it
@@ -793,16 +1016,13 @@ class Hub:
         ctx = _Ctx(self, repo_id, revision)
         if is_offline():
             path = self.local_snapshot(repo_id, revision)
-            if path is not None:
+            if path is not None and (quant is None or self._has_quant(repo_id, path, quant)):
                 return path
             raise HubOfflineError(f"{repo_id} is not downloaded and HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to "
                                   "download it", repo_id=repo_id)
         with self._repo_lock(repo_id):
-            listing = self.listing(repo_id, revision)
-            if not listing.weight_files:
-                raise UnsupportedModelError(f"{repo_id} has no safetensors weights (only "
-                                            f"{', '.join(listing.skipped[:6]) or 'no files'}); moechat runs "
-                                            "safetensors checkpoints only")
+            listing = self.listing(repo_id, revision, want=_wanted_any)
+            listing = self._what_to_pull(listing, quant)
             plan = self.plan_download(repo_id, listing=listing)
             self._check_disk(repo_id, plan)
             run = _Transfer(self, ctx, listing, plan, progress, cancel)
@@ -818,6 +1038,13 @@ class Hub:
                                repo_id=repo_id)
             run.report("done", None, 0, 0)
             return snapshot
+
+    def _has_quant(self, repo_id: str, snapshot: Path, quant: str) -> bool:
+        try:
+            choose_quant(repo_id, gguf_quants(self.local_listing(repo_id, snapshot)), quant)
+        except QuantChoiceError:
+            return False
+        return True
 
     @contextlib.contextmanager
     def _repo_lock(self, repo_id: str):
