@@ -6,8 +6,8 @@ its size in parameters (total and active per token), how its experts are stored,
 it needs. What changes on the Hub (the commit, gated or not, file sizes) is refreshed by
 `engine/hub.py` (`Hub.catalog`); the revision is pinned to the commit at download time.
 
-`SUPPORTED_TYPES` is the set of `engine/models.ARCHITECTURES` keys, read from that module's source rather
-than imported: importing it imports torch (2-3 s), and the CLI and the wizard list the catalog at once. So a
+`SUPPORTED_TYPES` is the set of `engine/models.ARCHITECTURES` keys, read from that module's source (and from each
+family module's own `ARCHITECTURES` literal, which the package merges) rather than imported: importing it imports torch (2-3 s), and the CLI and the wizard list the catalog at once. So a
 model_type becomes runnable everywhere (catalog, Hub search, `moechat fit`) the moment it is registered there.
 """
 
@@ -16,20 +16,39 @@ from __future__ import annotations
 import ast
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def _literal_keys(source: str) -> list[str] | None:
+    """The keys of a module-level `ARCHITECTURES = {...}` in this source: [] when it has none, None when it is not
+    a dict literal of strings (then only importing the package can tell)."""
+    for node in ast.parse(source).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                      else None)
+        if isinstance(target, ast.Name) and target.id == "ARCHITECTURES":
+            if not isinstance(node.value, ast.Dict):
+                return None
+            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+            return keys if len(keys) == len(node.value.keys) else None
+    return []
 
 
 def _registered_types() -> frozenset[str]:
-    """The keys of `ARCHITECTURES = {...}` in engine/models/__init__.py, without executing that module."""
+    """The keys of `ARCHITECTURES = {...}` in engine/models/__init__.py and in every family module that registers
+    itself (its own `ARCHITECTURES` literal, which the package merges), read without executing any of them."""
     spec = importlib.util.find_spec(f"{__package__}.models")  # imports moechat.engine only (torch-free)
     source = spec.loader.get_source(spec.name) if spec and spec.loader else None
-    for node in ast.parse(source or "").body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
-                                                                      else None)
-        if isinstance(target, ast.Name) and target.id == "ARCHITECTURES" and isinstance(node.value, ast.Dict):
-            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-            if len(keys) == len(node.value.keys):
-                return frozenset(keys)
-    from .models import ARCHITECTURES  # not a plain literal (or no source): ask the module, at torch's cost
+    keys = _literal_keys(source) if source else None
+    folders = (spec.submodule_search_locations or []) if keys and spec else []
+    for file in sorted(f for folder in folders for f in Path(folder).glob("*.py") if f.name != "__init__.py"):
+        own = _literal_keys(file.read_text(encoding="utf-8"))
+        if own is None:
+            keys = None
+            break
+        keys += own
+    if keys:
+        return frozenset(keys)
+    from .models import ARCHITECTURES  # not plain literals (or no source): ask the package, at torch's cost
 
     return frozenset(ARCHITECTURES)
 
@@ -145,6 +164,9 @@ CATALOG: tuple[CatalogEntry, ...] = (
     CatalogEntry("deepseek-ai/DeepSeek-R1-0528", "deepseek_v3", 671.0, 37.0, "fp8 (128x128 block scales)",
                  (_GROUPED, "256 experts top-8", "shared expert", "MLA (latent KV cache)", "FP8 experts"),
                  note="reasoning; FP8 experts, 609 GiB in all"),
+    CatalogEntry("zai-org/GLM-4.7-Flash", "glm4_moe_lite", 29.9, 3.6, "bf16",
+                 (_GROUPED, "64 experts top-4", "shared expert", "MLA (latent KV cache)"),
+                 note="30B-A3B; KV 52.9 KiB a token; its MTP layer (1.2 GiB) is not loaded"),
     # -- popular, not yet ---------------------------------------------------------------------------------
     CatalogEntry("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 80.0, 3.0, "bf16",
                  ("Gated DeltaNet", "gated shared expert", "512 experts top-10")),
