@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .cache.prefetch import Predictor, load_profile, profile_path, save_profile
+from .cache.prefetch import Predictor, profile_path, save_profile
 from .cache.provider import CacheConfig, build_cached_provider
 from .cache.stats import CacheSnapshot
 from .chat_template import ChatTemplate
@@ -163,8 +163,12 @@ class Engine:
         if provider is not None:
             provider.set_predictor(Predictor.from_model(loaded.model))
             engine.profile_path = profile_path(model_dir, cache.profile_dir)
-            if cache.warm_start:
-                counts = load_profile(engine.profile_path, loaded.args.num_hidden_layers, loaded.args.num_experts)
+            if cache.warm_start:  # the saved profile, else an imatrix beside the model; or imatrix:FILE
+                from .cache.imatrix import warm_start_counts
+
+                counts, note = warm_start_counts(cache.warm_start, engine.profile_path, model_dir,
+                                                 loaded.args.num_hidden_layers, loaded.args.num_experts)
+                engine.notices.extend(n for n in (note,) if n)
                 if counts is not None:
                     provider.warm_start(counts)
         return engine

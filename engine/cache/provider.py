@@ -60,7 +60,7 @@ class CacheConfig:
     prefetch_budget: int | None = None  # prefetches per predicted layer per step; None: top-k
     transfer: str = "thread"  # "thread": loads overlap compute; "inline": on the forward thread
     trace_max_rows: int | None = None  # with record_trace: keep only about the latest N routing rows
-    warm_start: bool = False  # fill the slots from the saved routing profile at load
+    warm_start: bool | str = False  # fill the slots at load: True the saved profile, "imatrix:FILE" that ranking
     profile_dir: str | None = None  # where routing profiles live (default: XDG cache dir)
     on_miss: str = "load"  # where a miss runs: load (into a slot), host (computed from the RAM tier), auto
     host_layers: int = 0  # the first N MoE layers keep every expert on the host, never slotted
