@@ -180,9 +180,24 @@ def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True)
                        "acts only when some experts have no slot (--expert-slots below the expert count)")
     cache.add_argument("--prefetch-depth", type=_prefetch_depth, default=1, metavar="N",
                        help="predict N MoE layers ahead (1-4, default 1)")
-    cache.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+    cache.add_argument("--warm-start", nargs="?", const=True, default=True, type=_warm_start, metavar="imatrix:FILE",
                        help="fill the slots at start with the experts this model used most in earlier runs "
-                       "(a routing profile saved at exit under $XDG_CACHE_HOME/moechat; default: on)")
+                       "(a routing profile saved at exit under $XDG_CACHE_HOME/moechat; default: on), else with "
+                       "those llama.cpp's imatrix beside the model ranks first; imatrix:FILE ranks them by that "
+                       "imatrix (.dat or .gguf). Put MODEL before the flag")
+    cache.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                       help="start with empty slots")
+
+
+def _warm_start(text: str) -> str:
+    """--warm-start's value, checked at parse time: imatrix:FILE."""
+    from moechat.engine.cache.imatrix import parse_warm_start
+    from moechat.engine.errors import ConfigError
+
+    try:
+        return parse_warm_start(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--warm-start ")) from None
 
 
 def cache_config_from_args(args: argparse.Namespace, device: str):
