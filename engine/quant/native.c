@@ -18,6 +18,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -146,8 +147,11 @@ static float e8m0_table[256];  /* 2^(s - 128): filled by moechat_init */
 
 static void forget_workers(void);
 
+static void read_spin(void);
+
 void moechat_init(void) {
     for (int s = 0; s < 256; s++) e8m0_table[s] = e8m0_half((uint8_t)s);
+    read_spin();
     static int atfork = 0;
     if (!atfork) atfork = !pthread_atfork(NULL, NULL, forget_workers);
 }
@@ -838,7 +842,8 @@ static uint16_t f32_to_bf16(float f) {
  * a fork's child starts with no workers. */
 #define MAX_THREADS 64
 #define MIN_SHARE (256 << 10)
-#define SPIN_US 50
+#define SPIN_US 50 /* the default; MOECHAT_SPIN_US overrides it (benches) */
+static double spin_us = SPIN_US;
 
 typedef struct {
     int kind; /* GEMVs: 0 int4, 1 mxfp4, 2 fp8, 3 int8, 7 bf16; decoders (y = the [rows, cols] output): 4 int4,
@@ -885,15 +890,30 @@ static int run_share(const Job *j, int64_t a, int64_t b) {
     }
 }
 
+/* The pool. A call publishes its job as a ticket (generation : chunk count : next chunk) and every thread taking part,
+ * the caller first, claims chunks by compare-and-swap until none is left: a worker that wakes late (descheduled, or
+ * asleep) only helps less, the caller never waits for it to start, only for the chunks already taken. Each chunk is
+ * a run of whole row blocks; every row is computed by one thread with the one-thread code, so any split writes the
+ * same bits. Between calls a worker polls: PAUSE for a few us, then sched_yield (so a thread that wants its core, one
+ * of torch's OpenMP workers or another process, gets it at once) up to spin_us since its last chunk, then sleeps on
+ * the condition variable until the next call. */
+#define TICKET(gen, n, i) ((uint64_t)(gen) << 32 | (uint64_t)(n) << 16 | (uint64_t)(i))
+#define T_GEN(t) ((uint32_t)((t) >> 32))
+#define T_N(t) ((uint32_t)((t) >> 16) & 0xFFFF)
+#define T_I(t) ((uint32_t)(t) & 0xFFFF)
+#define MAX_CHUNKS 0xFFFF
+#define CHUNKS_PER_THREAD 4
+#define MIN_CHUNK (128 << 10) /* packed bytes */
+#define PAUSE_US 5
+
 static struct {
     pthread_mutex_t busy, mu;
     pthread_cond_t cv;
-    _Atomic uint64_t gen;
-    _Atomic int pending, rc;
-    int workers, want;
-    uint64_t start_gen; /* the generation a new worker has seen: the calls before the one that starts it */
+    _Atomic uint64_t ticket;
+    _Atomic int active, rc, sleepers;
+    int workers, want, T;
     const Job *job;
-    int64_t bound[MAX_THREADS + 1];
+    int64_t units, per; /* the job's units and units a chunk (the last one shorter) */
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 static double now_us(void) {
@@ -902,21 +922,53 @@ static double now_us(void) {
     return t.tv_sec * 1e6 + t.tv_nsec * 1e-3;
 }
 
+/* claim and run chunks of generation g until none is left; the first error is the call's */
+static void take_chunks(uint32_t g) {
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        if (T_GEN(t) != g || T_I(t) >= T_N(t)) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        /* a chunk of g is ours: its caller waits for us (active > 0), so the job is still g's */
+        const Job *j = pool.job;
+        int64_t u0 = (int64_t)T_I(t) * pool.per, u1 = u0 + pool.per < pool.units ? u0 + pool.per : pool.units;
+        int64_t a = u0 * j->align, b = u1 * j->align < j->rows ? u1 * j->align : j->rows;
+        int rc = run_share(j, a, b);
+        if (rc) {
+            int zero = 0;
+            atomic_compare_exchange_strong(&pool.rc, &zero, rc);
+        }
+    }
+}
+
 static void *worker(void *arg) {
     int i = (int)(intptr_t)arg;
-    uint64_t seen = pool.start_gen;
+    uint32_t seen = T_GEN(atomic_load(&pool.ticket));
+    double last = now_us();
     for (;;) {
-        double t0 = now_us();
-        while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen && now_us() - t0 < SPIN_US) PAUSE();
-        if (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen) {
-            pthread_mutex_lock(&pool.mu);
-            while (atomic_load(&pool.gen) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
-            pthread_mutex_unlock(&pool.mu);
+        uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+        if (T_GEN(t) == seen) {
+            double idle = now_us() - last;
+            if (idle < PAUSE_US) {
+                PAUSE();
+            } else if (idle < spin_us) {
+                sched_yield();
+            } else {
+                pthread_mutex_lock(&pool.mu);
+                atomic_fetch_add(&pool.sleepers, 1);
+                while (T_GEN(atomic_load(&pool.ticket)) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+                atomic_fetch_sub(&pool.sleepers, 1);
+                pthread_mutex_unlock(&pool.mu);
+            }
+            continue;
         }
-        seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
-        int rc = run_share(pool.job, pool.bound[i], pool.bound[i + 1]);
-        if (rc) atomic_store(&pool.rc, rc);
-        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+        seen = T_GEN(t);
+        atomic_fetch_add(&pool.active, 1);
+        /* worker i helps calls of at least i + 1 threads; a finished call's generation has no chunk left */
+        if (i < pool.T && T_GEN(atomic_load(&pool.ticket)) == seen) take_chunks(seen);
+        atomic_fetch_sub(&pool.active, 1);
+        last = now_us();
     }
     return NULL;
 }
@@ -924,49 +976,67 @@ static void *worker(void *arg) {
 /* a fork's child: the workers stayed in the parent, and a lock one of them held would stay held */
 static void forget_workers(void) {
     pool.workers = 0;
-    atomic_store(&pool.pending, 0);
+    atomic_store(&pool.active, 0);
+    atomic_store(&pool.sleepers, 0);
     pthread_mutex_init(&pool.busy, NULL);
     pthread_mutex_init(&pool.mu, NULL);
     pthread_cond_init(&pool.cv, NULL);
 }
 
+static void read_spin(void) {
+    const char *v = getenv("MOECHAT_SPIN_US");
+    if (v && *v) spin_us = atof(v);
+}
+
 void moechat_set_threads(int n) { pool.want = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n; }
 
-static int run_job(const Job *j, int64_t bytes) {
+/* `chunks`: how many pieces to cut the job into (0: by its bytes, CHUNKS_PER_THREAD a thread, >= MIN_CHUNK each) */
+static int run_job_chunks(const Job *j, int64_t bytes, int64_t chunks) {
     int64_t shares = bytes / MIN_SHARE, units = (j->rows + j->align - 1) / j->align;
     int T = pool.want;
     if (T > shares) T = (int)shares;
     if (T > units) T = (int)units;
     if (T <= 1 || pthread_mutex_trylock(&pool.busy) != 0) return run_share(j, 0, j->rows);
-    pool.start_gen = atomic_load(&pool.gen);
-    while (pool.workers < T - 1) {  /* start the workers this call needs (worker k runs share k) */
+    while (pool.workers < T - 1) {  /* start the workers this call needs */
         pthread_t t;
         pthread_attr_t at;
         pthread_attr_init(&at);
         pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        int ok = !pthread_create(&t, &at, worker, (void *)(intptr_t)(pool.workers + 1));
+        int ok = !pthread_create(&t, &at, worker, (void *)(intptr_t)pool.workers);
         pthread_attr_destroy(&at);
         if (!ok) break;
         pool.workers++;
     }
     if (T > pool.workers + 1) T = pool.workers + 1;
-    for (int k = 0; k <= pool.workers + 1 && k <= MAX_THREADS; k++) {  /* shares: T of them, then empty ones */
-        int64_t u = k >= T ? units : units * k / T;
-        pool.bound[k] = u * j->align < j->rows ? u * j->align : j->rows;
+    if (chunks <= 0) {
+        chunks = (int64_t)T * CHUNKS_PER_THREAD;
+        if (chunks > bytes / MIN_CHUNK) chunks = bytes / MIN_CHUNK;
+        if (chunks < T) chunks = T;
     }
+    if (chunks > units) chunks = units;
+    if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;
     pool.job = j;
+    pool.units = units;
+    pool.per = (units + chunks - 1) / chunks;
+    chunks = (units + pool.per - 1) / pool.per;
+    pool.T = T - 1;  /* workers 0 .. T-2 take part */
     atomic_store(&pool.rc, 0);
-    atomic_store(&pool.pending, pool.workers);
-    pthread_mutex_lock(&pool.mu);
-    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
-    pthread_cond_broadcast(&pool.cv);
-    pthread_mutex_unlock(&pool.mu);
-    int rc = run_share(j, pool.bound[0], pool.bound[1]);
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) PAUSE();
-    int wrc = atomic_load(&pool.rc);
+    uint32_t g = T_GEN(atomic_load(&pool.ticket)) + 1;
+    atomic_store(&pool.ticket, TICKET(g, chunks, 0));  /* seq_cst: ordered before the load of sleepers (a worker
+                                                          * going to sleep counts itself, then reads the ticket) */
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    take_chunks(g);
+    while (atomic_load_explicit(&pool.active, memory_order_acquire) > 0) PAUSE();
+    int rc = atomic_load(&pool.rc);
     pthread_mutex_unlock(&pool.busy);
-    return rc ? rc : wrc;
+    return rc;
 }
+
+static int run_job(const Job *j, int64_t bytes) { return run_job_chunks(j, bytes, 0); }
 
 static int run(Job j, int flags, void *y, int64_t bytes) {
     int y_bf16 = flags & 2;  /* the kernels sum into fp32: a scratch y, rounded into the caller's at the end */
@@ -989,7 +1059,7 @@ int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, 
                          int64_t bytes) {
     if (!fn || units < 0 || align < 1) return -1;
     Job j = {.kind = 8, .rows = units, .align = align, .fn = fn, .ctx = ctx};
-    return run_job(&j, bytes);
+    return run_job_chunks(&j, bytes, pool.want);
 }
 
 int moechat_int4_gemv(const void *x, int flags, const uint8_t *q, const uint16_t *scale, int64_t rows, int64_t cols,
