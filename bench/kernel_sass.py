@@ -39,10 +39,12 @@ FORMATS = ("mxfp4", "fp8", "int8", "int4")
 WHICH = ("w13", "w2")
 # widths the signature's divisibility stands for: GPT-OSS-20B (MXFP4) and Qwen3-30B-A3B (the others)
 _POINTER_TYPES = {"x_ptr": "*bf16", "act_ptr": "*bf16", "bias_ptr": "*bf16", "weights_ptr": "*fp32", "y_ptr": "*fp32",
-                  "group_slot_ptr": "*i32", "group_pairs_ptr": "*i32", "blocks_ptr": "*u8", "w_ptr0": "*u8"}
+                  "group_slot_ptr": "*i32", "group_pairs_ptr": "*i32", "blocks_ptr": "*u8", "w_ptr0": "*u8",
+                  "ids_ptr": "*i32", "map_ptr": "*i32", "res_ptr": "*bf16", "out_ptr": "*bf16"}
 _FLOATS = ("limit", "alpha")
 _DIVISIBLE = ("stride_x", "stride_act", "stride_y", "N", "KB", "stride_bc", "stride_sc", "stride_wc",
-              "stride_biasc")
+              "stride_biasc", "stride_res", "stride_out")
+AIM = 4.0  # SASS instructions per packed byte of the inner loop: the issue's aim for a memory-bound decode
 
 
 @dataclass
@@ -68,24 +70,26 @@ def _tool(name: str) -> str:
 def kernel_spec(fmt: str, which: str):
     """(jit function, signature, constexprs, attrs, num_warps, num_stages, BLOCK_N, BLOCK_KB) of a decode kernel."""
     os.environ.pop("TRITON_INTERPRET", None)  # the compiled kernels, not the interpreter's
+    # the decode launches as expert_compute makes them today: slot ids (no map), the residual added in w2
+    consts = dict(HAS_MAP=False, HAS_RES=True)
     if fmt == "mxfp4":
         from moechat.engine.quant.kernels import mxfp4_moe as mod
 
-        consts = dict(HAS_BIAS=True, USE_DOT=False, DOT_BF16=False, BLOCK_M=1)
+        consts.update(HAS_BIAS=True)
         if which == "w13":
             consts["CLAMPED"] = True
         scales = "*u8"
     else:
         from moechat.engine.quant.kernels import quant_moe as mod
 
-        consts = dict(FMT=mod.FORMAT_IDS[fmt], HAS_BIAS=False, USE_DOT=False, DOT_BF16=False, BLOCK_M=1)
+        consts.update(FMT=mod.FORMAT_IDS[fmt], HAS_BIAS=False)
         if which == "w13":
             consts["CLAMPED"] = False
-        if hasattr(mod, "decode_constexprs"):  # the scale blocking as compile-time constants
-            consts.update(mod.decode_constexprs(fmt, (128, 128) if fmt == "fp8" else None, group=32))
+        # the scale blocking as compile-time constants (Qwen3-30B-A3B-FP8: 128 x 128 blocks; int4: groups of 32)
+        consts.update(mod.decode_constexprs(fmt, (128, 128) if fmt == "fp8" else None, group=32))
         scales = "*fp16" if fmt == "int4" else "*fp32"  # int4: fp16 group scales (quant/intq.py)
-    fn = mod._w13_kernel if which == "w13" else mod._w2_kernel
-    cfg = mod._configs(False)[0]
+    fn = mod._w13_decode_kernel if which == "w13" else mod._w2_decode_kernel
+    cfg = mod._decode_configs(which)[0]
     consts.update(cfg.kwargs)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
@@ -113,15 +117,20 @@ def parse_sass(sass: str) -> tuple[list[int], dict]:
     """cuobjdump -sass text -> (instruction count of each K loop, {spills, widest_load_bits per loop})."""
     code = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines() if (m := _INSTR.match(line))]
     index = {addr: i for i, (addr, _) in enumerate(code)}
-    loops, widths = [], []
+    spans = []  # (first, last) instruction index of each loop
     for i, (addr, text) in enumerate(code):
         b = _BRANCH.search(text)
         if b and (target := int(b.group(1), 16)) < addr and target in index:
-            body = code[index[target]: i + 1]
-            loops.append(len(body))
-            bits = [int(w.group(1)) if (w := re.search(r"LDG\.E(?:\.\w+)*?\.(\d+)\b", t)) else 32
-                    for _, t in body if re.search(r"\bLDG\b", t)]
-            widths.append(max(bits, default=0))
+            spans.append((index[target], i))
+    # the inner loops only: w2's loop over a token's K pairs holds the K loop
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    loops, widths = [], []
+    for first, last in inner:
+        body = code[first: last + 1]
+        loops.append(len(body))
+        bits = [int(w.group(1)) if (w := re.search(r"LDG\.E(?:\.\w+)*?\.(\d+)\b", t)) else 32
+                for _, t in body if re.search(r"\bLDG\b", t)]
+        widths.append(max(bits, default=0))
     spills = sum(1 for _, t in code if re.search(r"\b(STL|LDL)\b", t))
     return loops, {"spills": spills, "widest_load_bits": max(widths, default=0)}
 

@@ -1,15 +1,16 @@
 """The MoE over MXFP4 slot buffers in two Triton launches: codes and scales are read once, decoded in registers.
 
-Kernels see only slots. `w13` launch: per group of (token, k) pairs that share a slot and a tile of I
-outputs, the gate and up rows (GPT-OSS interleaves them: even rows gate, odd rows up) against the pairs'
-tokens, + biases, the activation, stored per pair. `w2` launch: per group and a tile of H outputs, the
-down rows against the activations, + bias, times the pair's routing weight, stored per pair. A last torch
-sum over k (fixed order: deterministic, no atomics) adds the residual.
+Kernels see only slots. Decode (T <= DECODE_MAX_TOKENS or at most GEMV_MAX_PAIRS pairs: few tokens per expert),
+one kernel pair per MoE layer and no torch op around it: the `w13` launch, one program per (t, k) pair and tile of
+I outputs, reads the pair's slot (slot_ids[t, k], or slot_map[layer, topk_ids[t, k]] with a map), runs the gate
+and up GEMVs (GPT-OSS interleaves them: even rows gate, odd rows up), + biases, the activation, stored per pair;
+the `w2` launch, one program per token and tile of H outputs, loops over the token's K pairs in order: GEMV +
+bias, x its routing weight, summed in fp32, + the residual, rounded once to the output (deterministic, no atomics:
+the CPU's order, k-sum then residual).
 
-* decode (at most GEMV_MAX_PAIRS pairs): every pair is its own group, a GEMV; no sort.
-* prefill: pairs sorted by slot on the device and padded to BLOCK_M rows per slot (no host sync: the grid
-  is the upper bound, groups past the end hold slot -1 and return at once); tl.dot on tensor cores, each
-  slot's codes read once per group instead of once per pair.
+Prefill (more tokens per expert): pairs sorted by slot on the device and padded to BLOCK_M rows per slot (no host
+sync: the grid is the upper bound, groups past the end hold slot -1 and return at once); tl.dot on tensor cores,
+each slot's codes read once per group instead of once per pair; a torch sum over k in order adds the residual.
 
 A group whose slot is -1 is never computed, and a pair left out of `pairs` is in no group. Bytes: a
 GPT-OSS-20B decode step reads 4 experts x 13.2 MB = 52.9 MB of codes and scales per layer, 10 us at an
@@ -234,6 +235,78 @@ def _w2_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_pt
                  mask=ok[:, None] & j_ok[None, :])
 
 
+@triton.jit
+def _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP: tl.constexpr):
+    """The slot of flat (t, k) pair `pair`: ids[pair], or with a map slot_map[layer, ids[pair]] (ids the routed
+    expert ids); -1 (an id of -1, or an expert with no slot): skipped."""
+    s = tl.load(ids_ptr + pair)
+    if HAS_MAP:
+        s = tl.load(map_ptr + tl.maximum(s, 0), mask=s >= 0, other=-1)
+    return s
+
+
+@triton.jit
+def _w13_decode_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, map_ptr, act_ptr, stride_act,
+                       N, KB, TOPK, limit, alpha, stride_bc, stride_sc, stride_biasc, HAS_MAP: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """Decode: act[pair, j] = activation(gate_j, up_j) for one (t, k) pair and a tile of j in [0, I) (N = I)."""
+    pair = tl.program_id(0)
+    slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
+    if slot >= 0:
+        j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        j_ok = j < N
+        if CLAMPED:  # GPT-OSS: rows interleaved, even gate, odd up
+            gate_rows = 2 * j
+            up_rows = 2 * j + 1
+        else:  # gate rows, then up rows
+            gate_rows = j
+            up_rows = j + N
+        slot64 = slot.to(tl.int64)  # a pool of slots can pass 2^31 bytes
+        w_ptr = blocks_ptr + slot64 * stride_bc
+        s_ptr = scales_ptr + slot64 * stride_sc
+        token = pair // TOPK
+        gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, BLOCK_N, BLOCK_KB)
+        up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, BLOCK_N, BLOCK_KB)
+        if HAS_BIAS:
+            b_ptr = bias_ptr + slot64 * stride_biasc
+            gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
+            up += tl.load(b_ptr + up_rows, mask=j_ok, other=0.0).to(tl.float32)
+        if CLAMPED:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            a = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        else:
+            a = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + pair.to(tl.int64) * stride_act + j, a.to(act_ptr.dtype.element_ty), mask=j_ok)
+
+
+@triton.jit
+def _w2_decode_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr,
+                      res_ptr, stride_res, out_ptr, stride_out, N, KB, TOPK, stride_bc, stride_sc, stride_biasc,
+                      HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_KB: tl.constexpr):
+    """Decode: out[t, j] = [residual[t, j] +] sum over k in order of topk_weight[t, k] (down_j . act[t K + k] +
+    bias_j), for one token and a tile of j in [0, H) (N = H): the CTA loops over the token's K pairs, so the sum is
+    deterministic (no atomics), in fp32, rounded once."""
+    t = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    j_ok = j < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, TOPK):
+        pair = t * TOPK + k
+        slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
+        if slot >= 0:
+            slot64 = slot.to(tl.int64)
+            y = _packed_gemv(act_ptr, pair, stride_act, blocks_ptr + slot64 * stride_bc,
+                             scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_N, BLOCK_KB)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)
+            acc += y * tl.load(weights_ptr + pair).to(tl.float32)
+    if HAS_RES:  # the CPU's order: the k-sum first, then the residual
+        acc += tl.load(res_ptr + t.to(tl.int64) * stride_res + j, mask=j_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + j, acc.to(out_ptr.dtype.element_ty), mask=j_ok)
+
+
 def _configs(use_dot: bool) -> list[triton.Config]:
     if INTERPRET:  # one config, big tiles: the interpreter runs a program in numpy
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
@@ -246,9 +319,60 @@ def _configs(use_dot: bool) -> list[triton.Config]:
             for n, kb, w, st in [(64, 256, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2), (16, 256, 4, 2)]]
 
 
+def _decode_configs(which: str) -> list[triton.Config]:
+    """The decode kernels' tiles: w13 has T K pairs x I / BLOCK_N programs, w2 only T x H / BLOCK_N (each loops
+    over its K pairs), so w2 offers narrower tiles to fill the SMs at T = 1 (GPT-OSS-20B: 2880 / 16 = 180 CTAs)."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
+    tiles = [(64, 256, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2), (16, 256, 4, 2)]
+    if which == "w2":
+        tiles = [(32, 256, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (64, 256, 8, 2)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
+
+
 _KEY = ["N", "KB", "BLOCK_M"]
 _W13 = {d: triton.autotune(_configs(d), key=_KEY)(_w13_kernel) for d in (False, True)}
 _W2 = {d: triton.autotune(_configs(d), key=_KEY)(_w2_kernel) for d in (False, True)}
+_W13_DECODE = triton.autotune(_decode_configs("w13"), key=["N", "KB"])(_w13_decode_kernel)
+_W2_DECODE = triton.autotune(_decode_configs("w2"), key=["N", "KB"])(_w2_decode_kernel)
+DECODE_MAX_TOKENS = 8  # up to this many tokens (or GEMV_MAX_PAIRS pairs) a step is a decode: a GEMV per pair
+
+
+def is_decode(T: int, P: int, mode: str | None) -> bool:
+    """Decode (a GEMV per pair, the k-sum in the w2 kernel) or prefill (pairs grouped by slot, tl.dot): by tokens
+    per expert, which is at most T and at most P; `mode` "gemv" / "grouped" forces one."""
+    if mode is not None:
+        return mode == "gemv"
+    return T <= DECODE_MAX_TOKENS or P <= GEMV_MAX_PAIRS
+
+
+@dataclass
+class DecodeIO:
+    """What both decode launches take: the pairs' slot (or expert) ids, -1 for a pair left out, and buffers."""
+
+    ids: torch.Tensor  # [T*K] slot ids, or expert ids with slot_map; -1: not computed
+    slot_map: torch.Tensor | None  # [E] int32 slot of each expert of this layer (-1: none), or None
+    weights: torch.Tensor  # [T*K] routing weights
+    act: torch.Tensor  # [T*K, I] the activations between the launches, rounded as torch rounds
+    out: torch.Tensor  # [T, H] in the input dtype: [residual +] the MoE output
+    residual: torch.Tensor | None  # [T, H]
+
+
+def decode_io(x: torch.Tensor, topk_weights: torch.Tensor, ids: torch.Tensor, pairs: torch.Tensor | None,
+              slot_map: torch.Tensor | None, residual: torch.Tensor | None, inter: int) -> DecodeIO:
+    """The decode launches' inputs: no grouping, no zeroed buffer, no sum after (the w2 kernel adds in k order and
+    writes the output); only a batch restricted to `pairs` pays two small ops to mark the others -1."""
+    T, K = ids.shape
+    flat = ids.reshape(-1)  # [T*K] a view: the kernels load int32 or int64 ids
+    if pairs is not None:
+        keep = pairs.reshape(-1).to(device=x.device, dtype=torch.long)  # [P]
+        flat = torch.full_like(flat, -1).index_copy_(0, keep, flat.index_select(0, keep))  # [T*K]
+    if residual is not None:
+        residual = residual.contiguous()
+    act_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    return DecodeIO(flat.contiguous(), slot_map, topk_weights.reshape(-1).contiguous(),
+                    torch.empty(T * K, inter, device=x.device, dtype=act_dtype),
+                    torch.empty(T, x.shape[1], device=x.device, dtype=x.dtype), residual)
 
 
 def group_rows(pairs: int, slots: int) -> int:
@@ -292,7 +416,7 @@ class PairGroups:
     group_slot: torch.Tensor | None = None  # [NB] int32
     group_pairs: torch.Tensor | None = None  # [NB, BLOCK_M] int32
     block_m: int = 1
-    use_dot: bool = False  # tl.dot per group (prefill) rather than a GEMV per pair (decode)
+    use_dot: bool = False  # tl.dot per group (the grouped kernels' GEMV branch is unused)
     dot_bf16: bool = False  # bf16 tensor cores for a bf16 model (the interpreter's bf16 dot runs the fp32 one)
     act_buf: torch.Tensor | None = None  # [T*K, I] the activations between the launches, rounded as torch rounds
     weights: torch.Tensor | None = None  # [T*K] routing weights
@@ -303,9 +427,9 @@ class PairGroups:
 
 
 def plan_groups(x: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor, pairs: torch.Tensor | None,
-                slots: int, inter: int, hidden: int, mode: str | None) -> PairGroups:
-    """The pairs to compute (`pairs` [P] flat (t, k), None: all) grouped for the launches: a GEMV per pair up to
-    GEMV_MAX_PAIRS (or mode "gemv"), else sorted by slot into BLOCK_M rows (mode "grouped"); buffers allocated."""
+                slots: int, inter: int, hidden: int) -> PairGroups:
+    """Prefill: the pairs to compute (`pairs` [P] flat (t, k), None: all) sorted by slot into BLOCK_M rows on the
+    device; buffers allocated."""
     T, K = slot_ids.shape
     device = x.device
     flat_slots = slot_ids.reshape(-1).to(device=device, dtype=torch.int32)  # [T*K]
@@ -317,16 +441,10 @@ def plan_groups(x: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Ten
     y = torch.zeros(T * K, hidden, device=device, dtype=torch.float32)  # [T*K, H]
     if not P:
         return PairGroups(y, 0)
-    mode = mode or ("gemv" if P <= GEMV_MAX_PAIRS else "grouped")
-    if mode == "gemv":
-        block_m = 1
-        group_slot = flat_slots.index_select(0, pair_ids.long())  # [P]: each pair is a group
-        group_pairs = pair_ids  # [P, 1]
-    else:
-        block_m = group_rows(P, slots)
-        group_slot, group_pairs = group_by_slot(flat_slots, pair_ids, slots, block_m)
+    block_m = group_rows(P, slots)
+    group_slot, group_pairs = group_by_slot(flat_slots, pair_ids, slots, block_m)
     act_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    return PairGroups(y, P, group_slot, group_pairs, block_m, use_dot=block_m > 1,
+    return PairGroups(y, P, group_slot, group_pairs, block_m, use_dot=True,
                       dot_bf16=x.dtype == torch.bfloat16 and not INTERPRET,
                       act_buf=torch.empty(T * K, inter, device=device, dtype=act_dtype),
                       weights=topk_weights.reshape(-1).contiguous())
@@ -342,14 +460,15 @@ def sum_pairs(y: torch.Tensor, T: int, K: int, residual: torch.Tensor | None, dt
 
 def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor,
               tensors, act, residual: torch.Tensor | None = None, pairs: torch.Tensor | None = None,
-              mode: str | None = None) -> torch.Tensor:
+              mode: str | None = None, slot_map: torch.Tensor | None = None) -> torch.Tensor:
     """[residual +] sum_k topk_weights[t, k] * Expert_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype.
 
     hidden_states [T, H], topk_weights [T, K], slot_ids [T, K], tensors: the MXFP4 slot buffers by name
     (w13_blocks [C, 2I, H/32, 16], w13_scales [C, 2I, H/32], w2_blocks [C, H, I/32, 16], w2_scales [C, H, I/32],
     optional w13_bias [C, 2I] / w2_bias [C, H]); act: an ExpertActivation (`swiglu`: gate rows then up rows;
     `clamped_swiglu`: interleaved). pairs [P]: flat (t, k) indices to compute (None: all). mode: "gemv" or
-    "grouped" (None: by the number of pairs).
+    "grouped" (None: by tokens per expert, `is_decode`). slot_map [E] int32 (this layer's row of the pool's map):
+    `slot_ids` are then the routed expert ids and the decode kernels look the slots up themselves.
     """
     T, H = hidden_states.shape
     K = slot_ids.shape[1]
@@ -364,9 +483,29 @@ def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
     if act.kind not in ("swiglu", "clamped_swiglu"):
         raise ValueError(f"activation {act.kind!r} has no fused MXFP4 kernel")
     x = hidden_states.contiguous()
-    g = plan_groups(x, topk_weights, slot_ids, pairs, C, I, H, mode)
+    b13, b2 = tensors.get("w13_bias"), tensors.get("w2_bias")
+    P = T * K if pairs is None else pairs.numel()
+    if is_decode(T, P, mode):
+        if not P:
+            return residual.clone() if residual is not None else torch.zeros_like(hidden_states)
+        d = decode_io(x, topk_weights, slot_ids, pairs, slot_map, residual, I)
+        smap = d.slot_map if d.slot_map is not None else d.ids
+        _W13_DECODE[lambda meta: (T * K, triton.cdiv(I, meta["BLOCK_N"]))](
+            x, x.stride(0), w13_b, w13_s, b13 if b13 is not None else w13_s, d.ids, smap, d.act, d.act.stride(0), I,
+            H // 2, K, float(act.limit), float(act.alpha), w13_b.stride(0), w13_s.stride(0),
+            b13.stride(0) if b13 is not None else 0, HAS_MAP=d.slot_map is not None, HAS_BIAS=b13 is not None,
+            CLAMPED=act.kind == "clamped_swiglu")
+        res = d.residual if d.residual is not None else d.out
+        _W2_DECODE[lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
+            d.act, d.act.stride(0), w2_b, w2_s, b2 if b2 is not None else w2_s, d.weights, d.ids, smap, res,
+            res.stride(0), d.out, d.out.stride(0), H, I // 2, K, w2_b.stride(0), w2_s.stride(0),
+            b2.stride(0) if b2 is not None else 0, HAS_MAP=d.slot_map is not None, HAS_BIAS=b2 is not None,
+            HAS_RES=d.residual is not None)
+        return d.out
+    if slot_map is not None:  # prefill groups by slot on the device: one gather
+        slot_ids = slot_map.index_select(0, slot_ids.reshape(-1).long()).view(T, K)  # [T, K]
+    g = plan_groups(x, topk_weights, slot_ids, pairs, C, I, H)
     if g.count:
-        b13, b2 = tensors.get("w13_bias"), tensors.get("w2_bias")
         nb = g.groups
         _W13[g.use_dot][lambda meta: (nb, triton.cdiv(I, meta["BLOCK_N"]))](
             x, x.stride(0), w13_b, w13_s, b13 if b13 is not None else w13_s, g.group_slot, g.group_pairs, g.act_buf,

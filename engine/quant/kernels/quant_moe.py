@@ -1,10 +1,12 @@
 """The MoE over FP8, int8 and int4 slot buffers in two Triton launches: packed bytes read once, decoded in registers.
 
-The same plan as kernels/mxfp4_moe.py (whose grouping it reuses): a `w13` launch per group of (token, k) pairs
-that share a slot and a tile of I outputs (gate and up rows against the pairs' tokens, + biases, the
-activation, stored per pair), a `w2` launch per group and a tile of H outputs (+ bias, x the routing weight),
-then a fixed-order torch sum over k. Decode (<= GEMV_MAX_PAIRS pairs) is one GEMV per pair; prefill sorts the
-pairs by slot on the device and runs tl.dot per group. One kernel source, the format a compile-time constant:
+The same plan as kernels/mxfp4_moe.py (whose grouping and decode plumbing it reuses). Decode: a `w13` launch per
+(t, k) pair and tile of I outputs (the slot looked up in the kernel, gate and up GEMVs, + biases, the activation),
+a `w2` launch per token and tile of H outputs that loops over the token's K pairs in order (+ bias, x the routing
+weight, fp32 sum, + residual, one rounding): no torch op around them. The decode GEMV (`_gemv`) gives a thread
+whole 16-byte chunks of code words of several rows and loads x in the same shape (decoded once per chunk for
+those rows); a chunk's products are one FMA chain, scaled once. Prefill sorts the pairs by slot on the device and
+runs tl.dot per group. One kernel source, the format a compile-time constant:
 
 * fp8 (Qwen3-*-FP8, DeepSeek-V3): e4m3 bytes [rows, in] (passed as uint8) and fp32 block scales
   [ceil(rows/b0), ceil(in/b1)]; w13's gate and up halves keep their own blocking. The e4m3 byte is decoded
@@ -14,7 +16,8 @@ pairs by slot on the device and runs tl.dot per group. One kernel source, the fo
   widened to fp32 after the load (exact: the product is weight()'s).
 
 Bytes per Qwen3-30B-A3B decode step and layer (8 experts): bf16 75.5 MB, fp8 37.8, int8 37.9, int4 21.2 (codes
-+ fp16 scales; 23.6 with fp32 scales); `bench/gpu_check.sh` runs the `gpu` tests and `bench/quantized_experts.py --device cuda` the rates.
++ fp16 scales; 23.6 with fp32 scales); `bench/gpu_check.sh` runs the `gpu` tests and the rates
+(`bench/quantized_experts.py --device cuda`, `bench/kernel_rates.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mxfp4_moe import INTERPRET, plan_groups, sum_pairs
+from .mxfp4_moe import INTERPRET, _f16_pair, _pair_slot, decode_io, is_decode, plan_groups, sum_pairs
 
 # T = tokens, K = top-k, P = computed (t, k) pairs, C = slots, H = hidden, I = intermediate, NB = groups,
 # N = outputs of a projection, KB = bytes in one packed row
@@ -103,6 +106,130 @@ def _dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, 
 
 
 @triton.jit
+def _x_words(x_at, ok, X32: tl.constexpr, XF16: tl.constexpr):
+    """x at [BG, 4] word pointers (16 bytes a thread) -> its elements in fp32, [BG] each: 4 for an fp32 x, 8 for a
+    16-bit x (a word holds elements 2i, low half, and 2i + 1). Loaded in the codes' shape, so no layout change."""
+    v = tl.load(x_at, mask=ok, other=0)
+    a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    if X32:
+        return (v0.to(tl.float32, bitcast=True), v1.to(tl.float32, bitcast=True), v2.to(tl.float32, bitcast=True),
+                v3.to(tl.float32, bitcast=True))
+    elif XF16:
+        return _f16_pair(v0) + _f16_pair(v1) + _f16_pair(v2) + _f16_pair(v3)
+    else:  # bf16: an fp32 with the low 16 bits zero
+        return ((v0 << 16).to(tl.float32, bitcast=True), (v0 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (v1 << 16).to(tl.float32, bitcast=True), (v1 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (v2 << 16).to(tl.float32, bitcast=True), (v2 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (v3 << 16).to(tl.float32, bitcast=True), (v3 & 0xFFFF0000).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _x_chunk(x_at, off, limit, N_ELEM: tl.constexpr, X32: tl.constexpr, XF16: tl.constexpr):
+    """The N_ELEM (16 or 32) x elements of each 16-byte code chunk, fp32 [BG] each: x_at [BG, 4] points at the
+    chunk's first x words, `off` [BG, 4] their offsets from the tile's first, `limit` the words left in the row."""
+    WORDS: tl.constexpr = 4 if X32 else 8  # elements in one [BG, 4] word load
+    xs = _x_words(x_at, off < limit, X32, XF16)
+    for i in tl.static_range(1, N_ELEM // WORDS):
+        xs = xs + _x_words(x_at + 4 * i, off + 4 * i < limit, X32, XF16)
+    return xs
+
+
+@triton.jit
+def _e4m3_pair(u):
+    """Bytes 0 and 2 of uint32 words of e4m3 codes -> two fp32 tensors, the values x 2^-8, exactly (as _e4m3)."""
+    return _f16_pair(((u & 0x007F007F) << 7) | ((u & 0x00800080) << 8))
+
+
+@triton.jit
+def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS, GB: tl.constexpr,
+          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """Decode: x[x_row] . W[w_rows] -> [BLOCK_N] fp32 for one pair (int8: before the row scale).
+
+    A thread holds whole 16-byte chunks of code words (one 16-byte load) of several rows, and the chunk's x
+    in the same shape (no layout change: x decoded once, used for each of its rows); each chunk's products are
+    summed in an FMA chain and scaled once (GB bytes share a scale: fp8 b1, int4 group / 2; a GB that is no
+    multiple of 16 takes a scale a word).
+    KB is a multiple of 4 (the caller checks); a partial last chunk is masked per word."""
+    BG: tl.constexpr = BLOCK_KB // 16  # chunks per tile row
+    N_ELEM: tl.constexpr = 32 if FMT == 2 else 16  # elements in a chunk
+    X32: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    XF16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+    KW = KB // 4  # code words in a row
+    g = tl.arange(0, BG)  # [BG]
+    i4 = tl.arange(0, 4)
+    words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (w_rows[:, None, None] * KW + 4 * g[None, :, None]
+                                                         + i4[None, None, :]))  # [BN, BG, 4]
+    XPW: tl.constexpr = 1 if X32 else 2  # x elements in a word
+    x_base = x_ptr.to(tl.pointer_type(tl.uint32)) + x_row.to(tl.int64) * (stride_x // XPW)
+    x_off = (N_ELEM // XPW) * g[:, None] + i4[None, :]  # [BG, 4] the first x words of each chunk
+    x_at = x_base + x_off
+    acc = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+    for k0 in range(0, KW, 4 * BG):  # in words
+        w_ok3 = w_ok[:, None, None] & (4 * g[None, :, None] + i4[None, None, :] < KW - k0)
+        c = tl.load(words_at + k0, mask=w_ok3, other=0x88888888 if FMT == 2 else 0).to(tl.int32)  # [BN, BG, 4]
+        a, b = tl.split(tl.reshape(c, (BLOCK_N, BG, 2, 2)))
+        c0, c2 = tl.split(a)
+        c1, c3 = tl.split(b)
+        xs = _x_chunk(x_at + k0 * (N_ELEM // 4) // XPW, x_off, (KW - k0) * (N_ELEM // 4) // XPW, N_ELEM, X32, XF16)
+        if FMT == 1:  # int8: element 4w + b is byte b of word w, sign-extended
+            for w in tl.static_range(4):
+                cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+                for bb in tl.static_range(4):
+                    acc += ((cw << (24 - 8 * bb)) >> 24).to(tl.float32) * xs[4 * w + bb][None, :]
+        else:
+            if FMT == 0:  # fp8: bytes 0, 2 and 1, 3 of a word decoded in pairs
+                part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+                for w in tl.static_range(4):
+                    cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+                    v0, v2 = _e4m3_pair(cw)
+                    v1, v3 = _e4m3_pair(cw >> 8)
+                    part += v0 * xs[4 * w][None, :]
+                    part += v1 * xs[4 * w + 1][None, :]
+                    part += v2 * xs[4 * w + 2][None, :]
+                    part += v3 * xs[4 * w + 3][None, :]
+                    if GB % 16 != 0:  # the scale of each word's block
+                        col = (4 * (k0 + 4 * g) + 4 * w) // GB  # [BG]
+                        sc = tl.load(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
+                                     mask=w_ok[:, None] & (4 * g[None, :] + w < KW - k0), other=0.0)
+                        acc += part * sc
+                        part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+            else:  # int4: element 8w + 2b (+ 1) is byte b's low (high) nibble of word w; code - 8 summed as
+                # sum(code x) - 8 sum(x), the second shared by the thread's rows
+                part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+                xsum = tl.zeros((BG,), dtype=tl.float32)
+                for w in tl.static_range(4):
+                    cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+                    for bb in tl.static_range(4):
+                        x_lo = xs[8 * w + 2 * bb]
+                        x_hi = xs[8 * w + 2 * bb + 1]
+                        part += ((cw >> (8 * bb)) & 15).to(tl.float32) * x_lo[None, :]
+                        part += ((cw >> (8 * bb + 4)) & 15).to(tl.float32) * x_hi[None, :]
+                        xsum += x_lo + x_hi
+                    if GB % 16 != 0:
+                        col = (4 * (k0 + 4 * g) + 4 * w) // GB  # [BG]
+                        sc = tl.load(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
+                                     mask=w_ok[:, None] & (4 * g[None, :] + w < KW - k0), other=0.0).to(tl.float32)
+                        acc += (part - 8.0 * xsum[None, :]) * sc
+                        part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+                        xsum = tl.zeros((BG,), dtype=tl.float32)
+                if GB % 16 == 0:
+                    part -= 8.0 * xsum[None, :]
+            if GB % 16 == 0:  # one scale a chunk
+                col = (16 * (k0 // 4 + g)) // GB  # [BG]
+                sc = tl.load(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
+                             mask=w_ok[:, None] & (4 * g[None, :] < KW - k0), other=0.0).to(tl.float32)
+                acc += part * sc
+    out = tl.sum(acc, axis=1)  # [BN]
+    if FMT == 1:
+        out = out * tl.load(s_ptr + s_rows, mask=w_ok, other=0.0)
+    if FMT == 0:
+        out = out * 256.0  # the codes' 2^-8
+    return out
+
+
+@triton.jit
 def _scale_rows(rows, SPLIT, SPLIT_AT, B0):
     """The scale rows of weight rows: fp8 blocks b0 rows, and w13's up half (rows >= SPLIT) starts its own
     blocking at scale row SPLIT_AT; the int formats pass B0 = 1, SPLIT_AT = SPLIT (one scale row per row)."""
@@ -173,6 +300,70 @@ def _w2_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr, group
                  mask=ok[:, None] & j_ok[None, :])
 
 
+@triton.jit
+def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_ptr, act_ptr, stride_act, N, KB,
+                       TOPK, limit, alpha, stride_wc, stride_sc, stride_biasc, S_COLS, GB: tl.constexpr, SPLIT_AT,
+                       B0, FMT: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """Decode: act[pair, j] = activation(gate_j, up_j) for one (t, k) pair and a tile of j in [0, I) (N = I)."""
+    pair = tl.program_id(0)
+    slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
+    if slot >= 0:
+        j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        j_ok = j < N
+        if CLAMPED:  # GPT-OSS: rows interleaved, even gate, odd up
+            gate_rows = 2 * j
+            up_rows = 2 * j + 1
+        else:  # gate rows, then up rows
+            gate_rows = j
+            up_rows = j + N
+        slot64 = slot.to(tl.int64)  # a pool of slots can pass 2^31 bytes
+        w_ptr = w_ptr0 + slot64 * stride_wc
+        s_ptr = s_ptr0 + slot64 * stride_sc
+        token = pair // TOPK
+        gate = _gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, _scale_rows(gate_rows, N, SPLIT_AT, B0), j_ok,
+                     KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB)
+        up = _gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, _scale_rows(up_rows, N, SPLIT_AT, B0), j_ok,
+                   KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB)
+        if HAS_BIAS:
+            b_ptr = bias_ptr + slot64 * stride_biasc
+            gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
+            up += tl.load(b_ptr + up_rows, mask=j_ok, other=0.0).to(tl.float32)
+        if CLAMPED:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            a = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        else:
+            a = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + pair.to(tl.int64) * stride_act + j, a.to(act_ptr.dtype.element_ty), mask=j_ok)
+
+
+@triton.jit
+def _w2_decode_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr, ids_ptr, map_ptr, res_ptr,
+                      stride_res, out_ptr, stride_out, N, KB, TOPK, stride_wc, stride_sc, stride_biasc, S_COLS,
+                      GB: tl.constexpr, B0, FMT: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """Decode: out[t, j] = [residual[t, j] +] sum over k in order of topk_weight[t, k] (down_j . act[t K + k] +
+    bias_j) for one token and a tile of j in [0, H) (N = H): the CTA loops over the token's K pairs (no atomics)."""
+    t = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    j_ok = j < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, TOPK):
+        pair = t * TOPK + k
+        slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
+        if slot >= 0:
+            slot64 = slot.to(tl.int64)
+            y = _gemv(act_ptr, pair, stride_act, w_ptr0 + slot64 * stride_wc, s_ptr0 + slot64 * stride_sc, j, j // B0,
+                      j_ok, KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)
+            acc += y * tl.load(weights_ptr + pair).to(tl.float32)
+    if HAS_RES:  # the CPU's order: the k-sum first, then the residual
+        acc += tl.load(res_ptr + t.to(tl.int64) * stride_res + j, mask=j_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + j, acc.to(out_ptr.dtype.element_ty), mask=j_ok)
+
+
 def _configs(use_dot: bool) -> list[triton.Config]:
     if INTERPRET:  # one config, big tiles: the interpreter runs a program in numpy
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
@@ -185,15 +376,30 @@ def _configs(use_dot: bool) -> list[triton.Config]:
             for n, kb, w, st in [(16, 256, 4, 2), (8, 256, 4, 2), (8, 512, 8, 2)]]
 
 
+def _decode_configs(which: str) -> list[triton.Config]:
+    """Decode tiles: a warp spans 32 chunks of 16 bytes of a row (512 bytes), the warps more rows, and a thread
+    holds BLOCK_N / num_warps rows of its chunk (x decoded once for them); w2 has only T x H / BLOCK_N programs."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_KB": 32}, num_warps=4)]
+    tiles = [(16, 512, 4, 2), (32, 512, 8, 2), (8, 512, 4, 2), (16, 256, 4, 3)]
+    if which == "w2":
+        tiles = [(16, 512, 4, 2), (8, 512, 4, 2), (8, 256, 2, 3), (32, 512, 8, 2)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
+
+
 _KEY = ["N", "KB", "BLOCK_M", "FMT"]
+_W13_DECODE = triton.autotune(_decode_configs("w13"), key=["N", "KB", "FMT"])(_w13_decode_kernel)
+_W2_DECODE = triton.autotune(_decode_configs("w2"), key=["N", "KB", "FMT"])(_w2_decode_kernel)
 _W13 = {d: triton.autotune(_configs(d), key=_KEY)(_w13_kernel) for d in (False, True)}
 _W2 = {d: triton.autotune(_configs(d), key=_KEY)(_w2_kernel) for d in (False, True)}
 
 
 def decode_constexprs(fmt: str, block: tuple[int, int] | None = None, group: int = 32) -> dict[str, int]:
     """The compile-time scale blocking of a format: S_DIV elements along the input share a scale (FP8: the block's
-    b1; int4: the group; int8: 1, unused), so the scale column is a shift, not a division per element."""
-    return {"S_DIV": block[1] if fmt == "fp8" else group if fmt == "int4" else 1}
+    b1; int4: the group; int8: 1, unused), so the scale column is a shift, not a division per element; GB, the same
+    in code bytes, for the decode GEMV (int8: 16, unused)."""
+    s_div = block[1] if fmt == "fp8" else group if fmt == "int4" else 1
+    return {"S_DIV": s_div, "GB": s_div // 2 if fmt == "int4" else s_div if fmt == "fp8" else 16}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -202,7 +408,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor, tensors, act,
               fmt: str, block: tuple[int, int] | None = None, residual: torch.Tensor | None = None,
-              pairs: torch.Tensor | None = None, mode: str | None = None) -> torch.Tensor:
+              pairs: torch.Tensor | None = None, mode: str | None = None,
+              slot_map: torch.Tensor | None = None) -> torch.Tensor:
     """[residual +] sum_k topk_weights[t, k] * Expert_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype.
 
     hidden_states [T, H], topk_weights [T, K], slot_ids [T, K]; tensors: the slot buffers by name, for fmt
@@ -210,7 +417,8 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
     "int8" w13_q [C, 2I, H] int8 + w13_scale [C, 2I], w2_q + w2_scale [C, H]; "int4" w13_q [C, 2I, H/2] uint8 +
     w13_scale [C, 2I, H/g] fp16, w2_q [C, H, I/2] + w2_scale [C, H, I/g]; optional w13_bias [C, 2I] / w2_bias [C, H].
     act: an ExpertActivation (`swiglu`: gate rows then up rows; `clamped_swiglu`: interleaved). pairs [P]: flat
-    (t, k) indices to compute (None: all). mode: "gemv" or "grouped" (None: by the number of pairs).
+    (t, k) indices to compute (None: all). mode: "gemv" or "grouped" (None: by tokens per expert). slot_map [E]
+    int32 (this layer's row of the pool's map): `slot_ids` are then the routed expert ids, looked up in the kernels.
     """
     T, H = hidden_states.shape
     K = slot_ids.shape[1]
@@ -240,9 +448,33 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
         cols13 = div13 = cols2 = div2 = B0 = 1
         split_at = I
     x = hidden_states.contiguous()
-    g = plan_groups(x, topk_weights, slot_ids, pairs, C, I, H, mode)
+    b13, b2 = tensors.get("w13_bias"), tensors.get("w2_bias")
+    P = T * K if pairs is None else pairs.numel()
+    if is_decode(T, P, mode):
+        if not P:
+            return residual.clone() if residual is not None else torch.zeros_like(hidden_states)
+        gb13, gb2 = (div13, div2) if fid == FP8 else (div13 // 2, div2 // 2) if fid == INT4 else (16, 16)
+        if w13.shape[2] % 4 or w2.shape[2] % 4 or gb13 % 4 or gb2 % 4:
+            raise ValueError(f"the fused {fmt} decode reads 4-byte words: rows of {w13.shape[2]} / {w2.shape[2]} "
+                             f"bytes and scale blocks of {gb13} / {gb2} bytes must be multiples of 4")
+        d = decode_io(x, topk_weights, slot_ids, pairs, slot_map, residual, I)
+        smap = d.slot_map if d.slot_map is not None else d.ids
+        _W13_DECODE[lambda meta: (T * K, triton.cdiv(I, meta["BLOCK_N"]))](
+            x, x.stride(0), w13, s13, b13 if b13 is not None else s13, d.ids, smap, d.act, d.act.stride(0), I,
+            w13.shape[2], K, float(act.limit), float(act.alpha), w13.stride(0), s13.stride(0),
+            b13.stride(0) if b13 is not None else 0, cols13, gb13, split_at, B0, FMT=fid,
+            HAS_MAP=d.slot_map is not None, HAS_BIAS=b13 is not None, CLAMPED=act.kind == "clamped_swiglu")
+        res = d.residual if d.residual is not None else d.out
+        _W2_DECODE[lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
+            d.act, d.act.stride(0), w2, s2, b2 if b2 is not None else s2, d.weights, d.ids, smap, res, res.stride(0),
+            d.out, d.out.stride(0), H, w2.shape[2], K, w2.stride(0), s2.stride(0),
+            b2.stride(0) if b2 is not None else 0, cols2, gb2, B0, FMT=fid, HAS_MAP=d.slot_map is not None,
+            HAS_BIAS=b2 is not None, HAS_RES=d.residual is not None)
+        return d.out
+    if slot_map is not None:  # prefill groups by slot on the device: one gather
+        slot_ids = slot_map.index_select(0, slot_ids.reshape(-1).long()).view(T, K)  # [T, K]
+    g = plan_groups(x, topk_weights, slot_ids, pairs, C, I, H)
     if g.count:
-        b13, b2 = tensors.get("w13_bias"), tensors.get("w2_bias")
         nb = g.groups
         _W13[g.use_dot][lambda meta: (nb, triton.cdiv(I, meta["BLOCK_N"]))](
             x, x.stride(0), w13, s13, b13 if b13 is not None else s13, g.group_slot, g.group_pairs, g.act_buf,

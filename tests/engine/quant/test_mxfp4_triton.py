@@ -37,11 +37,13 @@ class Case:
     E: int = 4
     K: int = 2
     gain: int = 0  # w13 scaled by 2^gain: 2 drives GPT-OSS's clamp (|gate| > 7) on a fair share of outputs
+    lookup: bool = False  # the kernels get the routed expert ids and the layer's slot map, not slot ids
 
     @property
     def name(self) -> str:
         return (f"{self.kind}-T{self.T}-{self.mode or 'auto'}-{self.pairs}{'-res' if self.residual else ''}-"
-                f"{str(self.dtype).removeprefix('torch.')}-H{self.H}{f'-gain{self.gain}' if self.gain else ''}")
+                f"{str(self.dtype).removeprefix('torch.')}-H{self.H}{f'-gain{self.gain}' if self.gain else ''}"
+                f"{f'-K{self.K}' if self.K != 2 else ''}{'-map' if self.lookup else ''}")
 
 
 def _packed(g: torch.Generator, *lead: int, cols: int, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +88,11 @@ def make_problem(case: Case, device: str = "cpu", seed: int = 0):
         if case.pairs == "some-absent":
             slot_ids = slot_ids.clone()
             slot_ids.view(-1)[~used] = -1
+    slot_map = None
+    if case.lookup:  # expert ids (-1 where the slot id is) and the map the kernels read them through
+        slot_map = torch.full((E + 1,), -1, dtype=torch.int32)  # [E + 1]: expert E has no slot
+        slot_map[:E] = slot_of.to(torch.int32)
+        slot_ids = torch.where(slot_ids >= 0, topk_ids, -1).to(torch.int32)  # [T, K]
     to = lambda t: None if t is None else t.to(device)
     # the reference, in fp32 from the same (rounded) inputs; left-out pairs weigh nothing
     want = moe_reference(to(x).float(), to(topk_weights * used.view(T, K)), topk_ids,
@@ -94,15 +101,25 @@ def make_problem(case: Case, device: str = "cpu", seed: int = 0):
     if residual is not None:
         want = want + to(residual).float()
     return ({k: to(v) for k, v in tensors.items()}, to(x), to(topk_weights), to(slot_ids), to(residual),
-            to(pairs), want.cpu())
+            to(pairs), want.cpu(), to(slot_map))
 
 
-def run_case(case: Case, device: str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def run_case(case: Case, device: str = "cpu", seed: int = 0, moved: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output and the reference; `moved` > 0 first moves the experts to other slots (a permutation
+    drawn from it), which must not change a bit of the output."""
     from moechat.engine.quant.kernels.mxfp4_moe import mxfp4_moe
 
-    tensors, x, tw, slot_ids, residual, pairs, want = make_problem(case, device, seed)
+    tensors, x, tw, slot_ids, residual, pairs, want, slot_map = make_problem(case, device, seed)
+    if moved:
+        C = tensors["w13_blocks"].shape[0]
+        perm = torch.randperm(C, generator=torch.Generator().manual_seed(moved)).to(slot_ids.device)  # s -> perm[s]
+        tensors = {k: torch.empty_like(v).index_copy_(0, perm, v) for k, v in tensors.items()}
+        if slot_map is not None:
+            slot_map = torch.where(slot_map >= 0, perm[slot_map.long().clamp(min=0)].to(torch.int32), -1)
+        else:
+            slot_ids = torch.where(slot_ids >= 0, perm[slot_ids.long().clamp(min=0)], -1)
     got = mxfp4_moe(x, tw, slot_ids, tensors, ExpertActivation(case.kind), residual=residual, pairs=pairs,
-                    mode=case.mode)
+                    mode=case.mode, slot_map=slot_map)
     assert got.dtype == case.dtype and got.shape == want.shape
     return got.float().cpu(), want
 
@@ -126,6 +143,14 @@ INTERPRETED += [Case("clamped_swiglu", 5, "grouped", "some-absent", True), Case(
 # 32 bytes), outputs past the last BLOCK_N tile (I = 160 in tiles of 32 is whole, H = 96 is not a power of two)
 INTERPRETED += [Case("clamped_swiglu", 3, "gemv", "some", True, H=96, I=160),
                 Case("swiglu", 2, "gemv", "all", False, torch.bfloat16, H=160, I=96, E=3, K=3)]
+# the slot lookup inside the kernels (decode) and before the grouping (prefill); T = 8 is still a decode at 32 pairs
+INTERPRETED += [Case("clamped_swiglu", 1, None, "all", True, lookup=True),
+                Case("clamped_swiglu", 3, "gemv", "some-absent", True, torch.bfloat16, lookup=True),
+                Case("swiglu", 5, "grouped", "some", False, lookup=True),
+                Case("clamped_swiglu", 8, None, "all", True, torch.bfloat16, H=96, I=32, E=6, K=4)]
+# the same bits whatever slots hold the experts (the k-sum in the kernel, in k order, no atomics)
+MOVED = [Case("clamped_swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
+         Case("swiglu", 2, "gemv", "some-absent", True, lookup=True)]
 
 
 def _interpreted_main() -> None:
@@ -134,6 +159,10 @@ def _interpreted_main() -> None:
     for case in INTERPRETED:
         got, want = run_case(case)
         print(case.name, excess(case, got, want), flush=True)
+    for case in MOVED:
+        got, _ = run_case(case)
+        moved, _ = run_case(case, moved=1)
+        print(f"moved-{case.name}", float(not torch.equal(got, moved)), flush=True)
 
 
 if __name__ == "__main__":
@@ -156,6 +185,15 @@ def interpreted() -> dict[str, float]:
 @pytest.mark.parametrize("case", INTERPRETED, ids=lambda c: c.name)
 def test_interpreted_kernel_matches_the_reference(interpreted, case):
     assert interpreted[case.name] <= 1.0
+
+
+@pytest.mark.parametrize("case", MOVED, ids=lambda c: c.name)
+def test_moving_experts_between_slots_changes_no_bit(interpreted, case):
+    assert interpreted[f"moved-{case.name}"] == 0.0
+
+
+def test_case_names_are_unique():
+    assert len({c.name for c in INTERPRETED}) == len(INTERPRETED)
 
 
 def test_grouping_pads_each_slot_and_skips_absent_pairs():

@@ -41,11 +41,14 @@ class Case:
     E: int = 4
     K: int = 2
     block: tuple[int, int] = (16, 32)  # fp8 only
+    lookup: bool = False  # the kernels get the routed expert ids and the layer's slot map, not slot ids
 
     @property
     def name(self) -> str:
         return (f"{self.fmt}-{self.kind}-T{self.T}-{self.mode or 'auto'}-{self.pairs}{'-res' if self.residual else ''}"
-                f"{'-bias' if self.bias else ''}-{str(self.dtype).removeprefix('torch.')}-H{self.H}-I{self.I}")
+                f"{'-bias' if self.bias else ''}-{str(self.dtype).removeprefix('torch.')}-H{self.H}-I{self.I}"
+                f"{f'-K{self.K}' if self.K != 2 else ''}"
+                f"{f'-b{self.block[0]}x{self.block[1]}' if self.fmt == 'fp8' else ''}{'-map' if self.lookup else ''}")
 
 
 def format_of(case: Case):
@@ -104,6 +107,11 @@ def make_problem(case: Case, device: str = "cpu", seed: int = 0):
         if case.pairs == "some-absent":
             slot_ids = slot_ids.clone()
             slot_ids.view(-1)[~used] = -1
+    slot_map = None
+    if case.lookup:  # expert ids (-1 where the slot id is) and the map the kernels read them through
+        slot_map = torch.full((E + 1,), -1, dtype=torch.int32)  # [E + 1]: expert E has no slot
+        slot_map[:E] = slot_of.to(torch.int32)
+        slot_ids = torch.where(slot_ids >= 0, topk_ids, -1).to(torch.int32)  # [T, K]
     # the reference: each expert's slow dequantized weights, in fp32 from the same (rounded) inputs
     w13 = torch.stack([fmt.weight(ex, "w13", torch.float32) for ex in experts])  # [E, 2I, H]
     w2 = torch.stack([fmt.weight(ex, "w2", torch.float32) for ex in experts])  # [E, H, I]
@@ -116,15 +124,27 @@ def make_problem(case: Case, device: str = "cpu", seed: int = 0):
         want = want + residual.float()
     to = lambda t: None if t is None else t.to(device)
     return ({k: to(v) for k, v in tensors.items()}, to(x), to(topk_weights), to(slot_ids), to(residual), to(pairs),
-            want)
+            want, to(slot_map))
 
 
-def run_case(case: Case, device: str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def run_case(case: Case, device: str = "cpu", seed: int = 0, moved: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output and the reference; `moved` > 0 first moves the experts to other slots (a permutation
+    drawn from it), which must not change a bit of the output."""
     from moechat.engine.quant.kernels.quant_moe import quant_moe
 
-    tensors, x, tw, slot_ids, residual, pairs, want = make_problem(case, device, seed)
+    tensors, x, tw, slot_ids, residual, pairs, want, slot_map = make_problem(case, device, seed)
+    if moved:
+        C = next(iter(tensors.values())).shape[0]
+        perm = torch.randperm(C, generator=torch.Generator().manual_seed(moved)).to(slot_ids.device)  # s -> perm[s]
+        raw = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # fp8 has no index_copy_
+        tensors = {k: torch.empty_like(raw(v)).index_copy_(0, perm, raw(v)).view(v.dtype) for k, v in tensors.items()}
+        if slot_map is not None:
+            slot_map = torch.where(slot_map >= 0, perm[slot_map.long().clamp(min=0)].to(torch.int32), -1)
+        else:
+            slot_ids = torch.where(slot_ids >= 0, perm[slot_ids.long().clamp(min=0)], -1)
     got = quant_moe(x, tw, slot_ids, tensors, ExpertActivation(case.kind), case.fmt,
-                    block=case.block if case.fmt == "fp8" else None, residual=residual, pairs=pairs, mode=case.mode)
+                    block=case.block if case.fmt == "fp8" else None, residual=residual, pairs=pairs, mode=case.mode,
+                    slot_map=slot_map)
     assert got.dtype == case.dtype and got.shape == want.shape
     return got.float().cpu(), want
 
@@ -152,6 +172,16 @@ INTERPRETED += [Case("fp8", "swiglu", 3, "grouped", block=(32, 16)), Case("int4"
 # a 32-byte tile (H = 80, I = 56: a partial last block and tile), bias and clamped activation
 INTERPRETED += [Case("fp8", "clamped_swiglu", 3, "gemv", "some", True, bias=True, H=80, I=56, block=(32, 16)),
                 Case("int8", "swiglu", 2, "gemv", "all", False, torch.bfloat16, H=80, I=56)]
+# the slot lookup inside the kernels (decode) and before the grouping (prefill); T = 8 is still a decode at 32 pairs;
+# FP8 blocks of 8 columns and int4 groups of 16 (scales a word, not a 16-byte chunk)
+INTERPRETED += [Case("fp8", "swiglu", 3, "gemv", "some-absent", True, torch.bfloat16, lookup=True),
+                Case("int4", "clamped_swiglu", 5, "grouped", "some", False, lookup=True),
+                Case("int8", "swiglu", 8, None, "all", True, torch.bfloat16, E=6, K=4),
+                Case("fp8", "swiglu", 1, None, "all", True, H=64, I=48, block=(16, 8)),
+                Case("int4", "swiglu", 2, "gemv", "all", True, H=48, I=80)]
+# the same bits whatever slots hold the experts (the k-sum in the kernel, in k order, no atomics)
+MOVED = [Case("int8", "swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
+         Case("int4", "clamped_swiglu", 2, "gemv", "some-absent", True, bias=True, lookup=True)]
 
 
 def _interpreted_main() -> None:
@@ -160,6 +190,10 @@ def _interpreted_main() -> None:
     for case in INTERPRETED:
         got, want = run_case(case)
         print(case.name, excess(case, got, want), flush=True)
+    for case in MOVED:
+        got, _ = run_case(case)
+        moved, _ = run_case(case, moved=1)
+        print(f"moved-{case.name}", float(not torch.equal(got, moved)), flush=True)
 
 
 if __name__ == "__main__":
@@ -182,6 +216,11 @@ def interpreted() -> dict[str, float]:
 @pytest.mark.parametrize("case", INTERPRETED, ids=lambda c: c.name)
 def test_interpreted_kernel_matches_the_reference(interpreted, case):
     assert interpreted[case.name] <= 1.0
+
+
+@pytest.mark.parametrize("case", MOVED, ids=lambda c: c.name)
+def test_moving_experts_between_slots_changes_no_bit(interpreted, case):
+    assert interpreted[f"moved-{case.name}"] == 0.0
 
 
 def test_case_names_are_unique():
@@ -223,7 +262,7 @@ def test_expert_compute_runs_the_fused_kernel_on_cuda(fmt, T, monkeypatch):
     from moechat.engine.quant.kernels import quant_moe as kernel
 
     case = Case(fmt, "swiglu", T, None, "all", True, torch.bfloat16, **QWEN3_30B)
-    tensors, x, tw, slot_ids, residual, _, want = make_problem(case, "cuda")
+    tensors, x, tw, slot_ids, residual, _, want, _ = make_problem(case, "cuda")
     batch = ExpertBatch(tensors, slot_ids, slot_ids_cpu=slot_ids.cpu(), format=format_of(case))
     calls = []
     real = kernel.quant_moe
