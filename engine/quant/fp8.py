@@ -98,7 +98,7 @@ def fp8_format(block: tuple[int, int]) -> Fp8Format:
 def fp8_from_config(q: Mapping, where: str) -> Fp8Format:
     """quantization_config {quant_method: fp8, fmt: e4m3, weight_block_size: [b0, b1]} -> the format."""
     fmt = q.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # DeepSeek-V3 spells it e4m3, MiniMax-M2 by torch's dtype name
         raise ConfigError(f"{where}: quantization_config.fmt {fmt!r} is not supported (moechat reads e4m3 FP8)")
     block = q.get("weight_block_size")
     if (not isinstance(block, (list, tuple)) or len(block) != 2
