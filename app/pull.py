@@ -23,10 +23,11 @@ EXIT_INTERRUPTED = 130
 
 def add_pull_parser(subparsers) -> argparse.ArgumentParser:
     pull = subparsers.add_parser(
-        "pull", help="download a model from the Hugging Face Hub (safetensors with config and tokenizer files, or one GGUF "
-             "quant)",
+        "pull", help="download a model from the Hugging Face Hub (safetensors with config and tokenizer files, "
+             "or one GGUF quant)",
         description="Download a Hub model into the Hugging Face cache (HF_HOME), pinned to the commit of REVISION: "
-                    "safetensors weights, JSON and tokenizer files, never pickle weights. Checks free disk first, "
+                    "safetensors weights, JSON and tokenizer files, never pickle weights; or, for REPO:QUANT, that "
+                    "GGUF quant's files (and the repo's imatrix). Checks free disk first, "
                     "verifies every file's checksum, resumes interrupted downloads. Gated models need HF_TOKEN.")
     pull.add_argument("repo", metavar="REPO", help="Hub repo id, e.g. allenai/OLMoE-1B-7B-0125-Instruct; a GGUF "
                       "repo with its quant: unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M")

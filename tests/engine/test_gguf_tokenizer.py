@@ -333,3 +333,40 @@ def test_embedded_hf_json_wins(tmp_path):
     tok = tokenizer_from_gguf(_write_gguf(tmp_path / "m.gguf", kv)).tokenizer
     for sample in TEXTS:
         assert tok.encode(sample) == hf.encode(sample).ids
+
+
+def test_the_demo_models_tokenizer_through_the_converters_steps(tmp_path):
+    """The bundled demo model's tokenizer written as convert_hf_to_gguf.py's get_vocab_base writes it (vocab by
+    id, added tokens pre-normalized, CONTROL when special or looking special), read back: the ids equal those of
+    the safetensors folder's tokenizer (engine/tokenizer.py, itself tested equal to transformers')."""
+    from pathlib import Path
+
+    from moechat.engine.tokenizer import Tokenizer
+
+    demo = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
+    ref = Tokenizer.from_model_dir(demo)
+    backend = ref.backend
+    vocab = backend.get_vocab(with_added_tokens=True)
+    reverse = {i: t for t, i in vocab.items()}
+    decoder = backend.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(max(reverse) + 1):
+        token = reverse.get(i, f"[PAD{i}]")
+        kind = gguf.TokenType.UNUSED if i not in reverse else gguf.TokenType.NORMAL
+        if i in decoder:
+            if not decoder[i].normalized:
+                token = backend.decode(backend.encode(token, add_special_tokens=False).ids, skip_special_tokens=False)
+            looks = token.startswith("<|") and token.endswith("|>")
+            kind = gguf.TokenType.CONTROL if decoder[i].special or looks else gguf.TokenType.USER_DEFINED
+        tokens.append(token)
+        types.append(int(kind))
+    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(backend.to_str())["model"]["merges"]]
+    kv = {"tokenizer.ggml.model": ("str", "gpt2"), "tokenizer.ggml.pre": ("str", "gpt-2"),
+          "tokenizer.ggml.tokens": ("arr", tokens), "tokenizer.ggml.token_type": ("arr", types),
+          "tokenizer.ggml.merges": ("arr", merges), "tokenizer.ggml.eos_token_id": ("u32", ref.eos_token_id)}
+    text = tokenizer_from_gguf(_write_gguf(tmp_path / "demo.gguf", kv))
+    for sample in TEXTS + ["def f(x):\n    return x ** 2  # squares", "What does len() return?"]:
+        ids = ref.encode(sample)
+        assert text.tokenizer.encode(sample) == ids, sample
+        assert text.tokenizer.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    assert ref.eos_token_id in text.eos_token_ids and text.tokenizer.eos_token == ref.eos_token
