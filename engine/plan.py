@@ -632,6 +632,14 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
     # Multi-token-prediction layers ship in the checkpoint but are not used to decode.
     mtp = int(c.get("num_nextn_predict_layers") or 0)
     unused = 0
+    if not mtp and c.get("use_mtp") and c.get("num_mtp_modules"):
+        # MiniMax-M2: MTP modules of mtp_transformer_layers layers each, named in config.json; its Hub checkpoint's
+        # size (229 B parameters, ~230 GB) leaves no room for them, so their cost is noted, not counted
+        n = int(c["num_mtp_modules"]) * int(c.get("mtp_transformer_layers") or 1)
+        per_layer = (dense_bytes - V * H * s.float_bytes * (1 if s.tied else 2)) / L + s.E * sum(
+            t.nbytes for t in expert)
+        notes.append(f"{n} multi-token-prediction layer(s) named in config.json (use_mtp) are never loaded; they "
+                     f"would cost ~{n * per_layer / GiB:.1f} GiB")
     if mtp:
         per_layer_dense = (dense_bytes - (V * H * s.float_bytes * (1 if s.tied else 2))) / L
         unused = mtp * (per_layer_dense + s.E * sum(t.nbytes for t in expert) + 2 * H * H * s.float_bytes
