@@ -167,6 +167,10 @@ CATALOG: tuple[CatalogEntry, ...] = (
     CatalogEntry("zai-org/GLM-4.7-Flash", "glm4_moe_lite", 29.9, 3.6, "bf16",
                  (_GROUPED, "64 experts top-4", "shared expert", "MLA (latent KV cache)"),
                  note="30B-A3B; KV 52.9 KiB a token; its MTP layer (1.2 GiB) is not loaded"),
+    CatalogEntry("MiniMaxAI/MiniMax-M2.5", "minimax_m2", 228.7, 10.4, "fp8 (128x128 block scales)",
+                 ("sigmoid top-k routing + bias", "256 experts top-8", "q/k norm", "partial rotary", "GQA",
+                  "FP8 experts"),
+                 note="FP8 experts, 13.5 MiB each, 209 GiB in all; KV 248 KiB a token"),
     # -- popular, not yet ---------------------------------------------------------------------------------
     CatalogEntry("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 80.0, 3.0, "bf16",
                  ("Gated DeltaNet", "gated shared expert", "512 experts top-10")),
