@@ -134,7 +134,11 @@ def _value(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
     types = getattr(item, "types", None) or []
     if len(types) > 1 and int(types[-1]) != 8 and item.data:  # a numeric array: one vectorised read, not 150k
         return np.concatenate([item.parts[i] for i in item.data]).tolist()
-    return item.contents()
+    try:
+        return item.contents()
+    except UnicodeDecodeError as err:
+        raise TokenizerError(f"{key} holds bytes that are not UTF-8 (at byte {err.start} of one entry); the file's "
+                             "tokenizer metadata is damaged: re-download or re-convert it") from None
 
 
 def _typed_list(fields: Mapping[str, Any], key: str, kind: type, n: int | None, where: str) -> list:

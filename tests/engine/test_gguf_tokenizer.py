@@ -370,3 +370,13 @@ def test_the_demo_models_tokenizer_through_the_converters_steps(tmp_path):
         assert text.tokenizer.encode(sample) == ids, sample
         assert text.tokenizer.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
     assert ref.eos_token_id in text.eos_token_ids and text.tokenizer.eos_token == ref.eos_token
+
+
+def test_tokens_that_are_not_utf8_are_typed(tmp_path):
+    hf = _byte_level_hf("gpt-2")
+    kv = _bpe_kv(hf, "gpt-2")
+    _write_gguf(tmp_path / "m.gguf", kv)
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "m.gguf").write_bytes(data.replace(b"<|im_start|>", b"<|im_st\xffrt|>"))  # same length
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.tokens holds bytes that are not UTF-8"):
+        tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "m.gguf")))
