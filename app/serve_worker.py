@@ -340,7 +340,7 @@ class EngineWorker:
         keep = 0
         if self.prefix_cache:
             keep = min(_common_prefix(seq.tokens, ids), len(ids) - 1)  # at least one token prefilled for logits
-        seq.truncate(keep)
+        keep = seq.truncate(keep)  # fewer where a recurrent state has no snapshot at keep (engine/kv_cache.py)
         stops = StopMatcher(job.stop)
         finish, last, first_token_s = None, None, 0.0
         last_snapshot = time.perf_counter()
