@@ -80,14 +80,17 @@ class GenerationChunk:
 
 @dataclass
 class SequenceState:
-    """A KV cache and the token ids whose keys and values it holds."""
+    """A KV cache (and the recurrent layers' states) and the token ids whose keys, values and states it holds."""
 
     kv: KVCache
     tokens: list[int] = field(default_factory=list)
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int) -> int:
+        """Keep the first n tokens, or fewer where a recurrent state has no snapshot at n: returns how many are kept
+        (prefill from there)."""
+        n = self.kv.truncate(n)
         del self.tokens[n:]
-        self.kv.truncate(n)
+        return n
 
 
 def _ids(value) -> list[int]:
@@ -280,6 +283,8 @@ class Engine:
             hidden = self.model(torch.tensor(chunk, dtype=torch.long, device=self.loaded.device), seq.kv,
                                 self.provider)  # [T, H]
             seq.tokens.extend(chunk)
+        if len(ids) > 1:  # the end of a prompt: where the next turn's shared prefix most often ends (recurrent state)
+            seq.kv.snapshot()
         return self.model.logits(hidden[-1:])[0]  # [V]
 
     @typed_errors("generating")
@@ -564,8 +569,7 @@ class Conversation:
             self.messages.pop()
             raise
         # Reuse the cached prefix; at least one token must be fed to get logits.
-        keep = min(_common_prefix(self.sequence.tokens, ids), len(ids) - 1)
-        self.sequence.truncate(keep)
+        keep = self.sequence.truncate(min(_common_prefix(self.sequence.tokens, ids), len(ids) - 1))
         self.last_prefill_tokens = len(ids) - keep
         reply: list[str] = []
         thinking: list[str] = []

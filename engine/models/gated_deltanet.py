@@ -1,0 +1,140 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5/3.6-MoE): linear attention whose state is a [Dk, Dv] matrix per value head.
+
+Per token t and value head: S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
+(q, k L2-normalised, q scaled by Dk^-1/2), after a depthwise causal conv1d (kernel 4) with SiLU over [q | k | v].
+The state is constant in the context: Qwen3.6-35B-A3B keeps 32 heads x 128 x 128 fp32 = 2 MiB per layer plus a
+[8192, 3] conv window, 60.1 MiB for its 30 linear layers at any length, where a full-attention layer of it holds
+2 x 2 x 256 x 2 B = 2 KiB per token (2 MiB at 1024 tokens).
+
+Three paths, all fp32 inside:
+* `delta_rule_reference`: the recurrence above, token by token (the slow obvious one every other path is tested
+  against);
+* `delta_rule_chunked`: prefill in chunks of 64: within a chunk the T sequential updates are one triangular solve
+  (the WY form: U = (I + A)^-1 (beta V - beta gamma K S0), A[t, j] = beta_t gamma_t / gamma_j k_t . k_j for j < t),
+  so a 512-token prefill is 8 steps of batched GEMMs instead of 512 rank-1 updates;
+* `delta_rule_step`: decode, one token, the state updated in place (four batched GEMV-sized ops).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# T = tokens, C = conv channels, W = conv kernel width, HV = value heads, HK = key heads, Dk/Dv = head dims,
+# N = chunks, L = chunk length
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# -- the short causal convolution ---------------------------------------------------------------------------------
+def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """x [T, C], weight [C, W], state [C, W-1] (the previous W-1 inputs, oldest first; updated in place)
+    -> silu(conv) [T, C], one position at a time."""
+    T, W = x.shape[0], weight.shape[1]
+    window = state.to(torch.float32).clone()  # [C, W-1]
+    out = []
+    for t in range(T):
+        full = torch.cat([window, x[t].float()[:, None]], dim=1)  # [C, W]
+        out.append((full * weight.float()).sum(-1))
+        window = full[:, 1:]
+    state.copy_(window)
+    return F.silu(torch.stack(out)).to(x.dtype)  # [T, C]
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The same as `causal_conv1d_reference`: one grouped conv1d over [state | x] (prefill) or a multiply-add over
+    the window (decode)."""
+    T, W = x.shape[0], weight.shape[1]
+    if T == 1:
+        full = torch.cat([state, x.t()], dim=1)  # [C, W]
+        y = (full.to(weight.dtype) * weight).sum(-1, keepdim=True).t()  # [1, C]
+        state.copy_(full[:, 1:])
+        return F.silu(y).to(x.dtype)
+    full = torch.cat([state, x.t().to(state.dtype)], dim=1)  # [C, W-1+T]
+    y = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
+    state.copy_(full[:, -(W - 1):])
+    return F.silu(y).t().to(x.dtype)  # [T, C]
+
+
+# -- the gated delta rule -----------------------------------------------------------------------------------------
+def _prepare(q, k, v, g, beta):
+    """Inputs as [HV, T, D] fp32 with q/k normalised and shared across each key head's value heads."""
+    HK, HV = q.shape[1], v.shape[1]
+    if HK != HV:  # each key head serves HV/HK consecutive value heads
+        q = q.repeat_interleave(HV // HK, dim=1)
+        k = k.repeat_interleave(HV // HK, dim=1)
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    k = l2norm(k.float())
+    return (q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1), g.float().t(), beta.float().t())
+
+
+def delta_rule_reference(q, k, v, g, beta, state):
+    """q, k [T, HK, Dk], v [T, HV, Dv], g (log decay, <= 0), beta [T, HV], state [HV, Dk, Dv] fp32 (updated in place)
+    -> o [T, HV, Dv] fp32, one token at a time."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    S = state.clone()
+    out = []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[:, None, None]
+        kv_mem = (S * k[:, t, :, None]).sum(1)  # [HV, Dv]
+        u = (v[:, t] - kv_mem) * beta[:, t, None]
+        S = S + k[:, t, :, None] * u[:, None, :]
+        out.append((S * q[:, t, :, None]).sum(1))
+    state.copy_(S)
+    return torch.stack(out)  # [T, HV, Dv]
+
+
+def delta_rule_step(q, k, v, g, beta, state):
+    """One token: q, k [1, HK, Dk], v [1, HV, Dv], g, beta [1, HV]; state updated in place -> o [1, HV, Dv] fp32."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [HV, 1, D]
+    state.mul_(g.exp()[:, :, None])  # [HV, Dk, Dv] * [HV, 1, 1]
+    u = (v - torch.bmm(k, state)) * beta[:, :, None]  # [HV, 1, Dv]
+    state.baddbmm_(k.transpose(1, 2), u)  # S += k u^T
+    return torch.bmm(q, state).transpose(0, 1)  # [1, HV, Dv]
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The same as `delta_rule_reference`, chunk by chunk (see the module docstring); state updated in place."""
+    T = q.shape[0]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [HV, T, D], g/beta [HV, T]
+    HV, Dv = v.shape[0], v.shape[2]
+    pad = (-T) % chunk
+    if pad:  # padded positions have beta = 0, g = 0, k = 0: they change neither the state nor the real outputs
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    N, L = (T + pad) // chunk, chunk
+    q, k, v = (x.reshape(HV, N, L, -1) for x in (q, k, v))  # [HV, N, L, D]
+    G = g.reshape(HV, N, L).cumsum(-1)  # [HV, N, L]: log gamma_t, the decay from the chunk's start to t
+    beta = beta.reshape(HV, N, L)
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # [L, L] j <= t
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [HV, N, L, L]
+    kb = k * beta[..., None]  # [HV, N, L, Dk]
+    A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # [HV, N, L, L] strictly lower
+    eye = torch.eye(L, dtype=A.dtype, device=A.device)
+    # U = (I + A)^-1 (beta V) - (I + A)^-1 (beta gamma K) S0: both solves for every chunk at once
+    rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)  # [HV, N, L, Dv+Dk]
+    sol = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    u0, w = sol[..., :Dv], sol[..., Dv:]  # [HV, N, L, Dv], [HV, N, L, Dk]
+    attn = (q @ k.transpose(-1, -2)) * decay  # [HV, N, L, L] incl. the diagonal
+    q_g = q * G.exp()[..., None]  # [HV, N, L, Dk]
+    k_end = k * (G[..., -1:] - G).exp()[..., None]  # [HV, N, L, Dk]: decay from j to the chunk's end
+    end = G[..., -1].exp()  # [HV, N]
+    S = state.clone()
+    out = torch.empty(HV, N, L, Dv, dtype=torch.float32, device=q.device)
+    for n in range(N):
+        u = u0[:, n] - w[:, n] @ S  # [HV, L, Dv]
+        out[:, n] = q_g[:, n] @ S + attn[:, n] @ u
+        S = S * end[:, n, None, None] + k_end[:, n].transpose(-1, -2) @ u
+    state.copy_(S)
+    return out.reshape(HV, N * L, Dv)[:, :T].transpose(0, 1)  # [T, HV, Dv]
+
+
+def delta_rule(q, k, v, g, beta, state):
+    """The fast path: the step for one token, chunks for more."""
+    if q.shape[0] == 1:
+        return delta_rule_step(q, k, v, g, beta, state)
+    return delta_rule_chunked(q, k, v, g, beta, state)
