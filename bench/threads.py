@@ -42,6 +42,9 @@ torch.set_num_threads(int(sys.argv[2]))
 from moechat.engine.generate import Engine
 from moechat.engine.sampling import SamplingParams
 fmt = sys.argv[4] if len(sys.argv) > 4 else "native"
+if len(sys.argv) > 5 and int(sys.argv[5]):  # the native pool's own count; torch's set by argv[2]
+    from moechat.engine.quant import native
+    native.pin_threads(native.library(), int(sys.argv[5]))
 engine = Engine.load(sys.argv[1], dtype="bfloat16", expert_format=None if fmt == "native" else fmt)
 engine.eos_token_ids = frozenset()  # fixed-length replies
 greedy = SamplingParams(temperature=0.0, do_sample=False)
@@ -54,13 +57,14 @@ print(json.dumps({"tok_s": chunks[-1].decode_tokens_per_s, "tokens": [t for c in
 
 
 def measure(model: Path, threads: int, policy: str | None, tokens: int, fmt: str = "native",
-            tree: str | None = None) -> dict:
+            tree: str | None = None, pool: int = 0) -> dict:
+    """One fresh process: `threads` torch threads (and the native pool's, unless `pool` gives its own count)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
     if tree is not None:
         env["PYTHONPATH"] = tree
-    out = subprocess.run([sys.executable, "-c", CHILD, str(model), str(threads), str(tokens), fmt], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, str(model), str(threads), str(tokens), fmt, str(pool)], env=env,
                          check=True, capture_output=True, text=True, timeout=600, cwd=tree or None)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

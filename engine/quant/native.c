@@ -1337,11 +1337,89 @@ static inline float torch_exp_neg(float v, int64_t i, int64_t nvec) { return i <
 
 enum { ACT_SWIGLU, ACT_CLAMPED };
 
+#if SIMD
+/* sleef_expf on eight lanes: the same operations (torch's own vector code is Sleef's) */
+static inline __m256 pow2i8(__m256i q) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(0x7f)), 23));
+}
+
+static inline __m256 sleef_exp8(__m256 d) {
+    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    __m256i q1 = _mm256_srai_epi32(q, 1);
+    u = _mm256_mul_ps(_mm256_mul_ps(u, pow2i8(q1)), pow2i8(_mm256_sub_epi32(q, q1)));
+    u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    return _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
+}
+
+/* each lane rounded to bf16 as f32_to_bf16 does (NaN -> 0x7FC0), kept as fp32 */
+static inline __m256 round_bf16_8(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)),
+                                 _mm256_set1_epi32((int)0xFFFF0000u));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+static inline __m256 round8(__m256 v, int bf16) { return bf16 ? round_bf16_8(v) : v; }
+
+/* the vectorised part of moe_activation: elements [0, nvec), eight at a time (nvec a multiple of 8) */
+static void moe_activation8(const float *gu, int64_t I, int64_t nvec, int act, int bf16, float limit, float alpha,
+                            void *a) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), al = _mm256_set1_ps(alpha);
+    const __m256i odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t i = 0; i < nvec; i += 8) {
+        __m256 v;
+        if (act == ACT_SWIGLU) {
+            __m256 g = _mm256_loadu_ps(gu + i), up = _mm256_loadu_ps(gu + I + i);
+            __m256 s = round8(_mm256_div_ps(g, _mm256_add_ps(one, sleef_exp8(_mm256_xor_ps(g, sign)))), bf16);
+            v = _mm256_mul_ps(s, up);
+        } else {  /* even lanes gate, odd lanes up: de-interleaved by a permute per half */
+            __m256 p0 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(gu + 2 * i), odd);
+            __m256 p1 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(gu + 2 * i + 8), odd);
+            __m256 g = _mm256_permute2f128_ps(p0, p1, 0x20), u = _mm256_permute2f128_ps(p0, p1, 0x31);
+            /* the clamps as the scalar code: NaN stays NaN (a comparison with NaN is false) */
+            g = round8(_mm256_blendv_ps(g, lim, _mm256_cmp_ps(g, lim, _CMP_GT_OQ)), bf16);
+            u = _mm256_blendv_ps(u, nlim, _mm256_cmp_ps(u, nlim, _CMP_LT_OQ));
+            u = round8(_mm256_blendv_ps(u, lim, _mm256_cmp_ps(u, lim, _CMP_GT_OQ)), bf16);
+            __m256 ga = round8(_mm256_mul_ps(g, al), bf16);
+            __m256 sg = round8(_mm256_div_ps(one, _mm256_add_ps(one, sleef_exp8(_mm256_xor_ps(ga, sign)))), bf16);
+            __m256 t = round8(_mm256_mul_ps(g, sg), bf16);
+            v = _mm256_mul_ps(round8(_mm256_add_ps(u, one), bf16), t);
+        }
+        if (bf16) {
+            __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(v)), 16);
+            __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+            _mm_storeu_si128((__m128i *)((uint16_t *)a + i), w);
+        } else {
+            _mm256_storeu_ps((float *)a + i, v);
+        }
+    }
+}
+#endif
+
 /* gu [2I] (x's dtype values, as fp32) -> a [I] in x's dtype (bf16 bit patterns, or fp32) */
 static void moe_activation(const float *gu, int64_t I, int act, int bf16, int64_t vec, float limit, float alpha,
                            void *a) {
-    int64_t nvec = vec > 0 ? I / vec * vec : 0;
-    for (int64_t i = 0; i < I; i++) {
+    int64_t nvec = vec > 0 ? I / vec * vec : 0, i = 0;
+#if SIMD
+    if (nvec % 8 == 0) {
+        moe_activation8(gu, I, nvec, act, bf16, limit, alpha, a);
+        i = nvec;
+    }
+#endif
+    for (; i < I; i++) {
         float v;
         if (act == ACT_SWIGLU) {  /* F.silu(gate) * up */
             float g = gu[i], up = gu[I + i];
@@ -1400,7 +1478,17 @@ static int moe_share(void *vctx, int64_t ua, int64_t ub) {
             const int64_t *p = c->ptrs + 7 * g->expert;
             const void *bias = (const void *)(intptr_t)p[5];
             float *out = (float *)(intptr_t)p[6], w = c->weights[g->expert];
-            for (int64_t r = r0; r < r1; r++) {
+            int64_t r = r0;
+#if SIMD
+            if (!bias || c->bias_kind == 0)
+                for (; r + 8 <= r1; r += 8) {
+                    __m256 v = _mm256_loadu_ps(g->y + r);
+                    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps((const float *)bias + r));
+                    v = _mm256_add_ps(_mm256_mul_ps(round8(v, c->x_bf16), _mm256_set1_ps(w)), _mm256_setzero_ps());
+                    _mm256_storeu_ps(out + r, v);
+                }
+#endif
+            for (; r < r1; r++) {
                 float v = g->y[r];
                 if (bias) v = v + bias_at(bias, c->bias_kind, r);
                 out[r] = round_to(v, c->x_bf16) * w + 0.0f;
@@ -1461,7 +1549,16 @@ int moechat_moe_decode(int kind, const void *x, int x_bf16, const int64_t *ptrs,
     for (int64_t k = 0; k < n; k++) {
         const void *b13 = (const void *)(intptr_t)ptrs[7 * k + 4];
         float *g = gu + k * 2 * I;
-        for (int64_t r = 0; r < 2 * I; r++) {
+        int64_t r = 0;
+#if SIMD
+        if (!b13 || bias_kind == 0)  /* fp32 bias or none: eight at a time */
+            for (; r + 8 <= 2 * I; r += 8) {
+                __m256 v = _mm256_loadu_ps(g + r);
+                if (b13) v = _mm256_add_ps(v, _mm256_loadu_ps((const float *)b13 + r));
+                _mm256_storeu_ps(g + r, round8(v, x_bf16));
+            }
+#endif
+        for (; r < 2 * I; r++) {
             float v = g[r];
             if (b13) v = v + bias_at(b13, bias_kind, r);
             g[r] = round_to(v, x_bf16);

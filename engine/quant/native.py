@@ -249,10 +249,17 @@ def set_threads(lib, n: int) -> None:
     lib.moechat_threads = n
 
 
+def pin_threads(lib, n: int | None) -> None:
+    """Fix the pool's thread count at n whatever torch's count is (None: follow torch's again)."""
+    lib.moechat_pinned = n
+    if n is not None:
+        set_threads(lib, n)
+
+
 def _threads(lib) -> None:
     """The GEMVs split their rows over torch's intra-op thread count (native.c's pool), told when it changes (a
-    later torch.set_num_threads: the tests, the benches)."""
-    n = torch.get_num_threads()
+    later torch.set_num_threads: the tests, the benches), unless `pin_threads` fixed it."""
+    n = getattr(lib, "moechat_pinned", None) or torch.get_num_threads()
     if getattr(lib, "moechat_threads", None) != n:
         set_threads(lib, n)
 

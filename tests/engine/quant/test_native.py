@@ -474,3 +474,32 @@ def test_a_truncated_library_is_rebuilt_not_a_sigbus(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(size // 3)
     assert native.build(directory=path.parent) == path and native.verified(path) and path.stat().st_size == size
+
+
+def test_parallel_for_covers_every_unit_once(lib, torch_threads):
+    """moechat_parallel_for (the companions' pool, native_*.c): fn gets disjoint ranges cut at multiples of `align`
+    that cover [0, units) exactly, at most one a thread, whichever thread runs them; an error return is the call's."""
+    import ctypes
+    import threading
+
+    fn_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+    lib.moechat_parallel_for.argtypes = [fn_t, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.moechat_parallel_for.restype = ctypes.c_int
+    for n in (1, 2, 3):
+        torch_threads(n)
+        native._threads(lib)
+        seen, lock, idents = [], threading.Lock(), set()
+
+        def fn(ctx, a, b):
+            with lock:
+                seen.append((a, b))
+                idents.add(threading.get_ident())
+            return 0
+
+        cb = fn_t(fn)
+        assert lib.moechat_parallel_for(cb, None, 1001, 8, 1 << 24) == 0
+        seen.sort()
+        assert seen[0][0] == 0 and seen[-1][1] == 1001 and len(seen) <= n
+        assert all(a % 8 == 0 and a < b for a, b in seen)
+        assert all(p[1] == q[0] for p, q in zip(seen, seen[1:]))
+        assert lib.moechat_parallel_for(fn_t(lambda ctx, a, b: 7 if a == 0 else 0), None, 64, 8, 1 << 24) == 7
