@@ -154,10 +154,13 @@ def is_gguf_path(path: str) -> bool:
 
 
 def is_imatrix_path(path: str) -> bool:
-    """llama.cpp's importance matrix shipped beside the quants (imatrix.dat, imatrix_unsloth.gguf, x.imatrix.gguf):
-    pulled with any quant, since `--warm-start` seeds the expert cache from it (engine/cache/imatrix.py)."""
+    """llama.cpp's importance matrix shipped beside the quants (imatrix.dat, imatrix_unsloth.gguf, x.imatrix.gguf,
+    x.imatrix): pulled with any quant, since `--warm-start` seeds the expert cache from it (engine/cache/imatrix.py).
+    A model file with 'imatrix' inside its name (x-imatrix-Q4_K_M.gguf) stays a model."""
     name = path.rsplit("/", 1)[-1].lower()
-    return "imatrix" in name and name.endswith((".dat", ".gguf"))
+    return (name.endswith((".imatrix", ".imatrix.gguf", ".imatrix.dat"))
+            or (name.endswith(".dat") and "imatrix" in name)
+            or (name.startswith("imatrix") and name.endswith(".gguf")))
 
 
 def unsafe_repo_path(path: object) -> str | None:

@@ -38,7 +38,9 @@ MAX_IMATRIX_BYTES = 8 << 30  # a 1T-parameter model's imatrix is ~2 GB
 MAX_NAME = 4096  # tensor names are < 100 bytes; a larger length is a damaged file
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|gate_up|down)_exps\.weight$")
 _KIND_ORDER = ("gate", "up", "gate_up", "down")  # the router's choice is the same for all: the first one wins
-IMATRIX_NAMES = ("imatrix*.dat", "*.imatrix.dat", "imatrix*.gguf", "*.imatrix.gguf", "*imatrix*.dat", "*.imatrix")
+# The names llama.cpp (imatrix.gguf, imatrix.dat), unsloth (imatrix_unsloth.gguf) and others give it; the same rule
+# as engine/hub.py's is_imatrix_path, so what a pull fetches beside a quant is found here.
+IMATRIX_NAMES = ("imatrix*.gguf", "imatrix*.dat", "*.imatrix.gguf", "*.imatrix.dat", "*imatrix*.dat", "*.imatrix")
 
 
 @dataclass(frozen=True)

@@ -172,3 +172,13 @@ def test_a_pulled_quant_resolves_offline(hub, repo, monkeypatch):
     with pytest.raises(NotDownloadedError, match=f"run moechat pull {REPO}:Q8_0"):
         resolve_model_arg(f"{REPO}:Q8_0")
     assert hub.server.requests == []
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("imatrix.dat", "imatrix"), ("imatrix_unsloth.gguf", "imatrix"), ("Qwen3-30B-A3B.imatrix", "imatrix"),
+    ("x.imatrix.gguf", "imatrix"), ("Qwen3-imatrix-Q4_K_M.gguf", "model"), ("mmproj-F16.gguf", "neither"),
+    ("BF16/x-BF16-00001-of-00002.gguf", "model"),
+])
+def test_imatrix_and_model_files_are_told_apart(name, kind):
+    assert hubmod.is_imatrix_path(name) == (kind == "imatrix")
+    assert hubmod.is_gguf_path(name) == (kind == "model")
