@@ -18,6 +18,13 @@ connection resumes with a Range request (and starts the file over when the serve
 verified blob is renamed into place; the snapshot's links are made only when every file is verified,
 weights last, so a snapshot that has all its weight shards is complete (`snapshot_problems`).
 
+A GGUF repo holds many quants (Q4_K_M, UD-Q4_K_XL, Q8_0...), each one file or a split set
+(`-00001-of-00003.gguf`), often one folder per quant: `gguf_quants` groups the listing into them (sizes summed, parts
+ordered, a set missing a part flagged), and `download(..., quant=)` fetches that quant's files only, plus the repo's
+imatrix (the expert cache's warm start), through the same resume/checksum loop; their paths may have folders, each
+part checked like a file name. A repo with GGUF files and no safetensors needs a quant named (QuantChoiceError lists
+them). Its snapshot is complete when every split set in it has all its parts.
+
 One download per repo at a time: a file lock in `$HF_HUB_CACHE/.locks/`. HF_TOKEN, HF_ENDPOINT,
 HF_HOME / HF_HUB_CACHE and HF_HUB_OFFLINE are read when called (huggingface_hub reads some at import).
 
