@@ -34,6 +34,8 @@ from .moe import SWIGLU, ExpertActivation, ExpertBatch
 from .quant import native
 from .quant.base import ExpertFormat
 
+FUSED_KINDS = ("swiglu", "clamped_swiglu")  # the activations the Triton MoE kernels fuse; others take the general path
+
 # T = tokens, K = top-k, C = slots, H = hidden size, I = expert intermediate size
 
 
@@ -230,7 +232,7 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
     """
     if batch.format.packed or act.kind != "swiglu" or "w13_bias" in batch.tensors:
         fused = getattr(batch.format, "fused_moe", None)
-        if fused is not None and hidden_states.is_cuda and contrib is None:
+        if fused is not None and hidden_states.is_cuda and contrib is None and act.kind in FUSED_KINDS:
             return fused(hidden_states, topk_weights, batch, residual, act)
         return _general_compute(hidden_states, topk_weights, batch, residual, act, contrib)
     w13 = batch.tensors["w13"]  # [C, 2I, H]

@@ -47,7 +47,7 @@ class ExpertActivation:
 
     `swiglu`: gate rows then up rows, silu(gate) * up (Qwen3, Mixtral, OLMoE). `clamped_swiglu`: GPT-OSS's
     interleaved rows (even gate, odd up), gate.clamp(max=limit), up.clamp(-limit, limit), then
-    (up + 1) * gate * sigmoid(alpha * gate).
+    (up + 1) * gate * sigmoid(alpha * gate). `geglu_tanh`: gate rows then up rows, gelu_tanh(gate) * up (Gemma 4).
     """
 
     kind: str = "swiglu"
@@ -59,12 +59,16 @@ class ExpertActivation:
         if self.kind == "swiglu":
             gate, up = gate_up.chunk(2, dim=-1)  # [n, I], [n, I]
             return F.silu(gate) * up
+        if self.kind == "geglu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)  # [n, I], [n, I]
+            return F.gelu(gate, approximate="tanh") * up
         gate = gate_up[..., ::2].clamp(max=self.limit)  # [n, I]
         up = gate_up[..., 1::2].clamp(-self.limit, self.limit)  # [n, I]
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 SWIGLU = ExpertActivation()
+GEGLU_TANH = ExpertActivation("geglu_tanh")
 
 
 @dataclass(frozen=True)
