@@ -163,6 +163,8 @@ class Engine:
                                              loaded.device, cache, loaded.expert_format, loaded.native_format)
         engine = cls(loaded, tokenizer, template, generation_config, context, prefill_chunk, provider)
         engine.notices.extend(n for n in (notice,) if n)
+        if (skipped := getattr(loaded.cls, "load_notice", None)) is not None:  # e.g. a vision tower not loaded
+            engine.notices.extend(n for n in (skipped(loaded.raw_config, loaded.checkpoint),) if n)
         if provider is not None:
             provider.set_predictor(Predictor.from_model(loaded.model))
             engine.profile_path = profile_path(model_dir, cache.profile_dir)
