@@ -405,7 +405,7 @@ def _shape(c: dict, where: str, notes: list[str]) -> _Shape:
     H = _pos_int(c, where, "hidden_size")
     V = _pos_int(c, where, "vocab_size")
     E = _get(c, "n_routed_experts", "num_local_experts", "num_experts")
-    K = _get(c, "num_experts_per_tok", "experts_per_token", "moe_topk")
+    K = _get(c, "num_experts_per_tok", "experts_per_token", "moe_topk", "top_k_experts")  # the last: Gemma 4
     if not isinstance(E, int) or E <= 1 or not isinstance(K, int) or not 0 < K <= E:
         raise ConfigError(f"{where}: not a Mixture-of-Experts config (experts={E!r}, top-k={K!r}); "
                           "moechat plans MoE models only")
