@@ -171,6 +171,10 @@ CATALOG: tuple[CatalogEntry, ...] = (
                  ("sigmoid top-k routing + bias", "256 experts top-8", "q/k norm", "partial rotary", "GQA",
                   "FP8 experts"),
                  note="FP8 experts, 13.5 MiB each, 209 GiB in all; KV 248 KiB a token"),
+    CatalogEntry("google/gemma-4-26B-A4B-it", "gemma4", 25.2, 3.8, "bf16",
+                 (_SOFTMAX, "128 experts top-8", "dense MLP beside the experts", "sliding/global attention",
+                  "logit soft-capping", "multimodal wrapper (runs text-only)"),
+                 note="KV 240 KiB a token; the vision tower is not loaded"),
     # -- popular, not yet ---------------------------------------------------------------------------------
     CatalogEntry("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 80.0, 3.0, "bf16",
                  ("Gated DeltaNet", "gated shared expert", "512 experts top-10")),
