@@ -190,6 +190,10 @@ class ModelSpec:
     quant_method: str | None = None  # config.json's quantization_config.quant_method, as written
     remote_code: bool = False  # config.json has an auto_map (custom code shipped with the model)
     dense_format: str = "native"  # "int8": attention projections and LM head held in int8 (--dense-format int8)
+    # Recurrent layers (Gated DeltaNet, Mamba-2): their state is the same size at any context; counted with the
+    # snapshots engine/kv_cache.py keeps for prefix reuse (1 + MAX_SNAPSHOTS copies)
+    recurrent_state_bytes: int = 0
+    recurrent_detail: str = ""
 
     @property
     def expert_bytes(self) -> int:
@@ -450,6 +454,11 @@ def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
         kind, detail = "GQA", f"{s.L} layers x 2 (K, V) x {s.n_kv} KV heads x {s.head_dim}"
     window = c.get("sliding_window")
     types = c.get("layer_types")
+    linear = _linear_layers(c, s.L)
+    if linear:  # recurrent layers keep a fixed state, no K/V (engine/kv_cache.py)
+        n = s.L - linear
+        detail = detail.replace(f"{s.L} layers x", f"{n} attention layers (of {s.L}) x", 1)
+        return kind, per * n, 0, None, detail
     if isinstance(types, list) and len(types) == s.L:
         sliding = [t == "sliding_attention" for t in types]
     elif "use_sliding_window" in c:  # Qwen2/3: layers from max_window_layers on, and only when enabled
@@ -463,6 +472,36 @@ def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
     if n_win:
         detail += f"; {n_win} of {s.L} layers attend to the last {window} tokens only"
     return kind, per * (s.L - n_win), per * n_win, (int(window) if n_win else None), detail
+
+
+def _linear_layers(c: dict, L: int) -> int:
+    """How many layers are Gated DeltaNet (Qwen3-Next, Qwen3.5/3.6: `layer_types` "linear_attention")."""
+    types = c.get("layer_types")
+    if isinstance(types, list) and len(types) == L:
+        return sum(t == "linear_attention" for t in types)
+    if c.get("linear_num_value_heads") and c.get("full_attention_interval"):
+        return sum(1 for i in range(L) if (i + 1) % int(c["full_attention_interval"]))
+    return 0
+
+
+def _recurrent(c: dict, s: _Shape) -> tuple[int, str]:
+    """The recurrent layers' state bytes (fp32 delta-rule matrices + conv windows in the float dtype), times the
+    copies the sequence state keeps, and a one-line detail."""
+    if isinstance(c.get("text_config"), dict) and "num_hidden_layers" not in c:
+        c = {**c, **c["text_config"]}
+    n = _linear_layers(c, s.L)
+    if not n:
+        return 0, ""
+    from .kv_cache import MAX_SNAPSHOTS
+
+    hk, hv = int(c.get("linear_num_key_heads") or 16), int(c.get("linear_num_value_heads") or 32)
+    dk, dv = int(c.get("linear_key_head_dim") or 128), int(c.get("linear_value_head_dim") or 128)
+    width = int(c.get("linear_conv_kernel_dim") or 4)
+    one = n * (hv * dk * dv * 4 + (2 * hk * dk + hv * dv) * (width - 1) * s.float_bytes)
+    copies = 1 + MAX_SNAPSHOTS
+    return one * copies, (f"{n} Gated DeltaNet layers x ({hv} heads x {dk} x {dv} fp32 + a {width - 1}-step conv "
+                          f"window) = {one / MiB:.1f} MiB at any context, x {copies} (the state and "
+                          f"{MAX_SNAPSHOTS} prefix-reuse snapshots)")
 
 
 class _Quant:
@@ -659,6 +698,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         if q.method == "mxfp4" and names and not any(n.endswith("_blocks") for n in names):
             notes.append("quantization_config says mxfp4 but the index names no *_blocks tensors")
     kind, full, win, window, kv_detail = _kv(c, s)
+    recurrent_bytes, recurrent_detail = _recurrent(c, s)
     fmt = q.format if q.applies("model.layers.0.mlp.experts") else s.float_dtype
     notes.insert(0, "sizes derived from config.json" + (" and its quantization_config" if q.method else "")
                  + ": estimates, not read from the weights")
@@ -670,6 +710,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         dense_float_elems=sum(v[0] for v in parts.values()), embedding_bytes=0 if s.tied else V * H * s.float_bytes,
         shared_experts=n_shared or (1 if shared_I else 0), shared_expert_bytes=shared_total, kv_kind=kind,
         kv_elems_full=full, kv_elems_window=win, window=window, kv_detail=kv_detail, float_bytes=s.float_bytes,
+        recurrent_state_bytes=recurrent_bytes, recurrent_detail=recurrent_detail,
         float_dtype=s.float_dtype, max_context=s.max_context, checkpoint_bytes=checkpoint,
         stored_expert_bytes=sum(t.nbytes for t in expert), weights_present=False,
         present_bytes=present_bytes, unused_bytes=int(unused), notes=tuple(notes), config_dtype=_config_dtype(c),
@@ -1282,7 +1323,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     chunk = prefs.prefill_chunk
 
     def fixed(ctx: int) -> int:
-        return dense + spec.kv_bytes(ctx, windowed=prefs.windowed_kv) + _workspace(spec, ctx, chunk, bool(gpu))[0]
+        return (dense + spec.kv_bytes(ctx, windowed=prefs.windowed_kv) + spec.recurrent_state_bytes
+                + _workspace(spec, ctx, chunk, bool(gpu))[0])
 
     max_ctx = spec.max_context
     auto_ctx = prefs.context is None
@@ -1336,7 +1378,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
             slots = c_min
     kv = spec.kv_bytes(context, windowed=prefs.windowed_kv)
     ws, ws_detail = _workspace(spec, context, chunk, bool(gpu))
-    dev_used = dense + kv + ws + slots * eb
+    dev_used = dense + kv + spec.recurrent_state_bytes + ws + slots * eb
 
     parts = sorted(((w, b) for w, b in spec.dense_parts if b), key=lambda p: -p[1])
     big = [(w, b) for w, b in parts if b >= 0.01 * GiB][:5]
@@ -1359,6 +1401,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     decisions.append(Decision(f"KV cache, {context:,} tokens", kv, dev_label,
                               f"{gib(kvpt)}/token ({spec.kv_kind}: {spec.kv_detail}, {elem} B); context "
                               f"{ctx_reason or 'as far as it fits'}{alloc}"))
+    if spec.recurrent_state_bytes:
+        decisions.append(Decision("recurrent state", spec.recurrent_state_bytes, dev_label, spec.recurrent_detail))
     decisions.append(Decision("workspace", ws, dev_label, ws_detail))
     frac = slots / N if N else 1.0
     if slots >= N:
