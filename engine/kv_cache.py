@@ -17,8 +17,8 @@ SSM / delta-rule matrix), the same size at every length, and no K/V (their buffe
 state cannot be rewound: it is the whole prefix folded in. So the cache keeps up to `MAX_SNAPSHOTS` copies of it at
 chosen positions (`snapshot()`, taken by the engine at the end of each prompt's prefill), and `truncate(n)` goes
 back to the latest snapshot at or before n (the fresh state at 0 if there is none) and returns where it landed:
-the caller prefills from there, so a reused prefix is never a wrong continuation. Qwen3.6-35B-A3B: 60.1 MiB of
-state (30 linear layers), 60.1 MiB more per snapshot, against 20 KiB of KV per token for its 10 attention layers.
+the caller prefills from there, so a reused prefix is never a wrong continuation. Qwen3.6-35B-A3B: 61.4 MiB of
+state (30 linear layers), 61.4 MiB more per snapshot, against 20 KiB of KV per token for its 10 attention layers.
 """
 
 from __future__ import annotations

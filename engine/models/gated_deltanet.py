@@ -3,7 +3,7 @@
 Per token t and value head: S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T q_t
 (q, k L2-normalised, q scaled by Dk^-1/2), after a depthwise causal conv1d (kernel 4) with SiLU over [q | k | v].
 The state is constant in the context: Qwen3.6-35B-A3B keeps 32 heads x 128 x 128 fp32 = 2 MiB per layer plus a
-[8192, 3] conv window, 60.1 MiB for its 30 linear layers at any length, where a full-attention layer of it holds
+[8192, 3] conv window, 61.4 MiB for its 30 linear layers at any length, where a full-attention layer of it holds
 2 x 2 x 256 x 2 B = 2 KiB per token (2 MiB at 1024 tokens).
 
 Three paths, all fp32 inside:

@@ -9,7 +9,7 @@ top-k always renormalised. The Hub ships it as a vision-language model: config.j
 Its multimodal RoPE (`mrope_section`) gives text tokens the same position on all three axes, which is plain RoPE.
 
 Qwen3.6-35B-A3B: 40 layers (30 linear, 10 full attention), 256 experts top-8, I = 512: one expert is
-3 x 512 x 2048 x 2 B = 6 MiB in bf16, 60 GiB for the 10,240; the recurrent state is 60.1 MiB at any context, the KV
+3 x 512 x 2048 x 2 B = 6 MiB in bf16, 60 GiB for the 10,240; the recurrent state is 61.4 MiB at any context, the KV
 cache 10 x 2 x 2 x 256 x 2 B = 20 KiB per token (80 MiB at 4096).
 """
 
