@@ -214,6 +214,26 @@ def test_fp8_keeps_experts_fp8_and_matches_transformers(fp8):
     cached.close()
 
 
+def test_hybrid_execution_and_prefetch_keep_the_output(tiny):
+    """Misses computed on the host (in place, by the cost model, a whole layer there) and next-layer prefetch never
+    change what is computed."""
+    from moechat.engine.cache.provider import CacheConfig
+
+    path, _ = tiny
+    ids = _prompt(9, seed=9)
+    resident = _greedy(Engine.load(path, dtype="float32"), ids, 10)
+    for on_miss, host_layers in (("host", 0), ("auto", 0), ("load", 1)):
+        engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=3, on_miss=on_miss,
+                                                                      host_layers=host_layers))
+        assert _greedy(engine, ids, 10) == resident, (on_miss, host_layers)
+        assert sum(engine.provider.snapshot().host_computed) > 0
+        engine.close()
+    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=6, prefetch="both"))
+    assert _greedy(engine, ids, 10) == resident
+    assert sum(engine.provider.snapshot().prefetch_issued) > 0
+    engine.close()
+
+
 # -- the real config (../shared/model-configs), read in place ----------------------------------------------------
 
 REAL = (Path(__file__).resolve().parents[3] / "shared" / "model-configs" / "MiniMaxAI--MiniMax-M2.5"
