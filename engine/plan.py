@@ -646,6 +646,9 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
             return
         bias = mt in ("gpt_oss", "deepseek_v3", "glm4_moe") or c.get("topk_method") == "noaux_tc"
         add("routers", s.E * H + (s.E if bias else 0))
+        if c.get("enable_moe_block") and c.get("intermediate_size"):  # Gemma 4: a dense MLP beside the experts
+            for out, inp in ((c["intermediate_size"], H), (c["intermediate_size"], H), (H, c["intermediate_size"])):
+                lin("dense MLP layers", out, inp, m)
         if n_shared or shared_I:
             width = n_shared * s.I if n_shared else shared_I
             for out, inp in ((width, H), (width, H), (H, width)):
