@@ -295,6 +295,8 @@ def test_fit_plans_gemma_4_26b_a4b(real, capsys):
     assert (spec["moe_layers"], spec["num_experts"], spec["top_k"]) == (30, 128, 8)
     assert spec["expert_bytes"] == 3 * 704 * 2816 * 2
     assert spec["kv_bytes_per_token"] == 30 * 2 * 2048 * 2  # what the KV buffers allocate
+    assert spec["dense_parts"]["dense MLP layers"] == 30 * 3 * 2112 * 2816 * 2  # the MLP beside the experts
+    assert spec["all_experts_bytes"] + spec["dense_bytes"] == pytest.approx(2 * 25.2e9, rel=0.01)  # the catalog's
 
 
 def test_the_catalog_lists_gemma_4_as_runnable():
