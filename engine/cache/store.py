@@ -32,8 +32,8 @@ from ..files import UnwritableFileError, atomic_write
 from ..models.base import MoEForCausalLM
 from ..quant.base import ExpertFormat, TensorSpec
 from ..quant.dense import DENSE
-from . import hostmem
 from .policy import make_policy
+from .slots import SlotLayout
 
 RAM, DISK = "ram", "disk"
 
@@ -437,10 +437,11 @@ class RamStore:
         self.expert_bytes = disk.expert_bytes
         self.used_bytes = self.expert_bytes * len(layers) * num_experts
         self.budget_bytes = 0
+        self.layout = SlotLayout(self.shapes)  # the slots' layout: a load is one copy of an expert's row
+        self.raw: dict[int, torch.Tensor] = {}  # layer -> [E, slot_bytes] uint8
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         for layer in layers:
-            self.tensors[layer] = {name: hostmem.empty((num_experts, *shape), dtype, pin=pin)
-                                   for name, (shape, dtype) in self.shapes.items()}  # [E, ...]
+            self.raw[layer], self.tensors[layer] = self.layout.empty(num_experts, pin=pin)  # [E, ...] views
             for e in range(num_experts):
                 disk.read_into(layer, e, {name: t[e] for name, t in self.tensors[layer].items()})
 
@@ -449,6 +450,10 @@ class RamStore:
         for name, out in dst.items():
             out.copy_(src[name][expert], non_blocking=True)
         return RAM, self.expert_bytes
+
+    def raw_row(self, layer: int, expert: int) -> tuple[torch.Tensor, str, int]:
+        """The expert's bytes in the slot layout [slot_bytes] (pinned under CUDA): the source of a one-copy load."""
+        return self.raw[layer][expert], RAM, self.expert_bytes
 
     # -- host compute (hybrid execution): experts used in place, no copy --------------------------------
     def host_slot(self, layer: int, expert: int) -> tuple[dict[str, torch.Tensor], int, str, int]:
@@ -470,10 +475,10 @@ class RamCache:
         self.shapes = disk.shapes
         self.expert_bytes = disk.expert_bytes
         self.budget_bytes = budget_bytes
-        self.capacity = budget_bytes // self.expert_bytes
+        self.layout = SlotLayout(self.shapes)  # the slots' layout: a load is one copy of an entry's row
+        self.capacity = budget_bytes // self.layout.nbytes  # entries with their alignment padding
         pin = torch.cuda.is_available()
-        self.slab = {name: hostmem.empty((self.capacity, *shape), dtype, pin=pin)
-                     for name, (shape, dtype) in self.shapes.items()}  # [N, ...], allocated once
+        self.raw, self.slab = self.layout.empty(self.capacity, pin=pin)  # [N, slot_bytes], allocated once; views
         self.entry: dict[tuple[int, int], int] = {}
         self.owner: list[tuple[int, int] | None] = [None] * self.capacity
         self.policy = make_policy(policy, capacity=max(self.capacity, 1))
@@ -487,6 +492,34 @@ class RamCache:
     def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
         if self.capacity == 0:
             return self.disk.read_into(layer, expert, dst)
+        idx, tier = self._fill(layer, expert)
+        if not dst:
+            return tier, self.expert_bytes
+        for name, out in dst.items():
+            out.copy_(self.slab[name][idx], non_blocking=True)
+        if out.is_cuda:
+            self._copied(idx, torch.cuda.current_stream(out.device))
+        return tier, self.expert_bytes
+
+    def raw_row(self, layer: int, expert: int) -> tuple[torch.Tensor, str, int] | None:
+        """The expert's slab row [slot_bytes] after reading it in from disk if needed (None with no slab): the
+        source of a one-copy load. A caller copying it asynchronously calls `copied_from` after enqueuing."""
+        if self.capacity == 0:
+            return None
+        idx, tier = self._fill(layer, expert)
+        return self.raw[idx], tier, self.expert_bytes
+
+    def copied_from(self, layer: int, expert: int, stream) -> None:
+        """An async copy out of the expert's row was enqueued on the CUDA `stream`: a refill of the entry waits."""
+        self._copied(self.entry[(layer, expert)], stream)
+
+    def _copied(self, idx: int, stream) -> None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._copies[idx] = event
+
+    def _fill(self, layer: int, expert: int) -> tuple[int, str]:
+        """The slab entry holding the expert (read from disk when absent) and the tier it came from."""
         key = (layer, expert)
         self.policy.access(key)
         idx = self.entry.get(key)
@@ -507,15 +540,7 @@ class RamCache:
             self.owner[idx] = key
             self.policy.admit(key)
             assert self.used_bytes <= self.budget_bytes
-        if not dst:
-            return tier, self.expert_bytes
-        for name, out in dst.items():
-            out.copy_(self.slab[name][idx], non_blocking=True)
-        if out.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(out.device))
-            self._copies[idx] = event
-        return tier, self.expert_bytes
+        return idx, tier
 
     # -- host compute (hybrid execution) --------------------------------------------------------------------
     def host_slot(self, layer: int, expert: int) -> tuple[dict[str, torch.Tensor], int, str, int] | None:
