@@ -41,7 +41,7 @@ from .slots import SlotPool
 from .stats import CacheSnapshot, CacheStats
 from .store import DiskStore, RamCache, RamStore, RepackedStore, default_repack_dir
 from .trace import TraceRecorder
-from .transfer import DONE, InlineTransfer, Job, make_transfer
+from .transfer import DONE, InlineTransfer, Job, make_copy_stream, make_transfer
 
 Key = tuple[int, int]
 
@@ -157,8 +157,13 @@ def calibrate_host(store, args, reps: int = 3) -> tuple[float, float]:
     return store.expert_bytes / fixed / 1e9, gflops
 
 
+def _pairs(flat: torch.Tensor, experts: list[int]) -> torch.Tensor:
+    """The flat (t, k) pairs [P] routed to any of `experts`."""
+    return torch.nonzero(torch.isin(flat, torch.tensor(experts, dtype=flat.dtype))).reshape(-1)
+
+
 class CachedProvider:
-    def __init__(self, pool: SlotPool, store, policy: EvictionPolicy, recorder=None, *, transfer=None):
+    def __init__(self, pool: SlotPool, store, policy: EvictionPolicy, recorder=None, *, transfer=None, copies=None):
         self.pool = pool
         self.store = store
         self.format = getattr(store, "format", DENSE)  # how the slots hold an expert (opaque to the cache)
@@ -175,6 +180,10 @@ class CachedProvider:
         self.prefetch_depth = 1
         self.prefetch_budget: int | None = None
         self.inflight: dict[Key, Job] = {}  # claimed slots whose bytes a transfer job is writing
+        # Demand misses: one copy stream (CUDA), a layer's misses issued together, each joined by its own event
+        self.copies = copies if copies is not None else make_copy_stream(pool.device)
+        self.pending: dict[Key, Job] = {}  # published prefetches whose device copy no compute has waited for yet
+        self.copies_issued = 0  # host->device (or RAM->slot) copies: one per expert in the slot layout
         self.prefetched: set[Key] = set()  # loaded ahead of need and not used since
         self.warm_loaded = 0
         self._hidden: tuple[int, torch.Tensor] | None = None  # (layer, residual stream at its MoE)
@@ -213,6 +222,7 @@ class CachedProvider:
             for e in range(self.pool.num_experts):
                 slot = self.pool.slot_of(layer, e)
                 if slot >= 0:
+                    self._drain((layer, e))
                     self.pool.release(slot)
                     self.policy.evict((layer, e))
 
@@ -352,12 +362,20 @@ class CachedProvider:
         C = self.pool.num_slots
         flat = ids.reshape(-1)
         if len(experts) <= C:
-            self._make_resident(layer, experts, prefill=T > 1)
+            issued = self._make_resident(layer, experts, prefill=T > 1)
             if self._hidden is not None:
                 self._prefetch_after(layer, experts)
-            pairs = torch.nonzero(torch.isin(flat, torch.tensor(experts, dtype=flat.dtype))).reshape(-1) if host \
-                else None
-            yield self._batch(layer, topk_ids, ids, pairs)
+            if issued and len(issued) < len(experts):
+                # The hits compute first, while the misses cross the link; then the compute stream waits for exactly
+                # the missed experts' copies and computes them.
+                missed = [e for e, _ in issued]
+                skip = set(missed)
+                yield self._batch(layer, topk_ids, ids, _pairs(flat, [e for e in experts if e not in skip]))
+                self._join(layer, issued)
+                yield self._batch(layer, topk_ids, ids, _pairs(flat, missed))
+                return
+            self._join(layer, issued)
+            yield self._batch(layer, topk_ids, ids, _pairs(flat, experts) if host else None)
             return
         self._hidden = None  # a chunk that overflows the pool has no slots to spare for prefetching
         # Expert-major groups: resident experts first (no load), then the rest, C at a time.
@@ -365,9 +383,8 @@ class CachedProvider:
         experts.sort(key=lambda e: host_map[e] < 0)
         for g in range(0, len(experts), C):
             group = experts[g : g + C]
-            self._make_resident(layer, group, prefill=T > 1)
-            pairs = torch.nonzero(torch.isin(flat, torch.tensor(group, dtype=flat.dtype))).reshape(-1)  # [P]
-            yield self._batch(layer, topk_ids, ids, pairs)
+            self._join(layer, self._make_resident(layer, group, prefill=T > 1))
+            yield self._batch(layer, topk_ids, ids, _pairs(flat, group))
 
     def _joint(self, layer: int, ids_np: np.ndarray, experts: list[int], buffers, index: np.ndarray
                ) -> Iterator[ExpertBatch]:
@@ -407,8 +424,22 @@ class CachedProvider:
             pairs = pairs.to(self.pool.device)
         return ExpertBatch(self.pool.buffers, slot_ids, host_slots, pairs, self.format)
 
-    def _make_resident(self, layer: int, experts: list[int], *, prefill: bool) -> None:
-        """Count, pick victims outside `experts`, and load every missing expert of the step."""
+    def _join(self, layer: int, issued: list[tuple[int, object]]) -> None:
+        """The compute stream waits for these experts' copies (their own events: nothing else in flight)."""
+        for e, event in issued:
+            self.copies.wait(event, (layer, e))
+
+    def _drain(self, key: Key) -> None:
+        """A published prefetch no compute has waited for: the compute stream waits for its copy now (it is used,
+        or its slot is about to be reused, and a later copy into the slot must not overtake it)."""
+        job = self.pending.pop(key, None)
+        if job is not None:
+            job.wait_device()
+
+    def _make_resident(self, layer: int, experts: list[int], *, prefill: bool) -> list[tuple[int, object]]:
+        """Count, pick victims outside `experts`, and load every missing expert of the step: all the victims first,
+        then the copies, issued together on the copy stream where there is one. Returns the (expert, event) of
+        each copy still in flight, which the caller joins before the expert computes (none on a CPU)."""
         stats = self.stats.layers[layer]
         pool = self.pool
         protected = {(layer, e) for e in experts}
@@ -426,18 +457,24 @@ class CachedProvider:
                 if key in self.prefetched:
                     self.prefetched.discard(key)
                     stats.prefetch_used += 1
+                self._drain(key)  # a prefetch this layer uses: wait for its copy (and only then: never unused ones)
             else:
                 stats.misses += 1
                 misses.append(key)
         if not misses:
             stats.stall_seconds += stall
-            return
+            return []
         t0 = time.perf_counter()
-        for key in misses:
-            slot = self._claim(key, protected, allow_cancel=True)
-            with self.store_lock:
-                tier, nbytes = self.store.read_into(key[0], key[1], pool.views(slot))
-            pool.finish_load(slot)
+        slots = [self._claim(key, protected, allow_cancel=True) for key in misses]
+        copies = self.copies
+        if copies is not None:
+            copies.begin()  # after the compute work that may still read the victims' slots
+        issued = []
+        for key, slot in zip(misses, slots, strict=True):
+            tier, nbytes, event = self._fill_slot(key, slot, copies)
+            if event is not None:
+                issued.append((key[1], event))
+            pool.finish_load(slot)  # published now: the batch that reads it waits for the event first
             self.policy.admit(key)
             self._count_bytes(stats, tier, nbytes)
             if pool.device.type == "cpu":
@@ -449,6 +486,33 @@ class CachedProvider:
         dt = time.perf_counter() - t0
         stats.load_seconds += dt
         stats.stall_seconds += dt + stall
+        return issued
+
+    def _fill_slot(self, key: Key, slot: int, copies=None) -> tuple[str, int, object]:
+        """One expert's bytes into a slot (any thread): ONE copy of its row when the store keeps the slots' layout
+        (the RAM tier does), else tensor by tensor. On `copies` the copy is enqueued on the copy stream and its
+        event returned; else it is enqueued on the current stream (the compute stream, or a transfer job's)."""
+        store, pool = self.store, self.pool
+        with self.store_lock:
+            got = store.raw_row(*key) if getattr(store, "layout", None) == pool.layout else None
+            if got is None:
+                tier, nbytes = store.read_into(key[0], key[1], pool.views(slot))
+                self.copies_issued += len(pool.buffers)
+                return tier, nbytes, None
+            row, tier, nbytes = got
+            dst = pool.raw_of(slot)  # [slot_bytes]
+            event = None
+            if copies is not None:
+                copies.copy(dst, row)
+                event = copies.record(key)
+                stream = getattr(copies, "stream", None)
+            else:
+                dst.copy_(row, non_blocking=True)
+                stream = torch.cuda.current_stream(dst.device) if dst.is_cuda else None
+            if stream is not None and hasattr(store, "copied_from"):
+                store.copied_from(key[0], key[1], stream)  # a refill of that RAM entry waits for this copy
+            self.copies_issued += 1
+        return tier, nbytes, event
 
     def _count_tier(self, stats, key: Key, tier: str) -> None:
         """A CPU request: served from RAM, or read from disk (the RAM tier's miss)."""
@@ -486,6 +550,7 @@ class CachedProvider:
                 self._cancel_inflight()  # loads in flight hold the slots this step needs: give them up
                 continue
             slot = pool.slot_of(*victim)
+            self._drain(victim)
             pool.release(slot)
             self.policy.evict(victim)
             if victim in self.prefetched:
@@ -540,9 +605,8 @@ class CachedProvider:
             self.transfer.submit(job)
 
     def _load_bytes(self, key: Key, slot: int) -> tuple[str, int]:
-        """A transfer job's work (any thread): the expert's bytes into the slot's views."""
-        with self.store_lock:
-            return self.store.read_into(key[0], key[1], self.pool.views(slot))
+        """A transfer job's work (any thread): the expert's bytes into the slot, on the job's stream."""
+        return self._fill_slot(key, slot)[:2]
 
     def _complete(self, key: Key, *, needed: bool = False) -> float:
         """Wait for the load of `key` and publish its slot (or free it if the job never ran or failed)."""
@@ -557,7 +621,8 @@ class CachedProvider:
     def _settle(self, job: Job) -> None:
         key = job.key
         if job.state == DONE:
-            job.wait_device()
+            if job._copy_event is not None:
+                self.pending[key] = job  # waited for by the first layer that uses it, never by another
             self.pool.finish_load(job.slot)
             tier, nbytes = job.result
             self._count_bytes(self.stats.layers[key[0]], tier, nbytes)
@@ -721,13 +786,13 @@ class CachedProvider:
         num_slots = max(1, min(num_slots, pool.num_layers * pool.num_experts))
         if num_slots == pool.num_slots:
             return
-        shapes = {name: (tuple(buf.shape[1:]), buf.dtype) for name, buf in pool.buffers.items()}
-        new = SlotPool(num_slots, pool.num_layers, pool.num_experts, shapes, pool.device)
+        for key in list(self.pending):
+            self._drain(key)
+        new = SlotPool(num_slots, pool.num_layers, pool.num_experts, pool.layout.shapes, pool.device)
         keep = self._ranked_resident()[:num_slots]
         for key in keep:
             slot = new.begin_load(*key)
-            for name, view in new.views(slot).items():
-                view.copy_(pool.buffers[name][pool.slot_of(*key)])
+            new.raw_of(slot).copy_(pool.raw_of(pool.slot_of(*key)))
             new.finish_load(slot)
         self.pool = new
         self.prefetched.intersection_update(keep)

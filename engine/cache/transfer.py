@@ -188,3 +188,64 @@ def make_transfer(kind: str, device: torch.device):
     if kind == "thread":
         return ThreadTransfer(device)
     raise ValueError(f"unknown transfer engine {kind!r}: choose inline or thread")
+
+
+class CopyStream:
+    """A layer's demand misses, all issued together on a dedicated CUDA copy stream once its routing is known.
+
+    `begin()` makes the copy stream wait (on the device) for the compute work enqueued so far, which may still read
+    the victims' slots; `copy(dst, src)` enqueues one host->device copy; `record()` marks the end of one expert's
+    copy with its own event, and `wait(event)` makes the compute stream wait for exactly that expert. The host
+    never blocks: the layer's hits compute while the misses cross the link."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def begin(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, key=None):
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait(self, event, key=None) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+
+class RecordingStream:
+    """The same protocol on a CPU, for tests of its ordering: each copy is done at once and every call is logged
+    (`log`: ("begin",), ("copy", nbytes), ("record", key), ("wait", key)). A real-CUDA `gpu` test checks the
+    same order with `CopyStream`."""
+
+    name = "recording"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.log: list[tuple] = []
+
+    def begin(self) -> None:
+        self.log.append(("begin",))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+        self.log.append(("copy", dst.numel() * dst.element_size()))
+
+    def record(self, key=None):
+        self.log.append(("record", key))
+        return key
+
+    def wait(self, event, key=None) -> None:
+        self.log.append(("wait", key))
+
+
+def make_copy_stream(device: torch.device):
+    """The demand-miss copy stream of a device: CUDA's own, else None (a CPU copies where it computes)."""
+    return CopyStream(device) if device.type == "cuda" else None

@@ -51,4 +51,6 @@ def test_the_slot_pool_asks_for_huge_pages(monkeypatch):
     seen = []
     monkeypatch.setattr(hostmem, "advise_huge", lambda t: seen.append(t.shape) or False)
     pool = SlotPool(4, 2, 8, {"w13": ((6, 4), torch.bfloat16), "w2": ((4, 3), torch.bfloat16)})
-    assert sorted(seen) == [(4, 4, 3), (4, 6, 4)] and pool.buffers["w13"].shape == (4, 6, 4)
+    # one buffer of C slots, each one contiguous row that the named tensors view
+    assert seen == [(4, pool.slot_bytes)] and pool.buffers["w13"].shape == (4, 6, 4)
+    assert pool.buffers["w13"].untyped_storage().data_ptr() == pool.raw.data_ptr()
