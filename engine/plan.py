@@ -705,6 +705,11 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
     fmt = q.format if q.applies("model.layers.0.mlp.experts") else s.float_dtype
     notes.insert(0, "sizes derived from config.json" + (" and its quantization_config" if q.method else "")
                  + ": estimates, not read from the weights")
+    from .catalog import SUPPORTED_TYPES
+
+    if c.get("auto_map") and mt in SUPPORTED_TYPES:  # MiniMax-M2, DeepSeek-V3: code for older transformers
+        notes.append(f"config.json's auto_map names custom code, but transformers has {mt} natively and moechat "
+                     "runs its own implementation: no remote code is needed or run")
     return ModelSpec(
         name=name or str(c.get("_name_or_path") or mt), model_type=mt, source=source, estimated=True,
         num_layers=L, moe_layers=s.moe_layers, num_experts=s.E, top_k=s.K, hidden_size=H, num_heads=s.n_heads,
