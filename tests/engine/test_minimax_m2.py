@@ -275,6 +275,7 @@ def test_fit_plans_minimax_m2_5(real, capsys):
     assert spec["kv_bytes_per_token"] == 62 * 2 * 8 * 128 * 2 and spec["moe_layers"] == 62
     assert spec["expert_bytes"] == 3 * 1536 * 3072 + 3 * 4 * 12 * 24  # e4m3 + fp32 scales per 128 x 128 block
     assert any("use_mtp" in n and "never loaded" in n for n in spec["notes"])  # 3 MTP modules, noted
+    assert any("auto_map" in n and "no remote code is needed" in n for n in spec["notes"])
 
 
 def test_the_catalog_lists_minimax_m2_5_as_runnable():
