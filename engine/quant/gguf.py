@@ -1,0 +1,254 @@
+"""GGUF quant types (llama.cpp's ggml block formats) as expert formats, kept packed in every tier.
+
+A GGUF tensor is rows of blocks along the input dimension: a row of K values is K / block_size blocks of
+`block_bytes` each (Q4_K: 256 values in 144 bytes, 4.5 bits a weight; Q6_K 210 bytes, 6.56 bits; Q8_0 34 bytes
+per 32, 8.5 bits). Rows are independent, so an expert's projection is its rows' bytes as they lie in the file
+(`w1`/`w3`: ffn_gate_exps / ffn_up_exps [I, K/blk * bytes], `w2`: ffn_down_exps [H, ...] uint8), read by the
+disk tier straight from the .gguf with preadv and never converted. The format names one ggml type per
+projection (Q4_K_M files ship gate/up in Q4_K and down in Q6_K), so `GGUFFormat("Q4_K", "Q4_K", "Q6_K")`.
+
+`dequantize` is the slow obvious reference (vectorised torch over whole blocks, checked in the tests against
+the `gguf` package's numpy decoders); `linear` decodes a tile of rows at a time into fp32 (256 rows: under
+2 MB for a 2048-wide input, in cache) and multiplies it, so one token reads only the packed bytes from RAM and
+many tokens share each decoded tile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import CheckpointError
+from .base import ExpertFormat, TensorSpec
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    name: str
+    id: int  # ggml_type (gguf.GGMLQuantizationType)
+    block: int  # values per block
+    nbytes: int  # bytes per block
+
+    def row_bytes(self, cols: int) -> int:
+        return cols // self.block * self.nbytes
+
+
+# The types moechat computes with: ggml_type id, values and bytes per block (ggml-common.h's block structs)
+TYPES: dict[str, GGMLType] = {t.name: t for t in (
+    GGMLType("F32", 0, 1, 4), GGMLType("F16", 1, 1, 2), GGMLType("Q4_0", 2, 32, 18), GGMLType("Q4_1", 3, 32, 20),
+    GGMLType("Q5_0", 6, 32, 22), GGMLType("Q5_1", 7, 32, 24), GGMLType("Q8_0", 8, 32, 34),
+    GGMLType("Q2_K", 10, 256, 84), GGMLType("Q3_K", 11, 256, 110), GGMLType("Q4_K", 12, 256, 144),
+    GGMLType("Q5_K", 13, 256, 176), GGMLType("Q6_K", 14, 256, 210), GGMLType("IQ4_NL", 20, 32, 18),
+    GGMLType("IQ4_XS", 23, 256, 136), GGMLType("BF16", 30, 1, 2), GGMLType("MXFP4", 39, 32, 17),
+)}
+BY_ID = {t.id: t for t in TYPES.values()}
+
+# IQ4_NL / IQ4_XS's non-linear 4-bit codebook, and MXFP4's E2M1 values doubled (ggml's int8 table; the scale
+# halves them back: 2^(e - 128))
+_IQ4 = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_FP4x2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def ggml_type(name_or_id: str | int, tensor: str = "") -> GGMLType:
+    """A type moechat computes with, or one typed line naming the tensor and the type."""
+    t = TYPES.get(name_or_id) if isinstance(name_or_id, str) else BY_ID.get(name_or_id)
+    if t is None:
+        try:
+            import gguf
+
+            label = gguf.GGMLQuantizationType(name_or_id).name if isinstance(name_or_id, int) else name_or_id
+        except (ImportError, ValueError):
+            label = str(name_or_id)
+        raise CheckpointError(f"tensor {tensor!r} is stored as {label}, a GGUF type moechat cannot compute yet; "
+                              f"use a file quantized to one of {', '.join(TYPES)}", tensor=tensor or None)
+    return t
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 (little-endian) -> [...] fp32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """[..., 4] uint8 little-endian -> [...] int64."""
+    b = b.long()
+    return b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] -> [..., 32]: the low nibbles are the block's first 16 values, the high ones the last 16."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 scale bytes [N, 12] -> 6-bit scales and mins [N, 8] (ggml's get_scale_min_k4)."""
+    s = s.long()
+    lo, hi = s[:, 0:4], s[:, 4:8]
+    top = s[:, 8:12]
+    sc = torch.cat([lo & 63, (top & 0x0F) | ((lo >> 6) << 4)], dim=1)  # [N, 8]
+    mn = torch.cat([hi & 63, (top >> 4) | ((hi >> 6) << 4)], dim=1)  # [N, 8]
+    return sc.float(), mn.float()
+
+
+def _two_bit_positions(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K / Q3_K's 64 code bytes [N, 64] -> 2-bit codes [N, 256] in value order: value 128n + 32j + 16h + l is
+    bits 2j of byte 32n + 16h + l (n: half, j: shift, h: sixteen-group, l)."""
+    q = qs.long().view(-1, 2, 1, 2, 16)  # [N, n, 1, h, l]
+    shifts = torch.arange(0, 8, 2, device=qs.device).view(1, 1, 4, 1, 1)
+    return ((q >> shifts) & 3).reshape(-1, 256)  # [N, n, j, h, l] -> [N, 256]
+
+
+def dequantize_blocks(raw: torch.Tensor, t: GGMLType) -> torch.Tensor:
+    """raw [N, block_bytes] uint8 -> [N, block] fp32: the slow obvious decoding of each ggml block."""
+    N = raw.shape[0]
+    if t.name == "F32":
+        return raw.contiguous().view(torch.float32).reshape(N, 1)
+    if t.name == "F16":
+        return raw.contiguous().view(torch.float16).float().reshape(N, 1)
+    if t.name == "BF16":
+        return raw.contiguous().view(torch.bfloat16).float().reshape(N, 1)
+    if t.name == "Q8_0":  # d f16, qs int8[32]
+        return _f16(raw[:, 0:2].reshape(N, 1, 2)) * raw[:, 2:].contiguous().view(torch.int8).float()
+    if t.name == "Q4_0":  # d, qs[16]: w = d * (q - 8)
+        return _f16(raw[:, 0:2].reshape(N, 1, 2)) * (_nibbles(raw[:, 2:18]) - 8).float()
+    if t.name == "Q4_1":  # d, m, qs[16]: w = d * q + m
+        return _f16(raw[:, 0:2].reshape(N, 1, 2)) * _nibbles(raw[:, 4:20]).float() + _f16(raw[:, 2:4].reshape(N, 1, 2))
+    if t.name in ("Q5_0", "Q5_1"):  # d[, m], qh u32 (bit j: value j's fifth bit), qs[16]
+        o = 2 if t.name == "Q5_0" else 4
+        qh = _u32(raw[:, o:o + 4])[:, None]  # [N, 1]
+        high = (qh >> torch.arange(32, device=raw.device)) & 1  # [N, 32]
+        q = (_nibbles(raw[:, o + 4:o + 20]) | high << 4).float()
+        d = _f16(raw[:, 0:2].reshape(N, 1, 2))
+        return d * (q - 16) if t.name == "Q5_0" else d * q + _f16(raw[:, 2:4].reshape(N, 1, 2))
+    if t.name == "IQ4_NL":  # d, qs[16]: w = d * codebook[q]
+        lut = torch.tensor(_IQ4, dtype=torch.float32, device=raw.device)
+        return _f16(raw[:, 0:2].reshape(N, 1, 2)) * lut[_nibbles(raw[:, 2:18])]
+    if t.name == "MXFP4":  # e (E8M0), qs[16]: w = 2^(e - 128) * 2 * fp4[q]
+        lut = torch.tensor(_FP4x2, dtype=torch.float32, device=raw.device)
+        return torch.ldexp(lut[_nibbles(raw[:, 1:17])], raw[:, 0:1].long() - 128)
+    if t.name in ("Q4_K", "Q5_K"):  # d, dmin, scales[12], (qh[32],) qs[128]: 8 sub-blocks of 32
+        d, dmin = _f16(raw[:, 0:2].reshape(N, 1, 2)), _f16(raw[:, 2:4].reshape(N, 1, 2))
+        sc, mn = _k_scale_min(raw[:, 4:16])  # [N, 8]
+        qs = raw[:, -128:].long().view(N, 4, 1, 32)  # 64-value chunks: the low nibbles, then the high ones
+        q = (qs >> torch.tensor([0, 4], device=raw.device).view(1, 1, 2, 1)) & 0x0F  # [N, 4, 2, 32]
+        if t.name == "Q5_K":
+            qh = raw[:, 16:48].long().view(N, 1, 1, 32)
+            bit = torch.arange(8, device=raw.device).view(1, 4, 2, 1)  # sub-block 2i + h takes bit 2i + h
+            q = q | ((qh >> bit) & 1) << 4
+        q = q.reshape(N, 8, 32).float()
+        return (d[:, :, None] * sc[:, :, None] * q - dmin[:, :, None] * mn[:, :, None]).reshape(N, 256)
+    if t.name == "Q6_K":  # ql[128], qh[64], scales int8[16], d: value 128n + 32k + l
+        ql = raw[:, 0:128].long().view(N, 2, 2, 32)  # [N, n, byte half, l]
+        qh = raw[:, 128:192].long().view(N, 2, 1, 32)  # [N, n, 1, l]
+        sc = raw[:, 192:208].contiguous().view(torch.int8).float().view(N, 2, 4, 2)  # [N, n, k, l // 16]
+        d = _f16(raw[:, 208:210].reshape(N, 1, 2))
+        low = torch.stack([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], dim=2)
+        high = (qh >> torch.arange(0, 8, 2, device=raw.device).view(1, 1, 4, 1)) & 3  # [N, n, k, l]
+        q = ((low | high << 4) - 32).float().view(N, 2, 4, 2, 16)
+        return (d.view(N, 1, 1, 1, 1) * sc[..., None] * q).reshape(N, 256)
+    if t.name == "Q2_K":  # scales[16] (low nibble scale, high nibble min), qs[64], d, dmin
+        s = raw[:, 0:16].long()
+        d, dmin = _f16(raw[:, 80:82].reshape(N, 1, 2)), _f16(raw[:, 82:84].reshape(N, 1, 2))
+        q = _two_bit_positions(raw[:, 16:80]).float().view(N, 16, 16)  # [N, scale group, 16]
+        return (d * (s & 0x0F).float())[..., None].mul(q).sub((dmin * (s >> 4).float())[..., None]).reshape(N, 256)
+    if t.name == "Q3_K":  # hmask[32], qs[64], scales[12] (16 6-bit, -32), d
+        hm = raw[:, 0:32].long().view(N, 1, 1, 2, 16)
+        bit = torch.arange(8, device=raw.device).view(1, 2, 4, 1, 1)  # value (n, j, h, l): hmask bit 4n + j
+        high = ((hm >> bit) & 1).reshape(N, 256)
+        q = _two_bit_positions(raw[:, 32:96]) - 4 * (1 - high)  # [N, 256]
+        s = raw[:, 96:108].long()
+        lo = torch.cat([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], dim=1)  # [N, 16] low 4 bits of scales 0..15
+        hi = (s[:, 8:12, None] >> torch.arange(0, 8, 2, device=raw.device)) & 3  # [N, 4 bytes, 4 pairs]
+        hi = hi.transpose(1, 2).reshape(N, 16)  # scale i's top 2 bits: byte i % 4, bits 2 * (i // 4)
+        sc = ((lo | hi << 4) - 32).float()
+        d = _f16(raw[:, 108:110].reshape(N, 1, 2))
+        return (d[:, :, None] * sc[:, :, None] * q.float().view(N, 16, 16)).reshape(N, 256)
+    if t.name == "IQ4_XS":  # d, scales_h u16, scales_l[4], qs[128]: 8 sub-blocks of 32, 6-bit scales - 32
+        d = _f16(raw[:, 0:2].reshape(N, 1, 2))
+        sh = raw[:, 2].long() | raw[:, 3].long() << 8  # [N]
+        sl = raw[:, 4:8].long()
+        ib = torch.arange(8, device=raw.device)
+        ls = ((sl[:, ib // 2] >> (4 * (ib % 2))) & 0x0F) | (((sh[:, None] >> (2 * ib)) & 3) << 4)  # [N, 8]
+        lut = torch.tensor(_IQ4, dtype=torch.float32, device=raw.device)
+        q = lut[_nibbles(raw[:, 8:136].reshape(N * 8, 16))].view(N, 8, 32)
+        return (d[:, :, None] * (ls - 32).float()[:, :, None] * q).reshape(N, 256)
+    raise ggml_type(t.name)  # not reached: every type in TYPES is decoded above
+
+
+def dequantize(raw: torch.Tensor, t: GGMLType | str, cols: int) -> torch.Tensor:
+    """raw [..., row_bytes] uint8 (rows of `cols` values) -> [..., cols] fp32."""
+    t = TYPES[t] if isinstance(t, str) else t
+    lead = raw.shape[:-1]
+    if raw.shape[-1] != t.row_bytes(cols) or cols % t.block:
+        raise CheckpointError(f"a {t.name} row of {cols} values needs {t.row_bytes(cols)} bytes in blocks of "
+                              f"{t.block}, found {raw.shape[-1]}")
+    blocks = raw.reshape(-1, t.nbytes)
+    return dequantize_blocks(blocks, t).reshape(*lead, cols)
+
+
+TILE_ROWS = 256  # rows decoded at a time by `linear`: 2 MB of fp32 at 2048 columns
+
+
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, cols] -> x @ W^T (+ bias) [n, rows] in x's dtype, W decoded from `raw` [rows, row_bytes] a tile of
+    rows at a time (fp32 sums)."""
+    rows = raw.shape[0]
+    xf = x.float()
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)  # [n, rows]
+    for r in range(0, rows, TILE_ROWS):
+        w = dequantize(raw[r:r + TILE_ROWS], t, cols)  # [tile, cols] fp32
+        torch.matmul(xf, w.t(), out=y[:, r:r + w.shape[0]])
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+class GGUFFormat(ExpertFormat):
+    """Experts as a GGUF file stores them: gate (`w1`), up (`w3`) and down (`w2`) rows in their ggml types.
+
+    `tensor_names` maps each stored part to the file's stacked tensor ([E, rows, row_bytes], a layer's experts
+    back to back), so the disk tier reads an expert's three row ranges straight from the .gguf."""
+
+    packed = True
+    tensor_names: dict[str, str] = {"w1": "blk.{layer}.ffn_gate_exps.weight", "w3": "blk.{layer}.ffn_up_exps.weight",
+                                    "w2": "blk.{layer}.ffn_down_exps.weight"}
+
+    def __init__(self, gate: str, up: str, down: str):
+        self.types = {"w1": TYPES[gate], "w3": TYPES[up], "w2": TYPES[down]}
+        names = dict.fromkeys((gate, up, down))
+        self.name = "gguf-" + "-".join(names)  # gguf-Q4_K-Q6_K
+
+    def __repr__(self) -> str:
+        return f"GGUFFormat({', '.join(t.name for t in self.types.values())})"
+
+    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
+        shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+        out: dict[str, TensorSpec] = {}
+        for part, (rows, cols) in shapes.items():
+            t = self.types[part]
+            if cols % t.block:
+                raise CheckpointError(f"{t.name} experts need an input size that is a multiple of {t.block}, the "
+                                      f"model's is {cols}")
+            out[part] = ((rows, t.row_bytes(cols)), torch.uint8)
+        return out
+
+    def _cols(self, part: str, raw: torch.Tensor) -> int:
+        t = self.types[part]
+        return raw.shape[-1] // t.nbytes * t.block
+
+    def weight(self, tensors: Mapping[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
+        parts = ("w1", "w3") if which == "w13" else ("w2",)
+        return torch.cat([dequantize(tensors[p], self.types[p], self._cols(p, tensors[p])) for p in parts]).to(dtype)
+
+    def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
+        bias = tensors.get(f"{which}_bias")
+        if which == "w2":
+            return gguf_linear(x, tensors["w2"], self.types["w2"], self._cols("w2", tensors["w2"]), bias)
+        g = gguf_linear(x, tensors["w1"], self.types["w1"], self._cols("w1", tensors["w1"]))  # [n, I]
+        u = gguf_linear(x, tensors["w3"], self.types["w3"], self._cols("w3", tensors["w3"]))  # [n, I]
+        y = torch.cat([g, u], dim=-1)  # [n, 2I]
+        return y if bias is None else (y.float() + bias.float()).to(x.dtype)
