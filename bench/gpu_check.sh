@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: the `gpu` tests (engine on CUDA, the fused MXFP4 kernel at GPT-OSS-20B widths, the fused
-# FP8/int8/int4 kernel at Qwen3-30B-A3B widths), prefetch off vs
-# on (copy stream), the engine benchmark on CUDA, then the fused MXFP4 MoE kernel's GB/s against the device's
-# copy bandwidth, and the FP8/int8/int4 kernel's: short tables last; first, the decode kernels' SASS per packed
-# byte on this GPU's arch (bench/kernel_sass.py, no launch), to read beside the GB/s.
+# FP8/int8/int4 kernel at Qwen3-30B-A3B widths), prefetch off vs on (copy stream), the engine benchmark on CUDA,
+# then the fused MoE kernels' GB/s at T = 1, 4, 128 against the device's copy rate (bench/kernel_rates.py, a
+# captured CUDA graph replayed): short tables last; first, the decode kernels' SASS per packed byte on this
+# GPU's arch (bench/kernel_sass.py, no launch), to read beside the GB/s.
 # Run only on a machine with a CUDA GPU (under 8 minutes on one H200). Needs torch and transformers;
 # textual is not needed. Usage: bash bench/gpu_check.sh
 # Timeouts add up to 480 s; a failing gpu test stops the script, a bench that runs out of time says so and the
@@ -35,6 +35,7 @@ timeout 40 python bench/hybrid.py --device cuda --runs 3 --tokens 32 --fractions
 timeout 35 python bench/prefetch.py --device cuda --tier ram --runs 3 --new 64 2>&1 | tail -18 || echo "bench/prefetch.py: exit $?"
 timeout 45 python bench/engine_vs_transformers.py --device cuda --runs 3 2>&1 | grep -v "Writing model shards" \
     || echo "bench/engine_vs_transformers.py: exit $?"
-timeout 50 python bench/quantized_experts.py --device cuda || echo "bench/quantized_experts.py: exit $?"
-# the fused FP8 / int8 / int4 kernel's GB/s at Qwen3-30B-A3B widths (compiled by the tests above: cached)
-timeout 35 python bench/format_compute.py --device cuda || echo "bench/format_compute.py: exit $?"
+# the fused MoE kernels' GB/s of packed bytes at T = 1, 4 (decode: one kernel pair) and 128 (prefill), MXFP4 at
+# GPT-OSS-20B widths, FP8 / int8 / int4 at Qwen3-30B-A3B's (compiled by the tests above: cached), each timed by
+# replaying a captured CUDA graph, against the device's copy rate: the table last
+timeout 85 python bench/kernel_rates.py --tokens 1,4,128 || echo "bench/kernel_rates.py: exit $?"

@@ -1,13 +1,14 @@
 """SASS of the fused expert decode kernels (MXFP4, FP8 block, int8, int4) on sm_80..sm_120, without a GPU.
 
-Method. Each decode kernel (the GEMV launch of kernels/mxfp4_moe.py and kernels/quant_moe.py: BLOCK_M = 1,
-USE_DOT off, the first GEMV autotune config) is compiled with `triton.compile(ASTSource(fn, signature,
-constexprs, attrs), target=GPUTarget("cuda", cap, 32))`: Triton lowers to PTX and runs its bundled ptxas for
-the target, so no device or driver is needed. The signature is the one a bf16 model passes (x and biases bf16,
-codes uint8, fp32 scales (int4: fp16) and y); pointers and the integer strides / widths are marked 16-divisible, as the
-JIT specializes them at GPT-OSS-20B and Qwen3-30B-A3B widths. The cubin is disassembled with the bundled
-`cuobjdump -sass`; a K loop is a predicated backward branch (target below it, not the self-branch after
-EXIT), its instructions are those from the target to the branch. Per kernel x arch it prints:
+Method. Each decode kernel (`_w13_decode_kernel` / `_w2_decode_kernel` of kernels/mxfp4_moe.py and
+kernels/quant_moe.py, the first of `_decode_configs`, slot ids without a map, the residual added in w2) is
+compiled with `triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", cap, 32))`:
+Triton lowers to PTX and runs its bundled ptxas for the target, so no device or driver is needed. The signature
+is the one a bf16 model passes (x, biases, residual and output bf16, codes uint8, fp32 scales (int4: fp16));
+pointers and the integer strides / widths are marked 16-divisible, as the JIT specializes them at GPT-OSS-20B and
+Qwen3-30B-A3B widths. The cubin is disassembled with the bundled `cuobjdump -sass`; a loop is a predicated
+backward branch (target below it, not the self-branch after EXIT), its instructions those from the target to the
+branch, and a K loop is an inner one (w2's loop over a token's K pairs holds one). Per kernel x arch it prints:
 
 * loop: SASS instructions in one iteration of a K loop (w13 runs two, gate and up; their mean),
 * B/thr: packed code bytes one thread consumes per iteration, BLOCK_N x BLOCK_KB / (32 x num_warps) (scales
@@ -15,6 +16,7 @@ EXIT), its instructions are those from the target to the branch. Per kernel x ar
 * i/B: instructions per packed byte, loop / (B/thr) (each thread runs the loop's instructions once per
   iteration): the figure to hold to <= ~4 for a decode step to stay memory bound (an H200 issues about
   33 T thread-instructions/s against 4.8 TB/s: ~7 per byte is the break-even at full occupancy),
+* aim: whether i/B is at most AIM (4, the issue's aim),
 * regs, spills (STL + LDL in the whole kernel), and LDG width (the widest global load in the loop).
 
 `--json` prints the rows as JSON. The bundled ptxas decides which targets exist (sm_120 needs CUDA >= 12.8);
@@ -59,6 +61,7 @@ class Row:
     spills: int  # STL + LDL instructions in the kernel
     widest_load_bits: int  # the widest LDG in the loop
     config: str
+    meets_aim: bool = False  # instructions_per_byte <= AIM
 
 
 def _tool(name: str) -> str:
@@ -163,8 +166,9 @@ def compile_one(job: tuple[str, str, int]) -> Row | str:
         return f"{fmt}:{which} sm_{arch}: no K loop found in the SASS"
     per_thread = bn * bkb // (32 * warps)
     mean = sum(loops) / len(loops)
-    return Row(f"{fmt}:{which}", arch, mean, len(loops), per_thread, round(mean / per_thread, 2), regs,
-               info["spills"], info["widest_load_bits"], f"BLOCK_N={bn} BLOCK_KB={bkb} warps={warps} stages={stages}")
+    per_byte = round(mean / per_thread, 2)
+    return Row(f"{fmt}:{which}", arch, mean, len(loops), per_thread, per_byte, regs, info["spills"],
+               info["widest_load_bits"], f"BLOCK_N={bn} BLOCK_KB={bkb} warps={warps} stages={stages}", per_byte <= AIM)
 
 
 def report(kernels: list[str], archs: list[int], workers: int = 2) -> tuple[list[Row], list[str]]:
@@ -189,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "skipped": skipped}, indent=1))
         return 0 if rows else 1
-    print(f"{'kernel':<10} {'arch':>6} {'loop':>6} {'B/thr':>6} {'i/B':>6} {'regs':>5} {'spill':>5} {'LDG':>4}  config")
+    print(f"{'kernel':<10} {'arch':>6} {'loop':>6} {'B/thr':>6} {'i/B':>6} {'aim':>4} {'regs':>5} {'spill':>5} "
+          f"{'LDG':>4}  config")
     for r in rows:
         print(f"{r.kernel:<10} sm_{r.arch:<3} {r.loop_instructions:>6.0f} {r.bytes_per_thread:>6} "
-              f"{r.instructions_per_byte:>6.2f} {r.registers:>5} {r.spills:>5} {r.widest_load_bits:>4}  {r.config}")
+              f"{r.instructions_per_byte:>6.2f} {'yes' if r.meets_aim else 'no':>4} {r.registers:>5} {r.spills:>5} "
+              f"{r.widest_load_bits:>4}  {r.config}")
     for s in skipped:
         print(s)
     return 0 if rows else 1

@@ -72,6 +72,37 @@ def _e2m1_pair(words, EM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _x_words(x_at, ok, X32: tl.constexpr, XF16: tl.constexpr):
+    """x at [BG, 4] word pointers (16 bytes a thread) -> its elements in fp32, [BG] each: 4 for an fp32 x, 8 for a
+    16-bit x (a word holds elements 2i, low half, and 2i + 1). Loaded in the codes' shape, so no layout change."""
+    v = tl.load(x_at, mask=ok, other=0)
+    a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    if X32:
+        return (v0.to(tl.float32, bitcast=True), v1.to(tl.float32, bitcast=True), v2.to(tl.float32, bitcast=True),
+                v3.to(tl.float32, bitcast=True))
+    elif XF16:
+        return _f16_pair(v0) + _f16_pair(v1) + _f16_pair(v2) + _f16_pair(v3)
+    else:  # bf16: an fp32 with the low 16 bits zero
+        return ((v0 << 16).to(tl.float32, bitcast=True), (v0 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (v1 << 16).to(tl.float32, bitcast=True), (v1 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (v2 << 16).to(tl.float32, bitcast=True), (v2 & 0xFFFF0000).to(tl.float32, bitcast=True),
+                (v3 << 16).to(tl.float32, bitcast=True), (v3 & 0xFFFF0000).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _x_chunk(x_at, off, limit, N_ELEM: tl.constexpr, X32: tl.constexpr, XF16: tl.constexpr):
+    """The N_ELEM (16 or 32) x elements of each 16-byte code chunk, fp32 [BG] each: x_at [BG, 4] points at the
+    chunk's first x words, `off` [BG, 4] their offsets from the tile's first, `limit` the words left in the row."""
+    WORDS: tl.constexpr = 4 if X32 else 8  # elements in one [BG, 4] word load
+    xs = _x_words(x_at, off < limit, X32, XF16)
+    for i in tl.static_range(1, N_ELEM // WORDS):
+        xs = xs + _x_words(x_at + 4 * i, off + 4 * i < limit, X32, XF16)
+    return xs
+
+
+@triton.jit
 def _x_split8(xv):
     """[A, 8] -> its eight columns, [A] each (a register shuffle where a thread holds whole rows)."""
     a, b = tl.split(tl.reshape(xv, (xv.shape[0], 2, 2, 2)))  # columns 0 mod 2, 1 mod 2
@@ -88,38 +119,48 @@ def _x_split8(xv):
 def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
                  BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
     """x[x_row] [2 KB] . W[w_rows] -> [BLOCK_N] fp32 for one pair (decode): W one slot's packed rows as in
-    _packed_dot. A thread holds whole 16-byte scale blocks (one 16-byte load of 4 words, one scale byte),
-    decodes two codes an instruction pair, sums the block's 32 products in FMA chains and scales the sum once;
-    x is loaded contiguously and split in registers to meet the codes' nibble order."""
+    _packed_dot. A thread holds whole 16-byte scale blocks (one 16-byte load of 4 words, one scale byte) of several
+    rows and the block's 32 x in the same shape (decoded once for those rows: no layout change), decodes two codes
+    an instruction pair, sums the block's 32 products in an FMA chain and scales the sum once."""
     BG: tl.constexpr = BLOCK_KB // 16  # scale blocks per tile row
+    X32: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+    XF16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+    XPW: tl.constexpr = 1 if X32 else 2  # x elements in a word
     KW = KB // 4  # words per packed row
     G = KB // 16
     g = tl.arange(0, BG)  # [BG]
+    i4 = tl.arange(0, 4)
     words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (w_rows[:, None, None] * KW + 4 * g[None, :, None]
-                                                         + tl.arange(0, 4)[None, None, :]))  # [BN, BG, 4]
+                                                         + i4[None, None, :]))  # [BN, BG, 4]
     s_at = s_ptr + (w_rows[:, None] * G + g[None, :])  # [BN, BG]
-    x_at = x_ptr + x_row.to(tl.int64) * stride_x + (32 * g[:, None] + tl.arange(0, 32)[None, :])  # [BG, 32]
+    x_off = (32 // XPW) * g[:, None] + i4[None, :]  # [BG, 4] the first x words of each block
+    x_at = x_ptr.to(tl.pointer_type(tl.uint32)) + x_row.to(tl.int64) * (stride_x // XPW) + x_off
     acc = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
     for k0 in range(0, G, BG):  # in scale blocks
         g_ok = g < G - k0
         words = tl.load(words_at + 4 * k0, mask=w_ok[:, None, None] & g_ok[None, :, None], other=0)  # [BN, BG, 4]
-        xv = tl.load(x_at + 32 * k0, mask=g_ok[:, None], other=0.0).to(tl.float32)  # [BG, 32]
+        a, b = tl.split(tl.reshape(words, (BLOCK_N, BG, 2, 2)))
+        c0, c2 = tl.split(a)
+        c1, c3 = tl.split(b)
         # element 8w + t of a block is nibble t of its word w
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_split8(tl.reshape(xv, (BG * 4, 8)))
-        w0, w4 = _e2m1_pair(words, 9, 12)
-        w1, w5 = _e2m1_pair(words, 5, 8)
-        w2, w6 = _e2m1_pair(words, 1, 4)
-        w3, w7 = _e2m1_pair(words, -3, 0)
-        part = w0 * tl.reshape(x0, (BG, 4))[None, :, :]
-        part += w1 * tl.reshape(x1, (BG, 4))[None, :, :]
-        part += w2 * tl.reshape(x2, (BG, 4))[None, :, :]
-        part += w3 * tl.reshape(x3, (BG, 4))[None, :, :]
-        part += w4 * tl.reshape(x4, (BG, 4))[None, :, :]
-        part += w5 * tl.reshape(x5, (BG, 4))[None, :, :]
-        part += w6 * tl.reshape(x6, (BG, 4))[None, :, :]
-        part += w7 * tl.reshape(x7, (BG, 4))[None, :, :]
+        xs = _x_chunk(x_at + k0 * (32 // XPW), x_off, (G - k0) * (32 // XPW), 32, X32, XF16)
+        part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+        for w in tl.static_range(4):
+            cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+            v0, v4 = _e2m1_pair(cw, 9, 12)
+            v1, v5 = _e2m1_pair(cw, 5, 8)
+            v2, v6 = _e2m1_pair(cw, 1, 4)
+            v3, v7 = _e2m1_pair(cw, -3, 0)
+            part += v0 * xs[8 * w][None, :]
+            part += v1 * xs[8 * w + 1][None, :]
+            part += v2 * xs[8 * w + 2][None, :]
+            part += v3 * xs[8 * w + 3][None, :]
+            part += v4 * xs[8 * w + 4][None, :]
+            part += v5 * xs[8 * w + 5][None, :]
+            part += v6 * xs[8 * w + 6][None, :]
+            part += v7 * xs[8 * w + 7][None, :]
         scale = tl.load(s_at + k0, mask=w_ok[:, None] & g_ok[None, :], other=127).to(tl.int32)  # [BN, BG]
-        acc += tl.sum(part, axis=2) * _e8m0(scale)
+        acc += part * _e8m0(scale)
     return tl.sum(acc, axis=1) * 16384.0  # the codes' 2^-14
 
 

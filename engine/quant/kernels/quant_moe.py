@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mxfp4_moe import INTERPRET, _f16_pair, _pair_slot, decode_io, is_decode, plan_groups, sum_pairs
+from .mxfp4_moe import INTERPRET, _f16_pair, _pair_slot, _x_chunk, decode_io, is_decode, plan_groups, sum_pairs
 
 # T = tokens, K = top-k, P = computed (t, k) pairs, C = slots, H = hidden, I = intermediate, NB = groups,
 # N = outputs of a projection, KB = bytes in one packed row
@@ -103,37 +103,6 @@ def _dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, 
     if FMT == 0:
         acc = acc * 256.0  # the codes' 2^-8 (a power of two: the sum rounds as the true weights' would)
     return acc
-
-
-@triton.jit
-def _x_words(x_at, ok, X32: tl.constexpr, XF16: tl.constexpr):
-    """x at [BG, 4] word pointers (16 bytes a thread) -> its elements in fp32, [BG] each: 4 for an fp32 x, 8 for a
-    16-bit x (a word holds elements 2i, low half, and 2i + 1). Loaded in the codes' shape, so no layout change."""
-    v = tl.load(x_at, mask=ok, other=0)
-    a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
-    v0, v2 = tl.split(a)
-    v1, v3 = tl.split(b)
-    if X32:
-        return (v0.to(tl.float32, bitcast=True), v1.to(tl.float32, bitcast=True), v2.to(tl.float32, bitcast=True),
-                v3.to(tl.float32, bitcast=True))
-    elif XF16:
-        return _f16_pair(v0) + _f16_pair(v1) + _f16_pair(v2) + _f16_pair(v3)
-    else:  # bf16: an fp32 with the low 16 bits zero
-        return ((v0 << 16).to(tl.float32, bitcast=True), (v0 & 0xFFFF0000).to(tl.float32, bitcast=True),
-                (v1 << 16).to(tl.float32, bitcast=True), (v1 & 0xFFFF0000).to(tl.float32, bitcast=True),
-                (v2 << 16).to(tl.float32, bitcast=True), (v2 & 0xFFFF0000).to(tl.float32, bitcast=True),
-                (v3 << 16).to(tl.float32, bitcast=True), (v3 & 0xFFFF0000).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _x_chunk(x_at, off, limit, N_ELEM: tl.constexpr, X32: tl.constexpr, XF16: tl.constexpr):
-    """The N_ELEM (16 or 32) x elements of each 16-byte code chunk, fp32 [BG] each: x_at [BG, 4] points at the
-    chunk's first x words, `off` [BG, 4] their offsets from the tile's first, `limit` the words left in the row."""
-    WORDS: tl.constexpr = 4 if X32 else 8  # elements in one [BG, 4] word load
-    xs = _x_words(x_at, off < limit, X32, XF16)
-    for i in tl.static_range(1, N_ELEM // WORDS):
-        xs = xs + _x_words(x_at + 4 * i, off + 4 * i < limit, X32, XF16)
-    return xs
 
 
 @triton.jit
