@@ -7,8 +7,9 @@ it needs. What changes on the Hub (the commit, gated or not, file sizes) is refr
 `engine/hub.py` (`Hub.catalog`); the revision is pinned to the commit at download time.
 
 `SUPPORTED_TYPES` is the set of `engine/models.ARCHITECTURES` keys, read from that module's source (and from each
-family module's own `ARCHITECTURES` literal, which the package merges) rather than imported: importing it imports torch (2-3 s), and the CLI and the wizard list the catalog at once. So a
-model_type becomes runnable everywhere (catalog, Hub search, `moechat fit`) the moment it is registered there.
+family module's own `ARCHITECTURES` literal, which the package merges) rather than imported: importing it imports
+torch (2-3 s), and the CLI and the wizard list the catalog at once. So a model_type becomes runnable everywhere
+(catalog, Hub search, `moechat fit`) the moment it is registered there.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ SUPPORTED_TYPES = _registered_types()
 
 # model_type -> what the engine lacks for it (shown next to the entry, and for Hub search results).
 MISSING_FEATURES: dict[str, str] = {
-    "qwen3_next": "needs hybrid linear attention (Gated DeltaNet) and a gated shared expert",
+    "nemotron_h": "needs Mamba-2 layers and non-gated relu^2 experts (an expert layout without a gate projection)",
     "phimoe": "needs SparseMixer routing",
     "granitemoe": "needs Granite's scaled residuals and routing",
     "llama4": "needs interleaved dense/MoE layers with a shared expert, chunked attention and NoPE layers",
@@ -175,9 +176,19 @@ CATALOG: tuple[CatalogEntry, ...] = (
                  (_SOFTMAX, "128 experts top-8", "dense MLP beside the experts", "sliding/global attention",
                   "logit soft-capping", "multimodal wrapper (runs text-only)"),
                  note="KV 240 KiB a token; the vision tower is not loaded"),
+    # Gated DeltaNet hybrids: sizes from their config.json (a meta-device build: the text model, LM head included)
+    CatalogEntry("Qwen/Qwen3.6-35B-A3B", "qwen3_5_moe", 34.7, 2.9, "bf16",
+                 (_SOFTMAX, "256 experts top-8", "Gated DeltaNet (30 of 40 layers)", "gated attention",
+                  "gated shared expert", "partial rotary", "multimodal wrapper (runs text-only)"),
+                 note="KV 20 KiB a token + 61 MiB of recurrent state; the vision tower and MTP layer are not loaded"),
+    CatalogEntry("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 79.7, 3.6, "bf16",
+                 (_SOFTMAX, "512 experts top-10", "Gated DeltaNet (36 of 48 layers)", "gated attention",
+                  "gated shared expert", "partial rotary"),
+                 note="KV 24 KiB a token + 74 MiB of recurrent state; its MTP layer is not loaded"),
     # -- popular, not yet ---------------------------------------------------------------------------------
-    CatalogEntry("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3_next", 80.0, 3.0, "bf16",
-                 ("Gated DeltaNet", "gated shared expert", "512 experts top-10")),
+    CatalogEntry("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B", "nemotron_h", 31.6, 3.2, "bf16",
+                 ("Mamba-2 (23 of 52 layers)", "sigmoid top-k routing + bias", "128 experts top-6", "shared expert",
+                  "relu^2 experts")),
     CatalogEntry("microsoft/Phi-3.5-MoE-instruct", "phimoe", 41.9, 6.6, "bf16", ("SparseMixer routing",)),
     CatalogEntry("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama4", 109.0, 17.0, "bf16",
                  ("shared expert", "chunked attention", "multimodal"), gated=True),
