@@ -23,7 +23,6 @@ need exactly. Gemma-4-26B-A4B: 30 MoE layers x 128 experts, top-8, I = 704: one 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -193,12 +192,24 @@ class Gemma4Attention(nn.Module):
         del self.q_proj, self.k_proj, self.o_proj
         if not self.k_eq_v:
             del self.v_proj
+        self.qkv_q = self.o_q = None  # int8 projections (`quantize_dense`)
+
+    def quantize_dense(self) -> None:
+        """q/k/v and o in int8 per output channel (quant/dense_int8.py); the full-precision copies are freed."""
+        from ..quant.dense_int8 import Int8Linear
+
+        self.qkv_q = Int8Linear(self.qkv_t.t(), self.qkv_bias)
+        self.o_q = Int8Linear(self.o_weight_t.t(), self.o_bias)
+        self.qkv_t = self.o_weight_t = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
         """attention(x) [T, H] (before its norm and the residual); x is the normed input, positions start.."""
         T = x.shape[0]
         nH, nKV, D = self.n_heads, self.n_kv, self.head_dim
-        qkv = x @ self.qkv_t if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_t)
+        if self.qkv_q is not None:
+            qkv = self.qkv_q(x)  # [T, (nH + 2 nKV) D]
+        else:
+            qkv = x @ self.qkv_t if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_t)
         q = qkv[:, : nH * D].view(T, nH, D)
         k = qkv[:, nH * D : (nH + nKV) * D].view(T, nKV, D)
         v = k if self.k_eq_v else qkv[:, (nH + nKV) * D :].view(T, nKV, D)
@@ -227,6 +238,8 @@ class Gemma4Attention(nn.Module):
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [nKV, G, T, S]
         out = torch.matmul(probs.view(nKV, G * T, -1), values).view(nKV, G, T, D)  # [nKV, G, T, D]
         out = out.permute(2, 0, 1, 3).reshape(T, nH * D)  # [T, nH*D]
+        if self.o_q is not None:
+            return self.o_q(out)  # [T, H]
         y = out @ self.o_weight_t  # [T, H]
         return y if self.o_bias is None else y + self.o_bias
 
@@ -356,7 +369,8 @@ class Gemma4Body(nn.Module):
 def _experts(prefix: str) -> ExpertNaming:
     p = prefix + "layers.{layer}.experts."
     return ExpertNaming(gate=p + "{expert}.gate_proj.weight", up=p + "{expert}.up_proj.weight",
-                        down=p + "{expert}.down_proj.weight", fused_gate_up=p + "gate_up_proj", fused_down=p + "down_proj")
+                        down=p + "{expert}.down_proj.weight", fused_gate_up=p + "gate_up_proj",
+                        fused_down=p + "down_proj")
 
 
 class Gemma4TextForCausalLM(MoEForCausalLM):
@@ -408,9 +422,16 @@ class Gemma4TextForCausalLM(MoEForCausalLM):
         self.dense_format = "native"
 
     def quantize_dense(self, name: str) -> None:
-        if name != "native":
-            raise UnsupportedModelError("--dense-format int8 is not supported for Gemma 4 yet: use --dense-format "
-                                        "native")
+        """`--dense-format int8`: attention's projections and the LM head in int8; the tied table stays for lookups."""
+        if name == "native":
+            return
+        from ..quant.dense_int8 import Int8Linear
+
+        for layer in self.layer_list:
+            layer.self_attn.quantize_dense()
+        self.lm_q = Int8Linear(self.lm_weight_t.t())
+        self.lm_weight_t = None
+        self.dense_format = name
 
     def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:
         start, T = kv.length, input_ids.shape[0]
@@ -423,7 +444,10 @@ class Gemma4TextForCausalLM(MoEForCausalLM):
         return rms_norm_fp32_weight(x, self.norm_weight, self.args.rms_norm_eps)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = (hidden_states @ self.lm_weight_t).float()  # [T, V]
+        if self.lm_q is not None:
+            logits = self.lm_q(hidden_states, out_dtype=torch.float32)  # [T, V]
+        else:
+            logits = (hidden_states @ self.lm_weight_t).float()  # [T, V]
         cap = self.args.final_logit_softcapping
         return logits if not cap else torch.tanh(logits / cap) * cap
 

@@ -50,7 +50,7 @@ def _perturb(model) -> None:
 
 
 def hub_spelling(config: dict) -> dict:
-    """transformers' saved config as the Hub's file: global_head_dim / num_global_key_value_heads, no per_layer_config."""
+    """transformers' saved config as the Hub's: global_head_dim / num_global_key_value_heads, no per_layer_config."""
     c = dict(config)
     text = dict(c["text_config"])
     text.pop("per_layer_config", None)
@@ -190,6 +190,17 @@ def test_int8_and_int4_experts_convert_and_cache_alike(models, fmt):
     cached = Engine.load(path, dtype="float32", expert_format=fmt, cache=CacheConfig(expert_slots=3))
     assert _greedy(cached, ids, 12) == _greedy(quant, ids, 12)
     cached.close()
+
+
+def test_dense_int8_stays_near_native(models):
+    path, _ = models("wrapper")
+    native, int8 = Engine.load(path, dtype="float32"), Engine.load(path, dtype="float32", dense_format="int8")
+    assert int8.model.dense_format == "int8" and int8.model.layer_list[2].attn.qkv_q is not None
+    ids = _prompt(12, seed=6)
+    with torch.inference_mode():
+        a = torch.softmax(native._forward(native.new_sequence(), ids), -1)
+        b = torch.softmax(int8._forward(int8.new_sequence(), ids), -1)
+    assert 0 < (a - b).abs().max().item() < 0.02
 
 
 def test_bfloat16_stays_near_float32(models):
