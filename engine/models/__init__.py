@@ -39,7 +39,7 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
 
 # MoE families moechat knows of but does not implement yet.
 PLANNED_MOE = {"phimoe", "granitemoe", "jamba", "dbrx", "llama4", "qwen3_next", "ernie4_5_moe", "minimax",
-               "hunyuan_v1_moe"} - ARCHITECTURES.keys()
+               "hunyuan_v1_moe", "nemotron_h"} - ARCHITECTURES.keys()
 # Dense families: nothing to offload, so nothing for moechat to do.
 DENSE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3", "gpt2", "olmo",
          "olmo2", "falcon", "gpt_neox", "starcoder2", "cohere", "granite", "smollm3"}
