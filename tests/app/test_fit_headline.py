@@ -45,8 +45,8 @@ def test_the_demo_runs(capsys):
 
 
 @pytest.mark.parametrize("changes, why", [
-    ({"model_type": "qwen3_next"}, "cannot run: model_type 'qwen3_next' is not supported yet (needs hybrid linear "
-                                   "attention"),
+    ({"model_type": "phimoe"}, "cannot run: model_type 'phimoe' is not supported yet (needs SparseMixer "
+                                   "routing"),
     ({"model_type": "mything", "auto_map": {"AutoModelForCausalLM": "x.Y"}},
      "cannot run: model_type 'mything' needs trust_remote_code"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}},

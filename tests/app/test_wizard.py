@@ -33,7 +33,7 @@ def _app(hub, app_env, fakes, model=None, entries=None, vram_gb=0, ram_gb=16, **
     hardware = probe(app_env, nvml=None, cuda=None).with_overrides(vram_gb=vram_gb, ram_gb=ram_gb, disk_gb=100)
     entries = entries or (CatalogEntry(hub.repo, "qwen3_moe", 0.0003, 0.0001, "fp32", ("softmax top-k routing",)),
                           CatalogEntry(hub.gated, "qwen3_moe", 0.0003, 0.0001, "fp32", gated=True),
-                          CatalogEntry(MISSING, "qwen3_next", 80.0, 3.0, "bf16"))
+                          CatalogEntry(MISSING, "phimoe", 80.0, 3.0, "bf16"))
     options = HubOptions(endpoint=hub.server.url, cache_dir=hub.cache, entries=entries, hardware=hardware,
                          **hub_options)
     settings = Settings(path=app_env / "settings.toml")
@@ -94,7 +94,7 @@ async def test_from_the_chat_pick_see_the_verdict_download_and_chat_on_it(hub, a
         assert setup.cell(hub.repo, "download") == f"{left / 1024:.1f} KiB"
         assert setup.cell(hub.gated, "verdict") == "gated"
         assert setup.cell(hub.gated, "note").startswith("is gated (401): accept its conditions")
-        assert setup.cell(MISSING, "verdict") == "unsupported" and "DeltaNet" in setup.cell(MISSING, "note")
+        assert setup.cell(MISSING, "verdict") == "unsupported" and "SparseMixer" in setup.cell(MISSING, "note")
         # the catalog's verdicts came from config.json and the index alone: not one weight file was requested
         assert hub.server.requests and not _weight_requests(hub)
 
@@ -171,9 +171,9 @@ async def test_first_start_cancel_mid_way_then_resume_and_land_in_the_chat(hub, 
 
 
 async def test_search_and_the_errors_say_what_to_do(hub, app_env, fakes, monkeypatch):
-    planned = "other-org/qwen3-next-tiny"  # a family moechat does not run yet, for this test only
+    planned = "other-org/phimoe-tiny"  # a family moechat does not run yet, for this test only
     monkeypatch.setitem(hub.server.repos, planned, hub.module.Repo(
-        planned, {"config.json": b'{"model_type": "qwen3_next"}'}, "e" * 40, model_type="qwen3_next", downloads=5))
+        planned, {"config.json": b'{"model_type": "phimoe"}'}, "e" * 40, model_type="phimoe", downloads=5))
     app, _ = _app(hub, app_env, fakes, free_space=lambda path: 1 << 20)  # a disk with 1 MiB free
     async with app.run_test(size=SIZE) as pilot:
         setup = await _open_wizard(pilot, fakes)
@@ -183,7 +183,7 @@ async def test_search_and_the_errors_say_what_to_do(hub, app_env, fakes, monkeyp
         expected = {hub.repo, hub.gated, "other-org/gpt-oss-tiny", "other-org/mixtral-moe-tiny", planned}
         await fakes.wait_for(pilot, lambda: set(setup.rows) == expected, what="the search hits")
         await fakes.wait_for(pilot, lambda: setup.cell(hub.repo, "verdict") == "fits", what="a hit's verdict")
-        assert setup.cell(planned, "verdict") == "unsupported" and "DeltaNet" in setup.cell(planned, "note")
+        assert setup.cell(planned, "verdict") == "unsupported" and "SparseMixer" in setup.cell(planned, "note")
         for broken in ("other-org/mixtral-moe-tiny", "other-org/gpt-oss-tiny"):  # supported, but a config-only stub
             await fakes.wait_for(pilot, lambda b=broken: setup.cell(b, "verdict") == "unknown",
                                  what="a broken repo's row")
@@ -237,7 +237,7 @@ async def test_search_and_the_errors_say_what_to_do(hub, app_env, fakes, monkeyp
         search.value = ""
         await pilot.press("enter")
         await fakes.wait_for(pilot, lambda: set(setup.rows) == {hub.repo, hub.gated, MISSING}, what="the catalog")
-        assert setup.cell(MISSING, "verdict") == "unsupported" and "DeltaNet" in setup.cell(MISSING, "note")
+        assert setup.cell(MISSING, "verdict") == "unsupported" and "SparseMixer" in setup.cell(MISSING, "note")
         table.move_cursor(row=table.get_row_index(MISSING))  # its brief says the Hub does not know it
         await fakes.wait_for(pilot, lambda: f"no such model on {hub.server.url} (404)"
                              in _text(setup, "#setup-summary"), what="the brief of a missing repo")

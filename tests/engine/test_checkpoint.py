@@ -179,7 +179,7 @@ def test_no_weights_at_all(model_dir):
 @pytest.mark.parametrize("config, message", [
     ({"model_type": "my_moe", "auto_map": {"AutoModelForCausalLM": "modeling_my.MyMoe"}}, "trust_remote_code"),
     ({"model_type": "llama"}, "dense model"),
-    ({"model_type": "qwen3_next"}, "not supported yet"),
+    ({"model_type": "phimoe"}, "not supported yet"),
     ({"model_type": "wat"}, "unknown"),
 ])
 def test_unsupported_architectures(model_dir, config, message):

@@ -47,7 +47,7 @@ def test_real_configs(tmp_path, name):
 
 @pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared/model-configs not present")
 @pytest.mark.parametrize("name, file, model_type", [
-    ("deepseek-ai--DeepSeek-V3", "config.json", "qwen3_next"),
+    ("deepseek-ai--DeepSeek-V3", "config.json", "phimoe"),
 ])
 def test_known_but_unsupported(tmp_path, name, file, model_type):
     # Every family with a real config here runs now (DeepSeek, GLM-4.5, Qwen2-MoE: test_shared_expert_models.py);

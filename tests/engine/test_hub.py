@@ -424,7 +424,7 @@ def test_catalog_verdicts_and_errors_per_entry(hub, tmp_path):
 
     entries = [CatalogEntry(hub.repo, "qwen3_moe", 0.0002, 0.0001, "fp32"),
                CatalogEntry(hub.gated, "qwen3_moe", 0.0002, 0.0001, "fp32", gated=True),
-               CatalogEntry("nobody/nothing", "qwen3_next", 80.0, 3.0, "bf16")]
+               CatalogEntry("nobody/nothing", "phimoe", 80.0, 3.0, "bf16")]
     statuses = hub.client.catalog(_hardware(tmp_path), entries=entries)
     ok, gated, missing = statuses
     assert ok.sha == hub.server.repos[hub.repo].sha and ok.download_bytes > 0 and not ok.downloaded
@@ -446,9 +446,9 @@ def test_catalog_verdicts_and_errors_per_entry(hub, tmp_path):
 
 
 def test_search_keeps_supported_model_types(hub, monkeypatch):
-    planned = "other-org/qwen3-next-tiny"  # a family moechat does not run yet, for this test only
+    planned = "other-org/phimoe-tiny"  # a family moechat does not run yet, for this test only
     monkeypatch.setitem(hub.server.repos, planned, hub.module.Repo(
-        planned, {"config.json": b'{"model_type": "qwen3_next"}'}, "e" * 40, model_type="qwen3_next", downloads=5))
+        planned, {"config.json": b'{"model_type": "phimoe"}'}, "e" * 40, model_type="phimoe", downloads=5))
     hits = hub.client.search("moe")
     assert {h.repo_id for h in hits} == {hub.repo, hub.gated, "other-org/mixtral-moe-tiny"}
     assert all(h.supported and h.why_unsupported is None for h in hits)
@@ -456,7 +456,7 @@ def test_search_keeps_supported_model_types(hub, monkeypatch):
     everything = {h.repo_id: h for h in hub.client.search("o", supported_only=False)}
     assert "other-org/dense-llama" not in everything  # dense: nothing to offload
     assert everything["other-org/gpt-oss-tiny"].supported  # gpt_oss is registered in engine/models
-    assert not everything[planned].supported and "DeltaNet" in everything[planned].why_unsupported
+    assert not everything[planned].supported and "SparseMixer" in everything[planned].why_unsupported
 
 
 def test_the_catalog_is_consistent_with_the_engine():
