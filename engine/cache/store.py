@@ -93,7 +93,7 @@ class DiskStore:
         if scale_suffix is not None and fmt.name not in n.packed:
             return self._scaled_per_expert(n, ckpt, layer, scale_suffix)
         if fmt.packed or args.expert_bias:
-            names = n.packed.get(fmt.name)
+            names = getattr(fmt, "tensor_names", None) or n.packed.get(fmt.name)  # GGUF: the format names its own
             if names is None:
                 raise CheckpointError(f"{ckpt.model_dir}: {args.model_type} experts cannot be read in the "
                                       f"{fmt.name} format (moechat reads them as {', '.join(n.packed) or 'dense'})",
