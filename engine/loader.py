@@ -33,6 +33,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def read_model_config(model_dir: str | os.PathLike) -> tuple[type[MoEForCausalLM], BaseModelArgs, dict]:
     """config.json -> (architecture class, parsed args, raw dict), or a typed error saying why not."""
     model_dir = Path(model_dir)
+    from .load.gguf import is_gguf, open_gguf
+
+    if is_gguf(model_dir):  # a .gguf file (or a split's first, or a folder holding one): its metadata is the config
+        return model_config(open_gguf(model_dir).config, model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"{model_dir}: no such model directory")
     return model_config(read_json(model_dir / "config.json", "model config (config.json)"), model_dir)
@@ -178,13 +182,20 @@ def check_model(model_dir: str | os.PathLike, *, dtype: str | None = None, raw_c
     its fetched safetensors headers) the same checks run over those, and no file is opened. A typed error on the
     first problem."""
     model_dir = Path(model_dir)
-    if raw_config is None:
-        cls, args, raw = read_model_config(model_dir)
+    from .load.gguf import is_gguf, open_gguf
+
+    if raw_config is None and is_gguf(model_dir):  # GGUF: config from the metadata, experts in their ggml types
+        ckpt = open_gguf(model_dir)
+        cls, args, raw = model_config(ckpt.config, model_dir)
+        fmt = ckpt.expert_format or DENSE_FORMAT
     else:
-        cls, args, raw = model_config(raw_config, model_dir)
+        if raw_config is None:
+            cls, args, raw = read_model_config(model_dir)
+        else:
+            cls, args, raw = model_config(raw_config, model_dir)
+        fmt = checkpoint_format(raw, model_dir)
+        ckpt = Checkpoint.open(model_dir) if tensors is None else Checkpoint(model_dir, tensors)
     torch_dtype = resolve_dtype(dtype, args)
-    fmt = checkpoint_format(raw, model_dir)
-    ckpt = Checkpoint.open(model_dir) if tensors is None else Checkpoint(model_dir, tensors)
     check_layers(args.num_hidden_layers, ckpt.tensors, str(model_dir / "config.json"))
     dense = validate(cls, args, ckpt, fmt)
     from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming

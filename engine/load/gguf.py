@@ -1,0 +1,318 @@
+"""GGUF files as moechat checkpoints: the container, the metadata as an HF-style config, the tensors by HF name.
+
+Design: `open_gguf` reads the header(s) with the `gguf` package's `GGUFReader` (numpy memmaps: no tensor byte is
+read until it is used) and returns a `GGUFCheckpoint`, a `Checkpoint` whose tensors carry the names the engine's
+model classes use (`model.layers.3.self_attn.q_proj.weight`), so `loader.check_model` and `load_model` run the
+same checks and the same load over it as over a safetensors folder. Dense tensors are dequantized when read
+(`get`: to fp32, the loader casts to the compute dtype), with llama.cpp's conventions undone (the q/k row
+permutation its converter applies to llama-type models). The routed experts stay as the file stores them:
+`blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, row_bytes] uint8, read per expert by the disk tier with preadv
+straight from the .gguf, in a `GGUFFormat` naming each projection's ggml type (quant/gguf.py). Every problem a
+user can meet (a truncated or damaged file, an unknown type, an architecture moechat lacks, a missing split)
+is one typed line naming the file and what to do.
+
+Splits: `name-00001-of-00003.gguf` and its siblings are one model; the first holds the metadata, each its own
+tensors; `split.count` and `split.tensors.count` are checked against what the files hold.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..checkpoint import Checkpoint, TensorInfo
+from ..errors import CheckpointError, ConfigError, UnsupportedModelError
+from ..quant.gguf import GGUFFormat, dequantize, ggml_type
+
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """A .gguf file, or a directory holding one model's .gguf file(s)."""
+    p = Path(path)
+    if p.is_file() or p.suffix == ".gguf":
+        return p.suffix == ".gguf"
+    return p.is_dir() and not (p / "config.json").exists() and bool(_model_files(p))
+
+
+def _model_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.glob("*.gguf") if not f.name.startswith("mmproj") and "imatrix" not in f.name)
+
+
+def gguf_files(path: str | os.PathLike) -> list[Path]:
+    """The file(s) of one GGUF model: a file, a split's first file (its siblings found beside it), or a directory
+    holding one model (one file or one split set)."""
+    p = Path(path)
+    if p.is_dir():
+        files = _model_files(p)
+        stems = {(_SPLIT.match(f.name).group("stem") if _SPLIT.match(f.name) else f.name) for f in files}
+        if not files:
+            raise ConfigError(f"{p}: holds no .gguf model file")
+        if len(stems) > 1:
+            raise ConfigError(f"{p}: holds {len(stems)} GGUF models ({', '.join(sorted(stems))}); name the file "
+                              "to run")
+        p = files[0]
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no such GGUF file", path=str(p))
+    m = _SPLIT.match(p.name)
+    if m is None:
+        return [p]
+    count = int(m.group("count"))
+    if int(m.group("no")) != 1:
+        raise ConfigError(f"{p}: is part {int(m.group('no'))} of a split GGUF; name its first file "
+                          f"{m.group('stem')}-00001-of-{m.group('count')}.gguf")
+    parts = [p.with_name(f"{m.group('stem')}-{i:05d}-of-{m.group('count')}.gguf") for i in range(1, count + 1)]
+    for part in parts:
+        if not part.is_file():
+            raise CheckpointError(f"{part}: missing, part of the {count}-file split GGUF {p.name} (incomplete "
+                                  "download? download it again)", path=str(part))
+    return parts
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo(TensorInfo):
+    """A tensor of a GGUF file under the engine's name: `ggml` its stored type, `rows x cols` its matrix (cols the
+    input, ggml's ne0); start..end are the stored bytes in `file`."""
+
+    ggml: str = "F32"
+    gguf_name: str = ""
+    cols: int = 0
+    transform: str = ""  # "", "permute_q", "permute_k": the llama converter's q/k row order, undone on read
+
+
+def _read(path: Path):
+    import gguf
+
+    try:
+        size = path.stat().st_size
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # noqa: BLE001 - the package raises ValueError, IndexError, struct/numpy errors
+        text = " ".join(str(e).split()) or type(e).__name__
+        raise CheckpointError(f"{path}: not a readable GGUF file ({text}); it is truncated or damaged: download it "
+                              "again", path=str(path)) from None
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise CheckpointError(f"{path}: tensor {t.name!r} ends at byte {int(t.data_offset) + int(t.n_bytes)} "
+                                  f"but the file has {size} bytes (truncated download? download it again)",
+                                  path=str(path), tensor=t.name)
+    return reader
+
+
+def _value(reader, key: str, default=None):
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    v = field.contents()
+    return v.tolist() if isinstance(v, np.ndarray) else v
+
+
+# llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
+ARCHES = {"qwen3moe": ("qwen3_moe", False), "qwen2moe": ("qwen2_moe", False), "olmoe": ("olmoe", False),
+          "llama": ("mixtral", True)}
+DENSE_ARCHES = {"qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi2", "phi3", "gpt2", "olmo", "olmo2", "falcon",
+                "starcoder2", "command-r", "granite", "mistral3", "smollm3"}
+
+
+class GGUFCheckpoint(Checkpoint):
+    """The tensors of a GGUF model under the engine's names; `config` the HF-style config.json dict its metadata
+    gives, `expert_format` how its routed experts are stored."""
+
+    def __init__(self, files: list[Path], readers: list, tensors: dict[str, GGUFTensorInfo], config: dict,
+                 expert_format: GGUFFormat | None, metadata_reader):
+        super().__init__(files[0], tensors)
+        self.files_ = files
+        self.readers = readers
+        self.config = config
+        self.expert_format = expert_format
+        self.reader = metadata_reader  # the first file's reader: tokenizer.* and the rest of the metadata
+        self._data = {t.name: t for r in readers for t in r.tensors}
+
+    def get(self, name: str) -> torch.Tensor:
+        """A dense tensor dequantized to fp32 in the engine's shape, or an expert tensor's raw bytes."""
+        info = self.info(name)
+        data = self._data[info.gguf_name].data
+        with warnings.catch_warnings():  # a read-only memmap: nothing below writes to it
+            warnings.simplefilter("ignore")
+            raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+        if not isinstance(info, GGUFTensorInfo) or info.dtype == "U8":
+            return raw.reshape(info.shape)
+        w = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], info.ggml, info.cols)
+        w = w.reshape(info.shape)
+        if info.transform:
+            n_head = self.config["num_attention_heads" if info.transform == "permute_q" else "num_key_value_heads"]
+            w = unpermute(w, n_head)
+        return w
+
+    def files(self) -> list[Path]:
+        return list(self.files_)
+
+
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf.py's LlamaModel.permute (rows of each head from rotate-half to interleaved pairs):
+    [out, in] -> the HF checkpoint's row order."""
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _layer_map(arch: str, cfg: dict) -> dict[str, str]:
+    """llama.cpp's per-layer tensor name (blk.{i}.X) -> the engine's (model.layers.{i}.Y)."""
+    attn = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+            "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    moe = {"qwen3moe": "mlp", "qwen2moe": "mlp", "olmoe": "mlp", "llama": "block_sparse_moe"}[arch]
+    out = {f"{k}.weight": f"{v}.weight" for k, v in attn.items()}
+    out.update({f"{k}.bias": f"{v}.bias" for k, v in attn.items() if k in ("attn_q", "attn_k", "attn_v")})
+    out["ffn_gate_inp.weight"] = f"{moe}.gate.weight"
+    if arch == "qwen2moe":  # the shared expert and its sigmoid gate
+        out.update({"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+                    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"})
+    # dense-MLP layers (a model's first layers, or mlp_only_layers)
+    out.update({"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+                "ffn_down.weight": "mlp.down_proj.weight"})
+    return out
+
+
+def _config(reader, arch: str, tensors: dict, where: str) -> dict:
+    """The GGUF metadata as the config.json the engine's model class reads."""
+    model_type, _ = ARCHES[arch]
+
+    def key(k, default=None):
+        return _value(reader, f"{arch}.{k}", default)
+
+    def need(k):
+        v = key(k)
+        if v is None:
+            raise CheckpointError(f"{where}: metadata key {arch}.{k} is missing; the file is not a complete "
+                                  "llama.cpp model: download it again", path=where)
+        return v
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    heads_kv = key("attention.head_count_kv", heads)
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise CheckpointError(f"{where}: tensor 'token_embd.weight' is missing from the GGUF file", path=where,
+                              tensor="token_embd.weight")
+    cfg = {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(heads_kv if not isinstance(heads_kv, list) else heads_kv[0]),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "vocab_size": int(embd.shape[1]),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "torch_dtype": "float32" if embd.tensor_type.name == "F32" else "bfloat16",
+    }
+    experts = int(need("expert_count"))
+    ff = key("feed_forward_length", 0)
+    ff = int(ff[0] if isinstance(ff, list) else ff)
+    if model_type == "qwen3_moe":
+        cfg.update(num_experts=experts, moe_intermediate_size=int(key("expert_feed_forward_length", ff)),
+                   intermediate_size=ff or int(key("expert_feed_forward_length", 0)),
+                   norm_topk_prob=bool(key("expert_weights_norm", True)))  # llama.cpp renormalises Qwen3's top-k
+    elif model_type == "qwen2_moe":
+        cfg.update(num_experts=experts, moe_intermediate_size=int(need("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", ff)),
+                   intermediate_size=ff, norm_topk_prob=False)
+    elif model_type == "olmoe":
+        cfg.update(num_experts=experts, intermediate_size=int(key("expert_feed_forward_length", ff)),
+                   norm_topk_prob=False)
+    else:  # mixtral
+        cfg.update(num_local_experts=experts, intermediate_size=int(key("expert_feed_forward_length", ff)))
+    return cfg
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
+    """Read a GGUF model's header(s): its config, its tensors under the engine's names, its expert format."""
+    files = gguf_files(path)
+    readers = [_read(f) for f in files]
+    first, where = readers[0], str(files[0])
+    count = _value(first, "split.count", 1)
+    if len(files) > 1 and count != len(files):
+        raise CheckpointError(f"{where}: says the model is split in {count} files, found {len(files)}",
+                              path=where)
+    raw: dict[str, tuple] = {}  # gguf name -> (reader tensor, file)
+    for reader, f in zip(readers, files, strict=True):
+        for t in reader.tensors:
+            if t.name in raw:
+                raise CheckpointError(f"{f}: tensor {t.name!r} also appears in {raw[t.name][1].name}", path=str(f),
+                                      tensor=t.name)
+            raw[t.name] = (t, f)
+    want = _value(first, "split.tensors.count")
+    if want is not None and want != len(raw):
+        raise CheckpointError(f"{where}: the split says {want} tensors, its files hold {len(raw)} (a part is from "
+                              "another download? download them again)", path=where)
+    arch = _value(first, "general.architecture")
+    if not isinstance(arch, str):
+        raise CheckpointError(f"{where}: no general.architecture in the metadata; not a llama.cpp model file",
+                              path=where)
+    tensors_by_gguf = {name: t for name, (t, _) in raw.items()}
+    if arch == "llama" and _value(first, "llama.expert_count", 0) in (0, None):
+        arch = "llama-dense"
+    if arch not in ARCHES:
+        runs = "qwen3moe, qwen2moe, olmoe, llama (Mixtral)"
+        if arch in DENSE_ARCHES or arch == "llama-dense":
+            raise UnsupportedModelError(f"{where}: architecture {arch.replace('-dense', '')!r} is a dense model, not "
+                                        f"a Mixture-of-Experts; moechat runs GGUF files of {runs}")
+        raise UnsupportedModelError(f"{where}: GGUF architecture {arch!r} is not supported; moechat runs GGUF files "
+                                    f"of {runs}")
+    cfg = _config(first, arch, tensors_by_gguf, where)
+    permute = ARCHES[arch][1]
+    layer_map = _layer_map(arch, cfg)
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    tensors: dict[str, GGUFTensorInfo] = {}
+    expert_types: dict[str, set[str]] = {"w1": set(), "w3": set(), "w2": set()}
+    parts = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2"}
+    for name, (t, f) in raw.items():
+        typ = ggml_type(int(t.tensor_type), name)  # a type moechat cannot compute: one line naming the tensor
+        ne = [int(d) for d in t.shape]  # ggml order: ne0 (the input) first
+        shape = tuple(reversed(ne))
+        start, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
+        m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+        if m and m.group(2) in parts:
+            if len(ne) != 3:
+                raise CheckpointError(f"{f}: tensor {name!r} has shape {list(shape)}; stacked experts need 3 "
+                                      "dimensions [experts, rows, columns]", path=str(f), tensor=name)
+            expert_types[parts[m.group(2)]].add(typ.name)
+            tensors[name] = GGUFTensorInfo(name, f, "U8", (ne[2], ne[1], typ.row_bytes(ne[0])), start, end,
+                                           typ.name, name, ne[0])
+            continue
+        if m:
+            hf = layer_map.get(m.group(2))
+            if hf is None:
+                continue  # a tensor this architecture's engine does not read (e.g. a rope_freqs table)
+            hf = f"model.layers.{m.group(1)}.{hf}"
+        else:
+            hf = top.get(name)
+            if hf is None:
+                continue
+        transform = ""
+        if permute and m and m.group(2) in ("attn_q.weight", "attn_k.weight"):
+            transform = "permute_q" if m.group(2).startswith("attn_q") else "permute_k"
+        tensors[hf] = GGUFTensorInfo(hf, f, "F32", shape, start, end, typ.name, name, ne[0], transform)
+    fmt = None
+    if any(expert_types.values()):
+        mixed = {p: ts for p, ts in expert_types.items() if len(ts) > 1}
+        if mixed:
+            p, ts = next(iter(mixed.items()))
+            what = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}[p]
+            raise CheckpointError(f"{where}: {what} is {' in some layers, '.join(sorted(ts))} in others; experts "
+                                  "whose type changes from layer to layer are not supported yet: use a quant whose "
+                                  "expert tensors share one type per projection (e.g. Q8_0, Q4_0, Q6_K)", path=where)
+        fmt = GGUFFormat(*(next(iter(expert_types[p])) for p in ("w1", "w3", "w2")))
+    return GGUFCheckpoint(files, readers, tensors, cfg, fmt, first)

@@ -1,0 +1,158 @@
+"""GGUF files end to end: a tiny transformers model written as llama.cpp's converter writes it (experts stacked,
+llama.cpp names, quantized), loaded by moechat, against transformers on the dequantized weights in fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from moechat.engine.errors import CheckpointError, UnsupportedModelError  # noqa: E402
+from moechat.engine.generate import Engine  # noqa: E402
+from moechat.engine.load.gguf import open_gguf  # noqa: E402
+from moechat.engine.loader import load_model  # noqa: E402
+from moechat.engine.quant.gguf import TYPES, dequantize  # noqa: E402
+from moechat.engine.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, do_sample=False)
+TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+            num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            intermediate_size=96, norm_topk_prob=True, initializer_range=0.2, max_position_embeddings=512,
+            rms_norm_eps=1e-6)
+
+
+def _encode(w: np.ndarray, name: str, rng) -> np.ndarray:
+    """w [..., cols] fp32 -> the ggml bytes of type `name` (the package's quantizer, or for k-quants random valid
+    blocks whose scales keep the values near w's spread)."""
+    if name in ("F32",):
+        return w.astype(np.float32)
+    if name in ("F16",):
+        return w.astype(np.float16)
+    if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "MXFP4"):
+        return gguf.quants.quantize(w.astype(np.float32), Q[name])
+    t = TYPES[name]
+    *lead, cols = w.shape
+    raw = rng.integers(0, 256, size=(int(np.prod(lead)) * cols // t.block, t.nbytes), dtype=np.uint8)
+    half = lambda v, n=1: np.full((raw.shape[0], n), v, np.float16).view(np.uint8)  # noqa: E731
+    if name in ("Q4_K", "Q5_K"):
+        raw[:, 0:4] = np.concatenate([half(0.0004 if name == "Q4_K" else 0.0002), half(0.002)], axis=1)
+    elif name == "Q6_K":
+        raw[:, -2:] = half(0.00003)
+    else:
+        raise AssertionError(name)
+    return raw.reshape(*lead, -1)
+
+
+def write_qwen3moe_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F32", seed=0):
+    """Write `model` (transformers Qwen3MoE) as convert_hf_to_gguf.py would: llama.cpp names, experts stacked
+    [E, rows, cols], dense in `dense`, experts in `types` (gate, up, down). Returns the state dict the file
+    holds after quantization (HF names, dequantized), for the reference model."""
+    rng = np.random.default_rng(seed)
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    held = {}
+
+    def put(gname, hfname, arr, typ):
+        data = _encode(arr, typ, rng)
+        w.add_tensor(gname, data, raw_dtype=None if typ in ("F32", "F16") else Q[typ])
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
+        back = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], typ, arr.shape[-1])
+        held[hfname] = back.reshape(arr.shape)
+
+    put("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"], embd)
+    put("output_norm.weight", "model.norm.weight", sd["model.norm.weight"], "F32")
+    put("output.weight", "lm_head.weight", sd["lm_head.weight"], embd)
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate_inp": "mlp.gate"}
+    norms = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm"}
+    I = cfg.moe_intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for g, h in names.items():
+            put(f"blk.{i}.{g}.weight", p + h + ".weight", sd[p + h + ".weight"], "F32" if g == "ffn_gate_inp" else dense)
+        for g, h in norms.items():
+            put(f"blk.{i}.{g}.weight", p + h + ".weight", sd[p + h + ".weight"], "F32")
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]
+        put(f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), types[0])
+        put(f"blk.{i}.ffn_up_exps.weight", p + "up", np.ascontiguousarray(gate_up[:, I:]), types[1])
+        put(f"blk.{i}.ffn_down_exps.weight", p + "mlp.experts.down_proj", sd[p + "mlp.experts.down_proj"], types[2])
+        held[p + "mlp.experts.gate_up_proj"] = torch.cat([held.pop(p + "gate"), held.pop(p + "up")], dim=1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def tiny_qwen3moe(**overrides):
+    import transformers
+
+    config = transformers.AutoConfig.for_model("qwen3_moe", **{**TINY, **overrides})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen3moe():
+    return tiny_qwen3moe()
+
+
+@pytest.fixture(scope="module")
+def qwen3moe_256():
+    """Wide enough for 256-value k-quant blocks along both inputs (hidden and the expert width)."""
+    return tiny_qwen3moe(hidden_size=256, moe_intermediate_size=256, num_experts=4)
+
+
+def _reference(model, held):
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(held, strict=True)
+    return ref
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("types,dense,embd", [(("Q8_0", "Q8_0", "Q4_0"), "F32", "F32"),
+                                              (("Q4_K", "Q4_K", "Q6_K"), "Q8_0", "F16"),
+                                              (("Q5_1", "Q5_0", "Q5_K"), "F16", "Q8_0")])
+def test_qwen3moe_gguf_matches_transformers_on_the_dequantized_weights(tmp_path, request, types, dense, embd):
+    kquant = any(t.endswith("_K") for t in types)
+    qwen3moe = request.getfixturevalue("qwen3moe_256" if kquant else "qwen3moe")
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    ref = _reference(qwen3moe, write_qwen3moe_gguf(path, qwen3moe, types, dense, embd))
+    loaded = load_model(path, dtype="float32")
+    assert loaded.expert_format.name == "gguf-" + "-".join(dict.fromkeys(types))
+    engine = Engine(loaded, None, None, {}, 512, 16)
+    for n in (1, 23):
+        ids = _prompt(n, seed=n)
+        seq = engine.new_sequence()
+        with torch.inference_mode():
+            ours = engine._forward(seq, ids)
+            theirs = ref(torch.tensor([ids])).logits[0, -1].float()
+        assert (ours - theirs).abs().max().item() < 1e-4
+    ids = _prompt(6, seed=50)
+    got = [t for c in engine.generate(ids, sampling=GREEDY, max_tokens=16) for t in c.token_ids]
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=0, pad_token_id=0)
+    assert got == out[0, 6:].tolist()[:len(got)] and len(got) == 16
