@@ -707,6 +707,9 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
                  + ": estimates, not read from the weights")
     from .catalog import SUPPORTED_TYPES
 
+    if isinstance(config.get("text_config"), dict) and config.get("vision_config") and mt in SUPPORTED_TYPES:
+        notes.append(f"{config.get('model_type')} is multimodal: its vision tower's tensors are downloaded but not "
+                     "loaded; moechat runs the text model only")
     if c.get("auto_map") and mt in SUPPORTED_TYPES:  # MiniMax-M2, DeepSeek-V3: code for older transformers
         notes.append(f"config.json's auto_map names custom code, but transformers has {mt} natively and moechat "
                      "runs its own implementation: no remote code is needed or run")
@@ -952,6 +955,9 @@ class Preferences:
     # where misses run (`moechat run --on-miss`, default auto): the mode `decode` predicts; the others are in
     # `MemoryPlan.placements`
     on_miss: str = "auto"
+    # where the input embedding table lives on a GPU (`--embeddings`): "host" gathers each token's row in RAM and
+    # copies it in (a few KB a token) so its VRAM becomes slots; None: host when that buys slots
+    embeddings: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1039,6 +1045,7 @@ class MemoryPlan:
     estimated: bool = False
     notes: tuple[str, ...] = ()
     placements: tuple[MissPlacement, ...] = ()  # decode per --on-miss mode (a GPU with misses from RAM)
+    embeddings: str = "device"  # where the input embedding table lives ("host": RAM, one row copied in a token)
 
     @property
     def best_placement(self) -> MissPlacement | None:
@@ -1282,7 +1289,14 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         raise ConfigError(f"prefer {prefs.prefer!r}: use speed or context")
     if prefs.on_miss not in ON_MISS_MODES:
         raise ConfigError(f"--on-miss {prefs.on_miss!r}: use one of {', '.join(ON_MISS_MODES)}")
+    if prefs.embeddings not in (None, "host", "device"):
+        raise ConfigError(f"--embeddings {prefs.embeddings!r}: use host or device")
     gpu, device_why = _pick_device(hw, prefs)
+    if prefs.embeddings is None or gpu is None or not spec.embedding_bytes:
+        if gpu is not None and spec.embedding_bytes and prefs.embeddings is None:
+            return _choose_embeddings(spec, hw, prefs)
+        prefs = replace(prefs, embeddings="device")  # a CPU's device is its RAM; a tied table is the LM head too
+    host_embed = spec.embedding_bytes if prefs.embeddings == "host" else 0
     kind = "gpu" if gpu else "cpu"
     notes = list(spec.notes) + list(hw.all_notes)
     decisions: list[Decision] = []
@@ -1295,7 +1309,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         notes.append("RAM size unknown: planning with none; pass --ram-gb")
         ram_avail = 0
     ram_budget = int(ram_avail - prefs.margin * ram_total)
-    process = PROCESS_RAM_GPU if gpu else PROCESS_RAM_CPU
+    process = (PROCESS_RAM_GPU if gpu else PROCESS_RAM_CPU) + host_embed  # a host embedding table lives in RAM
     if gpu:
         dev_label, dev_name = gpu.label, gpu.name
         total = gpu.total_bytes or gpu.free_bytes
@@ -1327,7 +1341,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
                                   "process"))
     diskbw = prefs.disk_read_gbps or ASSUMED_DISK_GBPS
 
-    dense = spec.dense_bytes
+    dense = spec.dense_bytes - host_embed  # on the device
     chunk = prefs.prefill_chunk
 
     def fixed(ctx: int) -> int:
@@ -1564,7 +1578,32 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         workspace_bytes=ws, device_budget_bytes=budget, device_used_bytes=dev_used, ram_budget_bytes=ram_budget,
         ram_used_bytes=ram_used, disk_free_bytes=disk_free, disk_needed_bytes=disk_need, decisions=tuple(decisions),
         decode=decode, refusal=refusal, overridden=overridden, estimated=spec.estimated, notes=tuple(notes),
-        placements=placements)
+        placements=placements, embeddings=prefs.embeddings)
+
+
+def _choose_embeddings(spec: ModelSpec, hw: Hardware, prefs: Preferences) -> MemoryPlan:
+    """A GPU with an untied embedding table: plan it on the device and on the host, keep the host plan when it has
+    more slots (and is not refused where the device plan is not), and say the trade in slots and tok/s."""
+    dev = make_plan(spec, hw, replace(prefs, embeddings="device"))
+    host = make_plan(spec, hw, replace(prefs, embeddings="host"))
+    use_host = host.expert_slots > dev.expert_slots and (host.ok or not dev.ok)
+    pick = host if use_host else dev
+
+    def speed(p: MemoryPlan) -> str:
+        return f"{rate_range(p.decode.low, p.decode.high)} tok/s" if p.decode is not None else "no estimate"
+
+    gained = host.expert_slots - dev.expert_slots
+    if use_host:
+        why = (f"{gib(spec.embedding_bytes)} table in RAM, each token's row ({spec.hidden_size * spec.float_bytes:,} B) "
+               f"gathered there and copied in: +{gained} slots ({dev.expert_slots} -> {host.expert_slots}), "
+               f"{speed(dev)} -> {speed(host)}; --embeddings device keeps it on the GPU")
+    elif gained <= 0:
+        why = f"on the device: every expert already fits, or moving the {gib(spec.embedding_bytes)} table buys no slot"
+    else:
+        why = (f"on the device: in RAM it would buy {gained} slots but {host.refusal.message if host.refusal else ''}"
+               if not host.ok else f"on the device ({speed(dev)}; host would give {speed(host)})")
+    line = Decision("embeddings", spec.embedding_bytes, "cpu" if use_host else pick.device, why)
+    return replace(pick, decisions=(*pick.decisions, line))
 
 
 def _device_refusal(spec: ModelSpec, hw: Hardware, prefs: Preferences, gpu: GpuInfo | None, budget: int,
