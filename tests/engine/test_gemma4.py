@@ -307,6 +307,7 @@ def test_fit_plans_gemma_4_26b_a4b(real, capsys):
     assert spec["expert_bytes"] == 3 * 704 * 2816 * 2
     assert spec["kv_bytes_per_token"] == 30 * 2 * 2048 * 2  # what the KV buffers allocate
     assert spec["dense_parts"]["dense MLP layers"] == 30 * 3 * 2112 * 2816 * 2  # the MLP beside the experts
+    assert any("vision tower" in n and "text model only" in n for n in spec["notes"])
     assert spec["all_experts_bytes"] + spec["dense_bytes"] == pytest.approx(2 * 25.2e9, rel=0.01)  # the catalog's
 
 
