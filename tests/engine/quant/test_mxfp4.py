@@ -11,6 +11,14 @@ from moechat.engine.moe import ExpertActivation, ExpertBatch, moe_reference
 from moechat.engine.quant import mxfp4
 
 
+
+@pytest.fixture(autouse=True)
+def _decode_then_gemm(monkeypatch):
+    """These tests pin the decode-then-GEMM path for many tokens (bit for bit F.linear); the many-token kernels
+    (quant/prefill.py: the same fp32 sums in another order) are tested in test_prefill.py."""
+    monkeypatch.setenv("MOECHAT_PREFILL_KERNEL", "0")
+
+
 def _packed(rows: int, cols: int, seed: int, spread: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Random codes (every byte value) and scales around 2^-6 spread over +-`spread` binades."""
     g = torch.Generator().manual_seed(seed)

@@ -20,6 +20,12 @@ from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch decoders run (tested)")
 
 
+@pytest.fixture(autouse=True)
+def _decode_then_gemm(monkeypatch):
+    """These tests pin the decode-then-GEMM path (the many-token kernels, quant/prefill.py, are tested apart)."""
+    monkeypatch.setenv("MOECHAT_PREFILL_KERNEL", "0")
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
