@@ -14,8 +14,8 @@ multiply the fp32 normalised input (no 1 + w), the LM head is the tied embedding
 cap * tanh(logits / cap). The multimodal wrapper's text model lives under `model.language_model.`; its vision
 tower's tensors are in the checkpoint and never read (the model runs text-only).
 
-KV cache: one [1, S, max(heads x dim)] buffer pair per layer, each layer viewing its own heads (sliding: 8 x 256,
-full: 2 x 512 in half of it): 30 x 2 x 2048 x 2 B = 240 KiB a token in bf16, 9% over the 220 KiB the two kinds
+KV cache: one [1, S, max(heads x dim)] buffer pair per layer, each layer laying its own heads out in it head-major
+(sliding: 8 x 256, full: 2 x 512 in half of it): 30 x 2 x 2048 x 2 B = 240 KiB a token in bf16, 9% over the 220 KiB the two kinds
 need exactly. Gemma-4-26B-A4B: 30 MoE layers x 128 experts, top-8, I = 704: one routed expert is
 3 x 704 x 2816 x 2 B = 11.3 MiB in bf16, and the 3840 of them are 42.5 GiB of its ~48 GiB of weights.
 """
@@ -219,12 +219,14 @@ class Gemma4Attention(nn.Module):
         k = _norm(k, self.k_norm_weight, self.eps)
         k = k * cos + k.roll(D // 2, dims=-1) * sin  # [T, nKV, D]
         end = start + T
-        kc = kv.k[self.layer][0, :, : nKV * D].view(-1, nKV, D)  # [S_max, nKV, D] over the layer's buffer row
-        vc = kv.v[self.layer][0, :, : nKV * D].view(-1, nKV, D)
-        kc[start:end], vc[start:end] = k, v
+        # The layer owns its [1, S_max, width] buffers and lays them out head-major, [nKV, S_max, D] in the first
+        # nKV * S_max * D values, so each head's keys are one contiguous run (no copy of the cache per step)
+        S_max = kv.k[self.layer].shape[1]
+        kc = kv.k[self.layer].view(-1)[: nKV * S_max * D].view(nKV, S_max, D)
+        vc = kv.v[self.layer].view(-1)[: nKV * S_max * D].view(nKV, S_max, D)
+        kc[:, start:end], vc[:, start:end] = k.transpose(0, 1), v.transpose(0, 1)
         first = 0 if self.window is None else max(0, start - self.window + 1)  # the oldest key any query sees
-        keys = kc[first:end].permute(1, 0, 2)  # [nKV, S, D]
-        values = vc[first:end].permute(1, 0, 2)
+        keys, values = kc[:, first:end], vc[:, first:end]  # [nKV, S, D]
         G = nH // nKV
         qh = q.view(T, nKV, G, D).permute(1, 2, 0, 3).reshape(nKV, G * T, D)  # [nKV, G*T, D]: heads of a KV group
         scores = torch.matmul(qh, keys.transpose(1, 2)).view(nKV, G, T, -1)  # [nKV, G, T, S], scale 1.0
