@@ -33,8 +33,11 @@ def _encode(w: np.ndarray, name: str, rng) -> np.ndarray:
         return w.astype(np.float16)
     if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "MXFP4"):
         return gguf.quants.quantize(w.astype(np.float32), Q[name])
-    t = TYPES[name]
     *lead, cols = w.shape
+    if name not in TYPES:  # a type moechat does not compute: any bytes of the right size
+        block, size = gguf.GGML_QUANT_SIZES[Q[name]]
+        return rng.integers(0, 256, size=(*lead, cols // block * size), dtype=np.uint8)
+    t = TYPES[name]
     raw = rng.integers(0, 256, size=(int(np.prod(lead)) * cols // t.block, t.nbytes), dtype=np.uint8)
     half = lambda v, n=1: np.full((raw.shape[0], n), v, np.float16).view(np.uint8)  # noqa: E731
     if name in ("Q4_K", "Q5_K"):
@@ -46,13 +49,14 @@ def _encode(w: np.ndarray, name: str, rng) -> np.ndarray:
     return raw.reshape(*lead, -1)
 
 
-def write_qwen3moe_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F32", seed=0):
+def write_qwen3moe_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F32", seed=0,
+                        expert_ff=None, split_max_tensors=0):
     """Write `model` (transformers Qwen3MoE) as convert_hf_to_gguf.py would: llama.cpp names, experts stacked
     [E, rows, cols], dense in `dense`, experts in `types` (gate, up, down). Returns the state dict the file
     holds after quantization (HF names, dequantized), for the reference model."""
     rng = np.random.default_rng(seed)
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w = gguf.GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -65,7 +69,7 @@ def write_qwen3moe_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32"
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_feed_forward_length(expert_ff or cfg.moe_intermediate_size)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     held = {}
 
@@ -73,6 +77,8 @@ def write_qwen3moe_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32"
         data = _encode(arr, typ, rng)
         w.add_tensor(gname, data, raw_dtype=None if typ in ("F32", "F16") else Q[typ])
         raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
+        if typ not in TYPES:
+            return
         back = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], typ, arr.shape[-1])
         held[hfname] = back.reshape(arr.shape)
 
@@ -94,8 +100,9 @@ def write_qwen3moe_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32"
         put(f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), types[0])
         put(f"blk.{i}.ffn_up_exps.weight", p + "up", np.ascontiguousarray(gate_up[:, I:]), types[1])
         put(f"blk.{i}.ffn_down_exps.weight", p + "mlp.experts.down_proj", sd[p + "mlp.experts.down_proj"], types[2])
-        held[p + "mlp.experts.gate_up_proj"] = torch.cat([held.pop(p + "gate"), held.pop(p + "up")], dim=1)
-    w.write_header_to_file()
+        if p + "gate" in held and p + "up" in held:
+            held[p + "mlp.experts.gate_up_proj"] = torch.cat([held.pop(p + "gate"), held.pop(p + "up")], dim=1)
+    w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
@@ -156,3 +163,101 @@ def test_qwen3moe_gguf_matches_transformers_on_the_dequantized_weights(tmp_path,
     with torch.inference_mode():
         out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=0, pad_token_id=0)
     assert got == out[0, 6:].tolist()[:len(got)] and len(got) == 16
+
+
+def _one_line(e):
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_split_files_and_a_folder_holding_one_give_the_same_model(tmp_path, qwen3moe):
+    one = tmp_path / "one" / "tiny.gguf"
+    one.parent.mkdir()
+    write_qwen3moe_gguf(one, qwen3moe)
+    split = tmp_path / "split" / "tiny.gguf"
+    split.parent.mkdir()
+    write_qwen3moe_gguf(split, qwen3moe, split_max_tensors=10)
+    parts = sorted(split.parent.glob("*.gguf"))
+    assert len(parts) > 2 and parts[0].name == f"tiny-00001-of-{len(parts):05d}.gguf"
+    ids = _prompt(9, seed=3)
+    logits = []
+    for where in (one, parts[0], split.parent):
+        engine = Engine(load_model(where, dtype="float32"), None, None, {}, 512, 16)
+        with torch.inference_mode():
+            logits.append(engine._forward(engine.new_sequence(), ids))
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    parts[-1].unlink()
+    with pytest.raises(CheckpointError, match="missing, part of the") as e:
+        open_gguf(parts[0])
+    _one_line(e)
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory, qwen3moe):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_qwen3moe_gguf(path, qwen3moe)
+    return path
+
+
+def test_a_truncated_file_is_one_typed_line(tmp_path, good_file):
+    data = good_file.read_bytes()
+    for keep in (len(data) - 100, 200, 10):
+        bad = tmp_path / f"cut{keep}.gguf"
+        bad.write_bytes(data[:keep])
+        with pytest.raises(CheckpointError, match="download it again") as e:
+            load_model(bad, dtype="float32")
+        _one_line(e)
+
+
+def test_a_wrong_tensor_count_is_one_typed_line(tmp_path, good_file):
+    data = bytearray(good_file.read_bytes())
+    n = int.from_bytes(data[8:16], "little")  # magic, version, then the tensor count
+    for count in (n + 1, n - 1):
+        data[8:16] = count.to_bytes(8, "little")
+        bad = tmp_path / f"count{count}.gguf"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError) as e:
+            load_model(bad, dtype="float32")
+        _one_line(e)
+
+
+def test_an_unknown_type_and_a_type_moechat_cannot_compute(tmp_path, good_file, qwen3moe):
+    data = bytearray(good_file.read_bytes())
+    name = b"token_embd.weight"
+    at = data.index(name) + len(name)  # tensor info: name, n_dims u32, dims u64 x n, type u32, offset u64
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at:type_at + 4], "little") == 0  # F32
+    data[type_at:type_at + 4] = (77).to_bytes(4, "little")
+    bad = tmp_path / "unknown.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="not a readable GGUF file") as e:
+        load_model(bad, dtype="float32")
+    _one_line(e)
+    iq = tmp_path / "iq2.gguf"
+    write_qwen3moe_gguf(iq, qwen3moe, types=("Q8_0", "IQ2_XXS", "Q8_0"), dense="F32")
+    with pytest.raises(CheckpointError, match=r"'blk.0.ffn_up_exps.weight' is stored as IQ2_XXS") as e:
+        load_model(iq, dtype="float32")
+    _one_line(e)
+
+
+def test_an_architecture_moechat_lacks_is_one_typed_line(tmp_path):
+    for arch, words in (("mamba", "not supported"), ("qwen3", "dense model")):
+        path = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(UnsupportedModelError, match=words) as e:
+            load_model(path, dtype="float32")
+        _one_line(e)
+
+
+def test_a_tensor_of_the_wrong_shape_is_one_typed_line(tmp_path, qwen3moe):
+    path = tmp_path / "shape.gguf"
+    write_qwen3moe_gguf(path, qwen3moe, expert_ff=64)  # the metadata says 64, the experts are 32 wide
+    with pytest.raises(CheckpointError, match="ffn_gate_exps.weight' has shape") as e:
+        load_model(path, dtype="float32")
+    _one_line(e)
