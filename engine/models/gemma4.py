@@ -15,9 +15,9 @@ cap * tanh(logits / cap). The multimodal wrapper's text model lives under `model
 tower's tensors are in the checkpoint and never read (the model runs text-only).
 
 KV cache: one [1, S, max(heads x dim)] buffer pair per layer, each layer laying its own heads out in it head-major
-(sliding: 8 x 256, full: 2 x 512 in half of it): 30 x 2 x 2048 x 2 B = 240 KiB a token in bf16, 9% over the 220 KiB the two kinds
-need exactly. Gemma-4-26B-A4B: 30 MoE layers x 128 experts, top-8, I = 704: one routed expert is
-3 x 704 x 2816 x 2 B = 11.3 MiB in bf16, and the 3840 of them are 42.5 GiB of its ~48 GiB of weights.
+(sliding: 8 x 256, full: 2 x 512 in half of it): 30 x 2 x 2048 x 2 B = 240 KiB a token in bf16, 9% over the
+220 KiB the two kinds need exactly. Gemma-4-26B-A4B: 30 MoE layers x 128 experts, top-8, I = 704: one routed
+expert is 3 x 704 x 2816 x 2 B = 11.3 MiB in bf16, and the 3840 of them are 42.5 GiB of its ~47 GiB of weights.
 """
 
 from __future__ import annotations
