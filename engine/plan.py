@@ -956,8 +956,8 @@ class Preferences:
     # `MemoryPlan.placements`
     on_miss: str = "auto"
     # where the input embedding table lives on a GPU (`--embeddings`): "host" gathers each token's row in RAM and
-    # copies it in (a few KB a token) so its VRAM becomes slots; None: host when that buys slots
-    embeddings: str | None = None
+    # copies it in (a few KB a token) so its VRAM becomes slots; "auto": host when that buys slots (`moechat fit`)
+    embeddings: str = "device"
 
 
 @dataclass(frozen=True)
@@ -1289,13 +1289,13 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
         raise ConfigError(f"prefer {prefs.prefer!r}: use speed or context")
     if prefs.on_miss not in ON_MISS_MODES:
         raise ConfigError(f"--on-miss {prefs.on_miss!r}: use one of {', '.join(ON_MISS_MODES)}")
-    if prefs.embeddings not in (None, "host", "device"):
-        raise ConfigError(f"--embeddings {prefs.embeddings!r}: use host or device")
+    if prefs.embeddings not in ("auto", "host", "device"):
+        raise ConfigError(f"--embeddings {prefs.embeddings!r}: use auto, host or device")
     gpu, device_why = _pick_device(hw, prefs)
-    if prefs.embeddings is None or gpu is None or not spec.embedding_bytes:
-        if gpu is not None and spec.embedding_bytes and prefs.embeddings is None:
-            return _choose_embeddings(spec, hw, prefs)
+    if prefs.embeddings != "device" and (gpu is None or not spec.embedding_bytes):
         prefs = replace(prefs, embeddings="device")  # a CPU's device is its RAM; a tied table is the LM head too
+    if prefs.embeddings == "auto":
+        return _choose_embeddings(spec, hw, prefs)
     host_embed = spec.embedding_bytes if prefs.embeddings == "host" else 0
     kind = "gpu" if gpu else "cpu"
     notes = list(spec.notes) + list(hw.all_notes)
