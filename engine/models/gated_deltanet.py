@@ -31,31 +31,35 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 # -- the short causal convolution ---------------------------------------------------------------------------------
-def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """x [T, C], weight [C, W], state [C, W-1] (the previous W-1 inputs, oldest first; updated in place)
-    -> silu(conv) [T, C], one position at a time."""
+def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, C], weight [C, W], state [C, W-1] (the previous W-1 inputs, oldest first; updated in place), bias [C]
+    (Mamba-2 has one) -> silu(conv) [T, C], one position at a time."""
     T, W = x.shape[0], weight.shape[1]
     window = state.to(torch.float32).clone()  # [C, W-1]
     out = []
     for t in range(T):
         full = torch.cat([window, x[t].float()[:, None]], dim=1)  # [C, W]
-        out.append((full * weight.float()).sum(-1))
+        out.append((full * weight.float()).sum(-1) + (0 if bias is None else bias.float()))
         window = full[:, 1:]
     state.copy_(window)
     return F.silu(torch.stack(out)).to(x.dtype)  # [T, C]
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same as `causal_conv1d_reference`: one grouped conv1d over [state | x] (prefill) or a multiply-add over
     the window (decode)."""
     T, W = x.shape[0], weight.shape[1]
     if T == 1:
         full = torch.cat([state, x.t()], dim=1)  # [C, W]
         y = (full.to(weight.dtype) * weight).sum(-1, keepdim=True).t()  # [1, C]
+        if bias is not None:
+            y = y + bias
         state.copy_(full[:, 1:])
         return F.silu(y).to(x.dtype)
     full = torch.cat([state, x.t().to(state.dtype)], dim=1)  # [C, W-1+T]
-    y = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
+    y = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, T]
     state.copy_(full[:, -(W - 1):])
     return F.silu(y).t().to(x.dtype)  # [T, C]
 
