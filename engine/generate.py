@@ -131,15 +131,20 @@ class Engine:
         int8/int4 holds them quantized in every tier (None or `native`: as the checkpoint ships them);
         `dense_format` int8 holds attention's projections and the LM head in int8 (CPU; quant/dense_int8.py)."""
         model_dir = Path(model_dir)
-        if not model_dir.is_dir():
+        from .load.gguf import gguf_text, is_gguf
+
+        if is_gguf(model_dir):  # a .gguf file (a split's first, a folder holding one): text from its metadata
+            generation_config, tokenizer, template = gguf_text(model_dir)
+        elif not model_dir.is_dir():
             raise ConfigError(f"{model_dir}: no such model directory")
-        # The small files first: a bad generation_config.json or tokenizer file fails before any weight is read.
-        gen_path = model_dir / "generation_config.json"
-        generation_config = (check_generation_config(read_json(gen_path, "generation config"), str(gen_path))
-                             if os.path.lexists(gen_path) else {})
-        tokenizer = Tokenizer.from_model_dir(model_dir) if os.path.lexists(model_dir / "tokenizer.json") else None
-        template = ChatTemplate.from_model_dir(model_dir)
-        if template is not None and tokenizer is not None:
+        else:
+            # The small files first: a bad generation_config.json or tokenizer file fails before any weight is read.
+            gen_path = model_dir / "generation_config.json"
+            generation_config = (check_generation_config(read_json(gen_path, "generation config"), str(gen_path))
+                                 if os.path.lexists(gen_path) else {})
+            tokenizer = Tokenizer.from_model_dir(model_dir) if os.path.lexists(model_dir / "tokenizer.json") else None
+            template = ChatTemplate.from_model_dir(model_dir)
+        if template is not None and tokenizer is not None and not is_gguf(model_dir):
             template = ChatTemplate.from_string(template.source, {**tokenizer.special_tokens,
                                                                    **template.special_tokens})
         loaded = load_model(model_dir, dtype=dtype, device=device, max_positions=context or DEFAULT_CONTEXT,
@@ -159,6 +164,8 @@ class Engine:
             native.library()
         provider = None
         if cache is not None:
+            if cache.embeddings == "host":  # before the slots are allocated: the table's VRAM is theirs
+                loaded.model.embed_on_host()
             provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
                                              loaded.device, cache, loaded.expert_format, loaded.native_format)
         engine = cls(loaded, tokenizer, template, generation_config, context, prefill_chunk, provider)
