@@ -316,3 +316,24 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
                                   "expert tensors share one type per projection (e.g. Q8_0, Q4_0, Q6_K)", path=where)
         fmt = GGUFFormat(*(next(iter(expert_types[p])) for p in ("w1", "w3", "w2")))
     return GGUFCheckpoint(files, readers, tensors, cfg, fmt, first)
+
+
+def gguf_text(path: str | os.PathLike):
+    """(generation_config, tokenizer or None, ChatTemplate or None) from a GGUF model's tokenizer.* metadata
+    (engine/text/gguf_tokenizer.py); a file without a vocabulary runs on token ids alone."""
+    from ..chat_template import ChatTemplate
+    from ..errors import TokenizerError
+    from ..text.gguf_tokenizer import tokenizer_from_gguf
+
+    files = gguf_files(path)
+    reader = _read(files[0])
+    if reader.get_field("tokenizer.ggml.model") is None and reader.get_field("tokenizer.huggingface.json") is None:
+        return {}, None, None
+    try:
+        text = tokenizer_from_gguf(reader, where=str(files[0]))
+    except TokenizerError:
+        raise
+    generation_config = {"eos_token_id": list(text.eos_token_ids)} if text.eos_token_ids else {}
+    template = (ChatTemplate.from_string(text.chat_template, text.tokenizer.special_tokens)
+                if text.chat_template else None)
+    return generation_config, text.tokenizer, template

@@ -261,3 +261,20 @@ def test_a_tensor_of_the_wrong_shape_is_one_typed_line(tmp_path, qwen3moe):
     with pytest.raises(CheckpointError, match="ffn_gate_exps.weight' has shape") as e:
         load_model(path, dtype="float32")
     _one_line(e)
+
+
+@pytest.mark.parametrize("slots,ram", [(3, 0), (4, 1 << 20)])
+def test_cached_gguf_experts_give_the_resident_tokens(good_file, slots, ram):
+    """Experts packed in their ggml types through the slots, the RAM tier and preadv from the .gguf: the same
+    greedy tokens as every expert resident; Engine.load takes the file as run does."""
+    from moechat.engine.cache.provider import CacheConfig
+
+    resident = Engine.load(good_file, dtype="float32")
+    cached = Engine.load(good_file, dtype="float32", cache=CacheConfig(expert_slots=slots, ram_cache_bytes=ram))
+    ids = _prompt(11, seed=8)
+    want = [t for c in resident.generate(ids, sampling=GREEDY, max_tokens=10) for t in c.token_ids]
+    got = [t for c in cached.generate(ids, sampling=GREEDY, max_tokens=10) for t in c.token_ids]
+    assert got == want and len(want) == 10
+    snap = cached.cache_snapshot()
+    assert sum(snap.misses) > 0
+    cached.close()
