@@ -597,6 +597,7 @@ class MoEForCausalLM(nn.Module):
             layer.finalize()
         self.layer_list = list(self.model.layers)
         self.embed_weight = self.model.embed_tokens.weight.detach()
+        self.embed_host: torch.Tensor | None = None  # `--embeddings host`: the table in RAM (embed_on_host)
         self.norm_weight = self.model.norm.weight.detach()
         self.final_norm = rms_norm
         if self.args.norm_in_fp32:
@@ -641,12 +642,42 @@ class MoEForCausalLM(nn.Module):
         start = kv.length
         T = input_ids.shape[0]
         kv.reserve(T)
-        x = F.embedding(input_ids, self.embed_weight)  # [T, H]
+        x = self.embed(input_ids)  # [T, H]
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, R]
         for layer in self.layer_list:
             x = layer.forward(x, cos, sin, kv, start, provider)
         kv.length = start + T
         return self.final_norm(x, self.norm_weight, self.args.rms_norm_eps)
+
+    def embed_on_host(self) -> None:
+        """`--embeddings host`: the input table moves to RAM (pinned under CUDA) and its VRAM is free for slots;
+        each token's row is gathered there and copied in (H x 2 bytes in bf16). A tied table is the LM head too."""
+        if self.args.tie_word_embeddings or type(self).forward is not MoEForCausalLM.forward:
+            return  # tied, or a model whose own forward looks rows up itself: the table stays on the device
+        table = self.embed_weight
+        host = table.cpu()
+        self.embed_host = host.pin_memory() if table.is_cuda else host  # [V, H]
+        self.model.embed_tokens.weight.data = self.embed_host
+        self.embed_weight = self.embed_host
+        self._embed_stage, self._embed_copied = None, None  # pinned [T, H] rows, allocated once per size
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> their embedding rows [T, H] on the compute device."""
+        device = self.norm_weight.device
+        if self.embed_host is None or device.type == "cpu":
+            return F.embedding(input_ids, self.embed_weight)  # [T, H]
+        T = input_ids.shape[0]
+        stage = self._embed_stage
+        if stage is None or stage.shape[0] < T:
+            stage = self._embed_stage = torch.empty(max(T, 16), self.embed_host.shape[1], dtype=self.embed_host.dtype,
+                                                    pin_memory=True)  # [T', H]
+        elif self._embed_copied is not None:
+            self._embed_copied.synchronize()  # the last copy out of the staging rows (long done by now)
+        torch.index_select(self.embed_host, 0, input_ids.cpu(), out=stage[:T])  # gathered in RAM
+        x = stage[:T].to(device, non_blocking=True)  # [T, H]: a few KB a token over the link
+        self._embed_copied = torch.cuda.Event()
+        self._embed_copied.record(torch.cuda.current_stream(device))
+        return x
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.lm_q is not None:
