@@ -65,10 +65,13 @@ class CacheConfig:
     on_miss: str = "load"  # where a miss runs: load (into a slot), host (computed from the RAM tier), auto
     host_layers: int = 0  # the first N MoE layers keep every expert on the host, never slotted
     link_gbps: float | None = None  # host->device GB/s for the auto cost model (None: probed / assumed)
+    embeddings: str = "device"  # "host": the input embedding table in RAM, its VRAM left to the slots
 
     def __post_init__(self):
         check_prefetch(self.prefetch, self.prefetch_depth)
         check_on_miss(self.on_miss)
+        if self.embeddings not in ("host", "device"):
+            raise ValueError(f"embeddings {self.embeddings!r}: use host or device")
         if self.host_layers < 0:
             raise ValueError(f"host layers must be >= 0, got {self.host_layers}")
         if self.prefetch_budget is not None and self.prefetch_budget < 1:
