@@ -234,3 +234,16 @@ def test_damaged_recurrent_tensor_is_one_typed_line(variants, name, damage, tmp_
     with pytest.raises(CheckpointError) as e:
         Engine.load(tmp_path, dtype="float32")
     assert target in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bf16_cached_matches_resident(variants):
+    """bf16, as the real checkpoints ship: the recurrent states stay fp32 and the cache changes no token."""
+    path, _ = variants("qwen3_5_moe")
+    ids = _prompt(37, seed=30)
+    resident = _greedy(Engine.load(path, dtype="bfloat16", prefill_chunk=16), ids, 12)
+    cached = Engine.load(path, dtype="bfloat16", prefill_chunk=16,
+                         cache=CacheConfig(expert_slots=3, ram_cache_bytes=0))
+    assert _greedy(cached, ids, 12) == resident
+    seq = cached.new_sequence()
+    assert all(seq.kv.state[i]["ssm"].dtype == torch.float32 for i in seq.kv.recurrent_layers)
+    assert seq.kv.k[0].shape[1] == 0 and seq.kv.k[1].shape[1] == cached.context  # no KV for a linear layer
