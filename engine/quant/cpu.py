@@ -4,7 +4,9 @@ One token (decode) with the native kernels loaded (quant/native.py: C, built at 
 once and decodes in registers. Otherwise, and for more tokens, a projection's rows are decoded `tile_rows` at a time
 into a 4 MB fp32 tile; for one token each tile is multiplied at once (a GEMV sums each output in the same order
 whatever the number of rows: equal to one F.linear over the dequantized matrix), so only the packed bytes come from
-RAM. More tokens (prefill) decode the projection into one reused [R, in] fp32 scratch and run one GEMM, whose cost
+RAM. More tokens (prefill) with the native kernels loaded take quant/prefill.py's kernels (each 4-row block decoded
+once into cache for all the tokens, fp32 FMA sums: F.linear up to the order of the sum); MOECHAT_PREFILL_KERNEL=0, or
+no kernels, decode the projection into one reused [R, in] fp32 scratch and run one GEMM, whose cost
 there is the multiply, not the bytes: with the native kernels loaded one call of native.c's decoder (AVX2, rows over
 its thread pool, bit for bit the torch decoders below: 7-20x them, so at a 128-token prompt's ~8 tokens an expert
 the GEMM is most of the time), else the torch decoders tile by tile (MOECHAT_NATIVE_DECODE=0 forces them). A CPU without native bf16 runs an fp32 GEMV faster than a bf16 one, so the tile is
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, prefill
 
 _TILE_BYTES = 4 << 20  # fp32 tile of decoded rows: fewer, longer ops (each costs ~5 us to dispatch), still in L3
 _BUFFERS: dict[tuple, object] = {}  # scratch tensors, FP8 scale-row maps
@@ -104,6 +106,8 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if x.shape[0] == 1 and (lib := native.library()) is not None and q.is_contiguous():  # one pass over the bytes
         y = native.int4_gemv(lib, x, q, scale.contiguous(), native.out_dtype(x, bias))  # [1, R]
         return _finish(y, x.dtype, bias)
+    if x.shape[0] > 1 and prefill.available(lib := native.decode_library()) and q.is_contiguous():
+        return prefill.finish(prefill.int4(lib, x, q, scale.contiguous()), x.dtype, bias)  # each row decoded once
     if x.shape[0] > 1 and (lib := native.decode_library()) is not None and q.is_contiguous():
         full = native.int4_decode(lib, q, scale.contiguous(), buffer("full", (rows, cols), torch.float32))
         return decoded_linear(x, full, bias)
@@ -228,6 +232,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
             native.fp8_gemv(lib, x, w[:split], s[:sh], block, y[0, :split])
             native.fp8_gemv(lib, x, w[split:], s[sh:], block, y[0, split:])
         return _finish(y, x.dtype, bias)
+    if x.shape[0] > 1 and prefill.available(lib := native.decode_library()) and w.is_contiguous():
+        return prefill.finish(prefill.fp8(lib, x, w.view(torch.uint8), scale, block, split), x.dtype, bias)
     if x.shape[0] > 1 and (lib := native.decode_library()) is not None and w.is_contiguous():
         full = buffer("full", (rows, cols), torch.float32)  # [R, in]
         s = scale.float().contiguous()

@@ -8,8 +8,10 @@ CPU compute: one token runs the native kernel (quant/native.py: a bf16 token sum
 to 16 bits per block, the codes mapped by an in-register table; fp32 x in fp32 sums); otherwise a projection is
 decoded a row tile at a time (4 MB of fp32, in cache) with vectorised integer ops, bit for bit F.linear on the
 dequantized matrix. One token multiplies each tile at once, so only
-packed bytes come from RAM; more tokens fill one reused fp32 scratch per projection shape (66 MB for GPT-OSS's
-w13), by native.c's decoder in one call where it is loaded (every scale, bit for bit), and run one GEMM. On CUDA the whole MoE is two fused Triton launches over the slot buffers
+packed bytes come from RAM; more tokens run quant/prefill.py's kernels where the native library is loaded (4-row
+blocks decoded once into cache for all the tokens, fp32 sums in another order), else (or MOECHAT_PREFILL_KERNEL=0)
+fill one reused fp32 scratch per projection shape (66 MB for GPT-OSS's w13), by native.c's decoder in one call where
+it is loaded (every scale, bit for bit), and run one GEMM. On CUDA the whole MoE is two fused Triton launches over the slot buffers
 (kernels/mxfp4_moe.py). `bench/quantized_experts.py` measures both against the machine's bandwidth and
 against the other ways torch offers.
 """
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from . import native
+from . import native, prefill
 from .base import ExpertFormat, TensorSpec, projection_shape, register
 
 BLOCK = 32  # elements sharing one scale
@@ -175,6 +177,9 @@ def linear_cpu(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
         if bias is not None:
             y.add_(bias.float())
         return y if y.dtype == x.dtype else y.to(x.dtype)
+    if (x.shape[0] > 1 and prefill.available(lib := native.decode_library()) and blocks.is_contiguous()
+            and scales.is_contiguous()):  # every scale, each row decoded once into cache for all the tokens
+        return prefill.finish(prefill.mxfp4(lib, x, blocks, scales), x.dtype, bias)
     if (x.shape[0] > 1 and (lib := native.decode_library()) is not None and blocks.is_contiguous()
             and scales.is_contiguous()):  # every scale, one native pass over the bytes, then one GEMM
         w = native.mxfp4_decode(lib, blocks, scales, _scratch(R, G * BLOCK, torch.float32, x.device))  # [R, in]

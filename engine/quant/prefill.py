@@ -1,0 +1,170 @@
+"""Many tokens (prefill) through a packed expert projection on the CPU: native_prefill.c's kernels, and the prefill
+chunk size.
+
+The kernels (int4, MXFP4, FP8 block, int8) take the tokens routed to an expert together: the rows are cut into
+blocks of 4, each block decoded once into a per-thread fp32 scratch (bit for bit the format's `weight()`, 32 KB at
+a 2048-wide input: cache, never RAM) and multiplied by every token there, 6 tokens x 4 rows of fp32 FMA
+accumulators at a time (AVX-512; 3 x 4 with AVX2). The path they replace (quant/cpu.py `decoded_linear`) wrote the
+whole projection in fp32 (4 bytes per weight out to memory and back) and ran one MKL GEMM on it.
+
+Exactness: fp32 products of the exact weights and the fp32 x, summed in fp32: F.linear(x.float(), weight()) up to
+the order of the sum. Each output is within `bound()` of it (cols x 2^-24 x sum |w x|, the worst case of a
+sequential fp32 sum; tested, with the observed error far below). The order depends only on the element (t, r), so
+any thread count, any batch the token is in and any chunking give the same bits.
+
+`MOECHAT_PREFILL_KERNEL=0` takes the old path (the native decoders and one GEMM) for the bench's A/B.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+ENV = "MOECHAT_PREFILL_KERNEL"
+_TYPED = "moechat_prefill_typed"
+
+# Prefill chunk size (tokens per forward pass), measured on a Qwen3-30B-A3B-shaped model (H 2048, 128 experts,
+# top-8), int4 experts resident, 2-core AMD EPYC (Zen 4, 1 MB L2 a core, 32 MB L3), loaded machine; see
+# chunk_size's docstring for the figures.
+CHUNK_CHOICES = (64, 128, 256, 512)
+
+
+def available(lib) -> bool:
+    """Whether `lib` (native.library()) has the prefill kernels and they are not switched off."""
+    if lib is None or os.environ.get(ENV, "1") == "0":
+        return False
+    if not getattr(lib, _TYPED, False):
+        if not hasattr(lib, "moechat_prefill_int4"):
+            return False
+        _type(lib)
+    return True
+
+
+def _type(lib) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.moechat_prefill_int4.argtypes = [p, i64, p, p, i64, i64, i64, p, i64]
+    lib.moechat_prefill_mxfp4.argtypes = [p, i64, p, p, i64, i64, p, i64]
+    lib.moechat_prefill_fp8.argtypes = [p, i64, p, p, i64, i64, i64, i64, p, i64]
+    lib.moechat_prefill_int8.argtypes = [p, i64, p, p, i64, i64, p, i64]
+    for f in (lib.moechat_prefill_int4, lib.moechat_prefill_mxfp4, lib.moechat_prefill_fp8, lib.moechat_prefill_int8):
+        f.restype = ctypes.c_int
+    setattr(lib, _TYPED, True)
+
+
+def _threads(lib) -> None:
+    """The pool's thread count follows torch's (as native.py's kernels do)."""
+    n = torch.get_num_threads()
+    if getattr(lib, "moechat_threads", None) != n:
+        lib.moechat_set_threads(n)
+        lib.moechat_threads = n
+
+
+def _x(x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] as the kernels read it: fp32, contiguous (a bf16 x widens exactly)."""
+    return x.float().contiguous() if x.dtype != torch.float32 or not x.is_contiguous() else x
+
+
+def _call(lib, fn, what: str, *args) -> None:
+    if not getattr(lib, _TYPED, False):  # a library `available` was not asked about (the tests' scalar build)
+        _type(lib)
+    _threads(lib)
+    rc = fn(*args)
+    if rc != 0:
+        raise RuntimeError(f"native {what} prefill kernel failed ({rc})")
+
+
+def _out(T: int, rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(T, rows)  # [T, R] fp32
+    if out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != T or out.stride(1) != 1:
+        raise ValueError(f"prefill kernels write fp32 [T, R] rows, not {out.dtype} {list(out.shape)}")
+    return out
+
+
+def int4(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ W^T -> [T, R] fp32, W the int4 projection q [R, in/2] u8 / scale [R, in/g] fp16 (contiguous)."""
+    rows, cols = q.shape[0], q.shape[1] * 2
+    if scale.dtype != torch.float16 or not (q.is_contiguous() and scale.is_contiguous()):
+        raise ValueError("the int4 prefill kernel reads contiguous codes and fp16 scales")
+    xf = _x(x)
+    y = _out(xf.shape[0], rows, None)
+    _call(lib, lib.moechat_prefill_int4, "int4", xf.data_ptr(), xf.shape[0], q.data_ptr(), scale.data_ptr(), rows,
+          cols, cols // scale.shape[1], y.data_ptr(), y.stride(0))
+    return y
+
+
+def mxfp4(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ W^T -> [T, R] fp32, W from blocks [R, in/32, 16] u8 / scales [R, in/32] u8 (contiguous)."""
+    rows, cols = blocks.shape[0], blocks.shape[1] * 32
+    if not (blocks.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("the MXFP4 prefill kernel reads contiguous blocks and scales")
+    xf = _x(x)
+    y = _out(xf.shape[0], rows, None)
+    _call(lib, lib.moechat_prefill_mxfp4, "mxfp4", xf.data_ptr(), xf.shape[0], blocks.data_ptr(), scales.data_ptr(),
+          rows, cols, y.data_ptr(), y.stride(0))
+    return y
+
+
+def fp8(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+        split: int | None) -> torch.Tensor:
+    """x [T, in] @ W^T -> [T, R] fp32, W the e4m3 w [R, in] (contiguous) with fp32 block scales [ceil(R/b0),
+    ceil(in/b1)]; split: w13's gate rows, the up half blocked from its own start (two calls into one y)."""
+    rows, cols = w.shape
+    b0, b1 = block
+    if not w.is_contiguous():
+        raise ValueError("the FP8 prefill kernel reads a contiguous weight")
+    s = scale.float().contiguous()
+    xf = _x(x)
+    T = xf.shape[0]
+    y = _out(T, rows, None)
+    halves = [(0, rows, 0)] if split is None else [(0, split, 0), (split, rows, -(-split // b0))]
+    for r0, r1, s0 in halves:
+        _call(lib, lib.moechat_prefill_fp8, "fp8", xf.data_ptr(), T, w[r0:r1].data_ptr(), s[s0:].data_ptr(),
+              r1 - r0, cols, b0, b1, y[:, r0:].data_ptr(), y.stride(0))
+    return y
+
+
+def int8(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ W^T -> [T, R] fp32, W = q [R, in] int8 x scale [R] fp32 per row (contiguous)."""
+    rows, cols = q.shape
+    if not q.is_contiguous():
+        raise ValueError("the int8 prefill kernel reads contiguous codes")
+    s = scale.float().contiguous()
+    xf = _x(x)
+    y = _out(xf.shape[0], rows, None)
+    _call(lib, lib.moechat_prefill_int8, "int8", xf.data_ptr(), xf.shape[0], q.data_ptr(), s.data_ptr(), rows, cols,
+          y.data_ptr(), y.stride(0))
+    return y
+
+
+def finish(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """A kernel's fp32 [T, R] -> + bias (fp32, as F.linear adds it) -> x's dtype (rounded once)."""
+    if bias is not None:
+        y.add_(bias.float())
+    return y if dtype == torch.float32 else y.to(dtype)
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The stated bound of a kernel's output against F.linear(x.float(), w) (w = weight() in fp32): per element,
+    cols x 2^-24 x sum_k |x_tk w_rk| (a sequential fp32 sum's worst case; any order of the sum obeys it), plus the
+    smallest normal for outputs that underflow. [T, R] fp32."""
+    cols = w.shape[1]
+    return (x.double().abs() @ w.double().abs().t() * (cols * 2.0**-24)).float() + torch.finfo(torch.float32).tiny
+
+
+def chunk_size(hidden: int, threads: int = 1, l2_bytes: int = 1 << 20) -> int:
+    """Tokens per prefill chunk for a model of width `hidden`.
+
+    A chunk's activations (the residual stream and the attention/MoE inputs of T tokens, ~4 fp32 [T, hidden]
+    buffers) should stay in the per-core L2, while each expert should see enough tokens that its decode is shared:
+    at 128 experts, top-8, a 256-token chunk gives ~16 tokens an expert. The largest of CHUNK_CHOICES whose
+    activations fit `threads` L2 caches (the choice is a multiple of 64, at least 64)."""
+    per_token = 4 * hidden * 4  # bytes: ~4 fp32 rows of the width live per token
+    budget = max(1, threads) * l2_bytes
+    best = CHUNK_CHOICES[0]
+    for c in CHUNK_CHOICES:
+        if c * per_token <= budget:
+            best = c
+    return best
