@@ -278,3 +278,23 @@ def test_cached_gguf_experts_give_the_resident_tokens(good_file, slots, ram):
     snap = cached.cache_snapshot()
     assert sum(snap.misses) > 0
     cached.close()
+
+
+def test_moechat_run_on_a_gguf_file_gives_transformers_greedy_tokens(good_file, qwen3moe, tmp_path, capsys):
+    """`moechat run FILE.gguf` (and the folder holding it) end to end: greedy tokens == transformers on the
+    dequantized weights in fp32."""
+    import json
+
+    from moechat.app import cli
+
+    ref = _reference(qwen3moe, write_qwen3moe_gguf(tmp_path / "again.gguf", qwen3moe))  # the same bytes as good_file
+    ids = _prompt(5, seed=21)
+    with torch.inference_mode():
+        want = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, min_new_tokens=0,
+                            pad_token_id=0)[0, 5:].tolist()
+    for model in (good_file, good_file.parent):
+        code = cli.main(["run", str(model), "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "8",
+                         "--temperature", "0", "--dtype", "float32", "--json"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert json.loads(out)["token_ids"] == want
