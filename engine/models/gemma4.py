@@ -34,8 +34,9 @@ from ..errors import ConfigError, UnsupportedModelError
 from ..experts import HostJob, combine, expert_compute
 from ..kv_cache import KVCache
 from ..moe import GEGLU_TANH, ExpertProvider
-from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM, RMSNorm, Router, SparseMoeBlock, _in_out, \
-    rms_norm_fp32_weight, rope_frequencies
+from ..quant import native
+from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM, RMSNorm, Router, SparseMoeBlock, _bf16_gemv_lib, \
+    _in_out, rms_norm_fp32_weight, rope_frequencies
 
 # T = tokens, S = cached positions, H = hidden size, D = a layer's head dim, E = experts, K = top-k
 
@@ -208,6 +209,8 @@ class Gemma4Attention(nn.Module):
         nH, nKV, D = self.n_heads, self.n_kv, self.head_dim
         if self.qkv_q is not None:
             qkv = self.qkv_q(x)  # [T, (nH + 2 nKV) D]
+        elif T == 1 and self.qkv_bias is None and (lib := _bf16_gemv_lib(x, self.qkv_t)) is not None:
+            qkv = native.bf16_gemv(lib, x, self.qkv_t.t(), x.dtype)  # [1, (nH + 2 nKV) D], the native bf16 GEMV
         else:
             qkv = x @ self.qkv_t if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_t)
         q = qkv[:, : nH * D].view(T, nH, D)
@@ -228,6 +231,11 @@ class Gemma4Attention(nn.Module):
         first = 0 if self.window is None else max(0, start - self.window + 1)  # the oldest key any query sees
         keys, values = kc[:, first:end], vc[:, first:end]  # [nKV, S, D]
         G = nH // nKV
+        if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and (lib := native.library()) is not None:
+            # native.c's decode attention (fp32, each cached row read once for the G heads sharing it), as the other
+            # families' bf16 CPU decode; the matmuls below read the strided cache through a copy (3x slower at 4k)
+            out = native.attn_decode(lib, q.view(nKV, G, D), kc, vc, first, end, 1.0).to(q.dtype)
+            return self._out(out.view(1, nH * D))
         qh = q.view(T, nKV, G, D).permute(1, 2, 0, 3).reshape(nKV, G * T, D)  # [nKV, G*T, D]: heads of a KV group
         scores = torch.matmul(qh, keys.transpose(1, 2)).view(nKV, G, T, -1)  # [nKV, G, T, S], scale 1.0
         if T > 1 or self.window is not None:
@@ -239,9 +247,14 @@ class Gemma4Attention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [nKV, G, T, S]
         out = torch.matmul(probs.view(nKV, G * T, -1), values).view(nKV, G, T, D)  # [nKV, G, T, D]
-        out = out.permute(2, 0, 1, 3).reshape(T, nH * D)  # [T, nH*D]
+        return self._out(out.permute(2, 0, 1, 3).reshape(T, nH * D))  # [T, nH*D] in
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj(out) [T, H]."""
         if self.o_q is not None:
             return self.o_q(out)  # [T, H]
+        if out.shape[0] == 1 and self.o_bias is None and (lib := _bf16_gemv_lib(out, self.o_weight_t)) is not None:
+            return native.bf16_gemv(lib, out, self.o_weight_t.t(), out.dtype)  # [1, H]
         y = out @ self.o_weight_t  # [T, H]
         return y if self.o_bias is None else y + self.o_bias
 

@@ -203,6 +203,29 @@ def test_dense_int8_stays_near_native(models):
     assert 0 < (a - b).abs().max().item() < 0.02
 
 
+def test_native_bf16_decode_equals_the_torch_path(models, monkeypatch):
+    """bf16 decode on a CPU goes through native.c (the GEMV for q/k/v and o, the decode attention, windowed on
+    sliding layers); the torch matmuls are its reference, step by step past the window."""
+    from moechat.engine.models import gemma4
+
+    path, _ = models("wrapper")
+    engine = Engine.load(path, dtype="bfloat16")
+
+    def steps():  # the same tokens fed one at a time to both paths
+        seq = engine.new_sequence()
+        with torch.inference_mode():
+            engine._forward(seq, _prompt(4, seed=8))
+            return torch.stack([engine._forward(seq, [t]) for t in _prompt(8, seed=9)])
+
+    if gemma4.native.library() is None:
+        pytest.skip("the native library is not built here")
+    fast = steps()
+    monkeypatch.setattr(gemma4.native, "library", lambda: None)
+    monkeypatch.setattr(gemma4, "_bf16_gemv_lib", lambda x, w: None)
+    slow = steps()
+    assert (torch.softmax(fast, -1) - torch.softmax(slow, -1)).abs().max().item() < 0.02
+
+
 def test_bfloat16_stays_near_float32(models):
     path, _ = models("wrapper")
     f32, bf16 = Engine.load(path, dtype="float32"), Engine.load(path, dtype="bfloat16")
