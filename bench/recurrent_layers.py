@@ -1,0 +1,100 @@
+"""One decode step of a Gated DeltaNet layer beside one of the full-attention layers it replaces, at Qwen3.6-35B-A3B's
+real widths (config.json from ../shared/model-configs or --config), in bf16 on this CPU, and a prefill chunk of each.
+
+    python bench/recurrent_layers.py [--context 4096] [--threads 1] [--rounds 5]
+
+Prints the median ms per step (interleaved rounds, min-max beside it) for: the delta-rule layer (projections, conv,
+recurrence, gated norm, out_proj), the recurrence alone, and the gated attention layer with `context` cached positions.
+The issue's aim: a recurrent layer costs no more per token than a full-attention layer at 4k context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moechat.engine.kv_cache import KVCache
+from moechat.engine.models import gated_deltanet as gd
+from moechat.engine.models.qwen3_5_moe import Qwen3_5MoeArgs
+from moechat.engine.models.qwen3_next import GatedAttention, GatedDeltaNet
+
+CONFIG = Path(__file__).resolve().parents[2] / "shared" / "model-configs" / "Qwen--Qwen3.6-35B-A3B" / "config.json"
+
+
+def _random(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    for p in module.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.02).to(dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=str(CONFIG))
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill", type=int, default=512)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    args = Qwen3_5MoeArgs.from_dict(json.loads(Path(a.config).read_text()))
+    dt = torch.bfloat16
+    linear = args.layer_types.index("linear_attention")
+    full = args.layer_types.index("full_attention")
+    delta, attn = GatedDeltaNet(args, linear, "split"), GatedAttention(args, full)
+    for m in (delta, attn):
+        _random(m, dt)
+        m.finalize()
+    S = a.context + a.prefill + a.steps * a.rounds * 3 + 8
+    kv = KVCache.for_model(args, S, dt)
+    kv.k[full].normal_()
+    kv.v[full].normal_()
+    H = args.hidden_size
+    R = args.rotary_dim
+    cos, sin = torch.ones(1, 1, R, dtype=dt), torch.zeros(1, 1, R, dtype=dt)
+    x = torch.randn(1, H, dtype=dt)
+    st = kv.state[linear]
+    q = torch.randn(1, args.linear_num_key_heads, args.linear_key_head_dim)
+    v = torch.randn(1, args.linear_num_value_heads, args.linear_value_head_dim)
+    g1, b1 = -torch.rand(1, args.linear_num_value_heads), torch.rand(1, args.linear_num_value_heads)
+
+    cases = {
+        "Gated DeltaNet layer": lambda: delta.forward(x, kv, x),
+        "  delta rule alone": lambda: gd.delta_rule_step(q, q, v, g1, b1, st["ssm"]),
+        f"gated attention, {a.context} cached": lambda: attn.forward(x, cos, sin, kv, a.context, x),
+    }
+    times = {k: [] for k in cases}
+    with torch.inference_mode():
+        for _ in range(a.rounds):
+            for name, fn in cases.items():  # interleaved: each round runs every case
+                fn()
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / a.steps * 1e3)
+        xp = torch.randn(a.prefill, H, dtype=dt)
+        cp, sp = torch.ones(a.prefill, 1, R, dtype=dt), torch.zeros(a.prefill, 1, R, dtype=dt)
+        pre = {"Gated DeltaNet layer": [], "gated attention (from 0)": []}
+        for _ in range(max(2, a.rounds // 2)):
+            kv.truncate(0)
+            t0 = time.perf_counter()
+            delta.forward(xp, kv, xp)
+            pre["Gated DeltaNet layer"].append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            attn.forward(xp, cp, sp, kv, 0, xp)
+            pre["gated attention (from 0)"].append((time.perf_counter() - t0) * 1e3)
+    print(f"decode, one token, bf16, {a.threads} thread(s), median of {a.rounds} rounds x {a.steps} steps")
+    for name, ts in times.items():
+        print(f"  {name:36s} {statistics.median(ts):7.3f} ms  ({min(ts):.3f}-{max(ts):.3f})")
+    print(f"prefill, {a.prefill} tokens")
+    for name, ts in pre.items():
+        print(f"  {name:36s} {statistics.median(ts):7.1f} ms  ({min(ts):.1f}-{max(ts):.1f})")
+
+
+if __name__ == "__main__":
+    main()
