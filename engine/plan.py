@@ -855,6 +855,11 @@ def read_model_spec(model: str | os.PathLike) -> ModelSpec:
     Complete safetensors weights: exact sizes from their headers. Only config.json (plus, perhaps, the
     index or some shards): estimates from the config, checked against the index's total_size.
     """
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))):
+        from .load.gguf import model_spec  # a GGUF model: sizes from its header(s), experts packed as stored
+
+        return model_spec(path)
     model_dir = _resolve_model_dir(model)
     cfg_path = model_dir / "config.json"
     config = _load_json(cfg_path, "model config (config.json)")
@@ -1402,7 +1407,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     ws, ws_detail = _workspace(spec, context, chunk, bool(gpu))
     dev_used = dense + kv + spec.recurrent_state_bytes + ws + slots * eb
 
-    parts = sorted(((w, b) for w, b in spec.dense_parts if b), key=lambda p: -p[1])
+    parts = sorted(((w, b) for w, b in spec.dense_parts if b and not (host_embed and w == "embeddings")),
+                   key=lambda p: -p[1])  # a host table is in RAM: its line is "embeddings"
     big = [(w, b) for w, b in parts if b >= 0.01 * GiB][:5]
     rest = dense - sum(b for _, b in big)
     shown = " + ".join(f"{w} {b / GiB:.2f}" for w, b in big) + (f" + other {rest / GiB:.2f}" if rest >= 0.005 * GiB
