@@ -298,3 +298,16 @@ def test_moechat_run_on_a_gguf_file_gives_transformers_greedy_tokens(good_file, 
         out = capsys.readouterr().out
         assert code == 0, out
         assert json.loads(out)["token_ids"] == want
+
+
+def test_fit_counts_the_experts_packed_bytes_per_ggml_type(tmp_path):
+    from moechat.engine.plan import read_model_spec
+
+    model = tiny_qwen3moe(hidden_size=256, moe_intermediate_size=256, num_experts=4)
+    path = tmp_path / "k.gguf"
+    write_qwen3moe_gguf(path, model, ("Q4_K", "Q4_K", "Q6_K"), "Q8_0", "Q8_0")
+    spec = read_model_spec(path)
+    assert spec.expert_bytes == 2 * 256 * 144 + 256 * 210  # gate, up: 256 rows of one Q4_K block; down: Q6_K
+    assert spec.expert_format == "GGUF Q4_K/Q4_K/Q6_K" and spec.num_experts == 4 and spec.num_moe_layers == 2
+    assert spec.checkpoint_bytes == path.stat().st_size
+    assert any("packed per type: Q4_K" in n for n in spec.notes)
