@@ -236,6 +236,19 @@ class Gemma4Attention(nn.Module):
             # families' bf16 CPU decode; the matmuls below read the strided cache through a copy (3x slower at 4k)
             out = native.attn_decode(lib, q.view(nKV, G, D), kc, vc, first, end, 1.0).to(q.dtype)
             return self._out(out.view(1, nH * D))
+        if T > 1:  # prefill: SDPA over K/V repeated per query head (its flash kernel; no [nH, T, S] scores in fp32)
+            qpos = torch.arange(start, end, device=x.device)[:, None]  # [T, 1]
+            kpos = torch.arange(first, end, device=x.device)[None, :]  # [1, S]
+            mask = kpos <= qpos
+            if self.window is not None:
+                mask &= kpos > qpos - self.window
+            S = keys.shape[1]
+            kx = keys[:, None].expand(nKV, G, S, D).reshape(nH, S, D)  # [nH, S, D]
+            vx = values[:, None].expand(nKV, G, S, D).reshape(nH, S, D)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kx[None], vx[None], attn_mask=mask,
+                                                 scale=1.0)[0]  # [nH, T, D]
+            return self._out(out.transpose(0, 1).reshape(T, nH * D))
+        # one token off the native path (fp32, other devices): written out, the GQA group as G query rows
         qh = q.view(T, nKV, G, D).permute(1, 2, 0, 3).reshape(nKV, G * T, D)  # [nKV, G*T, D]: heads of a KV group
         scores = torch.matmul(qh, keys.transpose(1, 2)).view(nKV, G, T, -1)  # [nKV, G, T, S], scale 1.0
         if T > 1 or self.window is not None:
