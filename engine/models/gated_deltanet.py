@@ -66,14 +66,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
 
 # -- the gated delta rule -----------------------------------------------------------------------------------------
 def _prepare(q, k, v, g, beta):
-    """Inputs as [HV, T, D] fp32 with q/k normalised and shared across each key head's value heads."""
+    """Inputs as contiguous [HV, T, D] fp32 with q/k normalised (once per key head, then shared by its HV/HK value
+    heads) and q scaled; g, beta as [HV, T]."""
     HK, HV = q.shape[1], v.shape[1]
+    q = (l2norm(q.float()) * q.shape[-1] ** -0.5).transpose(0, 1)  # [HK, T, Dk]
+    k = l2norm(k.float()).transpose(0, 1)
     if HK != HV:  # each key head serves HV/HK consecutive value heads
-        q = q.repeat_interleave(HV // HK, dim=1)
-        k = k.repeat_interleave(HV // HK, dim=1)
-    q = l2norm(q.float()) * q.shape[-1] ** -0.5
-    k = l2norm(k.float())
-    return (q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1), g.float().t(), beta.float().t())
+        q, k = q.repeat_interleave(HV // HK, dim=0), k.repeat_interleave(HV // HK, dim=0)  # [HV, T, Dk]
+    return (q.contiguous(), k.contiguous(), v.float().transpose(0, 1).contiguous(), g.float().t().contiguous(),
+            beta.float().t().contiguous())
 
 
 def delta_rule_reference(q, k, v, g, beta, state):
