@@ -21,14 +21,16 @@ budget (issue 14). The compute table is what engine/plan.py's EXPERT_COMPUTE_EFF
     python bench/format_compute.py [--threads 1] [--rounds 7] [--copies 24] [--clock wall|thread] [--engine] [--runs 3]
                                    [--layers 2]
     python bench/format_compute.py --device cuda [--smoke]   # the fused FP8/int8/int4 kernel vs copy bandwidth
-3. Prefill (`--prefill`, issue 27): the many-token CPU path of the packed formats, old (the torch tile decoders,
-   MOECHAT_NATIVE_DECODE=0) vs new (native.c's decoders), interleaved ABAB in one process, medians and spread, at
-   each of `--prefill-threads`. Kernel level: decode GB/s of packed bytes of one projection (Qwen3-30B-A3B's and
+3. Prefill (`--prefill`, issue 27): the many-token CPU path of the packed formats over three paths: the torch tile
+   decoders + GEMM (MOECHAT_NATIVE_DECODE=0), native.c's decoders + GEMM (MOECHAT_PREFILL_KERNEL=0) and the prefill
+   kernels (quant/prefill.py; int8: torch's int8 GEMM vs the kernel), interleaved in one process, medians and
+   spread, at each of `--prefill-threads`; `--prefill-chunks 64,128,256,512` sweeps the engine's chunk size. Kernel level: decode GB/s of packed bytes of one projection (Qwen3-30B-A3B's and
    GPT-OSS's w13), and both projections of one expert for T tokens (T = 8: a 128-token prompt's tokens per expert
    at top-8 of 128; 128: every token); engine level (`--layers` > 0): prefill tok/s of a `--prefill-prompt`-token
    prompt on the Qwen3-30B-A3B-shaped checkpoint, experts resident, in bf16, int4 and FP8.
 
     python bench/format_compute.py --prefill [--prefill-threads 1,2] [--rounds 7] [--runs 3] [--layers 2]
+                                   [--prefill-tokens 8,128] [--prefill-chunks 64,128,256,512] [--no-prefill-engines]
 """
 
 from __future__ import annotations
@@ -306,8 +308,22 @@ def cuda_table(args) -> None:
     show("torch per expert (bf16)", 1, lambda: expert_compute(x, tw, batch, x, act), K * bf16_expert, K)
 
 
-# -- prefill: the many-token path, torch tile decoders (old) vs native decoders (new) -----------------------------
-DECODE_PATHS = (("torch decoders", "0"), ("native decoders", "1"))
+# -- prefill: the many-token path: torch tile decoders + GEMM, native decoders + GEMM (old), prefill kernels (new) --
+# (label, MOECHAT_NATIVE_DECODE, MOECHAT_PREFILL_KERNEL)
+DECODE_PATHS = (("torch decoders", "0", "0"), ("native decoders", "1", "0"), ("prefill kernel", "1", "1"))
+
+
+def _path_env(path) -> None:
+    from moechat.engine.quant import prefill
+
+    os.environ[native.DECODE_ENV], os.environ[prefill.ENV] = path[1], path[2]
+
+
+def _path_env_clear() -> None:
+    from moechat.engine.quant import prefill
+
+    os.environ.pop(native.DECODE_ENV, None)
+    os.environ.pop(prefill.ENV, None)
 
 
 def _median_spread(ts: list[float], scale: float = 1.0, fmt: str = ".2f") -> str:
@@ -322,11 +338,15 @@ def prefill_kernels(args) -> None:
     lib = native.library()
     print(f"\nprefill kernels, {torch.get_num_threads()} thread(s), {args.rounds} interleaved rounds (ABAB); "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| format | width | what | torch decoders | spread | native decoders | spread | speed-up |")
-    print("|---|---|---|---:|---|---:|---|---:|")
-    for name in ("int4", "fp8", "mxfp4"):
+    print("| format | width | what | torch decoders | spread | native decoders | spread | prefill kernel | spread | "
+          "native / torch decoders | kernel / native decoders |")
+    print("|---|---|---|---:|---|---:|---|---:|---|---:|---:|")
+    for name in ("int4", "fp8", "mxfp4", "int8"):
         for model, (H, I) in WIDTHS.items():
             fmt, t = expert(name, H, I)
+            if name == "int8":  # no decoder: the kernel against torch's int8 GEMM (Int8Format.linear) at each T
+                _int8_rows(args, model, fmt, t, H, I)
+                continue
             out = torch.empty(2 * I, H)  # [2I, H] fp32
             if name == "int4":
                 q, sc = t["w13_q"], t["w13_scale"]
@@ -356,25 +376,49 @@ def prefill_kernels(args) -> None:
                     times[k].append(time.perf_counter() - t0)
             rate = [[packed / x / 1e9 for x in ts] for ts in times]
             print(f"| {name} | {model} | decode w13, GB/s packed | {_median_spread(rate[0])} | "
-                  f"{_median_spread(rate[1])} | {statistics.median(rate[1]) / statistics.median(rate[0]):.1f}x |")
-            for T in (8, 128):
+                  f"{_median_spread(rate[1])} | - | - | {statistics.median(rate[1]) / statistics.median(rate[0]):.1f}x "
+                  f"| - |")
+            for T in args.prefill_tokens:
                 x13, x2 = torch.randn(T, H).bfloat16(), torch.randn(T, I).bfloat16()
-                times = [[], []]
+                times = [[] for _ in DECODE_PATHS]
                 for _ in range(args.rounds):
-                    for k, (_, env) in enumerate(DECODE_PATHS):
-                        os.environ[native.DECODE_ENV] = env
+                    for k, path in enumerate(DECODE_PATHS):
+                        _path_env(path)
                         t0 = time.perf_counter()
                         fmt.linear(x13, t, "w13")
                         fmt.linear(x2, t, "w2")
                         times[k].append(time.perf_counter() - t0)
-                os.environ.pop(native.DECODE_ENV, None)
+                _path_env_clear()
+                med = [statistics.median(ts) for ts in times]
                 print(f"| {name} | {model} | expert, T={T}, ms | {_median_spread(times[0], 1e3)} | "
-                      f"{_median_spread(times[1], 1e3)} | "
-                      f"{statistics.median(times[0]) / statistics.median(times[1]):.2f}x |", flush=True)
+                      f"{_median_spread(times[1], 1e3)} | {_median_spread(times[2], 1e3)} | "
+                      f"{med[0] / med[1]:.2f}x | {med[1] / med[2]:.2f}x |", flush=True)
+
+
+def _int8_rows(args, model: str, fmt, t, H: int, I: int) -> None:
+    """int8 experts: Int8Format.linear's many-token path (torch's int8 GEMM, bf16) vs the prefill kernel (fp32)."""
+    from moechat.engine.quant import prefill
+
+    lib = native.library()
+    for T in args.prefill_tokens:
+        x13, x2 = torch.randn(T, H).bfloat16(), torch.randn(T, I).bfloat16()
+        fns = (lambda: (fmt.linear(x13, t, "w13"), fmt.linear(x2, t, "w2")),
+               lambda: (prefill.int8(lib, x13, t["w13_q"], t["w13_scale"]),
+                        prefill.int8(lib, x2, t["w2_q"], t["w2_scale"])))
+        times = [[], []]
+        for _ in range(args.rounds):
+            for k, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        med = [statistics.median(ts) for ts in times]
+        print(f"| int8 | {model} | expert, T={T}, ms (torch int8 GEMM, kernel) | - | - | "
+              f"{_median_spread(times[0], 1e3)} | {_median_spread(times[1], 1e3)} | - | {med[0] / med[1]:.2f}x |",
+              flush=True)
 
 
 def prefill_engines(path: Path, fp8_path: Path, args, work: Path) -> None:
-    """Prefill tok/s of one prompt per engine (experts resident), int4/FP8 old vs new interleaved ABAB."""
+    """Prefill tok/s of one prompt per engine (experts resident), int4/FP8 over the three paths interleaved."""
     from moechat.engine.generate import Engine
     from moechat.engine.sampling import SamplingParams
 
@@ -382,33 +426,61 @@ def prefill_engines(path: Path, fp8_path: Path, args, work: Path) -> None:
     prompt = list(range(3, 3 + args.prefill_prompt))
     engines = {name: Engine.load(fp8_path if name == "fp8" else path,
                                  expert_format=name if name == "int4" else None) for name in ("bf16", "int4", "fp8")}
-    runs = [("bf16", "1")] + [(name, env) for name in ("int4", "fp8") for _, env in DECODE_PATHS]
-    label = {r: r[0] if r[0] == "bf16" else f"{r[0]} ({dict((e, n) for n, e in DECODE_PATHS)[r[1]]})" for r in runs}
+    runs = [("bf16", DECODE_PATHS[2])] + [(name, p) for name in ("int4", "fp8") for p in DECODE_PATHS[1:]]
+    label = {r: r[0] if r[0] == "bf16" else f"{r[0]} ({r[1][0]})" for r in runs}
     for threads in args.prefill_threads:
         torch.set_num_threads(threads)
         tok: dict[tuple, list[float]] = {r: [] for r in runs}
         firsts: dict[tuple, set] = {r: set() for r in runs}
         for i in range(args.runs + 1):  # the first round warms every engine up (scratch buffers, pages), not counted
             for r in runs:
-                os.environ[native.DECODE_ENV] = r[1]
+                _path_env(r[1])
                 chunk = next(iter(engines[r[0]].generate(prompt, sampling=greedy, max_tokens=1, stop_on_eos=False)))
                 firsts[r].add(tuple(chunk.token_ids))
                 if i:
                     tok[r].append(chunk.prefill_tokens_per_s)
-        os.environ.pop(native.DECODE_ENV, None)
+        _path_env_clear()
         print(f"\nQwen3-30B-A3B-shaped prefill, {args.prefill_prompt}-token prompt, experts resident, {threads} "
               f"thread(s), {args.runs} interleaved rounds; load average {os.getloadavg()[0]:.1f}")
-        print("| format (path) | prefill tok/s median | spread | vs torch decoders | vs bf16 | same first token |")
+        print("| format (path) | prefill tok/s median | spread | vs native decoders + GEMM | vs bf16 | "
+              "same first token |")
         print("|---|---:|---|---:|---:|---|")
-        base = statistics.median(tok[("bf16", "1")])
+        base = statistics.median(tok[runs[0]])
         for r in runs:
             med = statistics.median(tok[r])
-            old = statistics.median(tok[(r[0], "0")]) if r[0] != "bf16" else med
-            same = "yes" if len(firsts[r] | firsts[(r[0], "0" if r[0] != "bf16" else "1")]) == 1 else "NO"
+            old = statistics.median(tok[(r[0], DECODE_PATHS[1])]) if r[0] != "bf16" else med
+            same = "yes" if len(firsts[r] | firsts[(r[0], DECODE_PATHS[1] if r[0] != "bf16" else r[1])]) == 1 else "NO"
             print(f"| {label[r]} | {med:.1f} | {min(tok[r]):.1f}-{max(tok[r]):.1f} | {med / old:.2f}x | "
                   f"{med / base:.2f}x | {same} |", flush=True)
     for engine in engines.values():
         engine.close()
+
+
+def prefill_chunks(path: Path, args) -> None:
+    """Prefill tok/s of one `--prefill-prompt`-token prompt (int4 experts resident, the prefill kernels) at each of
+    `--prefill-chunks` chunk sizes, interleaved, per thread count: what quant/prefill.chunk_size is based on."""
+    from moechat.engine.generate import Engine
+    from moechat.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, do_sample=False)
+    prompt = list(range(3, 3 + args.prefill_prompt))
+    engine = Engine.load(path, expert_format="int4")
+    for threads in args.prefill_threads:
+        torch.set_num_threads(threads)
+        tok: dict[int, list[float]] = {c: [] for c in args.prefill_chunks}
+        for i in range(args.runs + 1):
+            for c in args.prefill_chunks:
+                engine.prefill_chunk = c
+                chunk = next(iter(engine.generate(prompt, sampling=greedy, max_tokens=1, stop_on_eos=False)))
+                if i:
+                    tok[c].append(chunk.prefill_tokens_per_s)
+        print(f"\nprefill chunk size, int4, {args.prefill_prompt}-token prompt, {threads} thread(s), {args.runs} "
+              f"interleaved rounds; load average {os.getloadavg()[0]:.1f}")
+        print("| chunk | prefill tok/s median | spread |")
+        print("|---:|---:|---|")
+        for c in args.prefill_chunks:
+            print(f"| {c} | {statistics.median(tok[c]):.1f} | {min(tok[c]):.1f}-{max(tok[c]):.1f} |", flush=True)
+    engine.close()
 
 
 def qwen3_shaped(path: Path, layers: int) -> Path:
@@ -448,6 +520,11 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="the many-token path: torch vs native tile decoders")
     ap.add_argument("--prefill-threads", type=lambda v: [int(t) for t in v.split(",")], default=[1, 2])
     ap.add_argument("--prefill-prompt", type=int, default=128)
+    ap.add_argument("--prefill-tokens", type=lambda v: [int(t) for t in v.split(",")], default=[8, 128],
+                    help="tokens per expert in the kernel table")
+    ap.add_argument("--prefill-chunks", type=lambda v: [int(t) for t in v.split(",")], default=[],
+                    help="chunk sizes to sweep on the int4 engine (e.g. 64,128,256,512)")
+    ap.add_argument("--no-prefill-engines", dest="prefill_engines", action="store_false")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.prefill:
@@ -460,7 +537,10 @@ def main() -> None:
             work = Path(tempfile.mkdtemp(prefix="moechat-prefill-"))
             try:
                 qwen = qwen3_shaped(work / "qwen3-shaped", args.layers)
-                prefill_engines(qwen, fp8_copy(qwen, work / "qwen3-shaped-fp8"), args, work)
+                if args.prefill_engines:
+                    prefill_engines(qwen, fp8_copy(qwen, work / "qwen3-shaped-fp8"), args, work)
+                if args.prefill_chunks:
+                    prefill_chunks(qwen, args)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         return
