@@ -672,7 +672,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
     experts_bytes = sum(t.nbytes for t in expert) * len(s.moe_layers) * s.E
 
     # Multi-token-prediction layers ship in the checkpoint but are not used to decode.
-    mtp = int(c.get("num_nextn_predict_layers") or 0)
+    mtp = int(c.get("num_nextn_predict_layers") or c.get("mtp_num_hidden_layers") or 0)  # the latter: Qwen3-Next/3.5
     unused = 0
     if not mtp and c.get("use_mtp") and c.get("num_mtp_modules"):
         # MiniMax-M2: MTP modules of mtp_transformer_layers layers each, named in config.json; its Hub checkpoint's
@@ -1600,7 +1600,8 @@ def _choose_embeddings(spec: ModelSpec, hw: Hardware, prefs: Preferences) -> Mem
 
     gained = host.expert_slots - dev.expert_slots
     if use_host:
-        why = (f"{gib(spec.embedding_bytes)} table in RAM, each token's row ({spec.hidden_size * spec.float_bytes:,} B) "
+        row = spec.hidden_size * spec.float_bytes
+        why = (f"{gib(spec.embedding_bytes)} table in RAM, each token's row ({row:,} B) "
                f"gathered there and copied in: +{gained} slots ({dev.expert_slots} -> {host.expert_slots}), "
                f"{speed(dev)} -> {speed(host)}; --embeddings device keeps it on the GPU")
     elif gained <= 0:
