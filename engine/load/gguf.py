@@ -217,6 +217,8 @@ def _config(reader, arch: str, tensors: dict, where: str) -> dict:
         "num_experts_per_tok": int(need("expert_used_count")),
         "torch_dtype": "float32" if embd.tensor_type.name == "F32" else "bfloat16",
     }
+    if (clamp := key("attention.clamp_kqv")) is not None:
+        cfg["clip_qkv"] = float(clamp)
     experts = int(need("expert_count"))
     ff = key("feed_forward_length", 0)
     ff = int(ff[0] if isinstance(ff, list) else ff)
@@ -304,6 +306,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         transform = ""
         if permute and m and m.group(2) in ("attn_q.weight", "attn_k.weight"):
             transform = "permute_q" if m.group(2).startswith("attn_q") else "permute_k"
+        if hf.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # a converter may write HF's [1, H] gate as the 1-D [H] llama.cpp reads
         tensors[hf] = GGUFTensorInfo(hf, f, "F32", shape, start, end, typ.name, name, ne[0], transform)
     fmt = None
     if any(expert_types.values()):

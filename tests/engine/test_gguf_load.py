@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from moechat.engine.errors import CheckpointError, UnsupportedModelError  # noqa: E402
 from moechat.engine.generate import Engine  # noqa: E402
-from moechat.engine.load.gguf import open_gguf  # noqa: E402
+from moechat.engine.load.gguf import open_gguf, unpermute  # noqa: E402
 from moechat.engine.loader import load_model  # noqa: E402
 from moechat.engine.quant.gguf import TYPES, dequantize  # noqa: E402
 from moechat.engine.sampling import SamplingParams  # noqa: E402
@@ -49,53 +49,80 @@ def _encode(w: np.ndarray, name: str, rng) -> np.ndarray:
     return raw.reshape(*lead, -1)
 
 
-def write_qwen3moe_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F32", seed=0,
-                        expert_ff=None, split_max_tensors=0):
-    """Write `model` (transformers Qwen3MoE) as convert_hf_to_gguf.py would: llama.cpp names, experts stacked
-    [E, rows, cols], dense in `dense`, experts in `types` (gate, up, down). Returns the state dict the file
-    holds after quantization (HF names, dequantized), for the reference model."""
+# transformers' model_type -> llama.cpp's architecture name (Mixtral is a llama with experts)
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
+_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: q/k rows of each head from rotate-half to interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F32", seed=0, expert_ff=None,
+               split_max_tensors=0):
+    """Write `model` (a transformers MoE) as convert_hf_to_gguf.py would: llama.cpp names, experts stacked
+    [E, rows, cols], llama-type q/k rows permuted, dense in `dense`, experts in `types` (gate, up, down). Returns
+    the state dict the file holds after quantization (HF names, dequantized, q/k in HF order): the reference's."""
     rng = np.random.default_rng(seed)
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)
+    arch = GGUF_ARCH[cfg.model_type]
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    E = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    I = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
+    w.add_expert_count(E)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(expert_ff or cfg.moe_intermediate_size)
+    w.add_expert_feed_forward_length(expert_ff or I)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if getattr(cfg, "clip_qkv", None):
+        w.add_clamp_kqv(cfg.clip_qkv)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     held = {}
 
-    def put(gname, hfname, arr, typ):
+    def put(gname, hfname, arr, typ, heads=None):
+        if heads:
+            arr = _permute(arr, heads)
         data = _encode(arr, typ, rng)
         w.add_tensor(gname, data, raw_dtype=None if typ in ("F32", "F16") else Q[typ])
-        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
         if typ not in TYPES:
             return
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
         back = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], typ, arr.shape[-1])
-        held[hfname] = back.reshape(arr.shape)
+        back = back.reshape(arr.shape)
+        held[hfname] = unpermute(back, heads) if heads else back
 
     put("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"], embd)
     put("output_norm.weight", "model.norm.weight", sd["model.norm.weight"], "F32")
     put("output.weight", "lm_head.weight", sd["lm_head.weight"], embd)
-    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-             "attn_output": "self_attn.o_proj", "ffn_gate_inp": "mlp.gate"}
-    norms = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
-             "ffn_norm": "post_attention_layernorm"}
-    I = cfg.moe_intermediate_size
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        for g, h in names.items():
-            put(f"blk.{i}.{g}.weight", p + h + ".weight", sd[p + h + ".weight"], "F32" if g == "ffn_gate_inp" else dense)
-        for g, h in norms.items():
-            put(f"blk.{i}.{g}.weight", p + h + ".weight", sd[p + h + ".weight"], "F32")
+        for h, g in _LAYER.items():
+            for kind in ("weight", "bias"):
+                if p + h + "." + kind not in sd:
+                    continue
+                arr = sd[p + h + "." + kind]
+                typ = dense if kind == "weight" and arr.ndim == 2 and g not in ("ffn_gate_inp", "ffn_gate_inp_shexp") \
+                    else "F32"
+                heads = None
+                if arch == "llama" and kind == "weight" and g in ("attn_q", "attn_k"):
+                    heads = cfg.num_attention_heads if g == "attn_q" else cfg.num_key_value_heads
+                put(f"blk.{i}.{g}.{kind}", p + h + "." + kind, arr, typ, heads)
         gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]
         put(f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), types[0])
         put(f"blk.{i}.ffn_up_exps.weight", p + "up", np.ascontiguousarray(gate_up[:, I:]), types[1])
@@ -107,6 +134,9 @@ def write_qwen3moe_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32"
     w.write_tensors_to_file()
     w.close()
     return held
+
+
+write_qwen3moe_gguf = write_gguf
 
 
 def tiny_qwen3moe(**overrides):
@@ -311,3 +341,43 @@ def test_fit_counts_the_experts_packed_bytes_per_ggml_type(tmp_path):
     assert spec.expert_format == "GGUF Q4_K/Q4_K/Q6_K" and spec.num_experts == 4 and spec.num_moe_layers == 2
     assert spec.checkpoint_bytes == path.stat().st_size
     assert any("packed per type: Q4_K" in n for n in spec.notes)
+
+
+OTHERS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, rope_theta=1e6,
+                    eos_token_id=None, bos_token_id=None),
+    "olmoe": dict(num_experts=6, num_experts_per_tok=3, intermediate_size=32, norm_topk_prob=False, clip_qkv=0.5,
+                  eos_token_id=None, pad_token_id=None),
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False, eos_token_id=None),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(OTHERS))
+def test_other_architectures_match_transformers(tmp_path, model_type):
+    """Mixtral (llama.cpp's llama with experts: q/k rows permuted by the converter, undone at load), OLMoE (full-width
+    q/k norms, clamp_kqv), Qwen2-MoE (qkv biases, a gated shared expert): fp32 logits and greedy tokens."""
+    import copy
+
+    import transformers
+
+    base = {k: v for k, v in TINY.items() if k not in ("num_experts", "moe_intermediate_size", "norm_topk_prob",
+                                                       "intermediate_size", "num_experts_per_tok")}
+    config = transformers.AutoConfig.for_model(model_type, **{**base, **OTHERS[model_type]})
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path / f"{model_type}.gguf"
+    held = write_gguf(path, model, ("Q8_0", "Q8_0", "Q5_0"), "Q8_0", "F16")
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(held, strict=True)
+    engine = Engine(load_model(path, dtype="float32"), None, None, {}, 512, 16)
+    assert engine.args.model_type == model_type
+    ids = _prompt(13, seed=4)
+    with torch.inference_mode():
+        ours = engine._forward(engine.new_sequence(), ids)
+        theirs = ref(torch.tensor([ids])).logits[0, -1].float()
+    assert (ours - theirs).abs().max().item() < 1e-4
+    got = [t for c in engine.generate(ids, sampling=GREEDY, max_tokens=8) for t in c.token_ids]
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, min_new_tokens=0, pad_token_id=0)
+    assert got == out[0, 13:].tolist()
