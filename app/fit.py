@@ -351,7 +351,7 @@ def run_fit(args: argparse.Namespace) -> int:
                         hit_curve=_load_curve(args.hit_curve, spec.num_experts), disk_read_gbps=args.disk_read_gbps,
                         override=args.force, repacked=repacked_formats(spec.path), host_read_gbps=host.gbps,
                         host_read_source=host.source, cpu_layer_s=cal.cpu_layer_s if measured_cpu else None,
-                        on_miss=args.on_miss)
+                        on_miss=args.on_miss, embeddings="auto")
     advice = plan_formats(spec, hw, prefs)
     chosen = advice.option(args.expert_format) if args.expert_format else advice.best
     if chosen.plan is None:
@@ -530,6 +530,8 @@ def _run_flags(plan, spec, expert_format: str = "native", on_miss: str = "auto")
             flags += ["--ram-cache-mb", str(plan.ram_cache_bytes >> 20)]
     if plan.device != "cpu":
         flags += ["--device", plan.device]
+    if plan.embeddings == "host" and plan.needs_cache:
+        flags += ["--embeddings", "host"]
     if expert_format != "native":
         flags += ["--expert-format", expert_format]
     if on_miss != "auto" and plan.needs_cache:
@@ -664,7 +666,7 @@ def _format_lines(advice, shown: str) -> list[str]:
 
 
 def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | None,
-                 expert_format: str | None = None):
+                 expert_format: str | None = None, embeddings: str = "device"):
     """The plan `moechat run` takes its cache defaults from, for the device and dtype it will use.
 
     Planned as `run` allocates: the context it will allocate (never lowered), every KV layer at full
@@ -696,19 +698,20 @@ def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | No
     if dev != "cpu" and hw.gpu(int(dev.partition(":")[2] or 0)) is None:
         return None  # a GPU the probe cannot see: keep today's defaults
     return make_plan(spec, hw, Preferences(context=ctx, device=dev, windowed_kv=False, override=True,
-                                           repacked=repacked_formats(model_dir)))
+                                           repacked=repacked_formats(model_dir), embeddings=embeddings))
 
 
 def cache_defaults(model_dir, *, device: str, dtype: str | None, context: int | None, expert_slots: int | None,
                    ram_cache_mb: int | None, warn=None,
-                   expert_format: str | None = None) -> tuple[int | None, int | None]:
+                   expert_format: str | None = None, embeddings: str = "device") -> tuple[int | None, int | None]:
     """(slots, RAM-cache bytes) for `moechat run` and the app: what the user left unset comes from the memory
     plan when the experts do not all fit the compute device (RAM on a CPU); else it stays unset (resident).
     The plan is made in `expert_format`: int4 experts are a third of bf16's, so the same memory holds 3x the slots."""
     ram_cache_bytes = None if ram_cache_mb is None else ram_cache_mb << 20
     if expert_slots is not None and ram_cache_mb is not None:
         return expert_slots, ram_cache_bytes
-    plan = plan_for_run(model_dir, device=device, dtype=dtype, context=context, expert_format=expert_format)
+    plan = plan_for_run(model_dir, device=device, dtype=dtype, context=context, expert_format=expert_format,
+                        embeddings=embeddings)
     if plan is not None and plan.needs_cache:
         if plan.refusal is not None and warn is not None:
             warn(f"{plan.refusal.message}; loading anyway")
