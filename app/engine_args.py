@@ -171,6 +171,10 @@ def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True)
     cache.add_argument("--host-layers", type=host_layers, default=0, metavar="N",
                        help="keep every expert of the first N MoE layers on the host, never slotted (like "
                        "llama.cpp's --n-cpu-moe)")
+    cache.add_argument("--embeddings", choices=["auto", "host", "device"], default="auto",
+                       help="where the input embedding table lives on a GPU: host gathers each token's row in RAM and "
+                       "copies it in, leaving its VRAM to expert slots; auto (default): host when the plan sizes the "
+                       "slots and it buys some")
     cache.add_argument("--repack-dir", metavar="DIR", help="stream experts from a repacked copy kept in DIR "
                        "(one read per expert; written on first use, needs as much disk as the experts)")
     cache.add_argument("--prefetch", choices=_prefetch_modes(), default=None,
@@ -207,9 +211,10 @@ def cache_config_from_args(args: argparse.Namespace, device: str):
     from moechat.engine.errors import ConfigError, MoechatError
 
     record = bool(getattr(args, "record_trace", None))
+    embeddings = _embeddings_for_run(args, device)
     slots, ram_cache_bytes = cache_defaults(args.model_dir, device=device, dtype=args.dtype, context=args.context,
                                             expert_slots=args.expert_slots, ram_cache_mb=args.ram_cache_mb, warn=warn,
-                                            expert_format=args.expert_format)
+                                            expert_format=args.expert_format, embeddings=embeddings)
     if not (slots or ram_cache_bytes is not None or record or args.repack_dir):
         if args.prefetch not in (None, "off"):
             warn(f"--prefetch {args.prefetch} does nothing here: every expert is resident on the {device} (no "
@@ -231,7 +236,24 @@ def cache_config_from_args(args: argparse.Namespace, device: str):
     return CacheConfig(expert_slots=slots, policy=args.policy, ram_cache_bytes=ram_cache_bytes,
                        record_trace=record, repack_dir=args.repack_dir, prefetch=prefetch,
                        prefetch_depth=args.prefetch_depth, warm_start=args.warm_start, on_miss=args.on_miss,
-                       host_layers=args.host_layers)
+                       host_layers=args.host_layers, embeddings=embeddings)
+
+
+def _embeddings_for_run(args: argparse.Namespace, device: str) -> str:
+    """--embeddings: host or device; auto asks the plan on a GPU whose slots it sizes (the table goes to RAM when
+    that buys slots); a CPU's device is its RAM."""
+    choice = getattr(args, "embeddings", None) or "auto"
+    if not str(device).startswith("cuda"):
+        return "device"
+    if choice != "auto":
+        return choice
+    if args.expert_slots is not None:
+        return "device"  # slots sized by hand: the table stays where they were sized for
+    from moechat.app.fit import plan_for_run
+
+    plan = plan_for_run(args.model_dir, device=device, dtype=args.dtype, context=args.context,
+                        expert_format=args.expert_format, embeddings="auto")
+    return plan.embeddings if plan is not None and plan.needs_cache else "device"
 
 
 def load_engine_from_args(args: argparse.Namespace, check=None):
