@@ -6,7 +6,9 @@ so kernels and captured graphs can hold their addresses); an expert's named tens
 `buffers[name]` [C, ...] is the strided view over every slot: each slot's part is contiguous, the slot
 stride is `slot_bytes`. A miss is then ONE copy of slot_bytes from a host buffer in the same layout (the RAM
 tier keeps that layout): a 13.2 MB GPT-OSS-20B MXFP4 expert is one DMA instead of six, three of them under
-0.5 MB, each paying the ~10 us a copy costs to issue. `slot_map` [L, E] int32 on the device says which slot holds (layer, expert), -1 if none;
+0.5 MB, each paying the ~10 us a copy costs to issue.
+
+`slot_map` [L, E] int32 on the device says which slot holds (layer, expert), -1 if none;
 it is updated in place. A host mirror of the map and of each slot's owner and state lets the provider
 decide hits, misses and victims without reading the device.
 
@@ -77,8 +79,8 @@ class SlotPool:
         self.num_experts = num_experts
         self.device = torch.device(device)
         self.layout = SlotLayout(shapes)
-        self.raw, self.buffers = self.layout.empty(num_slots, self.device,
-                                                         pin=pin and self.device.type == "cpu")  # [C, slot_bytes], views
+        # [C, slot_bytes] and its named views
+        self.raw, self.buffers = self.layout.empty(num_slots, self.device, pin=pin and self.device.type == "cpu")
         self.slot_map = torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=self.device)  # [L, E]
         self.host_map = np.full((num_layers, num_experts), -1, dtype=np.int32)  # [L, E] mirror of slot_map
         self.owner: list[tuple[int, int] | None] = [None] * num_slots
