@@ -149,7 +149,8 @@ static void int4_row(const uint8_t *qr, const uint16_t *sr, int64_t cols, int64_
     int64_t c = 0;
 #if PF_SIMD
     const __m128i m0f = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    for (; c + 32 <= cols; c += 32) {
+    const int gs = group == 32 ? 5 : group == 16 ? 4 : 3;  /* a shift, not a division per 8 elements (8, 16, 32) */
+    for (; (group == 8 || group == 16 || group == 32) && c + 32 <= cols; c += 32) {
         __m128i b = _mm_loadu_si128((const __m128i *)(qr + c / 2));
         __m128i lo = _mm_sub_epi8(_mm_and_si128(b, m0f), eight);  /* even elements' q */
         __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), m0f), eight);  /* odd ones' */
@@ -157,7 +158,7 @@ static void int4_row(const uint8_t *qr, const uint16_t *sr, int64_t cols, int64_
         __m128i part[4] = {e0, _mm_srli_si128(e0, 8), e1, _mm_srli_si128(e1, 8)};
         for (int k = 0; k < 4; k++) {
             __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[k]));
-            _mm256_storeu_ps(o + c + 8 * k, _mm256_mul_ps(v, _mm256_set1_ps(pf_f16(sr[(c + 8 * k) / group]))));
+            _mm256_storeu_ps(o + c + 8 * k, _mm256_mul_ps(v, _mm256_set1_ps(pf_f16(sr[(c + 8 * k) >> gs]))));
         }
     }
 #endif
@@ -206,9 +207,11 @@ static void fp8_row(const uint8_t *wr, const float *srow, int64_t cols, int64_t 
 #if PF_SIMD
     const __m256i keep = _mm256_set1_epi16((short)0xBFFF);
     const __m256 x256 = _mm256_set1_ps(256.0f);
+    int64_t blk = 0, edge = b1;  /* the column block of j and where it ends */
     for (; j + 16 <= cols; j += 16) {
-        if (j / b1 != (j + 15) / b1) break;  /* a block edge inside these 16: the scalar loop (b1 < 16 or odd) */
-        __m256 f = _mm256_set1_ps(srow[j / b1]);
+        while (j >= edge) blk++, edge += b1;
+        if (j + 16 > edge) break;  /* a block edge inside these 16: the scalar loop from here (b1 not 16 k) */
+        __m256 f = _mm256_set1_ps(srow[blk]);
         __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + j)));
         h = _mm256_and_si256(_mm256_slli_epi16(h, 7), keep);
         __m256 v0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), x256);
