@@ -72,3 +72,17 @@ def test_tokens_are_identical_with_the_table_on_the_host(tiny_models, name):
     with torch.inference_mode():
         ids = torch.tensor([0, 5, 17, 5])
         assert torch.equal(model.embed(ids), torch.nn.functional.embedding(ids, ref.model.embed_weight))
+
+
+def test_run_resolves_the_flag(tiny_models):
+    import argparse
+
+    from moechat.app.engine_args import _embeddings_for_run
+
+    path, _ = tiny_models["mixtral"]
+    ns = lambda **kw: argparse.Namespace(**{"embeddings": "auto", "expert_slots": None, "model_dir": str(path),
+                                            "dtype": None, "context": None, "expert_format": None, **kw})
+    assert _embeddings_for_run(ns(embeddings="host"), "cpu") == "device"  # a CPU's device memory is its RAM
+    assert _embeddings_for_run(ns(embeddings="host"), "cuda") == "host"
+    assert _embeddings_for_run(ns(embeddings="device"), "cuda:0") == "device"
+    assert _embeddings_for_run(ns(expert_slots=4), "cuda") == "device"  # slots sized by hand: the table stays
