@@ -519,8 +519,8 @@ def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
     if w13_b.shape[2] * 32 != H or w2_b.shape[1] != H or w2_b.shape[2] * 32 != I:
         raise ValueError(f"MXFP4 slot buffers {list(w13_b.shape)} / {list(w2_b.shape)} do not fit H = {H}")
     for t in (w13_b, w13_s, w2_b, w2_s):
-        if not t.is_contiguous():
-            raise ValueError("MXFP4 slot buffers must be contiguous")
+        if t.stride(-1) != 1 or not t[0].is_contiguous():  # slots at stride(0) (one buffer per slot: views)
+            raise ValueError("MXFP4 slot buffers must be contiguous within each slot")
     if act.kind not in ("swiglu", "clamped_swiglu"):
         raise ValueError(f"activation {act.kind!r} has no fused MXFP4 kernel")
     x = hidden_states.contiguous()

@@ -402,8 +402,8 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
     if w13.shape[2] * per_byte != H or w2.shape[1] != H or w2.shape[2] * per_byte != I:
         raise ValueError(f"{fmt} slot buffers {list(w13.shape)} / {list(w2.shape)} do not fit H = {H}")
     for t in (w13, s13, w2, s2):
-        if not t.is_contiguous():
-            raise ValueError(f"{fmt} slot buffers must be contiguous")
+        if t.stride(-1) != 1 or not t[0].is_contiguous():  # slots at stride(0) (one buffer per slot: views)
+            raise ValueError(f"{fmt} slot buffers must be contiguous within each slot")
     if act.kind not in ("swiglu", "clamped_swiglu"):
         raise ValueError(f"activation {act.kind!r} has no fused {fmt} kernel")
     # scale layout: (columns, elements per column) of w13's and w2's scales; the row blocking (b0) and where
