@@ -70,11 +70,12 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def kernel_spec(fmt: str, which: str):
+def kernel_spec(fmt: str, which: str, arch: int = 90):
     """(jit function, signature, constexprs, attrs, num_warps, num_stages, BLOCK_N, BLOCK_KB) of a decode kernel."""
     os.environ.pop("TRITON_INTERPRET", None)  # the compiled kernels, not the interpreter's
-    # the decode launches as expert_compute makes them today: slot ids (no map), the residual added in w2
-    consts = dict(HAS_MAP=False, HAS_RES=True)
+    # the decode launches as expert_compute makes them today: slot ids (no map), the residual added in w2; e4m3
+    # (FP8, and MXFP4 through it) converted by the hardware from sm_89 (mxfp4_moe.hardware_fp8)
+    consts = dict(HAS_MAP=False, HAS_RES=True, HW_CVT=arch >= 89 and fmt in ("mxfp4", "fp8"))
     if fmt == "mxfp4":
         from moechat.engine.quant.kernels import mxfp4_moe as mod
 
@@ -145,7 +146,7 @@ def compile_one(job: tuple[str, str, int]) -> Row | str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, consts, attrs, warps, stages, bn, bkb = kernel_spec(fmt, which)
+    fn, sig, consts, attrs, warps, stages, bn, bkb = kernel_spec(fmt, which, arch)
     try:
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                            options=dict(num_warps=warps, num_stages=stages))

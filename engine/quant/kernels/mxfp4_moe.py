@@ -72,6 +72,44 @@ def _e2m1_pair(words, EM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _e4m3x4(words):
+    """uint32 words of four e4m3 bytes -> their values as four fp32 tensors, byte 0 first: the hardware's
+    cvt.rn.f16x2.e4m3x2 (sm_89 and later; every e4m3 value is exact in fp16) and the exact widening, 6
+    instructions a word. Compiled kernels only (the interpreter cannot run PTX): callers take integer decodes there."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 l, h, a0, a1, b0, b1;
+        .reg .b32 a, b;
+        mov.b32 {l, h}, $4;
+        cvt.rn.f16x2.e4m3x2 a, l;
+        cvt.rn.f16x2.e4m3x2 b, h;
+        mov.b32 {a0, a1}, a;
+        mov.b32 {b0, b1}, b;
+        cvt.f32.f16 $0, a0;
+        cvt.f32.f16 $1, a1;
+        cvt.f32.f16 $2, b0;
+        cvt.f32.f16 $3, b1;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _e2m1_as_e4m3(w):
+    """uint32 words of eight E2M1 codes -> two words of e4m3 bytes with the same values x 2^-6, exactly (lows:
+    byte j the low nibble of byte j, highs: its high nibble): the code's e and m bits under e4m3's lowest exponent
+    bits and top mantissa bit, so e = 0 is e4m3's subnormal (0.5 needs no branch), its sign at bit 7."""
+    lows = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
+    highs = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
+    return lows, highs
+
+
+def hardware_fp8(device: torch.device) -> bool:
+    """The device converts e4m3 in hardware (sm_89 and later); never under the interpreter."""
+    return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@triton.jit
 def _x_words(x_at, ok, X32: tl.constexpr, XF16: tl.constexpr):
     """x at [BG, 4] word pointers (16 bytes a thread) -> its elements in fp32, [BG] each: 4 for an fp32 x, 8 for a
     16-bit x (a word holds elements 2i, low half, and 2i + 1). Loaded in the codes' shape, so no layout change."""
@@ -117,7 +155,7 @@ def _x_split8(xv):
 
 @triton.jit
 def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
-                 BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, HW_CVT: tl.constexpr):
     """x[x_row] [2 KB] . W[w_rows] -> [BLOCK_N] fp32 for one pair (decode): W one slot's packed rows as in
     _packed_dot. A thread holds whole 16-byte scale blocks (one 16-byte load of 4 words, one scale byte) of several
     rows and the block's 32 x in the same shape (decoded once for those rows: no layout change), decodes two codes
@@ -147,10 +185,15 @@ def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
         part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
         for w in tl.static_range(4):
             cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
-            v0, v4 = _e2m1_pair(cw, 9, 12)
-            v1, v5 = _e2m1_pair(cw, 5, 8)
-            v2, v6 = _e2m1_pair(cw, 1, 4)
-            v3, v7 = _e2m1_pair(cw, -3, 0)
+            if HW_CVT:  # through e4m3 bytes and the hardware's conversion: values x 2^-6
+                lows, highs = _e2m1_as_e4m3(cw.to(tl.uint32, bitcast=True))
+                v0, v2, v4, v6 = _e4m3x4(lows)
+                v1, v3, v5, v7 = _e4m3x4(highs)
+            else:  # through fp16 bits: values x 2^-14
+                v0, v4 = _e2m1_pair(cw, 9, 12)
+                v1, v5 = _e2m1_pair(cw, 5, 8)
+                v2, v6 = _e2m1_pair(cw, 1, 4)
+                v3, v7 = _e2m1_pair(cw, -3, 0)
             part += v0 * xs[8 * w][None, :]
             part += v1 * xs[8 * w + 1][None, :]
             part += v2 * xs[8 * w + 2][None, :]
@@ -161,7 +204,7 @@ def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
             part += v7 * xs[8 * w + 7][None, :]
         scale = tl.load(s_at + k0, mask=w_ok[:, None] & g_ok[None, :], other=127).to(tl.int32)  # [BN, BG]
         acc += part * _e8m0(scale)
-    return tl.sum(acc, axis=1) * 16384.0  # the codes' 2^-14
+    return tl.sum(acc, axis=1) * (64.0 if HW_CVT else 16384.0)  # the codes' 2^-6 or 2^-14
 
 
 @triton.jit
@@ -232,8 +275,10 @@ def _w13_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, group_slot_pt
                              BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
         else:  # decode: BLOCK_M = 1, one pair
             token = tl.max(tokens, axis=0)
-            gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, BLOCK_N, BLOCK_KB)[None, :]
-            up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, BLOCK_N, BLOCK_KB)[None, :]
+            gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, BLOCK_N, BLOCK_KB,
+                                False)[None, :]
+            up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, BLOCK_N, BLOCK_KB,
+                              False)[None, :]
         if HAS_BIAS:
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -268,7 +313,7 @@ def _w2_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_pt
                               DOT_BF16)
         else:  # decode: BLOCK_M = 1, one pair
             acc = _packed_gemv(act_ptr, tl.max(rows, axis=0), stride_act, blocks_ptr + slot64 * stride_bc,
-                               scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_N, BLOCK_KB)[None, :]
+                               scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_N, BLOCK_KB, False)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + rows, mask=ok, other=0.0).to(tl.float32)  # [BM]
@@ -289,7 +334,8 @@ def _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP: tl.constexpr):
 @triton.jit
 def _w13_decode_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, ids_ptr, map_ptr, act_ptr, stride_act,
                        N, KB, TOPK, limit, alpha, stride_bc, stride_sc, stride_biasc, HAS_MAP: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KB: tl.constexpr):
     """Decode: act[pair, j] = activation(gate_j, up_j) for one (t, k) pair and a tile of j in [0, I) (N = I)."""
     pair = tl.program_id(0)
     slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
@@ -306,8 +352,8 @@ def _w13_decode_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, ids_pt
         w_ptr = blocks_ptr + slot64 * stride_bc
         s_ptr = scales_ptr + slot64 * stride_sc
         token = pair // TOPK
-        gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, BLOCK_N, BLOCK_KB)
-        up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, BLOCK_N, BLOCK_KB)
+        gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, BLOCK_N, BLOCK_KB, HW_CVT)
+        up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, BLOCK_N, BLOCK_KB, HW_CVT)
         if HAS_BIAS:
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
@@ -324,8 +370,8 @@ def _w13_decode_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, ids_pt
 @triton.jit
 def _w2_decode_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr,
                       res_ptr, stride_res, out_ptr, stride_out, N, KB, TOPK, stride_bc, stride_sc, stride_biasc,
-                      HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_KB: tl.constexpr):
+                      HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HW_CVT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
     """Decode: out[t, j] = [residual[t, j] +] sum over k in order of topk_weight[t, k] (down_j . act[t K + k] +
     bias_j), for one token and a tile of j in [0, H) (N = H): the CTA loops over the token's K pairs, so the sum is
     deterministic (no atomics), in fp32, rounded once."""
@@ -339,7 +385,7 @@ def _w2_decode_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, wei
         if slot >= 0:
             slot64 = slot.to(tl.int64)
             y = _packed_gemv(act_ptr, pair, stride_act, blocks_ptr + slot64 * stride_bc,
-                             scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_N, BLOCK_KB)
+                             scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_N, BLOCK_KB, HW_CVT)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)
             acc += y * tl.load(weights_ptr + pair).to(tl.float32)
@@ -535,13 +581,13 @@ def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
             x, x.stride(0), w13_b, w13_s, b13 if b13 is not None else w13_s, d.ids, smap, d.act, d.act.stride(0), I,
             H // 2, K, float(act.limit), float(act.alpha), w13_b.stride(0), w13_s.stride(0),
             b13.stride(0) if b13 is not None else 0, HAS_MAP=d.slot_map is not None, HAS_BIAS=b13 is not None,
-            CLAMPED=act.kind == "clamped_swiglu")
+            CLAMPED=act.kind == "clamped_swiglu", HW_CVT=hardware_fp8(x.device))
         res = d.residual if d.residual is not None else d.out
         _W2_DECODE[lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
             d.act, d.act.stride(0), w2_b, w2_s, b2 if b2 is not None else w2_s, d.weights, d.ids, smap, res,
             res.stride(0), d.out, d.out.stride(0), H, I // 2, K, w2_b.stride(0), w2_s.stride(0),
             b2.stride(0) if b2 is not None else 0, HAS_MAP=d.slot_map is not None, HAS_BIAS=b2 is not None,
-            HAS_RES=d.residual is not None)
+            HAS_RES=d.residual is not None, HW_CVT=hardware_fp8(x.device))
         return d.out
     if slot_map is not None:  # prefill groups by slot on the device: one gather
         slot_ids = slot_map.index_select(0, slot_ids.reshape(-1).long()).view(T, K)  # [T, K]

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .mxfp4_moe import INTERPRET, _f16_pair, _pair_slot, _x_chunk, decode_io, is_decode, plan_groups, sum_pairs
+from .mxfp4_moe import (INTERPRET, _e4m3x4, _f16_pair, _pair_slot, _x_chunk, decode_io, hardware_fp8, is_decode,
+                        plan_groups, sum_pairs)
 
 # T = tokens, K = top-k, P = computed (t, k) pairs, C = slots, H = hidden, I = intermediate, NB = groups,
 # N = outputs of a projection, KB = bytes in one packed row
@@ -113,7 +114,7 @@ def _e4m3_pair(u):
 
 @triton.jit
 def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS, GB: tl.constexpr,
-          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, HW_CVT: tl.constexpr):
     """Decode: x[x_row] . W[w_rows] -> [BLOCK_N] fp32 for one pair (int8: before the row scale).
 
     A thread holds whole 16-byte chunks of code words (one 16-byte load) of several rows, and the chunk's x
@@ -152,8 +153,11 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
                 part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
                 for w in tl.static_range(4):
                     cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
-                    v0, v2 = _e4m3_pair(cw)
-                    v1, v3 = _e4m3_pair(cw >> 8)
+                    if HW_CVT:  # the hardware's conversion (sm_89+): the values themselves
+                        v0, v1, v2, v3 = _e4m3x4(cw)
+                    else:  # integer ops: the values x 2^-8
+                        v0, v2 = _e4m3_pair(cw)
+                        v1, v3 = _e4m3_pair(cw >> 8)
                     part += v0 * xs[4 * w][None, :]
                     part += v1 * xs[4 * w + 1][None, :]
                     part += v2 * xs[4 * w + 2][None, :]
@@ -193,7 +197,7 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
     out = tl.sum(acc, axis=1)  # [BN]
     if FMT == 1:
         out = out * tl.load(s_ptr + s_rows, mask=w_ok, other=0.0)
-    if FMT == 0:
+    if FMT == 0 and not HW_CVT:
         out = out * 256.0  # the codes' 2^-8
     return out
 
@@ -273,7 +277,7 @@ def _w2_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr, group
 def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_ptr, act_ptr, stride_act, N, KB,
                        TOPK, limit, alpha, stride_wc, stride_sc, stride_biasc, S_COLS, GB: tl.constexpr, SPLIT_AT,
                        B0, FMT: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+                       HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
     """Decode: act[pair, j] = activation(gate_j, up_j) for one (t, k) pair and a tile of j in [0, I) (N = I)."""
     pair = tl.program_id(0)
     slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
@@ -291,9 +295,9 @@ def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_p
         s_ptr = s_ptr0 + slot64 * stride_sc
         token = pair // TOPK
         gate = _gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, _scale_rows(gate_rows, N, SPLIT_AT, B0), j_ok,
-                     KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB)
+                     KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT)
         up = _gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, _scale_rows(up_rows, N, SPLIT_AT, B0), j_ok,
-                   KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB)
+                   KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT)
         if HAS_BIAS:
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
@@ -311,7 +315,7 @@ def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_p
 def _w2_decode_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr, ids_ptr, map_ptr, res_ptr,
                       stride_res, out_ptr, stride_out, N, KB, TOPK, stride_wc, stride_sc, stride_biasc, S_COLS,
                       GB: tl.constexpr, B0, FMT: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+                      HAS_RES: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
     """Decode: out[t, j] = [residual[t, j] +] sum over k in order of topk_weight[t, k] (down_j . act[t K + k] +
     bias_j) for one token and a tile of j in [0, H) (N = H): the CTA loops over the token's K pairs (no atomics)."""
     t = tl.program_id(0)
@@ -324,7 +328,7 @@ def _w2_decode_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr
         if slot >= 0:
             slot64 = slot.to(tl.int64)
             y = _gemv(act_ptr, pair, stride_act, w_ptr0 + slot64 * stride_wc, s_ptr0 + slot64 * stride_sc, j, j // B0,
-                      j_ok, KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB)
+                      j_ok, KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)
             acc += y * tl.load(weights_ptr + pair).to(tl.float32)
@@ -350,9 +354,9 @@ def _decode_configs(which: str) -> list[triton.Config]:
     holds BLOCK_N / num_warps rows of its chunk (x decoded once for them); w2 has only T x H / BLOCK_N programs."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_KB": 32}, num_warps=4)]
-    tiles = [(16, 512, 4, 2), (32, 512, 8, 2), (8, 512, 4, 2), (16, 256, 4, 3)]
+    tiles = [(32, 512, 4, 2), (16, 512, 4, 2), (32, 512, 8, 2), (8, 512, 4, 2)]
     if which == "w2":
-        tiles = [(16, 512, 4, 2), (8, 512, 4, 2), (8, 256, 2, 3), (32, 512, 8, 2)]
+        tiles = [(16, 512, 2, 2), (16, 512, 4, 2), (8, 512, 4, 2), (32, 512, 4, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
 
 
@@ -432,13 +436,14 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
             x, x.stride(0), w13, s13, b13 if b13 is not None else s13, d.ids, smap, d.act, d.act.stride(0), I,
             w13.shape[2], K, float(act.limit), float(act.alpha), w13.stride(0), s13.stride(0),
             b13.stride(0) if b13 is not None else 0, cols13, gb13, split_at, B0, FMT=fid,
-            HAS_MAP=d.slot_map is not None, HAS_BIAS=b13 is not None, CLAMPED=act.kind == "clamped_swiglu")
+            HAS_MAP=d.slot_map is not None, HAS_BIAS=b13 is not None, CLAMPED=act.kind == "clamped_swiglu",
+            HW_CVT=fid == FP8 and hardware_fp8(x.device))
         res = d.residual if d.residual is not None else d.out
         _W2_DECODE[lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
             d.act, d.act.stride(0), w2, s2, b2 if b2 is not None else s2, d.weights, d.ids, smap, res, res.stride(0),
             d.out, d.out.stride(0), H, w2.shape[2], K, w2.stride(0), s2.stride(0),
             b2.stride(0) if b2 is not None else 0, cols2, gb2, B0, FMT=fid, HAS_MAP=d.slot_map is not None,
-            HAS_BIAS=b2 is not None, HAS_RES=d.residual is not None)
+            HAS_BIAS=b2 is not None, HAS_RES=d.residual is not None, HW_CVT=fid == FP8 and hardware_fp8(x.device))
         return d.out
     if slot_map is not None:  # prefill groups by slot on the device: one gather
         slot_ids = slot_map.index_select(0, slot_ids.reshape(-1).long()).view(T, K)  # [T, K]

@@ -153,6 +153,19 @@ MOVED = [Case("clamped_swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
          Case("swiglu", 2, "gemv", "some-absent", True, lookup=True)]
 
 
+def _e2m1_as_e4m3_error() -> float:
+    """The largest error of kernels/mxfp4_moe.py's E2M1 -> e4m3 byte mapping (the sm_89+ decode feeds its bytes to
+    the hardware's e4m3 conversion) over every code byte: e4m3 value x 2^6 against the E2M1 value. Script only:
+    the kernel is defined in the __main__ block."""
+    codes = torch.arange(256, dtype=torch.uint8)  # every byte: low nibble element 2j, high nibble 2j + 1
+    words = codes.view(torch.int32)  # [64]
+    lows, highs = torch.empty_like(words), torch.empty_like(words)
+    _e2m1_as_e4m3_kernel[(1,)](words, lows, highs)  # noqa: F821 - defined when run as a script
+    got = torch.stack([lows.view(torch.uint8), highs.view(torch.uint8)], dim=1).view(torch.float8_e4m3fn)  # [256, 2]
+    want = mxfp4.dequantize_reference(codes.view(16, 16), torch.full((16,), 127 - 6, dtype=torch.uint8))  # x 2^-6
+    return float((got.float().flatten() - want.flatten()).abs().max())
+
+
 def _interpreted_main() -> None:
     """Run as a script under TRITON_INTERPRET=1: one line per case, its name and its error's `excess`."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -163,9 +176,22 @@ def _interpreted_main() -> None:
         got, _ = run_case(case)
         moved, _ = run_case(case, moved=1)
         print(f"moved-{case.name}", float(not torch.equal(got, moved)), flush=True)
+    print("e2m1-as-e4m3", _e2m1_as_e4m3_error(), flush=True)
 
 
 if __name__ == "__main__":
+    import triton
+    import triton.language as tl
+
+    from moechat.engine.quant.kernels.mxfp4_moe import _e2m1_as_e4m3
+
+    @triton.jit
+    def _e2m1_as_e4m3_kernel(w_ptr, lo_ptr, hi_ptr):
+        i = tl.arange(0, 64)
+        lows, highs = _e2m1_as_e4m3(tl.load(w_ptr + i).to(tl.uint32, bitcast=True))
+        tl.store(lo_ptr + i, lows.to(tl.int32, bitcast=True))
+        tl.store(hi_ptr + i, highs.to(tl.int32, bitcast=True))
+
     _interpreted_main()
 
 
@@ -190,6 +216,10 @@ def test_interpreted_kernel_matches_the_reference(interpreted, case):
 @pytest.mark.parametrize("case", MOVED, ids=lambda c: c.name)
 def test_moving_experts_between_slots_changes_no_bit(interpreted, case):
     assert interpreted[f"moved-{case.name}"] == 0.0
+
+
+def test_e2m1_codes_map_to_e4m3_bytes_of_the_same_value(interpreted):
+    assert interpreted["e2m1-as-e4m3"] == 0.0
 
 
 def test_case_names_are_unique():
