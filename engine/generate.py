@@ -56,6 +56,7 @@ DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 512
 # Prompt tokens decoded to tell where a reasoning parser starts: "<|start|>assistant" or "<think>\n" is 2-3.
 _PROMPT_TAIL_TOKENS = 8
+_SNAPSHOT_BACK = 8  # recurrent state: a snapshot this many tokens before a prompt's end (see Engine._forward)
 _PIECE_CHARS = 1 << 16  # a long prompt is counted in pieces this big before it is tokenized whole
 
 
@@ -285,15 +286,21 @@ class Engine:
         return SequenceState(KVCache.for_model(a, self.context, self.loaded.dtype, self.loaded.device))
 
     def _forward(self, seq: SequenceState, ids: Sequence[int]) -> torch.Tensor:
-        """Run ids through the model (chunked), append them to seq; last position's fp32 logits [V]."""
+        """Run ids through the model (chunked), append them to seq; last position's fp32 logits [V].
+
+        With recurrent layers a prompt's prefill stops once, _SNAPSHOT_BACK tokens before its end, for a snapshot of
+        their state: the next turn's shared prefix ends about there when the template renders this turn's opening
+        differently in the history (Qwen3.5 drops the reply's <think> block), and never past the prompt's end."""
         hidden = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = list(ids[i : i + self.prefill_chunk])
-            hidden = self.model(torch.tensor(chunk, dtype=torch.long, device=self.loaded.device), seq.kv,
-                                self.provider)  # [T, H]
-            seq.tokens.extend(chunk)
-        if len(ids) > 1:  # the end of a prompt: where the next turn's shared prefix most often ends (recurrent state)
-            seq.kv.snapshot()
+        cut = max(0, len(ids) - _SNAPSHOT_BACK) if len(ids) > 1 and seq.kv.recurrent_layers else len(ids)
+        for part, (lo, hi) in enumerate(((0, cut), (cut, len(ids)))):
+            if part == 1 and hi > lo:
+                seq.kv.snapshot()
+            for i in range(lo, hi, self.prefill_chunk):
+                chunk = list(ids[i : min(hi, i + self.prefill_chunk)])
+                hidden = self.model(torch.tensor(chunk, dtype=torch.long, device=self.loaded.device), seq.kv,
+                                    self.provider)  # [T, H]
+                seq.tokens.extend(chunk)
         return self.model.logits(hidden[-1:])[0]  # [V]
 
     @typed_errors("generating")

@@ -15,7 +15,8 @@ and no V buffer (the values are the latent, expanded by kv_b_proj where they are
 Recurrent layers (Gated DeltaNet, Mamba-2) keep named state tensors instead (`state[layer]`: a conv window and an
 SSM / delta-rule matrix), the same size at every length, and no K/V (their buffers hold 0 positions). A recurrent
 state cannot be rewound: it is the whole prefix folded in. So the cache keeps up to `MAX_SNAPSHOTS` copies of it at
-chosen positions (`snapshot()`, taken by the engine at the end of each prompt's prefill), and `truncate(n)` goes
+chosen positions (`snapshot()`, taken by the engine 8 tokens before the end of each prompt's prefill, where the next
+turn's shared prefix ends even when the template re-renders this turn's opening), and `truncate(n)` goes
 back to the latest snapshot at or before n (the fresh state at 0 if there is none) and returns where it landed:
 the caller prefills from there, so a reused prefix is never a wrong continuation. Qwen3.6-35B-A3B: 61.4 MiB of
 state (30 linear layers), 61.4 MiB more per snapshot, against 20 KiB of KV per token for its 10 attention layers.
@@ -27,7 +28,7 @@ import torch
 
 from .errors import PromptTooLongError
 
-MAX_SNAPSHOTS = 2  # the end of the last two prompts: a chat turn's reuse lands on one of them or on the end state
+MAX_SNAPSHOTS = 2  # near the end of the last two prompts: a chat turn's reuse lands on one of them or on the end state
 
 
 class KVCache:

@@ -159,8 +159,9 @@ def test_cached_matches_resident(variants, name, slots, prefetch):
 
 
 def test_prefix_reuse_equals_fresh_prefill(variants):
-    """Turn 2 of a chat reuses turn 1's state (snapshot at the prompt's end, or the end state); its tokens == a fresh
-    prefill of the whole prompt, for a prefix that ends at the state, one that ends between snapshots, and none."""
+    """Turn 2 of a chat reuses turn 1's state (the end state, or the snapshot 8 tokens before the prompt's end); its
+    tokens == a fresh prefill of the whole prompt, for a prefix that extends the state, one that ends between the
+    snapshot and the state, and one that ends before any snapshot."""
     path, _ = variants("qwen3_next")
     engine = Engine.load(path, dtype="float32", prefill_chunk=16)
     first = _prompt(23, seed=1)
@@ -171,10 +172,13 @@ def test_prefix_reuse_equals_fresh_prefill(variants):
     cases = {
         "extends the end state": history + _prompt(9, seed=2),
         "diverges in the reply (back to the prompt's snapshot)": first + reply[:3] + _prompt(6, seed=3),
+        "diverges at the prompt's end (a re-rendered opening)": first[:-2] + _prompt(6, seed=5),
         "diverges in the prompt (fresh prefill)": first[:10] + _prompt(12, seed=4),
     }
-    expected_keep = {"extends the end state": len(history), "diverges in the reply (back to the prompt's snapshot)":
-                     len(first), "diverges in the prompt (fresh prefill)": 0}
+    expected_keep = {"extends the end state": len(history),
+                     "diverges in the reply (back to the prompt's snapshot)": len(first) - 8,
+                     "diverges at the prompt's end (a re-rendered opening)": len(first) - 8,
+                     "diverges in the prompt (fresh prefill)": 0}
     for what, ids in cases.items():
         fresh = _greedy(engine, ids, 10)
         s = engine.new_sequence()
@@ -214,8 +218,8 @@ def test_state_rewinds_after_a_failed_forward(variants):
         engine._forward(seq, prompt)
         seq.kv.consistent = False  # as a forward that raised in its middle leaves it
         keep = seq.truncate(len(seq.tokens))
-    assert keep == len(prompt)  # the prompt's snapshot is at its end: states restored there
-    assert _greedy(engine, [5, 6], 6, sequence=seq) == _greedy(engine, prompt + [5, 6], 6)
+    assert keep == len(prompt) - 8  # the prompt's snapshot, 8 tokens before its end: states restored there
+    assert _greedy(engine, prompt[keep:] + [5, 6], 6, sequence=seq) == _greedy(engine, prompt + [5, 6], 6)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
