@@ -200,6 +200,11 @@ def check_model(model_dir: str | os.PathLike, *, dtype: str | None = None, raw_c
     dense = validate(cls, args, ckpt, fmt)
     from .cache.store import DiskStore  # the one reader of experts, whatever the checkpoint's naming
 
+    if getattr(ckpt, "layer_formats", None):  # a GGUF whose expert types change by layer: each checked in its own
+        from .load.gguf import MixedExpertStore
+
+        disk = MixedExpertStore(ckpt, cls.moe_layers(args), args.hidden_size, args.moe_intermediate, torch_dtype)
+        return CheckedModel(cls, args, raw, fmt, ckpt, dense, disk, torch_dtype)
     disk = DiskStore(cls, args, ckpt, torch_dtype, fmt)  # checks every expert tensor before any weight is read
     return CheckedModel(cls, args, raw, fmt, ckpt, dense, disk, torch_dtype)
 
@@ -245,6 +250,18 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     model.finalize(min(max_positions or args.max_position_embeddings, args.max_position_embeddings))
     model.quantize_dense(dense_format)  # int8 attention projections and LM head, or nothing
     model.eval()
+    if getattr(ckpt, "layer_formats", None):  # GGUF, expert types by layer (Q4_K_M): resident, a format per layer
+        disk.close()
+        types = sorted({f.name for f in ckpt.layer_formats.values()})
+        if not resident_experts or target is not fmt:
+            raise ConfigError(f"{model_dir}: its experts change type from layer to layer ({', '.join(types)}); "
+                              "moechat runs such a file with every expert resident, in its own types: run it without "
+                              "--expert-slots/--ram-cache-mb/--expert-format, or use a quant with one type per "
+                              "projection (Q8_0, Q6_K, Q4_0)")
+        from .load.gguf import resident_mixed_provider
+
+        provider = resident_mixed_provider(ckpt, cls, args, torch_dtype, device)
+        return LoadedModel(model_dir, model, args, raw, ckpt, provider, torch_dtype, device, cls, fmt, fmt)
     if not resident_experts:
         disk.close()
         return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls, target, fmt)

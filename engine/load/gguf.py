@@ -133,6 +133,7 @@ class GGUFCheckpoint(Checkpoint):
         self.config = config
         self.expert_format = expert_format
         self.reader = metadata_reader  # the first file's reader: tokenizer.* and the rest of the metadata
+        self.layer_formats: dict[int, GGUFFormat] | None = None  # set when the expert types change by layer
         self._data = {t.name: t for r in readers for t in r.tensors}
 
     def get(self, name: str) -> torch.Tensor:
@@ -309,17 +310,22 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         if hf.endswith("shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])  # a converter may write HF's [1, H] gate as the 1-D [H] llama.cpp reads
         tensors[hf] = GGUFTensorInfo(hf, f, "F32", shape, start, end, typ.name, name, ne[0], transform)
-    fmt = None
+    fmt, layer_formats = None, None
     if any(expert_types.values()):
-        mixed = {p: ts for p, ts in expert_types.items() if len(ts) > 1}
-        if mixed:
-            p, ts = next(iter(mixed.items()))
-            what = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}[p]
-            raise CheckpointError(f"{where}: {what} is {' in some layers, '.join(sorted(ts))} in others; experts "
-                                  "whose type changes from layer to layer are not supported yet: use a quant whose "
-                                  "expert tensors share one type per projection (e.g. Q8_0, Q4_0, Q6_K)", path=where)
-        fmt = GGUFFormat(*(next(iter(expert_types[p])) for p in ("w1", "w3", "w2")))
-    return GGUFCheckpoint(files, readers, tensors, cfg, fmt, first)
+        per_layer: dict[int, tuple[str, str, str]] = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            names = [f"blk.{layer}.{p}" for p in parts]
+            if all(n in tensors for n in names):
+                per_layer[layer] = tuple(tensors[n].ggml for n in names)
+        combos = list(dict.fromkeys(per_layer.values()))
+        # Q4_K_M and the UD mixes change ffn_down_exps' type from layer to layer: one format per layer (resident)
+        common = max(combos, key=list(per_layer.values()).count)
+        fmt = GGUFFormat(*common)
+        if len(combos) > 1:
+            layer_formats = {layer: GGUFFormat(*ts) for layer, ts in per_layer.items()}
+    ckpt = GGUFCheckpoint(files, readers, tensors, cfg, fmt, first)
+    ckpt.layer_formats = layer_formats
+    return ckpt
 
 
 def gguf_text(path: str | os.PathLike):
@@ -376,3 +382,84 @@ def model_spec(path: str | os.PathLike):
     spec = replace(spec, expert_format=f"GGUF {types}", checkpoint_bytes=size, present_bytes=size,
                    path=str(path), notes=tuple(n for n in spec.notes if "safetensors" not in n) + notes)
     return spec
+
+
+class MixedExpertStore:
+    """The experts of a GGUF whose types change from layer to layer (Q4_K_M's ffn_down_exps: Q6_K in some layers,
+    Q4_K in the rest): each layer checked against its own `GGUFFormat`'s layout (a typed error naming the tensor)
+    and read per expert with preadv straight from the file, as the disk tier reads uniform ones."""
+
+    def __init__(self, ckpt: GGUFCheckpoint, layers: list[int], hidden: int, inter: int, dtype: torch.dtype):
+        self.formats = ckpt.layer_formats
+        self.shapes: dict[int, dict] = {}
+        self._infos: dict[int, dict[str, TensorInfo]] = {}
+        for layer in layers:
+            fmt = self.formats.get(layer)
+            if fmt is None:
+                raise CheckpointError(f"{ckpt.model_dir}: layer {layer} has no ffn_{{gate,up,down}}_exps tensors",
+                                      path=str(ckpt.model_dir))
+            shapes = fmt.layout(hidden, inter, dtype, bias=False)
+            self.shapes[layer] = shapes
+            self._infos[layer] = {}
+            for part, (shape, _) in shapes.items():
+                info = ckpt.info(fmt.tensor_names[part].format(layer=layer))
+                E = info.shape[0]
+                if info.shape[1:] != tuple(shape):
+                    raise CheckpointError(f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the "
+                                          f"config and its {info.ggml} type imply {[E, *shape]}", path=str(info.file),
+                                          tensor=info.name)
+                self._infos[layer][part] = info
+        self._fds: dict[Path, int] = {}
+
+    def read_into(self, layer: int, expert: int, dst) -> None:
+        for part, info in self._infos[layer].items():
+            per = info.nbytes // info.shape[0]
+            fd = self._fds.get(info.file)
+            if fd is None:
+                fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+            view = memoryview(dst[part].view(torch.uint8).numpy()).cast("B")
+            done = 0
+            while done < per:
+                n = os.preadv(fd, [view[done:]], info.start + expert * per + done)
+                if n <= 0:
+                    raise CheckpointError(f"{info.file}: ended while reading expert {expert} of layer {layer} "
+                                          "(was the file replaced while moechat ran?)", path=str(info.file))
+                done += n
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def resident_mixed_provider(ckpt: GGUFCheckpoint, cls, args, dtype: torch.dtype, device: torch.device):
+    """Every expert of a mixed-type GGUF resident, packed, each layer computed in its own format."""
+    from ..cache import hostmem
+    from ..moe import ExpertBatch, ResidentProvider
+
+    class LayerFormatProvider(ResidentProvider):
+        def __init__(self, tensors, num_layers, formats):
+            super().__init__(tensors, num_layers, next(iter(formats.values())))
+            self.formats = formats
+
+        def prepare(self, layer: int, topk_ids: torch.Tensor) -> ExpertBatch:
+            batch = super().prepare(layer, topk_ids)
+            return replace(batch, format=self.formats[layer])
+
+    from dataclasses import replace
+
+    layers = cls.moe_layers(args)
+    store = MixedExpertStore(ckpt, layers, args.hidden_size, args.moe_intermediate, dtype)
+    E = args.num_experts
+    tensors = {}
+    try:
+        for layer in layers:
+            tensors[layer] = {name: hostmem.empty((E, *shape), dt, torch.device("cpu"))
+                              for name, (shape, dt) in store.shapes[layer].items()}
+            for e in range(E):
+                store.read_into(layer, e, {name: t[e] for name, t in tensors[layer].items()})
+    finally:
+        store.close()
+    if device.type != "cpu":
+        tensors = {layer: {n: t.to(device) for n, t in ts.items()} for layer, ts in tensors.items()}
+    return LayerFormatProvider(tensors, args.num_hidden_layers, {layer: store.formats[layer] for layer in layers})

