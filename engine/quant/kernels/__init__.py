@@ -18,8 +18,9 @@ def has_triton() -> bool:
 @cache
 def quant_fused_moe(fmt: str, block: tuple[int, int] | None = None):
     """The fused MoE that `expert_compute` runs on CUDA tensors of an fp8/int8/int4 batch: (hidden_states,
-    topk_weights, batch, residual, act) -> residual + MoE output (kernels/quant_moe.py); None without triton."""
-    if not has_triton():
+    topk_weights, batch, residual, act) -> residual + MoE output (kernels/quant_moe.py); None without triton, or for
+    FP8 blocks whose columns are no multiple of 4 (the decode GEMV reads 4-byte words): the per-expert path runs."""
+    if not has_triton() or (fmt == "fp8" and block is not None and block[1] % 4):
         return None
 
     def run(hidden_states, topk_weights, batch, residual, act):

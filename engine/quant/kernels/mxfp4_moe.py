@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -104,6 +105,7 @@ def _e2m1_as_e4m3(w):
     return lows, highs
 
 
+@cache
 def hardware_fp8(device: torch.device) -> bool:
     """The device converts e4m3 in hardware (sm_89 and later); never under the interpreter."""
     return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -233,6 +233,14 @@ def test_formats_offer_the_fused_kernel_where_triton_is_installed(name):
     assert (fmt.fused_moe is not None) == has_triton()
 
 
+def test_fp8_blocks_the_decode_cannot_read_take_the_per_expert_path():
+    from moechat.engine.quant.kernels import quant_fused_moe
+
+    pytest.importorskip("triton")
+    assert quant_fused_moe("fp8", (16, 6)) is None  # 6 columns a block: a 4-byte word would straddle two
+    assert quant_fused_moe("fp8", (16, 8)) is not None
+
+
 QWEN3_30B = dict(H=2048, I=768, E=16, K=8, block=(128, 128))
 # bf16 (the models' dtype) at each grouping the kernel picks (GEMV, BLOCK_M 16 / 32 / 64) + int8 in fp32: few shapes,
 # so gpu_check compiles ~60 kernel variants, not hundreds
