@@ -143,8 +143,8 @@ def test_wrapper_runs_text_only_with_one_line(variants):
     assert len(lines) == 1 and "2 tensors" in lines[0], engine.notices
 
 
-@pytest.mark.parametrize("slots,prefetch", [(2, "off"), (5, "both"), (8, "off")])
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("name,slots,prefetch", [("qwen3_next", 2, "off"), ("qwen3_next", 5, "both"),
+                                                  ("qwen3_5_moe", 3, "both"), ("qwen3_5_moe", 8, "off")])
 def test_cached_matches_resident(variants, name, slots, prefetch):
     path, _ = variants(name)
     ids = _prompt(19, seed=5)
