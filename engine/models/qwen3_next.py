@@ -24,8 +24,8 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..kv_cache import KVCache
 from ..moe import ExpertProvider
-from . import gated_deltanet as gd
 from ..quant import native
+from . import gated_deltanet as gd
 from .base import MLP, ExpertNaming, MoEForCausalLM, _bf16_gemv_lib, _in_out, apply_rope
 from .qwen2_moe import Qwen2MoeBlock
 from .qwen3_moe import Qwen3MoeArgs
@@ -116,7 +116,8 @@ class GatedAttention(nn.Module):
     def __init__(self, args: Qwen3NextArgs, layer: int):
         super().__init__()
         H, D = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv, self.head_dim, self.layer = args.num_attention_heads, args.num_key_value_heads, D, layer
+        self.n_heads, self.n_kv = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim, self.layer = D, layer
         self.q_proj = nn.Linear(H, self.n_heads * D * 2, bias=args.attention_bias)
         self.k_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_bias)
         self.v_proj = nn.Linear(H, self.n_kv * D, bias=args.attention_bias)

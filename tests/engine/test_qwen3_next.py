@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import CheckpointError
-from moechat.engine.generate import Conversation, Engine
+from moechat.engine.generate import Engine
 from moechat.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
@@ -190,9 +190,10 @@ def test_prefix_reuse_equals_fresh_prefill(variants):
         assert _greedy(engine, ids[keep:], 10, sequence=s) == fresh, what
 
 
-def test_conversation_turns_reuse_and_match_fresh(variants):
-    """A Conversation over raw token ids: each turn prefills only past the reused state, and its reply is the one a
-    fresh sequence gives."""
+def test_turns_reuse_and_match_fresh(variants):
+    """Three turns over raw token ids, each truncated to its shared prefix as Conversation.send and the server's
+    --prefix-cache do (the tiny model has no chat template): each prefills only past the reused state, and its
+    reply is the one a fresh sequence gives."""
     path, _ = variants("qwen3_5_moe")
     engine = Engine.load(path, dtype="float32", prefill_chunk=16)
     seq = engine.new_sequence()
