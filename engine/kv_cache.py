@@ -34,17 +34,20 @@ MAX_SNAPSHOTS = 2  # near the end of the last two prompts: a chat turn's reuse l
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", v_head_dim: int | None = None,
-                 recurrent: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] | None = None):
+                 recurrent: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] | None = None,
+                 layouts: list[tuple[int, int, int]] | None = None):
         """v_head_dim: the value dim when it is not head_dim; 0 for no V buffers (MLA's latent cache).
         recurrent: layer -> {state name: (shape, dtype)} for the layers that keep a recurrent state (no K/V)."""
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         recurrent = recurrent or {}
         self.max_tokens = max_tokens
         positions = [0 if i in recurrent else max_tokens for i in range(num_layers)]
-        self.k = [torch.zeros(num_kv_heads, s, head_dim, dtype=dtype, device=device)  # [KVH, S, D]
-                  for s in positions]
-        self.v = [torch.zeros(num_kv_heads, s, v_head_dim, dtype=dtype, device=device)  # [KVH, S, Dv]
-                  for s in positions] if v_head_dim else []
+        # layouts: (KV heads, k dim, v dim) per layer where layers differ (Gemma 4: sliding 8 x 256, full 2 x 512)
+        layouts = layouts or [(num_kv_heads, head_dim, v_head_dim)] * num_layers
+        self.k = [torch.zeros(h, s, d, dtype=dtype, device=device)  # [KVH, S, D]
+                  for s, (h, d, _) in zip(positions, layouts, strict=True)]
+        self.v = [torch.zeros(h, s, dv, dtype=dtype, device=device)  # [KVH, S, Dv]
+                  for s, (h, _, dv) in zip(positions, layouts, strict=True)] if v_head_dim else []
         self.state: list[dict[str, torch.Tensor] | None] = [
             {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in recurrent[i].items()}
             if i in recurrent else None for i in range(num_layers)]
@@ -62,8 +65,9 @@ class KVCache:
         heads, k_dim, v_dim = args.kv_cache_layout()
         layout = getattr(args, "recurrent_layout", None)
         recurrent = layout(dtype) if layout is not None else None
+        per_layer = getattr(args, "kv_layer_layouts", None)  # layers of different widths: each its own
         return cls(args.num_hidden_layers, heads, k_dim, max_tokens, dtype, device, v_head_dim=v_dim,
-                   recurrent=recurrent)
+                   recurrent=recurrent, layouts=per_layer() if per_layer is not None else None)
 
     @property
     def free(self) -> int:
