@@ -14,10 +14,12 @@ multiply the fp32 normalised input (no 1 + w), the LM head is the tied embedding
 cap * tanh(logits / cap). The multimodal wrapper's text model lives under `model.language_model.`; its vision
 tower's tensors are in the checkpoint and never read (the model runs text-only).
 
-KV cache: one [1, S, max(heads x dim)] buffer pair per layer, each layer laying its own heads out in it head-major
-(sliding: 8 x 256, full: 2 x 512 in half of it): 30 x 2 x 2048 x 2 B = 240 KiB a token in bf16, 9% over the
-220 KiB the two kinds need exactly. Gemma-4-26B-A4B: 30 MoE layers x 128 experts, top-8, I = 704: one routed
-expert is 3 x 704 x 2816 x 2 B = 11.3 MiB in bf16, and the 3840 of them are 42.5 GiB of its ~47 GiB of weights.
+KV cache: one [KVH, S, D] buffer pair per layer at that layer's own width (`kv_layer_layouts`; sliding 8 x 256,
+full 2 x 512, K as V stored normed in V's buffer): 2 B x 2 x (25 x 2048 + 5 x 1024) = 220 KiB a token in bf16, 8%
+under the 240 KiB of one width for all. Sliding layers keep the whole context, not a ring of the 1024-token window
+(a ring of 1024 positions would hold 24.8 GiB less at 128k; not done).
+Gemma-4-26B-A4B: 30 MoE layers x 128 experts, top-8, I = 704: one routed expert is 3 x 704 x 2816 x 2 B = 11.3 MiB
+in bf16, and the 3840 of them are 42.5 GiB of its ~47 GiB of weights.
 """
 
 from __future__ import annotations
@@ -131,9 +133,13 @@ class Gemma4TextArgs(BaseModelArgs):
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     def kv_cache_layout(self) -> tuple[int, int, int]:
-        """One buffer shape for every layer: token-major rows wide enough for either kind's heads."""
-        width = max(D * nKV for D, nKV in self.layer_heads)
-        return 1, width, width
+        """The first layer's (KV heads, k dim, v dim); `kv_layer_layouts` gives every layer its own."""
+        D, nKV = self.layer_heads[0]
+        return nKV, D, D
+
+    def kv_layer_layouts(self) -> list[tuple[int, int, int]]:
+        """Each layer's own [KVH, S, D] buffers (sliding 8 x 256, full 2 x 512): the exact 220 KiB a token."""
+        return [(nKV, D, D) for D, nKV in self.layer_heads]
 
 
 @dataclass
@@ -222,11 +228,7 @@ class Gemma4Attention(nn.Module):
         k = _norm(k, self.k_norm_weight, self.eps)
         k = k * cos + k.roll(D // 2, dims=-1) * sin  # [T, nKV, D]
         end = start + T
-        # The layer owns its [1, S_max, width] buffers and lays them out head-major, [nKV, S_max, D] in the first
-        # nKV * S_max * D values, so each head's keys are one contiguous run (no copy of the cache per step)
-        S_max = kv.k[self.layer].shape[1]
-        kc = kv.k[self.layer].view(-1)[: nKV * S_max * D].view(nKV, S_max, D)
-        vc = kv.v[self.layer].view(-1)[: nKV * S_max * D].view(nKV, S_max, D)
+        kc, vc = kv.k[self.layer], kv.v[self.layer]  # [nKV, S_max, D]: this layer's own width (kv_layer_layouts)
         kc[:, start:end], vc[:, start:end] = k.transpose(0, 1), v.transpose(0, 1)
         first = 0 if self.window is None else max(0, start - self.window + 1)  # the oldest key any query sees
         keys, values = kc[:, first:end], vc[:, first:end]  # [nKV, S, D]

@@ -308,7 +308,8 @@ def test_real_gemma_4_26b_a4b_config(real):
     assert cls.__name__ == "Gemma4ForConditionalGeneration"
     assert (a.num_hidden_layers, a.num_experts, a.top_k, a.moe_intermediate, a.intermediate_size) == \
         (30, 128, 8, 704, 2112)
-    assert a.layer_heads[:6] == [(256, 8)] * 5 + [(512, 2)] and a.kv_cache_layout() == (1, 2048, 2048)
+    assert a.layer_heads[:6] == [(256, 8)] * 5 + [(512, 2)]
+    assert a.kv_layer_layouts()[4:6] == [(8, 256, 256), (2, 512, 512)]
     assert a.layer_window(0) == 1024 and a.layer_window(5) is None and a.final_logit_softcapping == 30.0
     assert a.rope_by_type["full_attention"]["rope_type"] == "proportional"
     shapes = cls.dense_weight_names(a)
@@ -328,10 +329,29 @@ def test_fit_plans_gemma_4_26b_a4b(real, capsys):
     spec = data["spec"]
     assert (spec["moe_layers"], spec["num_experts"], spec["top_k"]) == (30, 128, 8)
     assert spec["expert_bytes"] == 3 * 704 * 2816 * 2
-    assert spec["kv_bytes_per_token"] == 30 * 2 * 2048 * 2  # what the KV buffers allocate
+    assert spec["kv_bytes_per_token"] == 2 * 2 * (25 * 8 * 256 + 5 * 2 * 512) == 220 * 1024  # each layer's width
     assert spec["dense_parts"]["dense MLP layers"] == 30 * 3 * 2112 * 2816 * 2  # the MLP beside the experts
     assert any("vision tower" in n and "text model only" in n for n in spec["notes"])
     assert spec["all_experts_bytes"] + spec["dense_bytes"] == pytest.approx(2 * 25.2e9, rel=0.01)  # the catalog's
+
+
+def test_fit_counts_what_the_model_allocates(real):
+    """fit's dense bytes are the model's dense tensors and its KV per token the sequence state's buffers (full layers
+    at global_head_dim x num_global_key_value_heads, no v_proj with attention_k_eq_v)."""
+    import math
+
+    from moechat.engine.kv_cache import KVCache
+    from moechat.engine.loader import read_model_config
+    from moechat.engine.plan import spec_from_config
+
+    cls, args, _ = read_model_config(real)
+    spec = spec_from_config(json.loads((real / "config.json").read_text()))
+    assert spec.dense_bytes == sum(math.prod(s) for s in cls.dense_weight_names(args).values()) * 2
+    context = 16  # under the window: every layer holds all of it
+    kv = KVCache.for_model(args, context, torch.bfloat16, device="meta")
+    assert [tuple(t.shape) for t in kv.k[4:6]] == [(8, context, 256), (2, context, 512)]
+    assert spec.kv_bytes(context) == sum(t.numel() * t.element_size() for t in kv.k + kv.v) == context * 220 * 1024
+    assert "5 layers x 2 (K, V) x 2 KV heads x 512" in spec.kv_detail
 
 
 def test_the_catalog_lists_gemma_4_as_runnable():
