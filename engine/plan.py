@@ -443,15 +443,33 @@ def _config_dtype(c: dict) -> str | None:
     return str(name).removeprefix("torch.") if name else None
 
 
+def _layer_heads(c: dict, s: _Shape) -> list[tuple[int, int, bool]]:
+    """(head_dim, KV heads, has a v_proj) per layer: Gemma 4's full-attention layers have their own global_head_dim
+    and num_global_key_value_heads, K as V with attention_k_eq_v (engine/models/gemma4.py); others one for all."""
+    types, uniform = c.get("layer_types"), (s.head_dim, s.n_kv, True)
+    if not c.get("global_head_dim") or not isinstance(types, list) or len(types) != s.L:
+        return [uniform] * s.L
+    k_eq_v = bool(c.get("attention_k_eq_v"))
+    n_kv = int(c.get("num_global_key_value_heads") or s.n_kv) if k_eq_v else s.n_kv
+    full = (int(c["global_head_dim"]), n_kv, not k_eq_v)
+    return [full if t == "full_attention" else uniform for t in types]
+
+
 def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
     """(kind, elements per token over full layers, over windowed layers, window, one-line detail)."""
+    heads = _layer_heads(c, s)
     if c.get("kv_lora_rank"):  # MLA: one latent vector + the shared RoPE key per token and layer
         rope = c.get("qk_rope_head_dim") or 0
         per = c["kv_lora_rank"] + rope
         kind, detail = "MLA latent", f"{s.L} layers x (kv_lora_rank {c['kv_lora_rank']} + rope {rope})"
+        per_layer = [per] * s.L
     else:
         per = 2 * s.n_kv * s.head_dim
-        kind, detail = "GQA", f"{s.L} layers x 2 (K, V) x {s.n_kv} KV heads x {s.head_dim}"
+        per_layer = [2 * n_kv * D for D, n_kv, _ in heads]  # K as V is still cached twice (V is K normed)
+        kind = "GQA"
+        counts = {h[:2]: sum(x[:2] == h[:2] for x in heads) for h in heads}
+        detail = " + ".join(f"{n if len(counts) > 1 else s.L} layers x 2 (K, V) x {n_kv} KV heads x {D}"
+                            for (D, n_kv), n in counts.items())
     window = c.get("sliding_window")
     types = c.get("layer_types")
     linear = _linear_layers(c, s.L)
@@ -471,7 +489,8 @@ def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
     n_win = sum(sliding)
     if n_win:
         detail += f"; {n_win} of {s.L} layers attend to the last {window} tokens only"
-    return kind, per * (s.L - n_win), per * n_win, (int(window) if n_win else None), detail
+    full = sum(p for p, w in zip(per_layer, sliding) if not w)
+    return kind, full, sum(per_layer) - full, (int(window) if n_win else None), detail
 
 
 def _linear_layers(c: dict, L: int) -> int:
@@ -622,19 +641,22 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
             lin("attention", s.n_heads * (nope + vd), r, m)
             lin("attention", H, s.n_heads * vd, m)
             return
-        D, q_dim, kv_dim = s.head_dim, s.n_heads * s.head_dim, s.n_kv * s.head_dim
+        D, n_kv, has_v = layer_heads[layer]
+        q_dim, kv_dim = s.n_heads * D, n_kv * D
         qkv_bias = mt == "qwen2_moe" or bool(c.get("attention_bias"))
         lin("attention", q_dim, H, m, qkv_bias)
         lin("attention", kv_dim, H, m, qkv_bias)
-        lin("attention", kv_dim, H, m, qkv_bias)
+        if has_v:
+            lin("attention", kv_dim, H, m, qkv_bias)
         lin("attention", H, q_dim, m, bool(c.get("attention_bias")) and mt not in ("glm4_moe", "qwen2_moe"))
-        if mt in ("qwen3_moe",) or c.get("use_qk_norm"):
+        if mt in ("qwen3_moe", "gemma4", "gemma4_text") or c.get("use_qk_norm"):
             add("attention", 2 * D)
         elif mt == "olmoe":
             add("attention", q_dim + kv_dim)
         if mt == "gpt_oss":
             add("attention", s.n_heads)  # sinks
 
+    layer_heads = _layer_heads(c, s)
     n_shared = int(_get(c, "n_shared_experts", default=0) or 0)
     shared_I = c.get("shared_expert_intermediate_size") or 0
 
@@ -647,6 +669,8 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         bias = mt in ("gpt_oss", "deepseek_v3", "glm4_moe") or c.get("topk_method") == "noaux_tc"
         add("routers", s.E * H + (s.E if bias else 0))
         if c.get("enable_moe_block") and c.get("intermediate_size"):  # Gemma 4: a dense MLP beside the experts
+            add("routers", H + s.E)  # the router's scale and per_expert_scale
+            add("norms", 5 * H + 1)  # the MLP's and the experts' pre/post norms, and the layer scalar
             for out, inp in ((c["intermediate_size"], H), (c["intermediate_size"], H), (H, c["intermediate_size"])):
                 lin("dense MLP layers", out, inp, m)
         if n_shared or shared_I:
