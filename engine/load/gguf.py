@@ -116,7 +116,7 @@ def _value(reader, key: str, default=None):
 
 # llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
 ARCHES = {"qwen3moe": ("qwen3_moe", False), "qwen2moe": ("qwen2_moe", False), "olmoe": ("olmoe", False),
-          "llama": ("mixtral", True)}
+          "llama": ("mixtral", True), "glm4moe": ("glm4_moe", False)}
 DENSE_ARCHES = {"qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi2", "phi3", "gpt2", "olmo", "olmo2", "falcon",
                 "starcoder2", "command-r", "granite", "mistral3", "smollm3"}
 
@@ -168,7 +168,7 @@ def _layer_map(arch: str, cfg: dict) -> dict[str, str]:
     attn = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-    moe = {"qwen3moe": "mlp", "qwen2moe": "mlp", "olmoe": "mlp", "llama": "block_sparse_moe"}[arch]
+    moe = {"llama": "block_sparse_moe"}.get(arch, "mlp")
     out = {f"{k}.weight": f"{v}.weight" for k, v in attn.items()}
     out.update({f"{k}.bias": f"{v}.bias" for k, v in attn.items() if k in ("attn_q", "attn_k", "attn_v")})
     out["ffn_gate_inp.weight"] = f"{moe}.gate.weight"
@@ -177,6 +177,11 @@ def _layer_map(arch: str, cfg: dict) -> dict[str, str]:
                     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
                     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"})
+    if arch == "glm4moe":  # always-on shared experts (one dense MLP of n_shared x I) and the correction bias
+        out.update({"ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+                    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"})
     # dense-MLP layers (a model's first layers, or mlp_only_layers)
     out.update({"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
                 "ffn_down.weight": "mlp.down_proj.weight"})
@@ -234,6 +239,21 @@ def _config(reader, arch: str, tensors: dict, where: str) -> dict:
     elif model_type == "olmoe":
         cfg.update(num_experts=experts, intermediate_size=int(key("expert_feed_forward_length", ff)),
                    norm_topk_prob=False)
+    elif model_type == "glm4_moe":
+        nextn = int(key("nextn_predict_layers", 0))
+        cfg.update(n_routed_experts=experts, moe_intermediate_size=int(need("expert_feed_forward_length")),
+                   intermediate_size=ff, n_shared_experts=int(key("expert_shared_count", 1)),
+                   first_k_dense_replace=int(key("leading_dense_block_count", 0)),
+                   routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+                   norm_topk_prob=bool(key("expert_weights_norm", True)), n_group=int(key("expert_group_count", 1)),
+                   topk_group=int(key("expert_group_used_count", 1)),
+                   num_hidden_layers=cfg["num_hidden_layers"] - nextn,  # the MTP layers count in block_count
+                   use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
+                   attention_bias="blk.0.attn_q.bias" in tensors,
+                   partial_rotary_factor=int(key("rope.dimension_count", cfg["head_dim"] // 2)) / cfg["head_dim"])
+        if int(key("expert_gating_func", 2)) != 2:
+            raise UnsupportedModelError(f"{where}: glm4moe.expert_gating_func {key('expert_gating_func')} is not "
+                                        "the sigmoid GLM-4.5 routes with; the file is not a GLM-4.5-family model")
     else:  # mixtral
         cfg.update(num_local_experts=experts, intermediate_size=int(key("expert_feed_forward_length", ff)))
     return cfg
@@ -267,7 +287,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     if arch == "llama" and _value(first, "llama.expert_count", 0) in (0, None):
         arch = "llama-dense"
     if arch not in ARCHES:
-        runs = "qwen3moe, qwen2moe, olmoe, llama (Mixtral)"
+        runs = "qwen3moe, qwen2moe, olmoe, glm4moe, llama (Mixtral)"
         if arch in DENSE_ARCHES or arch == "llama-dense":
             raise UnsupportedModelError(f"{where}: architecture {arch.replace('-dense', '')!r} is a dense model, not "
                                         f"a Mixture-of-Experts; moechat runs GGUF files of {runs}")

@@ -50,12 +50,16 @@ def _encode(w: np.ndarray, name: str, rng) -> np.ndarray:
 
 
 # transformers' model_type -> llama.cpp's architecture name (Mixtral is a llama with experts)
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
+             "glm4_moe": "glm4moe"}
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
           "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+          "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -72,7 +76,7 @@ def write_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F
     cfg = model.config
     arch = GGUF_ARCH[cfg.model_type]
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
-    E = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    E = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or cfg.num_local_experts
     I = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -92,6 +96,15 @@ def write_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if getattr(cfg, "clip_qkv", None):
         w.add_clamp_kqv(cfg.clip_qkv)
+    if arch == "glm4moe":  # what Glm4MoeModel.set_gguf_parameters writes
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     held = {}
 
@@ -123,6 +136,11 @@ def write_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F
                 if arch == "llama" and kind == "weight" and g in ("attn_q", "attn_k"):
                     heads = cfg.num_attention_heads if g == "attn_q" else cfg.num_key_value_heads
                 put(f"blk.{i}.{g}.{kind}", p + h + "." + kind, arr, typ, heads)
+        if p + "mlp.gate.e_score_correction_bias" in sd:
+            put(f"blk.{i}.exp_probs_b.bias", p + "mlp.gate.e_score_correction_bias",
+                sd[p + "mlp.gate.e_score_correction_bias"], "F32")
+        if p + "mlp.experts.gate_up_proj" not in sd:
+            continue  # a dense layer
         gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]
         ts = types[i] if isinstance(types[0], tuple) else types  # per layer, as Q4_K_M mixes them
         put(f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), ts[0])
@@ -351,6 +369,10 @@ OTHERS = {
                     eos_token_id=None, bos_token_id=None),
     "olmoe": dict(num_experts=6, num_experts_per_tok=3, intermediate_size=32, norm_topk_prob=False, clip_qkv=0.5,
                   eos_token_id=None, pad_token_id=None),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+                     first_k_dense_replace=1, n_shared_experts=1, use_qk_norm=True, attention_bias=True,
+                     routed_scaling_factor=1.5, n_group=2, topk_group=1, norm_topk_prob=True, eos_token_id=None,
+                     pad_token_id=None),
     "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
                       shared_expert_intermediate_size=64, norm_topk_prob=False, eos_token_id=None),
 }
