@@ -74,8 +74,8 @@ def kernel_spec(fmt: str, which: str, arch: int = 90):
     """(jit function, signature, constexprs, attrs, num_warps, num_stages, BLOCK_N, BLOCK_KB) of a decode kernel."""
     os.environ.pop("TRITON_INTERPRET", None)  # the compiled kernels, not the interpreter's
     # the decode launches as expert_compute makes them today: slot ids (no map), the residual added in w2; e4m3
-    # (FP8, and MXFP4 through it) converted by the hardware from sm_89 (mxfp4_moe.hardware_fp8)
-    consts = dict(HAS_MAP=False, HAS_RES=True, HW_CVT=arch >= 89 and fmt in ("mxfp4", "fp8"))
+    # (FP8, and MXFP4 and int4 codes through it) converted by the hardware from sm_89 (mxfp4_moe.hardware_fp8)
+    consts = dict(HAS_MAP=False, HAS_RES=True, HW_CVT=arch >= 89 and fmt != "int8")
     if fmt == "mxfp4":
         from moechat.engine.quant.kernels import mxfp4_moe as mod
 

@@ -174,21 +174,29 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
                 xsum = tl.zeros((BG,), dtype=tl.float32)
                 for w in tl.static_range(4):
                     cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+                    if HW_CVT:  # a byte 0..15 is the e4m3 of code x 2^-9 (subnormal below 8): the hardware's
+                        # conversion, 4 codes a word of low (high) nibbles
+                        n_lo = _e4m3x4(cw & 0x0F0F0F0F)
+                        n_hi = _e4m3x4((cw >> 4) & 0x0F0F0F0F)
                     for bb in tl.static_range(4):
                         x_lo = xs[8 * w + 2 * bb]
                         x_hi = xs[8 * w + 2 * bb + 1]
-                        part += ((cw >> (8 * bb)) & 15).to(tl.float32) * x_lo[None, :]
-                        part += ((cw >> (8 * bb + 4)) & 15).to(tl.float32) * x_hi[None, :]
+                        if HW_CVT:
+                            part += n_lo[bb] * x_lo[None, :]
+                            part += n_hi[bb] * x_hi[None, :]
+                        else:
+                            part += ((cw >> (8 * bb)) & 15).to(tl.float32) * x_lo[None, :]
+                            part += ((cw >> (8 * bb + 4)) & 15).to(tl.float32) * x_hi[None, :]
                         xsum += x_lo + x_hi
                     if GB % 16 != 0:
                         col = (4 * (k0 + 4 * g) + 4 * w) // GB  # [BG]
                         sc = tl.load(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
                                      mask=w_ok[:, None] & (4 * g[None, :] + w < KW - k0), other=0.0).to(tl.float32)
-                        acc += (part - 8.0 * xsum[None, :]) * sc
+                        acc += (part - (8.0 / 512.0 if HW_CVT else 8.0) * xsum[None, :]) * sc
                         part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
                         xsum = tl.zeros((BG,), dtype=tl.float32)
                 if GB % 16 == 0:
-                    part -= 8.0 * xsum[None, :]
+                    part -= (8.0 / 512.0 if HW_CVT else 8.0) * xsum[None, :]
             if GB % 16 == 0:  # one scale a chunk
                 col = (16 * (k0 // 4 + g)) // GB  # [BG]
                 sc = tl.load(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
@@ -199,6 +207,8 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
         out = out * tl.load(s_ptr + s_rows, mask=w_ok, other=0.0)
     if FMT == 0 and not HW_CVT:
         out = out * 256.0  # the codes' 2^-8
+    if FMT == 2 and HW_CVT:
+        out = out * 512.0  # the codes' 2^-9
     return out
 
 
@@ -437,13 +447,13 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
             w13.shape[2], K, float(act.limit), float(act.alpha), w13.stride(0), s13.stride(0),
             b13.stride(0) if b13 is not None else 0, cols13, gb13, split_at, B0, FMT=fid,
             HAS_MAP=d.slot_map is not None, HAS_BIAS=b13 is not None, CLAMPED=act.kind == "clamped_swiglu",
-            HW_CVT=fid == FP8 and hardware_fp8(x.device))
+            HW_CVT=fid != INT8 and hardware_fp8(x.device))
         res = d.residual if d.residual is not None else d.out
         _W2_DECODE[lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
             d.act, d.act.stride(0), w2, s2, b2 if b2 is not None else s2, d.weights, d.ids, smap, res, res.stride(0),
             d.out, d.out.stride(0), H, w2.shape[2], K, w2.stride(0), s2.stride(0),
             b2.stride(0) if b2 is not None else 0, cols2, gb2, B0, FMT=fid, HAS_MAP=d.slot_map is not None,
-            HAS_BIAS=b2 is not None, HAS_RES=d.residual is not None, HW_CVT=fid == FP8 and hardware_fp8(x.device))
+            HAS_BIAS=b2 is not None, HAS_RES=d.residual is not None, HW_CVT=fid != INT8 and hardware_fp8(x.device))
         return d.out
     if slot_map is not None:  # prefill groups by slot on the device: one gather
         slot_ids = slot_map.index_select(0, slot_ids.reshape(-1).long()).view(T, K)  # [T, K]

@@ -233,6 +233,13 @@ def test_formats_offer_the_fused_kernel_where_triton_is_installed(name):
     assert (fmt.fused_moe is not None) == has_triton()
 
 
+def test_int4_code_bytes_are_e4m3_of_the_code_times_2_pow_minus_9():
+    """The sm_89+ int4 decode feeds bytes 0..15 (a nibble each) to the hardware's e4m3 conversion: byte n is n x 2^-9
+    exactly (subnormal below 8, exponent 1 from 8), so sum(n x) / 2^9 - 8 sum(x) is the int4 dot product."""
+    n = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(n.view(torch.float8_e4m3fn).float() * 512, n.float())
+
+
 def test_fp8_blocks_the_decode_cannot_read_take_the_per_expert_path():
     from moechat.engine.quant.kernels import quant_fused_moe
 
