@@ -21,6 +21,12 @@ Any other expert (a packed format such as MXFP4, biases, GPT-OSS's clamped SwiGL
 strategies through the format's `linear`, which computes from the packed slot tensors of one expert
 (on the CPU: dequantized one projection at a time into a reused scratch buffer), so no layer is ever
 expanded to full width.
+
+One token on the CPU with packed experts (int4, int8, MXFP4, FP8) is one native call for all of the batch's pairs
+(`_native_moe`: quant/native.py moe_decode), each weighted output into its own contrib row: 2 x top-k format
+`linear` calls (~10 us of Python and ctypes each, a pool wake each) become one, bit for bit the same rows
+(tests/engine/test_moe_decode.py). A Qwen3-30B-A3B layer (top-8, int4, one thread, loaded 2-core machine):
+1.82 -> 1.35 ms.
 """
 
 from __future__ import annotations

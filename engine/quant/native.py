@@ -5,8 +5,11 @@ The torch paths of int4, FP8 and MXFP4 (quant/cpu.py, mxfp4.py) decode row tiles
 each pass over the tile costing more than reading the packed bytes: 0.02-0.11 of the read bandwidth on one thread
 (bench/format_compute.py). native.c reads the packed bytes once and decodes in registers; a bf16 token through
 int4 (groups of 32) or MXFP4 is summed in integers over x rounded to 16 bits per block (`round_x16` is that
-rounding's reference). A call splits its rows over torch's thread count (native.c's thread pool); the kernels
-write fp32 or, where no bias follows, x's bf16 (`out_dtype`). For several tokens (prefill) `int4_decode`,
+rounding's reference). A call splits its rows over torch's thread count (native.c's thread pool: each call cut
+into chunks that the caller and the awake workers claim, so a late worker never holds a call up; `pin_threads` gives
+the pool its own count); the kernels write fp32 or, where no bias follows, x's bf16 (`out_dtype`). One token through
+a layer's routed experts is one call, `moe_decode` (gate/up, the activation, down and the routing weight for all
+of them: two pool jobs instead of 2 x top-k calls of ~10 us of ctypes each), bit for bit the per-projection path. For several tokens (prefill) `int4_decode`,
 `mxfp4_decode` and `fp8_decode` write a packed matrix's fp32 values, bit for bit the format's `weight()`, for one
 GEMM by torch (quant/cpu.py); fp32, not bf16, because a bf16 copy of those values is not exact and a bf16 GEMM on an
 AVX2 CPU is slower than an fp32 one. MOECHAT_NATIVE_DECODE=0 turns only these off (`decode_library()`). It is compiled with the
