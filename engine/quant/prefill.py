@@ -25,9 +25,7 @@ import torch
 ENV = "MOECHAT_PREFILL_KERNEL"
 _TYPED = "moechat_prefill_typed"
 
-# Prefill chunk size (tokens per forward pass), measured on a Qwen3-30B-A3B-shaped model (H 2048, 128 experts,
-# top-8), int4 experts resident, 2-core AMD EPYC (Zen 4, 1 MB L2 a core, 32 MB L3), loaded machine; see
-# chunk_size's docstring for the figures.
+# Prefill chunk sizes measured (tokens per forward pass); chunk_size's docstring has the figures.
 CHUNK_CHOICES = (64, 128, 256, 512)
 
 
@@ -154,17 +152,19 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double().abs() @ w.double().abs().t() * (cols * 2.0**-24)).float() + torch.finfo(torch.float32).tiny
 
 
-def chunk_size(hidden: int, threads: int = 1, l2_bytes: int = 1 << 20) -> int:
-    """Tokens per prefill chunk for a model of width `hidden`.
+def chunk_size(hidden: int, cache_bytes: int = 32 << 20) -> int:
+    """Tokens per prefill chunk for a model of width `hidden` on a CPU whose last-level cache holds `cache_bytes`.
 
-    A chunk's activations (the residual stream and the attention/MoE inputs of T tokens, ~4 fp32 [T, hidden]
-    buffers) should stay in the per-core L2, while each expert should see enough tokens that its decode is shared:
-    at 128 experts, top-8, a 256-token chunk gives ~16 tokens an expert. The largest of CHUNK_CHOICES whose
-    activations fit `threads` L2 caches (the choice is a multiple of 64, at least 64)."""
+    Measured (bench/format_compute.py --prefill --prefill-chunks 64,128,256,512, Qwen3-30B-A3B-shaped, 2 layers,
+    int4 experts resident, a 512-token prompt, one thread, 2-core Zen 4 with 1 MB L2 a core and 32 MB L3, machine
+    loaded to ~7-11): 65 / 85 / 98 / 113 tok/s at 64 / 128 / 256 / 512. Bigger chunks give each expert more tokens
+    (512 x top-8 / 128 experts = 32 an expert), so its decode is shared more widely and its packed bytes are read
+    fewer times; the prefill kernels stream x in 6-token blocks, so the chunk's activations need not fit L2. They
+    should stay in the last-level cache: the largest of CHUNK_CHOICES whose ~4 fp32 [T, hidden] live buffers fit
+    `cache_bytes` (512 at hidden 2048 or 2880; 256 at 7168), never under 64."""
     per_token = 4 * hidden * 4  # bytes: ~4 fp32 rows of the width live per token
-    budget = max(1, threads) * l2_bytes
     best = CHUNK_CHOICES[0]
     for c in CHUNK_CHOICES:
-        if c * per_token <= budget:
+        if c * per_token <= cache_bytes:
             best = c
     return best
