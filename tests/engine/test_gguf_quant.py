@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from moechat.engine.errors import CheckpointError  # noqa: E402
-from moechat.engine.quant.gguf import TYPES, GGUFFormat, dequantize, ggml_type  # noqa: E402
+from moechat.engine.quant.gguf import NATIVE_TYPES, TYPES, GGUFFormat, decode_rows, dequantize, ggml_type  # noqa: E402
 
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "BF16", "F16", "F32")
 
@@ -79,3 +79,15 @@ def test_a_type_moechat_cannot_compute_is_one_line_naming_the_tensor():
     with pytest.raises(CheckpointError, match=r"'blk.0.ffn_up_exps.weight' is stored as IQ2_XXS") as e:
         ggml_type(int(Q.IQ2_XXS), "blk.0.ffn_up_exps.weight")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE_TYPES))
+def test_native_tile_decoder_is_the_reference_bit_for_bit(name):
+    from moechat.engine.quant import native
+
+    if native.library() is None:
+        pytest.skip(f"no native kernels here ({native.status()})")
+    raw = torch.from_numpy(random_blocks(name, 40, 768, seed=5))
+    got = decode_rows(raw, TYPES[name], 768)
+    assert torch.equal(got, dequantize(raw, name, 768))
+    assert torch.equal(decode_rows(raw[8:24], TYPES[name], 768), got[8:24])  # a tile of rows
