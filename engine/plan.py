@@ -593,7 +593,7 @@ def _expert_tensors(s: _Shape, q: _Quant, fdtag: str, layer: int) -> list[Tensor
         out += q.tensors("down_proj", H, I, module, fdtag)
         out.append(TensorSpec("down_proj_bias", (H,), fdtag, H * s.float_bytes))
         return out
-    names = ("w1", "w3", "w2") if s.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    names = ("w1", "w3", "w2") if s.model_type in ("mixtral", "minimax_m2") else ("gate_proj", "up_proj", "down_proj")
     return (q.tensors(names[0], I, H, module, fdtag) + q.tensors(names[1], I, H, module, fdtag)
             + q.tensors(names[2], H, I, module, fdtag))
 
@@ -616,8 +616,14 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         p[0] += int(fe)
         p[1] += int(other)
 
+    shipped = [0, 0]  # FP8 dense weights: [bytes in the checkpoint, bytes once loaded]
+
     def lin(what: str, out: int, inp: int, module: str, bias: bool = False) -> None:
         fe, other = q.linear(out, inp, module)
+        if q.method == "fp8" and other:  # the loader dequantizes FP8 dense weights to the float dtype (loader.py)
+            shipped[0] += other
+            shipped[1] += out * inp * s.float_bytes
+            fe, other = out * inp, 0
         add(what, fe + (out if bias else 0), other)
 
     add("embeddings", V * H)
@@ -649,7 +655,9 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         if has_v:
             lin("attention", kv_dim, H, m, qkv_bias)
         lin("attention", H, q_dim, m, bool(c.get("attention_bias")) and mt not in ("glm4_moe", "qwen2_moe"))
-        if mt in ("qwen3_moe", "gemma4", "gemma4_text") or c.get("use_qk_norm"):
+        if c.get("use_qk_norm") and c.get("qk_norm_type") == "per_layer":  # MiniMax-M2: over all of q and of k
+            add("attention", q_dim + kv_dim)
+        elif mt in ("qwen3_moe", "gemma4", "gemma4_text") or c.get("use_qk_norm"):
             add("attention", 2 * D)
         elif mt == "olmoe":
             add("attention", q_dim + kv_dim)
@@ -667,7 +675,10 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
                 lin("dense MLP layers", out, inp, m)
             return
         bias = mt in ("gpt_oss", "deepseek_v3", "glm4_moe") or c.get("topk_method") == "noaux_tc"
-        add("routers", s.E * H + (s.E if bias else 0))
+        if mt == "minimax_m2":  # the gate and its correction bias are kept in fp32 (MiniMaxM2ForCausalLM.fp32_weights)
+            add("routers", 0, 4 * (s.E * H + s.E))
+        else:
+            add("routers", s.E * H + (s.E if bias else 0))
         if c.get("enable_moe_block") and c.get("intermediate_size"):  # Gemma 4: a dense MLP beside the experts
             add("routers", H + s.E)  # the router's scale and per_expert_scale
             add("norms", 5 * H + 1)  # the MLP's and the experts' pre/post norms, and the layer scalar
@@ -693,6 +704,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
     expert_params = 3 * H * s.I + (2 * s.I + H if mt == "gpt_oss" else 0)
     dense_parts = tuple((k, v[0] * s.float_bytes + v[1]) for k, v in parts.items())
     dense_bytes = sum(b for _, b in dense_parts)
+    stored_dense = dense_bytes + shipped[0] - shipped[1]  # in the checkpoint (FP8 dense weights at 8 bits)
     experts_bytes = sum(t.nbytes for t in expert) * len(s.moe_layers) * s.E
 
     # Multi-token-prediction layers ship in the checkpoint but are not used to decode.
@@ -702,17 +714,20 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         # MiniMax-M2: MTP modules of mtp_transformer_layers layers each, named in config.json; its Hub checkpoint's
         # size (229 B parameters, ~230 GB) leaves no room for them, so their cost is noted, not counted
         n = int(c["num_mtp_modules"]) * int(c.get("mtp_transformer_layers") or 1)
-        per_layer = (dense_bytes - V * H * s.float_bytes * (1 if s.tied else 2)) / L + s.E * sum(
+        per_layer = (stored_dense - V * H * s.float_bytes * (1 if s.tied else 2)) / L + s.E * sum(
             t.nbytes for t in expert)
         notes.append(f"{n} multi-token-prediction layer(s) named in config.json (use_mtp) are never loaded; they "
                      f"would cost ~{n * per_layer / GiB:.1f} GiB")
     if mtp:
-        per_layer_dense = (dense_bytes - (V * H * s.float_bytes * (1 if s.tied else 2))) / L
+        per_layer_dense = (stored_dense - (V * H * s.float_bytes * (1 if s.tied else 2))) / L
         unused = mtp * (per_layer_dense + s.E * sum(t.nbytes for t in expert) + 2 * H * H * s.float_bytes
                         + (2 * V * H * s.float_bytes if mt == "deepseek_v3" else 0))
         notes.append(f"{mtp} multi-token-prediction layer(s) in the checkpoint (~{unused / GiB:.1f} GiB) are "
                      "downloaded but not loaded")
-    checkpoint = int(dense_bytes + experts_bytes + unused)
+    checkpoint = int(stored_dense + experts_bytes + unused)
+    if shipped[0]:
+        notes.append(f"the checkpoint's FP8 dense weights ({shipped[0] / GiB:.2f} GiB with their scales) are "
+                     f"dequantized to {s.float_dtype} at load: {shipped[1] / GiB:.2f} GiB in memory")
     source = "config.json"
     if index is not None:
         source = "config.json + index"
@@ -775,6 +790,7 @@ def spec_from_headers(config: dict, tensors: dict, *, name: str = "", where: str
     per_expert: dict[tuple[int, int], dict[str, TensorSpec]] = {}
     parts: dict[str, int] = {}
     float_elems = embedding = shared = unused = 0
+    fp8_dense: dict[str, list[int]] = {}  # what -> [bytes in the checkpoint, elements once dequantized]
     for tname, info in tensors.items():
         dtag, shape, nbytes = info.dtype, tuple(info.shape), int(info.nbytes)
         layer_m = _LAYER.match(tname)
@@ -813,6 +829,10 @@ def spec_from_headers(config: dict, tensors: dict, *, name: str = "", where: str
         parts[what] = parts.get(what, 0) + nbytes
         if dtag in FLOAT_DTAGS and "scale" not in tname:
             float_elems += _numel(shape)
+        if dtag.startswith("F8") or tname.endswith(".weight_scale_inv"):  # dequantized at load (loader.py)
+            f8 = fp8_dense.setdefault(what, [0, 0])
+            f8[0] += nbytes
+            f8[1] += 0 if tname.endswith("_scale_inv") else _numel(shape)
     if not per_expert:
         raise ConfigError(f"{where}: no routed-expert tensors found in the safetensors headers (expected names "
                           "like model.layers.N.mlp.experts.E.* or fused model.layers.N.mlp.experts.*)")
@@ -840,6 +860,14 @@ def spec_from_headers(config: dict, tensors: dict, *, name: str = "", where: str
             float_by_size[FLOAT_DTAGS[info.dtype]] = float_by_size.get(FLOAT_DTAGS[info.dtype], 0) + int(info.nbytes)
     fbytes = max(float_by_size, key=float_by_size.get) if float_by_size else est.float_bytes
     fname = {4: "float32", 2: est.float_dtype if est.float_bytes == 2 else "bfloat16", 8: "float64"}[fbytes]
+    if fp8_dense:
+        stored = sum(b for b, _ in fp8_dense.values())
+        for what, (b, n) in fp8_dense.items():
+            parts[what] += n * fbytes - b
+            float_elems += n
+        loaded = sum(n for _, n in fp8_dense.values()) * fbytes
+        notes.append(f"the checkpoint's FP8 dense weights ({stored / GiB:.2f} GiB with their scales) are "
+                     f"dequantized to {fname} at load: {loaded / GiB:.2f} GiB in memory")
     notes.insert(0, "sizes read from the safetensors headers")
     return replace(
         est, source="safetensors headers", estimated=False, moe_layers=moe_layers, expert_tensors=expert,

@@ -278,6 +278,49 @@ def test_fit_plans_minimax_m2_5(real, capsys):
     assert any("auto_map" in n and "no remote code is needed" in n for n in spec["notes"])
 
 
+def _loaded_dense_bytes(cls, args, float_bytes: int) -> int:
+    """What the loader holds of the dense tensors: the model's dtype, the gate and its bias in fp32."""
+    import math
+
+    return sum(math.prod(shape) * (4 if name.endswith(cls.fp32_weights) else float_bytes)
+               for name, shape in cls.dense_weight_names(args).items())
+
+
+def test_fit_counts_fp8_dense_weights_as_loaded_and_experts_by_their_names(real):
+    """The loader dequantizes FP8 attention to bf16 (loader._dense_tensor): fit's dense bytes are that, the
+    download stays the FP8 size, a note says both; the experts' tensors are w1/w3/w2 as the checkpoint's."""
+    from moechat.engine.loader import read_model_config
+    from moechat.engine.plan import spec_from_config
+
+    cls, args, raw = read_model_config(real)
+    spec = spec_from_config(raw)
+    assert spec.dense_bytes == _loaded_dense_bytes(cls, args, 2)  # 7.47 GiB
+    bf16 = spec_from_config({k: v for k, v in raw.items() if k != "quantization_config"})
+    assert spec.dense_bytes == bf16.dense_bytes  # dense weights loaded alike
+    fp8_attention = 62 * (2 * (6144 + 1024) * 3072 + 4 * (2 * 48 * 24 + 2 * 8 * 24))  # e4m3 + 128x128 block scales
+    assert spec.checkpoint_bytes == bf16.checkpoint_bytes - spec.total_experts * (
+        bf16.stored_expert_bytes - spec.stored_expert_bytes) - (dict(bf16.dense_parts)["attention"]
+                                                                 - 62 * 2 * (48 + 8) * 128 - fp8_attention)
+    assert any("FP8 dense weights" in n and "dequantized to bfloat16 at load" in n for n in spec.notes)
+    assert [t.name for t in spec.expert_tensors] == ["w1.weight", "w1.weight_scale_inv", "w3.weight",
+                                                     "w3.weight_scale_inv", "w2.weight", "w2.weight_scale_inv"]
+
+
+def test_fit_reads_an_fp8_checkpoint_at_its_loaded_size(fp8):
+    """From the safetensors headers: FP8 q/k/v/o counted at the float dtype they are loaded in, the scales not at
+    all; the download is the files' bytes."""
+    from moechat.engine.loader import read_model_config
+    from moechat.engine.plan import read_model_spec
+
+    path, _ = fp8
+    cls, args, _ = read_model_config(path)
+    spec = read_model_spec(path)
+    assert spec.source == "safetensors headers"
+    assert spec.dense_bytes == _loaded_dense_bytes(cls, args, 4)  # the tiny model is float32
+    assert spec.checkpoint_bytes < (path / "model.safetensors").stat().st_size
+    assert any("FP8 dense weights" in n and "dequantized to float32 at load" in n for n in spec.notes)
+
+
 def test_the_catalog_lists_minimax_m2_5_as_runnable():
     from moechat.engine.catalog import find
 
