@@ -3,6 +3,7 @@
  * compiler vectorises the inner loops. Every value is computed with the operations, in the order, of the torch
  * reference (quant/gguf.py dequantize_blocks) and the gguf package: products rounded one at a time, never fused
  * (fp-contract off), so the rows are bit for bit the reference's. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -35,6 +36,7 @@ static inline void gguf_scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
     }
 }
 
+static const int8_t gguf_fp4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static const int8_t gguf_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* type: the ggml type id; src: nblocks blocks back to back; dst: nblocks x the type's values. 0, or -1 for a type
@@ -51,6 +53,45 @@ int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *d
             for (int i = 0; i < 16; i++) {
                 y[i] = d * (float)((x[2 + i] & 0x0f) - 8);
                 y[i + 16] = d * (float)((x[2 + i] >> 4) - 8);
+            }
+        } else if (type == 3) { /* Q4_1: d, m, qs[16]: d * q + m */
+            const uint8_t *x = src + b * 20;
+            float d = gguf_h2f(x), m = gguf_h2f(x + 2), *y = dst + b * 32;
+            for (int i = 0; i < 16; i++) {
+                y[i] = d * (float)(x[4 + i] & 0x0f) + m;
+                y[i + 16] = d * (float)(x[4 + i] >> 4) + m;
+            }
+        } else if (type == 6 || type == 7) { /* Q5_0 / Q5_1: d, (m,) qh u32, qs[16] */
+            int o = type == 6 ? 2 : 4;
+            const uint8_t *x = src + b * (type == 6 ? 22 : 24);
+            float d = gguf_h2f(x), m = type == 7 ? gguf_h2f(x + 2) : 0.0f, *y = dst + b * 32;
+            uint32_t qh = (uint32_t)x[o] | ((uint32_t)x[o + 1] << 8) | ((uint32_t)x[o + 2] << 16) |
+                          ((uint32_t)x[o + 3] << 24);
+            for (int i = 0; i < 16; i++) {
+                int lo = (x[o + 4 + i] & 0x0f) | (((qh >> i) & 1) << 4);
+                int hi = (x[o + 4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+                if (type == 6) {
+                    y[i] = d * (float)(lo - 16);
+                    y[i + 16] = d * (float)(hi - 16);
+                } else {
+                    y[i] = d * (float)lo + m;
+                    y[i + 16] = d * (float)hi + m;
+                }
+            }
+        } else if (type == 20) { /* IQ4_NL: d, qs[16]: d * codebook[q] */
+            const uint8_t *x = src + b * 18;
+            float d = gguf_h2f(x), *y = dst + b * 32;
+            for (int i = 0; i < 16; i++) {
+                y[i] = d * (float)gguf_iq4[x[2 + i] & 0x0f];
+                y[i + 16] = d * (float)gguf_iq4[x[2 + i] >> 4];
+            }
+        } else if (type == 39) { /* MXFP4: e (E8M0), qs[16]: 2^(e - 128) x the doubled E2M1 value, exact */
+            const uint8_t *x = src + b * 17;
+            int e = (int)x[0] - 128;
+            float s = ldexpf(1.0f, e), *y = dst + b * 32; /* a power of two: each product below is exact */
+            for (int i = 0; i < 16; i++) {
+                y[i] = (float)gguf_fp4x2[x[1 + i] & 0x0f] * s;
+                y[i + 16] = (float)gguf_fp4x2[x[1 + i] >> 4] * s;
             }
         } else if (type == 12 || type == 13) { /* Q4_K / Q5_K: d, dmin, scales[12], (qh[32],) qs[128] */
             const uint8_t *x = src + b * (type == 12 ? 144 : 176);

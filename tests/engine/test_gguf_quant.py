@@ -91,3 +91,16 @@ def test_native_tile_decoder_is_the_reference_bit_for_bit(name):
     got = decode_rows(raw, TYPES[name], 768)
     assert torch.equal(got, dequantize(raw, name, 768))
     assert torch.equal(decode_rows(raw[8:24], TYPES[name], 768), got[8:24])  # a tile of rows
+
+
+def test_mxfp4_every_exponent_matches_the_package_and_the_native_decoder():
+    from moechat.engine.quant import native
+
+    raw = np.random.default_rng(2).integers(0, 256, size=(256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)  # E8M0 from 2^-127 to 2^128 (the extremes: subnormal halves, infinities)
+    raw = raw.reshape(8, -1)
+    want = quants.dequantize(raw, Q.MXFP4).astype(np.float32)
+    got = dequantize(torch.from_numpy(raw), "MXFP4", 32 * 32)
+    np.testing.assert_array_equal(got.numpy(), want)
+    if native.library() is not None:
+        np.testing.assert_array_equal(decode_rows(torch.from_numpy(raw), TYPES["MXFP4"], 32 * 32).numpy(), want)
