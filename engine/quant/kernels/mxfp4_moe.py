@@ -8,6 +8,10 @@ the `w2` launch, one program per token and tile of H outputs, loops over the tok
 bias, x its routing weight, summed in fp32, + the residual, rounded once to the output (deterministic, no atomics:
 the CPU's order, k-sum then residual).
 
+The decode GEMV gives a thread whole 16-byte scale blocks of several rows and loads x in the codes' shape (no
+layout change through shared memory); E2M1 codes become fp16 bits in place (sm_80/86), or from sm_89 e4m3 bytes
+for the hardware's cvt.rn.f16x2.e4m3x2 (`hardware_fp8`); a block's 32 products are one FMA chain, scaled once.
+
 Prefill (more tokens per expert): pairs sorted by slot on the device and padded to BLOCK_M rows per slot (no host
 sync: the grid is the upper bound, groups past the end hold slot -1 and return at once); tl.dot on tensor cores,
 each slot's codes read once per group instead of once per pair; a torch sum over k in order adds the residual.

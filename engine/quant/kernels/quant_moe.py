@@ -10,10 +10,12 @@ runs tl.dot per group. One kernel source, the format a compile-time constant:
 
 * fp8 (Qwen3-*-FP8, DeepSeek-V3): e4m3 bytes [rows, in] (passed as uint8) and fp32 block scales
   [ceil(rows/b0), ceil(in/b1)]; w13's gate and up halves keep their own blocking. The e4m3 byte is decoded
-  with integer ops (exact, no fp8 type needed: sm_80 and the interpreter run it too), times its block scale.
+  by the hardware's cvt.rn.f16x2.e4m3x2 from sm_89 (the decode GEMV; `hardware_fp8`), else with integer ops
+  (exact, no fp8 type needed: sm_80 and the interpreter run them), and a block's sum times its scale.
 * int8: int8 [rows, in] and an fp32 scale per output row, applied once to the row's sum.
 * int4: bytes [rows, in/2] (low nibble the even element, code = q + 8) and fp16 group scales [rows, in/group],
-  widened to fp32 after the load (exact: the product is weight()'s).
+  widened to fp32 after the load (exact: the product is weight()'s). The decode sums code x x and takes 8 sum(x)
+  (shared by a thread's rows) off; from sm_89 a nibble byte goes through the e4m3 conversion (byte n is n x 2^-9).
 
 Bytes per Qwen3-30B-A3B decode step and layer (8 experts): bf16 75.5 MB, fp8 37.8, int8 37.9, int4 21.2 (codes
 + fp16 scales; 23.6 with fp32 scales); `bench/gpu_check.sh` runs the `gpu` tests and the rates
