@@ -583,6 +583,14 @@ class _Quant:
         return ""
 
 
+def _fp32_weights(model_type: str) -> tuple[str, ...]:
+    """The name endings the model's class keeps in fp32 whatever the dtype (routers: MoEForCausalLM.fp32_weights)."""
+    from .models import ARCHITECTURES
+
+    cls = ARCHITECTURES.get(model_type)
+    return tuple(cls.fp32_weights) if cls is not None else ()
+
+
 def _expert_tensors(s: _Shape, q: _Quant, fdtag: str, layer: int) -> list[TensorSpec]:
     """One routed expert's tensors as the checkpoint names them (config-only estimate)."""
     H, I = s.H, s.I
@@ -617,6 +625,8 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         p[1] += int(other)
 
     shipped = [0, 0]  # FP8 dense weights: [bytes in the checkpoint, bytes once loaded]
+    router32 = [0, 0]  # routers the engine keeps in fp32: the same
+    fp32_router = bool(_fp32_weights(mt))
 
     def lin(what: str, out: int, inp: int, module: str, bias: bool = False) -> None:
         fe, other = q.linear(out, inp, module)
@@ -675,10 +685,13 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
                 lin("dense MLP layers", out, inp, m)
             return
         bias = mt in ("gpt_oss", "deepseek_v3", "glm4_moe") or c.get("topk_method") == "noaux_tc"
-        if mt == "minimax_m2":  # the gate and its correction bias are kept in fp32 (MiniMaxM2ForCausalLM.fp32_weights)
-            add("routers", 0, 4 * (s.E * H + s.E))
+        n = s.E * H + (s.E if bias or c.get("use_routing_bias") else 0)
+        if fp32_router:  # the engine keeps the router in fp32 (its class's fp32_weights); shipped in the float dtype
+            add("routers", 0, 4 * n)
+            router32[0] += n * s.float_bytes
+            router32[1] += 4 * n
         else:
-            add("routers", s.E * H + (s.E if bias else 0))
+            add("routers", n)
         if c.get("enable_moe_block") and c.get("intermediate_size"):  # Gemma 4: a dense MLP beside the experts
             add("routers", H + s.E)  # the router's scale and per_expert_scale
             add("norms", 5 * H + 1)  # the MLP's and the experts' pre/post norms, and the layer scalar
@@ -704,7 +717,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
     expert_params = 3 * H * s.I + (2 * s.I + H if mt == "gpt_oss" else 0)
     dense_parts = tuple((k, v[0] * s.float_bytes + v[1]) for k, v in parts.items())
     dense_bytes = sum(b for _, b in dense_parts)
-    stored_dense = dense_bytes + shipped[0] - shipped[1]  # in the checkpoint (FP8 dense weights at 8 bits)
+    stored_dense = dense_bytes + shipped[0] - shipped[1] + router32[0] - router32[1]  # in the checkpoint
     experts_bytes = sum(t.nbytes for t in expert) * len(s.moe_layers) * s.E
 
     # Multi-token-prediction layers ship in the checkpoint but are not used to decode.
@@ -791,6 +804,7 @@ def spec_from_headers(config: dict, tensors: dict, *, name: str = "", where: str
     parts: dict[str, int] = {}
     float_elems = embedding = shared = unused = 0
     fp8_dense: dict[str, list[int]] = {}  # what -> [bytes in the checkpoint, elements once dequantized]
+    keep32 = _fp32_weights(est.model_type)
     for tname, info in tensors.items():
         dtag, shape, nbytes = info.dtype, tuple(info.shape), int(info.nbytes)
         layer_m = _LAYER.match(tname)
@@ -826,8 +840,10 @@ def spec_from_headers(config: dict, tensors: dict, *, name: str = "", where: str
             what = "dense MLP layers"
         else:
             what = "other"
+        if keep32 and tname.endswith(keep32):  # held in fp32 whatever the checkpoint stores it in
+            nbytes = 4 * _numel(shape)
         parts[what] = parts.get(what, 0) + nbytes
-        if dtag in FLOAT_DTAGS and "scale" not in tname:
+        if dtag in FLOAT_DTAGS and "scale" not in tname and not (keep32 and tname.endswith(keep32)):
             float_elems += _numel(shape)
         if dtag.startswith("F8") or tname.endswith(".weight_scale_inv"):  # dequantized at load (loader.py)
             f8 = fp8_dense.setdefault(what, [0, 0])
