@@ -417,7 +417,7 @@ def _decode_configs(which: str) -> list[triton.Config]:
     over its K pairs), so w2 offers narrower tiles to fill the SMs at T = 1 (GPT-OSS-20B: 2880 / 16 = 180 CTAs)."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
-    tiles = [(64, 256, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2), (16, 256, 4, 2)]
+    tiles = [(64, 256, 4, 2), (64, 256, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2)]
     if which == "w2":
         tiles = [(32, 256, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (64, 256, 8, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
