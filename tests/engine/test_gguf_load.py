@@ -68,7 +68,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F32", seed=0, expert_ff=None,
-               split_max_tensors=0):
+               split_max_tensors=0, meta=None):
     """Write `model` (a transformers MoE) as convert_hf_to_gguf.py would: llama.cpp names, experts stacked
     [E, rows, cols], llama-type q/k rows permuted, dense in `dense`, experts in `types` (gate, up, down). Returns
     the state dict the file holds after quantization (HF names, dequantized, q/k in HF order): the reference's."""
@@ -105,6 +105,8 @@ def write_gguf(path, model, types=("Q8_0", "Q8_0", "Q4_0"), dense="F32", embd="F
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
         w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+    if meta is not None:
+        meta(w)  # more metadata (the tokenizer)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     held = {}
 
@@ -420,3 +422,28 @@ def test_experts_whose_type_changes_by_layer_run_resident_and_refuse_a_cache(tmp
     with pytest.raises(ConfigError, match="change type from layer to layer") as e:
         Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=2))
     _one_line(e)
+
+
+def test_a_gguf_with_its_tokenizer_chats_as_the_safetensors_folder_does(tiny_chat_model, tmp_path, capsys):
+    """Text in, text out: the file's tokenizer and chat template (text/gguf_tokenizer.py) through `moechat run`, the
+    same tokens and text as the model's safetensors folder (fp32 weights in both)."""
+    import json
+
+    from moechat.app import cli
+
+    folder, model, fast = tiny_chat_model
+
+    def meta(w):
+        w.add_string("tokenizer.huggingface.json", (folder / "tokenizer.json").read_text())
+        w.add_chat_template(fast.chat_template)
+
+    path = tmp_path / "chat.gguf"
+    write_gguf(path, model, ("F32", "F32", "F32"), "F32", "F32", meta=meta)
+    out = []
+    for where in (folder, path):
+        code = cli.main(["run", str(where), "--prompt", "Hello world, experts?", "--max-tokens", "6",
+                         "--temperature", "0", "--dtype", "float32", "--json"])
+        text, err = capsys.readouterr()
+        assert code == 0, (where, err)
+        out.append(json.loads(text))
+    assert out[1]["token_ids"] == out[0]["token_ids"] and out[1]["text"] == out[0]["text"]
