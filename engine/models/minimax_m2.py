@@ -11,7 +11,8 @@ Its multi-token-prediction modules (`use_mtp`, `num_mtp_modules` x `mtp_transfor
 
 MiniMax-M2.5: 62 layers x 256 experts, top-8, I = 1536, H = 3072, shipped FP8 with 128 x 128 block scales
 (engine/quant/fp8.py): one routed expert is 3 x 1536 x 3072 B = 13.5 MiB + 864 B of scales (27 MiB in bf16), and
-the 15,872 of them are 209 GiB of the ~215 GiB checkpoint; KV is 62 x 2 x 8 x 128 x 2 B = 248 KiB a token.
+the 15,872 of them are 209 GiB of the ~215 GiB checkpoint; KV is 62 x 2 x 8 x 128 x 2 B = 248 KiB a token. Its FP8
+q/k/v/o (2.5 GiB with their scales) are dequantized to bf16 at load (loader.py): 5.1 GiB in memory, as fit counts.
 """
 
 from __future__ import annotations
