@@ -28,7 +28,7 @@ import torch
 
 from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
-from ..quant.gguf import GGUFFormat, dequantize, ggml_type
+from ..quant.gguf import TYPES, GGUFFormat, decode_rows, ggml_type
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -145,7 +145,11 @@ class GGUFCheckpoint(Checkpoint):
             raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
         if not isinstance(info, GGUFTensorInfo) or info.dtype == "U8":
             return raw.reshape(info.shape)
-        w = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], info.ggml, info.cols)
+        rows = raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None]  # [rows, row_bytes]
+        t = TYPES[info.ggml]
+        w = torch.empty(rows.shape[0], info.cols, dtype=torch.float32)  # [rows, cols]
+        for r in range(0, rows.shape[0], 4096):  # chunks: the torch decoder's integer temporaries stay small
+            w[r:r + 4096] = decode_rows(rows[r:r + 4096], t, info.cols)
         w = w.reshape(info.shape)
         if info.transform:
             n_head = self.config["num_attention_heads" if info.transform == "permute_q" else "num_key_value_heads"]
