@@ -447,3 +447,20 @@ def test_a_gguf_with_its_tokenizer_chats_as_the_safetensors_folder_does(tiny_cha
         assert code == 0, (where, err)
         out.append(json.loads(text))
     assert out[1]["token_ids"] == out[0]["token_ids"] and out[1]["text"] == out[0]["text"]
+
+
+def test_gguf_experts_convert_to_int8_through_the_repacked_store(good_file, tmp_path):
+    """--expert-format int8 from a GGUF: every expert dequantized from its ggml type (the format's weight()) and
+    requantized once into the repacked file; logits within int8's error of the packed GGUF's own."""
+    from moechat.engine.cache.provider import CacheConfig
+
+    native = Engine.load(good_file, dtype="float32")
+    int8 = Engine.load(good_file, dtype="float32", expert_format="int8",
+                       cache=CacheConfig(expert_slots=4, repack_dir=str(tmp_path / "repacked")))
+    assert int8.loaded.expert_format.name == "int8" and native.loaded.expert_format.name.startswith("gguf-")
+    ids = _prompt(9, seed=1)
+    with torch.inference_mode():
+        a = native._forward(native.new_sequence(), ids)
+        b = int8._forward(int8.new_sequence(), ids)
+    assert 0 < (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+    int8.close()
