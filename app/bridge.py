@@ -119,7 +119,19 @@ def default_policy() -> str:
 
 
 def looks_like_repo_id(model: str) -> bool:
-    return bool(_REPO_ID.match(model)) and not Path(model).exists()
+    """'org/name', or 'org/name:QUANT' (one quant of a GGUF repo), that is not a local path."""
+    repo, _, quant = model.partition(":")
+    return bool(_REPO_ID.match(repo)) and (quant == "" or ":" not in quant) and not Path(model).exists()
+
+
+def is_local_model(model: str | Path) -> bool:
+    """A model on this disk: a directory (safetensors, or one holding a GGUF model) or a .gguf file (a split
+    set's first part)."""
+    path = Path(model).expanduser()
+    return path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
+
+
+NO_MODEL_HINT = "pass a directory with config.json and *.safetensors (or a .gguf file), or a Hub repo id"
 
 
 def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
@@ -128,13 +140,17 @@ def resolve_model(model: str, cache_dir: str | Path | None = None) -> Path:
     from moechat.engine.errors import ConfigError
 
     path = Path(model).expanduser()
-    if path.is_dir():
+    if is_local_model(path):
         return path
     if looks_like_repo_id(model):
+        from .pull import resolve_model_arg
+
+        if ":" in model:  # one quant of a GGUF repo: its cached files
+            return Path(resolve_model_arg(model))
         from moechat.engine.hub import Hub
 
         return Hub(cache_dir=cache_dir).resolve(model)
-    raise ConfigError(f"{model}: no such model directory; pass a directory with config.json and *.safetensors")
+    raise ConfigError(f"{model}: no such model directory; {NO_MODEL_HINT}")
 
 
 TRACE_ROWS = 250_000  # routing rows the session keeps for the predicted hit rate (the curve reads 200k)

@@ -61,8 +61,9 @@ THREADS_HELP = ("CPU threads that compute (torch's and the native kernels' pools
 
 
 # The positional of run, chat and serve (fit's also takes a Hub repo id it has not downloaded): one name, one help.
-MODEL_HELP = ("a model directory (config.json and *.safetensors) or a Hub repo id downloaded with moechat pull "
-              "(default: the bundled demo model)")
+MODEL_HELP = ("a model directory (config.json and *.safetensors), a .gguf file (a split set's first part) or a folder "
+              "holding one, or a Hub repo id downloaded with moechat pull (org/repo:QUANT for a GGUF quant; "
+              "default: the bundled demo model)")
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")  # SamplingParams' names
 _SAMPLING_SCOPE = {
     "run": ("", "the model's generation_config.json"),

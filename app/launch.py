@@ -112,17 +112,16 @@ def _run(app) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     from .argtypes import device_problem
-    from .bridge import looks_like_repo_id
+    from .bridge import NO_MODEL_HINT, is_local_model, looks_like_repo_id
 
     if args.device is not None and device_problem(args.device):
         print(f"moechat: error: {device_problem(args.device)}", file=sys.stderr)  # before the app opens
         return EXIT_ERROR
     model = args.model
-    if model is not None and not Path(model).expanduser().is_dir() and not looks_like_repo_id(model):
-        print(f"moechat: error: {model}: no such model directory; pass a directory with config.json and "
-              "*.safetensors", file=sys.stderr)
+    if model is not None and not is_local_model(model) and not looks_like_repo_id(model):
+        print(f"moechat: error: {model}: no such model directory; {NO_MODEL_HINT}", file=sys.stderr)
         return EXIT_ERROR
-    if model is not None and Path(model).expanduser().is_dir():
+    if model is not None and is_local_model(model):
         model = str(Path(model).expanduser().resolve())
     else:
         from .pull import resolve_model_arg
@@ -144,10 +143,10 @@ def default_model(demo: Path | None = None, settings=None) -> str | None:
         from .settings import Settings
 
         settings = Settings.load()
-    from .bridge import looks_like_repo_id
+    from .bridge import is_local_model, looks_like_repo_id
 
     for model in settings.recent_models:
-        if Path(model).is_dir() or looks_like_repo_id(model):
+        if is_local_model(model) or looks_like_repo_id(model):
             return model
     return None
 

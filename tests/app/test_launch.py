@@ -78,7 +78,8 @@ def test_run_chat_takes_the_expert_format_for_that_model_this_session(captured, 
 def test_run_chat_on_a_missing_dir_is_one_line(captured, capsys):
     assert launch.run_chat(_parse("chat", "/no/such/dir")) == 1
     assert capsys.readouterr().err.strip() == ("moechat: error: /no/such/dir: no such model directory; pass a "
-                                               "directory with config.json and *.safetensors")
+                                               "directory with config.json and *.safetensors (or a .gguf file), "
+                                               "or a Hub repo id")
     assert captured == []
 
 
@@ -103,3 +104,22 @@ async def test_run_default_without_any_model_shows_the_welcome_screen(captured, 
         await pilot.pause()
         assert isinstance(app.screen, WelcomeScreen)
         assert "moechat chat" in app.screen.query_one("#welcome-text").source
+
+
+def test_a_gguf_file_and_a_gguf_quant_are_models_for_the_app(tmp_path):
+    from moechat.app.bridge import is_local_model, looks_like_repo_id, resolve_model
+
+    f = tmp_path / "Qwen3-30B-A3B-Q4_K_M.gguf"
+    f.write_bytes(b"GGUF")
+    assert is_local_model(f) and is_local_model(tmp_path) and resolve_model(str(f)) == f
+    assert not is_local_model(tmp_path / "notes.txt")
+    assert looks_like_repo_id("unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M") and looks_like_repo_id("org/name")
+    assert not looks_like_repo_id("org/name:Q4:x")
+
+
+def test_run_chat_takes_a_gguf_file(captured, tmp_path):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")
+    assert launch.run_chat(_parse("chat", str(f))) == 0
+    (app,) = captured
+    assert app.model == str(f.resolve())
