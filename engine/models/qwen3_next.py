@@ -300,6 +300,7 @@ class HybridBody(nn.Module):
 class Qwen3NextForCausalLM(MoEForCausalLM):
     args_class = Qwen3NextArgs
     delta_layout: ClassVar[str] = "qkvz"
+    embeds_by_embed: ClassVar[bool] = True  # --embeddings host applies
     expert_naming = ExpertNaming(
         gate="model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
         up="model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
@@ -331,7 +332,7 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         start = kv.length
         T = input_ids.shape[0]
         kv.reserve(T)
-        x = F.embedding(input_ids, self.embed_weight)  # [T, H]
+        x = self.embed(input_ids)  # [T, H]
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, R]
         kv.consistent = False  # until the last layer: an error between leaves states ahead of kv.length
         for layer in self.layer_list:

@@ -252,3 +252,14 @@ def test_bf16_cached_matches_resident(variants):
     seq = cached.new_sequence()
     assert all(seq.kv.state[i]["ssm"].dtype == torch.float32 for i in seq.kv.recurrent_layers)
     assert seq.kv.k[0].shape[1] == 0 and seq.kv.k[1].shape[1] == cached.context  # no KV for a linear layer
+
+
+def test_host_embeddings_apply_and_keep_the_tokens(variants):
+    """--embeddings host moves a hybrid model's table to RAM too (its own forward looks rows up by `embed`), so the
+    VRAM the plan gives to slots is really freed; the tokens are the same."""
+    path, _ = variants("qwen3_next")
+    ids = _prompt(9, seed=7)
+    want = _greedy(Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=3)), ids, 8)
+    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=3, embeddings="host"))
+    assert engine.model.embed_host is not None
+    assert _greedy(engine, ids, 8) == want
