@@ -116,7 +116,7 @@ def _value(reader, key: str, default=None):
 
 # llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
 ARCHES = {"qwen3moe": ("qwen3_moe", False), "qwen2moe": ("qwen2_moe", False), "olmoe": ("olmoe", False),
-          "llama": ("mixtral", True), "glm4moe": ("glm4_moe", False)}
+          "llama": ("mixtral", True), "glm4moe": ("glm4_moe", False), "gpt-oss": ("gpt_oss", False)}
 DENSE_ARCHES = {"qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi2", "phi3", "gpt2", "olmo", "olmo2", "falcon",
                 "starcoder2", "command-r", "granite", "mistral3", "smollm3"}
 
@@ -176,6 +176,10 @@ def _layer_map(arch: str, cfg: dict) -> dict[str, str]:
     out = {f"{k}.weight": f"{v}.weight" for k, v in attn.items()}
     out.update({f"{k}.bias": f"{v}.bias" for k, v in attn.items() if k in ("attn_q", "attn_k", "attn_v")})
     out["ffn_gate_inp.weight"] = f"{moe}.gate.weight"
+    if arch == "gpt-oss":  # o_proj's bias, the sinks, the router (with a bias), the norm before the experts
+        out.update({"attn_output.bias": "self_attn.o_proj.bias", "attn_sinks.weight": "self_attn.sinks",
+                    "attn_sinks": "self_attn.sinks", "post_attention_norm.weight": "post_attention_layernorm.weight",
+                    "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"})
     if arch == "qwen2moe":  # the shared expert and its sigmoid gate
         out.update({"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
@@ -258,6 +262,20 @@ def _config(reader, arch: str, tensors: dict, where: str) -> dict:
         if int(key("expert_gating_func", 2)) != 2:
             raise UnsupportedModelError(f"{where}: glm4moe.expert_gating_func {key('expert_gating_func')} is not "
                                         "the sigmoid GLM-4.5 routes with; the file is not a GLM-4.5-family model")
+    elif model_type == "gpt_oss":  # what GptOssModel.set_gguf_parameters writes; llama.cpp fixes the rest
+        layers = cfg["num_hidden_layers"]
+        rope = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor", 32.0)),
+                "original_max_position_embeddings": int(key("rope.scaling.original_context_length", 4096)),
+                "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False,
+                "rope_theta": cfg["rope_theta"]}
+        if str(key("rope.scaling.type", "yarn")) != "yarn":
+            raise UnsupportedModelError(f"{where}: gpt-oss.rope.scaling.type {key('rope.scaling.type')!r} is not the "
+                                        "YaRN gpt-oss is trained with; the file is not a gpt-oss model")
+        cfg.update(num_local_experts=experts, intermediate_size=int(key("expert_feed_forward_length", ff)),
+                   sliding_window=int(key("attention.sliding_window", 128)), rope_parameters=rope,
+                   # llama.cpp's gpt-oss: even layers slide, odd ones see everything (HF's layer_types)
+                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
     else:  # mixtral
         cfg.update(num_local_experts=experts, intermediate_size=int(key("expert_feed_forward_length", ff)))
     return cfg
@@ -291,7 +309,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     if arch == "llama" and _value(first, "llama.expert_count", 0) in (0, None):
         arch = "llama-dense"
     if arch not in ARCHES:
-        runs = "qwen3moe, qwen2moe, olmoe, glm4moe, llama (Mixtral)"
+        runs = "qwen3moe, qwen2moe, olmoe, glm4moe, gpt-oss, llama (Mixtral)"
         if arch in DENSE_ARCHES or arch == "llama-dense":
             raise UnsupportedModelError(f"{where}: architecture {arch.replace('-dense', '')!r} is a dense model, not "
                                         f"a Mixture-of-Experts; moechat runs GGUF files of {runs}")
@@ -305,6 +323,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     tensors: dict[str, GGUFTensorInfo] = {}
     expert_types: dict[str, set[str]] = {"w1": set(), "w3": set(), "w2": set()}
     parts = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2"}
+    biases = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")  # gpt-oss: [E, rows] per projection
     for name, (t, f) in raw.items():
         typ = ggml_type(int(t.tensor_type), name)  # a type moechat cannot compute: one line naming the tensor
         ne = [int(d) for d in t.shape]  # ggml order: ne0 (the input) first
@@ -318,6 +337,12 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
             expert_types[parts[m.group(2)]].add(typ.name)
             tensors[name] = GGUFTensorInfo(name, f, "U8", (ne[2], ne[1], typ.row_bytes(ne[0])), start, end,
                                            typ.name, name, ne[0])
+            continue
+        if m and m.group(2) in biases:  # read by the disk tier as they lie in the file: a float type, [E, rows]
+            if typ.name not in ("F32", "F16", "BF16") or len(ne) != 2:
+                raise CheckpointError(f"{f}: tensor {name!r} is {typ.name} {list(reversed(ne))}; expert biases "
+                                      "need F32, F16 or BF16 [experts, rows]", path=str(f), tensor=name)
+            tensors[name] = GGUFTensorInfo(name, f, typ.name, (ne[1], ne[0]), start, end, typ.name, name, ne[0])
             continue
         if m:
             hf = layer_map.get(m.group(2))
@@ -344,8 +369,13 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         combos = list(dict.fromkeys(per_layer.values()))
         # Q4_K_M and the UD mixes change ffn_down_exps' type from layer to layer: one format per layer (resident)
         common = max(combos, key=list(per_layer.values()).count)
-        fmt = GGUFFormat(*common)
+        interleaved = arch == "gpt-oss"  # its clamped SwiGLU reads gate/up rows interleaved
+        fmt = GGUFFormat(*common, interleaved=interleaved)
         if len(combos) > 1:
+            if interleaved:
+                raise UnsupportedModelError(f"{where}: its gpt-oss experts change type from layer to layer "
+                                            f"({', '.join('/'.join(c) for c in combos)}); moechat runs gpt-oss GGUF "
+                                            "files whose experts have one type per projection (the MXFP4 release)")
             layer_formats = {layer: GGUFFormat(*ts) for layer, ts in per_layer.items()}
     ckpt = GGUFCheckpoint(files, readers, tensors, cfg, fmt, first)
     ckpt.layer_formats = layer_formats

@@ -248,13 +248,27 @@ class GGUFFormat(ExpertFormat):
     tensor_names: dict[str, str] = {"w1": "blk.{layer}.ffn_gate_exps.weight", "w3": "blk.{layer}.ffn_up_exps.weight",
                                     "w2": "blk.{layer}.ffn_down_exps.weight"}
 
-    def __init__(self, gate: str, up: str, down: str):
+    def __init__(self, gate: str, up: str, down: str, interleaved: bool = False):
         self.types = {"w1": TYPES[gate], "w3": TYPES[up], "w2": TYPES[down]}
         names = dict.fromkeys((gate, up, down))
         self.name = "gguf-" + "-".join(names)  # gguf-Q4_K-Q6_K
+        # gpt-oss: the activation reads w13's output rows interleaved (even gate, odd up), as the HF checkpoint
+        # stores gate_up; llama.cpp's converter split them into ffn_gate_exps / ffn_up_exps, re-interleaved here
+        self.interleaved = interleaved
+        # experts with biases (gpt-oss): the converter's per-projection ffn_{gate,up,down}_exps.bias [E, rows]
+        self.tensor_names = {**GGUFFormat.tensor_names, "w1_bias": "blk.{layer}.ffn_gate_exps.bias",
+                             "w3_bias": "blk.{layer}.ffn_up_exps.bias", "w2_bias": "blk.{layer}.ffn_down_exps.bias"}
 
     def __repr__(self) -> str:
         return f"GGUFFormat({', '.join(t.name for t in self.types.values())})"
+
+    def layout(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> dict[str, TensorSpec]:
+        """As every format's, but the gate and up biases stay two tensors as the file stores them (`w1_bias`,
+        `w3_bias` [I] each, `w2_bias` [H]), so the disk tier reads each with one preadv."""
+        out = self.projection_layout(hidden, inter, dtype)
+        if bias:
+            out.update(w1_bias=((inter,), dtype), w3_bias=((inter,), dtype), w2_bias=((hidden,), dtype))
+        return out
 
     def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
         shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
@@ -273,13 +287,17 @@ class GGUFFormat(ExpertFormat):
 
     def weight(self, tensors: Mapping[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
         parts = ("w1", "w3") if which == "w13" else ("w2",)
-        return torch.cat([dequantize(tensors[p], self.types[p], self._cols(p, tensors[p])) for p in parts]).to(dtype)
+        ws = [dequantize(tensors[p], self.types[p], self._cols(p, tensors[p])) for p in parts]
+        if which == "w13" and self.interleaved:
+            return torch.stack(ws, dim=1).reshape(-1, ws[0].shape[1]).to(dtype)  # rows g0, u0, g1, u1, ...
+        return torch.cat(ws).to(dtype)
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
-        bias = tensors.get(f"{which}_bias")
         if which == "w2":
-            return gguf_linear(x, tensors["w2"], self.types["w2"], self._cols("w2", tensors["w2"]), bias)
-        g = gguf_linear(x, tensors["w1"], self.types["w1"], self._cols("w1", tensors["w1"]))  # [n, I]
-        u = gguf_linear(x, tensors["w3"], self.types["w3"], self._cols("w3", tensors["w3"]))  # [n, I]
-        y = torch.cat([g, u], dim=-1)  # [n, 2I]
-        return y if bias is None else (y.float() + bias.float()).to(x.dtype)
+            return gguf_linear(x, tensors["w2"], self.types["w2"], self._cols("w2", tensors["w2"]),
+                               tensors.get("w2_bias"))
+        g, u = (gguf_linear(x, tensors[p], self.types[p], self._cols(p, tensors[p]), tensors.get(f"{p}_bias"))
+                for p in ("w1", "w3"))  # [n, I] each
+        if self.interleaved:
+            return torch.stack([g, u], dim=-1).reshape(x.shape[0], -1)  # [n, 2I]: g0, u0, g1, u1, ...
+        return torch.cat([g, u], dim=-1)  # [n, 2I]

@@ -1,0 +1,178 @@
+"""gpt-oss and deepseek2 GGUF files: a tiny transformers model written as llama.cpp's convert_hf_to_gguf.py writes
+that architecture, loaded by moechat, against transformers on the dequantized weights in fp32."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from moechat.engine.generate import Engine  # noqa: E402
+from moechat.engine.loader import load_model  # noqa: E402
+from moechat.engine.quant.gguf import TYPES, dequantize  # noqa: E402
+
+from .test_gguf_load import GREEDY, _encode, _prompt  # noqa: E402
+
+
+class _Writer:
+    """A GGUFWriter plus the state dict the file holds after quantization (HF names, dequantized)."""
+
+    def __init__(self, path, arch, seed=0):
+        self.w = gguf.GGUFWriter(str(path), arch)
+        self.rng = np.random.default_rng(seed)
+        self.path = path
+        self.held: dict[str, torch.Tensor] = {}
+
+    def put(self, gname, arr, typ="F32", hf=None):
+        """Write `arr` (fp32 numpy) as `gname` in `typ`; return its dequantized values (and keep them as `hf`)."""
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        data = _encode(arr, typ, self.rng)
+        self.w.add_tensor(gname, data, raw_dtype=None if typ in ("F32", "F16") else Q[typ])
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
+        back = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], TYPES[typ], arr.shape[-1])
+        back = back.reshape(arr.shape)
+        if hf is not None:
+            self.held[hf] = back
+        return back
+
+    def close(self):
+        self.w.write_header_to_file(self.path)
+        self.w.write_kv_data_to_file()
+        self.w.write_tensors_to_file()
+        self.w.close()
+        return self.held
+
+
+def _check(model, held, path, n_prompt=13, steps=8):
+    """moechat on the file == transformers on the held weights: fp32 logits ~1e-4 and greedy tokens."""
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(held, strict=True)
+    engine = Engine(load_model(path, dtype="float32"), None, None, {}, 512, 16)
+    assert engine.args.model_type == model.config.model_type
+    for n, seed in ((1, 2), (n_prompt, 4)):
+        ids = _prompt(n, seed=seed)
+        with torch.inference_mode():
+            ours = engine._forward(engine.new_sequence(), ids)
+            theirs = ref(torch.tensor([ids])).logits[0, -1].float()
+        assert (ours - theirs).abs().max().item() < 1e-4
+    ids = _prompt(n_prompt, seed=4)
+    got = [t for c in engine.generate(ids, sampling=GREEDY, max_tokens=steps) for t in c.token_ids]
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=steps, min_new_tokens=0,
+                           pad_token_id=0)
+    assert got == out[0, n_prompt:].tolist() and len(got) == steps
+    return engine
+
+
+# -- gpt-oss -------------------------------------------------------------------------------------------------------
+
+def tiny_gpt_oss():
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "gpt_oss", vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=6,
+        max_position_embeddings=512, initializer_range=0.2, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # the init leaves sinks and biases at zero: give them values the test can see
+        for name, p in model.named_parameters():
+            if "sinks" in name or name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def write_gpt_oss_gguf(path, model, expert="MXFP4", dense="Q8_0", sinks_suffix=".weight"):
+    """As GptOssModel in convert_hf_to_gguf.py: gate_up_proj [E, H, 2I] transposed and split by row parity into
+    ffn_gate_exps (even) / ffn_up_exps (odd), their biases likewise, down_proj transposed, sinks as attn_sinks,
+    post_attention_layernorm as post_attention_norm, the router as ffn_gate_inp with its bias; YaRN metadata."""
+    cfg = model.config
+    W = _Writer(path, "gpt-oss")
+    w = W.w
+    rope = cfg.rope_parameters
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    W.put("token_embd.weight", sd["model.embed_tokens.weight"], dense, "model.embed_tokens.weight")
+    W.put("output_norm.weight", sd["model.norm.weight"], "F32", "model.norm.weight")
+    W.put("output.weight", sd["lm_head.weight"], dense, "lm_head.weight")
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, g in names.items():
+            for kind in ("weight", "bias"):
+                if p + hf + "." + kind in sd:
+                    arr = sd[p + hf + "." + kind]
+                    typ = dense if arr.ndim == 2 and g != "ffn_gate_inp" else "F32"
+                    W.put(f"blk.{i}.{g}.{kind}", arr, typ, p + hf + "." + kind)
+        W.put(f"blk.{i}.attn_sinks{sinks_suffix}", sd[p + "self_attn.sinks"], "F32", p + "self_attn.sinks")
+        e = p + "mlp.experts."
+        gate_up = sd[e + "gate_up_proj"].swapaxes(1, 2)  # [E, 2I, H]
+        g = W.put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, ::2], expert)
+        u = W.put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, 1::2], expert)
+        W.held[e + "gate_up_proj"] = torch.stack([g, u], dim=2).reshape(gate_up.shape).transpose(1, 2).contiguous()
+        bias = sd[e + "gate_up_proj_bias"]  # [E, 2I]
+        bg = W.put(f"blk.{i}.ffn_gate_exps.bias", bias[:, ::2])
+        bu = W.put(f"blk.{i}.ffn_up_exps.bias", bias[:, 1::2])
+        W.held[e + "gate_up_proj_bias"] = torch.stack([bg, bu], dim=2).reshape(bias.shape)
+        d = W.put(f"blk.{i}.ffn_down_exps.weight", sd[e + "down_proj"].swapaxes(1, 2), expert)  # [E, H, I]
+        W.held[e + "down_proj"] = d.transpose(1, 2).contiguous()
+        W.put(f"blk.{i}.ffn_down_exps.bias", sd[e + "down_proj_bias"], "F32", e + "down_proj_bias")
+    return W.close()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    return tiny_gpt_oss()
+
+
+@pytest.mark.parametrize("expert,dense,sinks", [("MXFP4", "Q8_0", ".weight"), ("Q8_0", "F32", "")])
+def test_gpt_oss_gguf_matches_transformers(tmp_path, gpt_oss, expert, dense, sinks):
+    """MXFP4 experts re-interleaved from the split gate/up, per-projection biases, sinks, the sliding/full
+    alternation (window 6 < the 13-token prompt), YaRN from the metadata: fp32 logits and greedy tokens."""
+    path = tmp_path / "gpt-oss.gguf"
+    held = write_gpt_oss_gguf(path, gpt_oss, expert, dense, sinks)
+    engine = _check(gpt_oss, held, path)
+    args = engine.args
+    assert args.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert args.sliding_window == 6 and args.rope_parameters["factor"] == 8.0
+    assert engine.loaded.expert_format.name == f"gguf-{expert}"
+
+
+def test_cached_gpt_oss_gguf_experts_give_the_resident_tokens(tmp_path, gpt_oss):
+    from moechat.engine.cache.provider import CacheConfig
+
+    path = tmp_path / "gpt-oss.gguf"
+    write_gpt_oss_gguf(path, gpt_oss)
+    resident = Engine.load(path, dtype="float32")
+    cached = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=2, ram_cache_bytes=0))
+    ids = _prompt(9, seed=8)
+    want = [t for c in resident.generate(ids, sampling=GREEDY, max_tokens=8) for t in c.token_ids]
+    got = [t for c in cached.generate(ids, sampling=GREEDY, max_tokens=8) for t in c.token_ids]
+    assert got == want and len(want) == 8
+    assert sum(cached.cache_snapshot().misses) > 0
+    cached.close()
