@@ -85,6 +85,12 @@ class ExpertBatch:
     `host_tensors` (a CPU only) makes one batch of a step whose experts are split between the slots and the RAM
     tier: slot ids >= C index these host buffers ([N, ...] by the same names) at id - C, so every expert is
     computed in one pass wherever its bytes live (the slots and the RAM tier are both host memory there).
+
+    `slot_map` [E] int32 (this layer's row of the pool's device map, -1: no slot) with `topk_ids` [T, K] (the
+    routed expert ids, on the same device) let the fused CUDA kernels read each pair's slot themselves
+    (slot_map[topk_ids[t, k]]): the provider sets them on a device batch of the whole step whose experts are all
+    in slots, and skips the device gather then (`slot_ids` is the host copy). Batches that need host ids (a
+    subset of pairs, host experts) leave them None.
     """
 
     tensors: Mapping[str, torch.Tensor]
@@ -94,6 +100,14 @@ class ExpertBatch:
     format: ExpertFormat = DENSE
     on_host: bool = False  # the tensors are host (RAM-tier) buffers: compute these pairs on the CPU (hybrid)
     host_tensors: Mapping[str, torch.Tensor] | None = field(default=None)  # slot ids C.. index these (CPU)
+    slot_map: torch.Tensor | None = field(default=None)  # [E] int32 the layer's device map row, with topk_ids
+    topk_ids: torch.Tensor | None = field(default=None)  # [T, K] routed expert ids on slot_map's device
+
+    def kernel_ids(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a fused kernel is given: (topk_ids, slot_map) to look the slots up itself, else (slot_ids, None)."""
+        if self.slot_map is not None and self.topk_ids is not None:
+            return self.topk_ids, self.slot_map
+        return self.slot_ids, None
 
 
 @runtime_checkable

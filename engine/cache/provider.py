@@ -420,10 +420,14 @@ class CachedProvider:
     def _batch(self, layer: int, topk_ids: torch.Tensor, ids_cpu: torch.Tensor, pairs) -> ExpertBatch:
         host_slots = torch.from_numpy(self.pool.host_map[layer][ids_cpu.numpy()])  # [T, K] int32, -1 outside group
         if self.pool.device.type == "cpu":
-            slot_ids = host_slots
-        else:
-            slot_ids = self.pool.slot_map[layer][topk_ids]  # [T, K] gathered on the device, no sync
-        if pairs is not None and self.pool.device.type != "cpu":
+            return ExpertBatch(self.pool.buffers, host_slots, host_slots, pairs, self.format)
+        if pairs is None and topk_ids.device == self.pool.device:
+            # every expert of the step is in a slot: the fused kernels read slot_map[layer, topk_ids] themselves
+            # (no gather op); map writes after this are stream-ordered behind the layer's kernels
+            return ExpertBatch(self.pool.buffers, host_slots, host_slots, None, self.format,
+                               slot_map=self.pool.slot_map[layer], topk_ids=topk_ids)
+        slot_ids = self.pool.slot_map[layer][topk_ids]  # [T, K] gathered on the device, no sync
+        if pairs is not None:
             pairs = pairs.to(self.pool.device)
         return ExpertBatch(self.pool.buffers, slot_ids, host_slots, pairs, self.format)
 

@@ -264,8 +264,9 @@ def _fused_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch, r
                act) -> torch.Tensor:
     from .kernels.mxfp4_moe import mxfp4_moe
 
-    return mxfp4_moe(hidden_states, topk_weights, batch.slot_ids, batch.tensors, act, residual=residual,
-                     pairs=batch.pairs)
+    ids, slot_map = batch.kernel_ids()  # the routed ids and the layer's map where the batch carries them
+    return mxfp4_moe(hidden_states, topk_weights, ids, batch.tensors, act, residual=residual, pairs=batch.pairs,
+                     slot_map=slot_map)
 
 
 MXFP4 = register(Mxfp4Format())

@@ -26,6 +26,7 @@ def quant_fused_moe(fmt: str, block: tuple[int, int] | None = None):
     def run(hidden_states, topk_weights, batch, residual, act):
         from .quant_moe import quant_moe
 
-        return quant_moe(hidden_states, topk_weights, batch.slot_ids, batch.tensors, act, fmt, block=block,
-                         residual=residual, pairs=batch.pairs)
+        ids, slot_map = batch.kernel_ids()  # the routed ids and the layer's map where the batch carries them
+        return quant_moe(hidden_states, topk_weights, ids, batch.tensors, act, fmt, block=block,
+                         residual=residual, pairs=batch.pairs, slot_map=slot_map)
     return run
