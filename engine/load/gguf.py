@@ -83,7 +83,9 @@ class GGUFTensorInfo(TensorInfo):
     ggml: str = "F32"
     gguf_name: str = ""
     cols: int = 0
-    transform: str = ""  # "", "permute_q", "permute_k": the llama converter's q/k row order, undone on read
+    transform: str = ""  # "", "permute_q", "permute_k": the llama converter's q/k row order, undone on read;
+    # "kv_b": deepseek2's kv_b_proj made again from the attn_k_b / attn_v_b pair recent converters split it into
+    other: str = ""  # "kv_b": the attn_v_b tensor (gguf_name is attn_k_b)
 
 
 def _read(path: Path):
@@ -116,7 +118,8 @@ def _value(reader, key: str, default=None):
 
 # llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
 ARCHES = {"qwen3moe": ("qwen3_moe", False), "qwen2moe": ("qwen2_moe", False), "olmoe": ("olmoe", False),
-          "llama": ("mixtral", True), "glm4moe": ("glm4_moe", False), "gpt-oss": ("gpt_oss", False)}
+          "llama": ("mixtral", True), "glm4moe": ("glm4_moe", False), "gpt-oss": ("gpt_oss", False),
+          "deepseek2": ("deepseek_v2", False)}  # deepseek_v3 where its gating is sigmoid (V3, R1, Kimi K2)
 DENSE_ARCHES = {"qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi2", "phi3", "gpt2", "olmo", "olmo2", "falcon",
                 "starcoder2", "command-r", "granite", "mistral3", "smollm3"}
 
@@ -139,22 +142,34 @@ class GGUFCheckpoint(Checkpoint):
     def get(self, name: str) -> torch.Tensor:
         """A dense tensor dequantized to fp32 in the engine's shape, or an expert tensor's raw bytes."""
         info = self.info(name)
-        data = self._data[info.gguf_name].data
-        with warnings.catch_warnings():  # a read-only memmap: nothing below writes to it
-            warnings.simplefilter("ignore")
-            raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
         if not isinstance(info, GGUFTensorInfo) or info.dtype == "U8":
-            return raw.reshape(info.shape)
-        rows = raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None]  # [rows, row_bytes]
-        t = TYPES[info.ggml]
-        w = torch.empty(rows.shape[0], info.cols, dtype=torch.float32)  # [rows, cols]
-        for r in range(0, rows.shape[0], 4096):  # chunks: the torch decoder's integer temporaries stay small
-            w[r:r + 4096] = decode_rows(rows[r:r + 4096], t, info.cols)
-        w = w.reshape(info.shape)
+            return self._raw(info.gguf_name if isinstance(info, GGUFTensorInfo) else name).reshape(info.shape)
+        if info.transform == "kv_b":  # k_b [nH, C, N] (transposed by the converter), v_b [nH, V, C]
+            k, v = self._decode(info.gguf_name), self._decode(info.other)
+            return torch.cat([k.transpose(1, 2), v], dim=1).reshape(info.shape)  # [nH * (N + V), C]
+        w = self._decode(info.gguf_name).reshape(info.shape)
         if info.transform:
             n_head = self.config["num_attention_heads" if info.transform == "permute_q" else "num_key_value_heads"]
             w = unpermute(w, n_head)
         return w
+
+    def _raw(self, gguf_name: str) -> torch.Tensor:
+        data = self._data[gguf_name].data
+        with warnings.catch_warnings():  # a read-only memmap: nothing below writes to it
+            warnings.simplefilter("ignore")
+            return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+
+    def _decode(self, gguf_name: str) -> torch.Tensor:
+        """One stored tensor dequantized to fp32, in its file shape (ggml's ne reversed)."""
+        t = self._data[gguf_name]
+        ne = [int(d) for d in t.shape]
+        raw = self._raw(gguf_name)
+        rows = raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None]  # [rows, row_bytes]
+        typ = TYPES[t.tensor_type.name]
+        w = torch.empty(rows.shape[0], ne[0], dtype=torch.float32)  # [rows, cols]
+        for r in range(0, rows.shape[0], 4096):  # chunks: the torch decoder's integer temporaries stay small
+            w[r:r + 4096] = decode_rows(rows[r:r + 4096], typ, ne[0])
+        return w.reshape(tuple(reversed(ne)))
 
     def files(self) -> list[Path]:
         return list(self.files_)
@@ -185,7 +200,14 @@ def _layer_map(arch: str, cfg: dict) -> dict[str, str]:
                     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
                     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"})
-    if arch == "glm4moe":  # always-on shared experts (one dense MLP of n_shared x I) and the correction bias
+    if arch == "deepseek2":  # MLA (attn_kv_b whole in older files; attn_k_b / attn_v_b are joined in open_gguf)
+        out.update({"attn_q_a.weight": "self_attn.q_a_proj.weight",
+                    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+                    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+                    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+                    "attn_kv_b.weight": "self_attn.kv_b_proj.weight"})
+    if arch in ("glm4moe", "deepseek2"):  # always-on shared experts (one dense MLP of n_shared x I), correction bias
         out.update({"ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
                     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
                     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
@@ -276,6 +298,41 @@ def _config(reader, arch: str, tensors: dict, where: str) -> dict:
                    sliding_window=int(key("attention.sliding_window", 128)), rope_parameters=rope,
                    # llama.cpp's gpt-oss: even layers slide, odd ones see everything (HF's layer_types)
                    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+    elif model_type == "deepseek_v2":  # what DeepseekV2Model.set_gguf_parameters writes
+        nextn = int(key("nextn_predict_layers", 0))
+        gating = int(key("expert_gating_func", 1))  # 1 softmax (V2), 2 sigmoid (V3, R1, Kimi K2)
+        if gating not in (1, 2):
+            raise UnsupportedModelError(f"{where}: deepseek2.expert_gating_func {gating} is neither the softmax of "
+                                        "DeepSeek-V2 nor the sigmoid of DeepSeek-V3; moechat cannot route this file")
+        rope_dim = int(need("rope.dimension_count"))
+        # recent converters (MLA absorbed) write key/value_length as the latent's and the per-head sizes as *_mla
+        qk = int(key("attention.key_length_mla", 0) or need("attention.key_length"))
+        v_dim = int(key("attention.value_length_mla", 0) or need("attention.value_length"))
+        n_group = int(key("expert_group_count", 1) or 1)
+        cfg.update(model_type="deepseek_v3" if gating == 2 else "deepseek_v2", n_routed_experts=experts,
+                   num_key_value_heads=heads, moe_intermediate_size=int(need("expert_feed_forward_length")),
+                   intermediate_size=ff, n_shared_experts=int(key("expert_shared_count", 0)),
+                   first_k_dense_replace=int(key("leading_dense_block_count", 0)),
+                   routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+                   norm_topk_prob=bool(key("expert_weights_norm", False)), n_group=n_group,
+                   topk_group=int(key("expert_group_used_count", 1) or 1),
+                   kv_lora_rank=int(need("attention.kv_lora_rank")),
+                   q_lora_rank=int(key("attention.q_lora_rank", 0)) or None, qk_rope_head_dim=rope_dim,
+                   qk_nope_head_dim=qk - rope_dim, v_head_dim=v_dim, head_dim=rope_dim,
+                   num_hidden_layers=cfg["num_hidden_layers"] - nextn)
+        if gating == 2:
+            cfg.update(topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True,
+                       num_nextn_predict_layers=nextn)
+        else:
+            cfg.update(topk_method="group_limited_greedy" if n_group > 1 else "greedy", scoring_func="softmax")
+        if str(key("rope.scaling.type", "none")) == "yarn":  # mscale == mscale_all_dim: the log multiplier / 0.1
+            mscale = float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+            orig = int(need("rope.scaling.original_context_length"))
+            cfg["rope_parameters"] = {"rope_type": "yarn", "factor": float(need("rope.scaling.factor")),
+                                      "original_max_position_embeddings": orig,
+                                      "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                                      "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+                                      "mscale": mscale, "mscale_all_dim": mscale, "rope_theta": cfg["rope_theta"]}
     else:  # mixtral
         cfg.update(num_local_experts=experts, intermediate_size=int(key("expert_feed_forward_length", ff)))
     return cfg
@@ -309,7 +366,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     if arch == "llama" and _value(first, "llama.expert_count", 0) in (0, None):
         arch = "llama-dense"
     if arch not in ARCHES:
-        runs = "qwen3moe, qwen2moe, olmoe, glm4moe, gpt-oss, llama (Mixtral)"
+        runs = "qwen3moe, qwen2moe, olmoe, glm4moe, gpt-oss, deepseek2, llama (Mixtral)"
         if arch in DENSE_ARCHES or arch == "llama-dense":
             raise UnsupportedModelError(f"{where}: architecture {arch.replace('-dense', '')!r} is a dense model, not "
                                         f"a Mixture-of-Experts; moechat runs GGUF files of {runs}")
@@ -343,6 +400,20 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
                 raise CheckpointError(f"{f}: tensor {name!r} is {typ.name} {list(reversed(ne))}; expert biases "
                                       "need F32, F16 or BF16 [experts, rows]", path=str(f), tensor=name)
             tensors[name] = GGUFTensorInfo(name, f, typ.name, (ne[1], ne[0]), start, end, typ.name, name, ne[0])
+            continue
+        if m and arch == "deepseek2" and m.group(2) in ("attn_k_b.weight", "attn_v_b.weight"):
+            if m.group(2) == "attn_v_b.weight":
+                continue  # joined with attn_k_b
+            v_name = f"blk.{m.group(1)}.attn_v_b.weight"
+            v = raw.get(v_name)
+            if v is None or len(ne) != 3 or len(v[0].shape) != 3:
+                raise CheckpointError(f"{f}: tensor {name!r} needs its pair {v_name!r}, both [heads, ., .] (a "
+                                      "damaged conversion? convert or download it again)", path=str(f), tensor=name)
+            ggml_type(int(v[0].tensor_type), v_name)
+            vne = [int(d) for d in v[0].shape]  # k_b ne [N, C, nH], v_b ne [C, V, nH]
+            hf = f"model.layers.{m.group(1)}.self_attn.kv_b_proj.weight"
+            tensors[hf] = GGUFTensorInfo(hf, f, "F32", (ne[2] * (ne[0] + vne[1]), ne[1]), start, end, typ.name, name,
+                                         ne[1], "kv_b", v_name)
             continue
         if m:
             hf = layer_map.get(m.group(2))

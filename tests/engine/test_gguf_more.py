@@ -176,3 +176,125 @@ def test_cached_gpt_oss_gguf_experts_give_the_resident_tokens(tmp_path, gpt_oss)
     assert got == want and len(want) == 8
     assert sum(cached.cache_snapshot().misses) > 0
     cached.close()
+
+
+# -- deepseek2 -----------------------------------------------------------------------------------------------------
+
+DEEPSEEK = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+                kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=8, v_head_dim=32, first_k_dense_replace=1,
+                n_shared_experts=1, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
+                pad_token_id=None, bos_token_id=None)
+VARIANTS = {  # V3: sigmoid routing in groups with the correction bias, a low-rank query; V2-Lite: softmax, full q
+    "deepseek_v3": dict(q_lora_rank=64, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True),
+    "deepseek_v2": dict(q_lora_rank=None, routed_scaling_factor=1.0, norm_topk_prob=False, topk_method="greedy"),
+}
+
+
+def tiny_deepseek(model_type):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **{**DEEPSEEK, **VARIANTS[model_type]})
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def write_deepseek2_gguf(path, model, split_kv_b=True, expert=("Q8_0", "Q8_0", "Q4_0"), dense="Q8_0"):
+    """As DeepseekV2Model in convert_hf_to_gguf.py: MLA tensors under llama.cpp's names, kv_b_proj split per head into
+    attn_k_b (its key rows, transposed: [nH, C, N]) and attn_v_b ([nH, V, C]) as recent converters write it (or
+    whole as attn_kv_b, as older ones did), the key/value lengths of the absorbed form with the per-head ones as
+    *_mla, the correction bias as exp_probs_b.bias; experts stacked."""
+    cfg = model.config
+    v3 = cfg.model_type == "deepseek_v3"
+    W = _Writer(path, "deepseek2")
+    w = W.w
+    nope, rope, v_dim, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(C)
+    if split_kv_b:  # the absorbed form: one latent "head" of C + R keys and C values; per-head sizes as *_mla
+        w.add_head_count_kv(1)
+        w.add_key_length(C + rope)
+        w.add_value_length(C)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v_dim)
+    else:
+        w.add_head_count_kv(cfg.num_attention_heads)
+        w.add_key_length(nope + rope)
+        w.add_value_length(v_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if v3:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    w.add_rope_dimension_count(rope)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    W.put("token_embd.weight", sd["model.embed_tokens.weight"], dense, "model.embed_tokens.weight")
+    W.put("output_norm.weight", sd["model.norm.weight"], "F32", "model.norm.weight")
+    W.put("output.weight", sd["lm_head.weight"], dense, "lm_head.weight")
+    names = {"self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+             "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+             "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.o_proj": "attn_output",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+             "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    H = cfg.num_attention_heads
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, g in names.items():
+            if p + hf + ".weight" in sd:
+                arr = sd[p + hf + ".weight"]
+                W.put(f"blk.{i}.{g}.weight", arr, dense if arr.ndim == 2 and g != "ffn_gate_inp" else "F32",
+                      p + hf + ".weight")
+        kv_b = sd[p + "self_attn.kv_b_proj.weight"]  # [nH * (N + V), C]
+        if split_kv_b:
+            per = kv_b.reshape(H, nope + v_dim, C)
+            k_b = W.put(f"blk.{i}.attn_k_b.weight", per[:, :nope].swapaxes(1, 2), dense)  # [nH, C, N]
+            v_b = W.put(f"blk.{i}.attn_v_b.weight", per[:, nope:], dense)  # [nH, V, C]
+            W.held[p + "self_attn.kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(kv_b.shape)
+        else:
+            W.put(f"blk.{i}.attn_kv_b.weight", kv_b, dense, p + "self_attn.kv_b_proj.weight")
+        if p + "mlp.gate.e_score_correction_bias" in sd:
+            W.put(f"blk.{i}.exp_probs_b.bias", sd[p + "mlp.gate.e_score_correction_bias"], "F32",
+                  p + "mlp.gate.e_score_correction_bias")
+        if p + "mlp.experts.gate_up_proj" in sd:
+            gate_up, I = sd[p + "mlp.experts.gate_up_proj"], cfg.moe_intermediate_size  # [E, 2I, H]
+            g = W.put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :I], expert[0])
+            u = W.put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, I:], expert[1])
+            W.held[p + "mlp.experts.gate_up_proj"] = torch.cat([g, u], dim=1)
+            W.put(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"], expert[2],
+                  p + "mlp.experts.down_proj")
+    return W.close()
+
+
+@pytest.mark.parametrize("model_type,split_kv_b", [("deepseek_v3", True), ("deepseek_v2", False),
+                                                   ("deepseek_v2", True)])
+def test_deepseek2_gguf_matches_transformers(tmp_path, model_type, split_kv_b):
+    """MLA from attn_k_b / attn_v_b (recent converters) or attn_kv_b (older ones), a dense first layer, shared
+    experts, V3's sigmoid routing in expert groups with exp_probs_b, V2's softmax: fp32 logits and greedy tokens."""
+    model = tiny_deepseek(model_type)
+    path = tmp_path / "deepseek2.gguf"
+    held = write_deepseek2_gguf(path, model, split_kv_b)
+    engine = _check(model, held, path)
+    args = engine.args
+    assert (args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank) == (32, 32, 32)
+    assert args.q_lora_rank == model.config.q_lora_rank and args.first_k_dense_replace == 1
