@@ -145,3 +145,63 @@ def test_a_batch_without_a_map_gives_the_kernels_its_slot_ids():
     mapped = ExpertBatch({}, ids, ids, slot_map=smap, topk_ids=torch.tensor([[2, 3]]))
     routed, got_map = mapped.kernel_ids()
     assert got_map is smap and routed.tolist() == [[2, 3]]
+
+
+# -- on CUDA: the provider hands whole steps the map, subsets host ids, and cached == resident still ---------------
+
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 64,
+           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "num_local_experts": 8, "experts_per_token": 2, "num_experts_per_tok": 2,
+           "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "rms_norm_eps": 1e-5,
+           "rope_theta": 150000, "max_position_embeddings": 512, "swiglu_limit": 7.0, "attention_bias": True,
+           "tie_word_embeddings": False, "eos_token_id": None, "pad_token_id": None, "dtype": "float32",
+           "quantization_config": {"quant_method": "mxfp4"}}
+
+
+def _tiny_gpt_oss(path):
+    """A random tiny GPT-OSS with MXFP4 experts from moechat's writer (as tests/engine/test_gpu.py builds it)."""
+    from moechat.engine.models import ARCHITECTURES
+    from moechat.engine.quant.writer import gpt_oss_expert_tensors, save_checkpoint
+
+    cls = ARCHITECTURES["gpt_oss"]
+    args = cls.args_class.from_dict(GPT_OSS)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, shape in cls.dense_weight_names(args).items():
+        std = 0.0 if name.endswith("norm.weight") else 0.5 if name.endswith("sinks") else 0.2
+        tensors[name] = torch.randn(shape, generator=g) * std + (1.0 if name.endswith("norm.weight") else 0.0)
+    E_, H_, I_ = GPT_OSS["num_local_experts"], GPT_OSS["hidden_size"], GPT_OSS["intermediate_size"]
+    for layer in cls.moe_layers(args):
+        tensors.update(gpt_oss_expert_tensors(layer, torch.randn(E_, 2 * I_, H_, generator=g) * 0.2,
+                                              torch.randn(E_, H_, I_, generator=g) * 0.2,
+                                              torch.randn(E_, 2 * I_, generator=g) * 0.2,
+                                              torch.randn(E_, H_, generator=g) * 0.2, bias_dtype=torch.float32))
+    save_checkpoint(path, tensors, GPT_OSS)
+    return path
+
+
+@pytest.mark.gpu
+def test_cuda_whole_steps_look_slots_up_in_the_kernel_and_match_resident(tmp_path, monkeypatch):
+    from moechat.engine.cache.provider import CacheConfig
+    from moechat.engine.generate import Engine
+    from moechat.engine.sampling import SamplingParams
+
+    path = _tiny_gpt_oss(tmp_path)
+    seen = []  # (the batch carries a map, the batch is the whole step) per fused call of a cached run
+    real = mxfp4._fused_moe
+
+    def spy(hidden_states, topk_weights, batch, residual, act):
+        seen.append((batch.slot_map is not None, batch.pairs is None))
+        return real(hidden_states, topk_weights, batch, residual, act)
+
+    greedy = SamplingParams(temperature=0.0, do_sample=False)
+    ids = list(range(5, 30))
+    run = lambda engine: [t for c in engine.generate(ids, sampling=greedy, max_tokens=16) for t in c.token_ids]
+    want = run(Engine.load(path, dtype="float32", device="cuda"))
+    monkeypatch.setattr(mxfp4, "_fused_moe", spy)
+    for slots in (16, 3):  # every expert fits (hits: the map), and fewer than a step needs (groups: host ids)
+        seen.clear()
+        cached = Engine.load(path, dtype="float32", device="cuda", cache=CacheConfig(expert_slots=slots, policy="lru"))
+        assert run(cached) == want, slots
+        assert (True, False) not in seen  # a subset of pairs never goes through the map
+        assert (True, True) in seen if slots == 16 else (False, False) in seen
