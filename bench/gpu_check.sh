@@ -26,7 +26,7 @@ export PYTHONPATH="$shim:$PYTHONPATH"
 cap=$(python -c "import torch; a, b = torch.cuda.get_device_capability(0); print(10 * a + b)")
 timeout 25 python bench/kernel_sass.py --arch "$cap" --workers 8 || echo "bench/kernel_sass.py: exit $?"
 timeout 150 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/quant/test_mxfp4_triton.py \
-    tests/engine/test_gpu_hybrid.py -p no:cacheprovider 2>&1 | tail -8
+    tests/engine/test_gpu_hybrid.py tests/engine/quant/test_slot_lookup.py -p no:cacheprovider 2>&1 | tail -8
 # the fused FP8 / int8 / int4 MoE kernel at Qwen3-30B-A3B widths, and expert_compute dispatching to it
 timeout 100 python -m pytest -q -m gpu tests/engine/quant/test_quant_triton.py -p no:cacheprovider 2>&1 | tail -4
 # hybrid execution: load over PCIe vs host (CPU while the GPU runs the resident experts) vs auto
