@@ -186,7 +186,10 @@ DEEPSEEK = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attenti
                 n_shared_experts=1, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
                 pad_token_id=None, bos_token_id=None)
 VARIANTS = {  # V3: sigmoid routing in groups with the correction bias, a low-rank query; V2-Lite: softmax, full q
-    "deepseek_v3": dict(q_lora_rank=64, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True),
+    "deepseek_v3": dict(q_lora_rank=64, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8,
+                                         "rope_theta": 10000.0}),
     "deepseek_v2": dict(q_lora_rank=None, routed_scaling_factor=1.0, norm_topk_prob=False, topk_method="greedy"),
 }
 
@@ -246,6 +249,12 @@ def write_deepseek2_gguf(path, model, split_kv_b=True, expert=("Q8_0", "Q8_0", "
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
     w.add_rope_dimension_count(rope)
+    scaling = cfg.rope_parameters
+    if scaling.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     W.put("token_embd.weight", sd["model.embed_tokens.weight"], dense, "model.embed_tokens.weight")
     W.put("output_norm.weight", sd["model.norm.weight"], "F32", "model.norm.weight")
@@ -298,3 +307,20 @@ def test_deepseek2_gguf_matches_transformers(tmp_path, model_type, split_kv_b):
     args = engine.args
     assert (args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank) == (32, 32, 32)
     assert args.q_lora_rank == model.config.q_lora_rank and args.first_k_dense_replace == 1
+    if model_type == "deepseek_v3":
+        assert args.rope_parameters["rope_type"] == "yarn" and args.rope_parameters["mscale_all_dim"] == pytest.approx(0.8)
+
+
+def test_cached_deepseek2_gguf_experts_give_the_resident_tokens(tmp_path):
+    from moechat.engine.cache.provider import CacheConfig
+
+    path = tmp_path / "deepseek2.gguf"
+    write_deepseek2_gguf(path, tiny_deepseek("deepseek_v3"))
+    resident = Engine.load(path, dtype="float32")
+    cached = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=3, ram_cache_bytes=0))
+    ids = _prompt(9, seed=8)
+    want = [t for c in resident.generate(ids, sampling=GREEDY, max_tokens=8) for t in c.token_ids]
+    got = [t for c in cached.generate(ids, sampling=GREEDY, max_tokens=8) for t in c.token_ids]
+    assert got == want and len(want) == 8
+    assert sum(cached.cache_snapshot().misses) > 0
+    cached.close()
