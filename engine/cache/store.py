@@ -302,8 +302,9 @@ class RepackedStore:
             packed = self.format.quantize(native.weight(src, which, torch.float32))
             for part, t in packed.items():
                 buf[f"{which}_{part}"].copy_(t)
-            if f"{which}_bias" in buf:
-                buf[f"{which}_bias"].copy_(src[f"{which}_bias"])
+            if f"{which}_bias" in buf:  # a GGUF keeps gate's and up's apart: its format joins them (`bias`)
+                bias = getattr(native, "bias", None)
+                buf[f"{which}_bias"].copy_(bias(src, which) if bias else src[f"{which}_bias"])
 
     def _unwritable(self, e: OSError, need: int) -> CheckpointError:
         """The one line for a repack folder that refuses the file: the folder, why, and where else it can go."""
