@@ -292,6 +292,13 @@ class GGUFFormat(ExpertFormat):
             return torch.stack(ws, dim=1).reshape(-1, ws[0].shape[1]).to(dtype)  # rows g0, u0, g1, u1, ...
         return torch.cat(ws).to(dtype)
 
+    def bias(self, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
+        """`w13_bias` [2I] in the order `weight` gives w13's rows (interleaved for gpt-oss), or `w2_bias` [H]."""
+        if which == "w2":
+            return tensors["w2_bias"]
+        b1, b3 = tensors["w1_bias"], tensors["w3_bias"]
+        return torch.stack([b1, b3], dim=-1).reshape(-1) if self.interleaved else torch.cat([b1, b3])
+
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
         if which == "w2":
             return gguf_linear(x, tensors["w2"], self.types["w2"], self._cols("w2", tensors["w2"]),

@@ -324,3 +324,22 @@ def test_cached_deepseek2_gguf_experts_give_the_resident_tokens(tmp_path):
     assert got == want and len(want) == 8
     assert sum(cached.cache_snapshot().misses) > 0
     cached.close()
+
+
+def test_gpt_oss_gguf_experts_convert_to_int8_with_their_biases(tmp_path, gpt_oss):
+    """--expert-format int8 from a gpt-oss GGUF: gate/up re-interleaved with their biases joined the same way; logits
+    within int8's error of the packed MXFP4 file's own."""
+    from moechat.engine.cache.provider import CacheConfig
+
+    path = tmp_path / "gpt-oss.gguf"
+    write_gpt_oss_gguf(path, gpt_oss)
+    native = Engine.load(path, dtype="float32")
+    int8 = Engine.load(path, dtype="float32", expert_format="int8",
+                       cache=CacheConfig(expert_slots=4, repack_dir=str(tmp_path / "repacked")))
+    assert int8.loaded.expert_format.name == "int8"
+    ids = _prompt(9, seed=1)
+    with torch.inference_mode():
+        a = native._forward(native.new_sequence(), ids)
+        b = int8._forward(int8.new_sequence(), ids)
+    assert 0 < (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+    int8.close()
