@@ -488,8 +488,10 @@ def model_spec(path: str | os.PathLike):
     held: dict[str, TensorInfo] = {}
     by_type: dict[str, int] = {}
     parts = {"ffn_gate_exps": "gate_gguf", "ffn_up_exps": "up_gguf", "ffn_down_exps": "down_gguf"}
+    for reader in ckpt.readers:  # the file's bytes per type (deepseek2's attn_k_b + attn_v_b are one kv_b_proj below)
+        for t in reader.tensors:
+            by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
     for name, info in ckpt.tensors.items():
-        by_type[info.ggml] = by_type.get(info.ggml, 0) + info.nbytes
         m = re.match(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$", name)
         if m:
             hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}"

@@ -343,3 +343,24 @@ def test_gpt_oss_gguf_experts_convert_to_int8_with_their_biases(tmp_path, gpt_os
         b = int8._forward(int8.new_sequence(), ids)
     assert 0 < (a - b).abs().max().item() < 0.05 * a.abs().max().item()
     int8.close()
+
+
+def test_fit_reads_gpt_oss_and_deepseek2_gguf_headers(tmp_path, gpt_oss):
+    """`fit` on both: the experts as packed (MXFP4: 17 bytes per 32 weights), the MoE layers (deepseek2's first is
+    dense), the file's bytes per type with attn_k_b and attn_v_b both counted."""
+    from moechat.engine.plan import read_model_spec
+
+    path = tmp_path / "gpt-oss.gguf"
+    write_gpt_oss_gguf(path, gpt_oss)
+    spec = read_model_spec(path)
+    H, I = 64, 32
+    assert spec.expert_bytes == 2 * I * (H // 32 * 17) + H * (I // 32 * 17) and spec.num_moe_layers == 3
+    assert spec.expert_format == "GGUF MXFP4/MXFP4/MXFP4" and spec.checkpoint_bytes == path.stat().st_size
+    path = tmp_path / "deepseek2.gguf"
+    write_deepseek2_gguf(path, tiny_deepseek("deepseek_v3"))
+    spec = read_model_spec(path)
+    assert spec.num_experts == 8 and spec.num_moe_layers == 2
+    assert spec.expert_bytes == 2 * 32 * (64 // 32 * 34) + 64 * (32 // 32 * 18)  # Q8_0 gate/up, Q4_0 down
+    reader = gguf.GGUFReader(path)
+    q8 = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == "Q8_0")
+    assert any(f"Q8_0 {q8 / 1024:.1f} KiB" in n for n in spec.notes)
