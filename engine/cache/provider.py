@@ -421,7 +421,7 @@ class CachedProvider:
         host_slots = torch.from_numpy(self.pool.host_map[layer][ids_cpu.numpy()])  # [T, K] int32, -1 outside group
         if self.pool.device.type == "cpu":
             return ExpertBatch(self.pool.buffers, host_slots, host_slots, pairs, self.format)
-        if pairs is None and topk_ids.device == self.pool.device:
+        if pairs is None and topk_ids.device.type == self.pool.device.type:
             # every expert of the step is in a slot: the fused kernels read slot_map[layer, topk_ids] themselves
             # (no gather op); map writes after this are stream-ordered behind the layer's kernels
             return ExpertBatch(self.pool.buffers, host_slots, host_slots, None, self.format,
