@@ -11,6 +11,16 @@ straight from the .gguf, in a `GGUFFormat` naming each projection's ggml type (q
 user can meet (a truncated or damaged file, an unknown type, an architecture moechat lacks, a missing split)
 is one typed line naming the file and what to do.
 
+gpt-oss (`gpt-oss`): the converter split HF's interleaved gate_up rows by parity into ffn_gate_exps (even) and
+ffn_up_exps (odd) and their biases likewise; the format re-interleaves gate/up outputs for the clamped SwiGLU, and
+the biases stay per projection ([E, rows] F32, `w1_bias`/`w3_bias`/`w2_bias`) as the disk tier reads them. Sinks,
+the router's bias, post_attention_norm and o_proj's bias map by name; sliding/full alternation (even layers slide)
+and YaRN come from llama.cpp's fixed conventions and the `rope.scaling.*` keys. deepseek2: recent converters split
+kv_b_proj per head into attn_k_b ([nH, C, N], transposed) and attn_v_b ([nH, V, C]) and write the absorbed form's
+key/value_length with the per-head sizes as `*_mla`; older ones keep attn_kv_b whole: both give the same kv_b_proj.
+Sigmoid gating (expert_gating_func 2) is DeepSeek-V3's routing (groups, exp_probs_b), softmax V2's; YaRN's mscale
+is the log multiplier / 0.1 (mscale == mscale_all_dim, as every release has it).
+
 Splits: `name-00001-of-00003.gguf` and its siblings are one model; the first holds the metadata, each its own
 tensors; `split.count` and `split.tensors.count` are checked against what the files hold.
 """

@@ -287,10 +287,11 @@ def write_deepseek2_gguf(path, model, split_kv_b=True, expert=("Q8_0", "Q8_0", "
                   p + "mlp.gate.e_score_correction_bias")
         if p + "mlp.experts.gate_up_proj" in sd:
             gate_up, I = sd[p + "mlp.experts.gate_up_proj"], cfg.moe_intermediate_size  # [E, 2I, H]
-            g = W.put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :I], expert[0])
-            u = W.put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, I:], expert[1])
+            ts = expert[i] if isinstance(expert, dict) else expert  # per layer, as Q4_K_M mixes them
+            g = W.put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :I], ts[0])
+            u = W.put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, I:], ts[1])
             W.held[p + "mlp.experts.gate_up_proj"] = torch.cat([g, u], dim=1)
-            W.put(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"], expert[2],
+            W.put(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"], ts[2],
                   p + "mlp.experts.down_proj")
     return W.close()
 
@@ -364,3 +365,14 @@ def test_fit_reads_gpt_oss_and_deepseek2_gguf_headers(tmp_path, gpt_oss):
     reader = gguf.GGUFReader(path)
     q8 = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == "Q8_0")
     assert any(f"Q8_0 {q8 / 1024:.1f} KiB" in n for n in spec.notes)
+
+
+def test_deepseek2_gguf_whose_expert_types_change_by_layer(tmp_path):
+    """DeepSeek's Q4_K_M-style releases change ffn_down_exps' type by layer: each MoE layer (after the dense first)
+    computed resident in its own types, still transformers' tokens."""
+    model = tiny_deepseek("deepseek_v3")
+    path = tmp_path / "mixed.gguf"
+    held = write_deepseek2_gguf(path, model, expert={1: ("Q8_0", "Q8_0", "Q5_0"), 2: ("Q4_0", "Q8_0", "Q4_1")})
+    engine = _check(model, held, path, steps=6)
+    assert [engine.loaded.provider.prepare(layer, torch.zeros(1, 2, dtype=torch.long)).format.types["w2"].name
+            for layer in (1, 2)] == ["Q5_0", "Q4_1"]
