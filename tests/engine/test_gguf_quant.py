@@ -93,6 +93,8 @@ def test_native_tile_decoder_is_the_reference_bit_for_bit(name):
     assert torch.equal(decode_rows(raw[8:24], TYPES[name], 768), got[8:24])  # a tile of rows
 
 
+# the package's reference overflows to inf at the top exponents, as ours does (the comparison covers that)
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
 def test_mxfp4_every_exponent_matches_the_package_and_the_native_decoder():
     from moechat.engine.quant import native
 
