@@ -22,7 +22,8 @@ from .test_gguf_load import GREEDY, _encode, _prompt  # noqa: E402
 class _Writer:
     """A GGUFWriter plus the state dict the file holds after quantization (HF names, dequantized)."""
 
-    def __init__(self, path, arch, seed=0):
+    def __init__(self, path, arch, seed=0, skip=()):
+        self.skip = set(skip)  # tensors left out (a damaged conversion)
         self.w = gguf.GGUFWriter(str(path), arch)
         self.rng = np.random.default_rng(seed)
         self.path = path
@@ -32,7 +33,8 @@ class _Writer:
         """Write `arr` (fp32 numpy) as `gname` in `typ`; return its dequantized values (and keep them as `hf`)."""
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         data = _encode(arr, typ, self.rng)
-        self.w.add_tensor(gname, data, raw_dtype=None if typ in ("F32", "F16") else Q[typ])
+        if gname not in self.skip:
+                self.w.add_tensor(gname, data, raw_dtype=None if typ in ("F32", "F16") else Q[typ])
         raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
         back = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], TYPES[typ], arr.shape[-1])
         back = back.reshape(arr.shape)
@@ -89,7 +91,7 @@ def tiny_gpt_oss():
     return model
 
 
-def write_gpt_oss_gguf(path, model, expert="MXFP4", dense="Q8_0", sinks_suffix=".weight"):
+def write_gpt_oss_gguf(path, model, expert="MXFP4", dense="Q8_0", sinks_suffix=".weight", meta=None):
     """As GptOssModel in convert_hf_to_gguf.py: gate_up_proj [E, H, 2I] transposed and split by row parity into
     ffn_gate_exps (even) / ffn_up_exps (odd), their biases likewise, down_proj transposed, sinks as attn_sinks,
     post_attention_layernorm as post_attention_norm, the router as ffn_gate_inp with its bias; YaRN metadata."""
@@ -114,6 +116,8 @@ def write_gpt_oss_gguf(path, model, expert="MXFP4", dense="Q8_0", sinks_suffix="
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if meta is not None:
+        meta(w)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     W.put("token_embd.weight", sd["model.embed_tokens.weight"], dense, "model.embed_tokens.weight")
     W.put("output_norm.weight", sd["model.norm.weight"], "F32", "model.norm.weight")
@@ -207,14 +211,14 @@ def tiny_deepseek(model_type):
     return model
 
 
-def write_deepseek2_gguf(path, model, split_kv_b=True, expert=("Q8_0", "Q8_0", "Q4_0"), dense="Q8_0"):
+def write_deepseek2_gguf(path, model, split_kv_b=True, expert=("Q8_0", "Q8_0", "Q4_0"), dense="Q8_0", skip=()):
     """As DeepseekV2Model in convert_hf_to_gguf.py: MLA tensors under llama.cpp's names, kv_b_proj split per head into
     attn_k_b (its key rows, transposed: [nH, C, N]) and attn_v_b ([nH, V, C]) as recent converters write it (or
     whole as attn_kv_b, as older ones did), the key/value lengths of the absorbed form with the per-head ones as
     *_mla, the correction bias as exp_probs_b.bias; experts stacked."""
     cfg = model.config
     v3 = cfg.model_type == "deepseek_v3"
-    W = _Writer(path, "deepseek2")
+    W = _Writer(path, "deepseek2", skip=skip)
     w = W.w
     nope, rope, v_dim, C = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     w.add_context_length(cfg.max_position_embeddings)
@@ -376,3 +380,18 @@ def test_deepseek2_gguf_whose_expert_types_change_by_layer(tmp_path):
     engine = _check(model, held, path, steps=6)
     assert [engine.loaded.provider.prepare(layer, torch.zeros(1, 2, dtype=torch.long)).format.types["w2"].name
             for layer in (1, 2)] == ["Q5_0", "Q4_1"]
+
+
+def test_damaged_gpt_oss_and_deepseek2_files_are_one_typed_line(tmp_path, gpt_oss):
+    from moechat.engine.errors import CheckpointError, UnsupportedModelError
+
+    path = tmp_path / "no-v_b.gguf"
+    write_deepseek2_gguf(path, tiny_deepseek("deepseek_v2"), skip={"blk.1.attn_v_b.weight"})
+    with pytest.raises(CheckpointError, match=r"'blk.1.attn_k_b.weight' needs its pair 'blk.1.attn_v_b.weight'") as e:
+        load_model(path, dtype="float32")
+    assert "\n" not in str(e.value)
+    path = tmp_path / "linear-rope.gguf"
+    write_gpt_oss_gguf(path, gpt_oss, meta=lambda w: w.add_string("gpt-oss.rope.scaling.type", "linear"))
+    with pytest.raises(UnsupportedModelError, match="not the YaRN gpt-oss is trained with") as e:
+        load_model(path, dtype="float32")
+    assert "\n" not in str(e.value)
