@@ -502,10 +502,13 @@ def model_spec(path: str | os.PathLike):
         for t in reader.tensors:
             by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
     for name, info in ckpt.tensors.items():
-        m = re.match(r"^blk\.(\d+)\.(ffn_\w+_exps)\.weight$", name)
-        if m:
+        m = re.match(r"^blk\.(\d+)\.(ffn_\w+_exps)\.(weight|bias)$", name)
+        if m and m.group(3) == "weight":
             hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}"
             held[hf] = TensorInfo(hf, info.file, "U8", info.shape, info.start, info.end)
+        elif m:  # gpt-oss's expert biases: in every tier with their expert, in the compute dtype
+            hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}_bias"
+            held[hf] = TensorInfo(hf, info.file, fdtag, info.shape, 0, int(np.prod(info.shape)) * fbytes)
         else:
             n = int(np.prod(info.shape)) * fbytes
             held[name] = TensorInfo(name, info.file, fdtag, info.shape, 0, n)

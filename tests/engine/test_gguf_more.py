@@ -359,7 +359,8 @@ def test_fit_reads_gpt_oss_and_deepseek2_gguf_headers(tmp_path, gpt_oss):
     write_gpt_oss_gguf(path, gpt_oss)
     spec = read_model_spec(path)
     H, I = 64, 32
-    assert spec.expert_bytes == 2 * I * (H // 32 * 17) + H * (I // 32 * 17) and spec.num_moe_layers == 3
+    bias = (2 * I + H) * 2  # gate, up and down biases, bf16 (the file's dense tensors are Q8_0)
+    assert spec.expert_bytes == 2 * I * (H // 32 * 17) + H * (I // 32 * 17) + bias and spec.num_moe_layers == 3
     assert spec.expert_format == "GGUF MXFP4/MXFP4/MXFP4" and spec.checkpoint_bytes == path.stat().st_size
     path = tmp_path / "deepseek2.gguf"
     write_deepseek2_gguf(path, tiny_deepseek("deepseek_v3"))
