@@ -154,7 +154,8 @@ def gpt_oss():
     return tiny_gpt_oss()
 
 
-@pytest.mark.parametrize("expert,dense,sinks", [("MXFP4", "Q8_0", ".weight"), ("Q8_0", "F32", "")])
+@pytest.mark.parametrize("expert,dense,sinks", [("MXFP4", "Q8_0", ".weight"), ("Q8_0", "F32", ""),
+                                               ("BF16", "F16", ".weight")])
 def test_gpt_oss_gguf_matches_transformers(tmp_path, gpt_oss, expert, dense, sinks):
     """MXFP4 experts re-interleaved from the split gate/up, per-projection biases, sinks, the sliding/full
     alternation (window 6 < the 13-token prompt), YaRN from the metadata: fp32 logits and greedy tokens."""
