@@ -19,7 +19,7 @@ import sys
 from moechat.engine.reasoning import REASONING_EFFORTS  # pure Python, no torch
 
 from .argtypes import utf8_text as _utf8_text
-from .engine_args import MODEL_HELP, add_load_args, add_sampling_args, say_clamp, sampling_overrides
+from .engine_args import MODEL_HELP, add_load_args, add_sampling_args, sampling_overrides, say_clamp
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2

@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import hubhttp
 from .catalog import CATALOG, MISSING_FEATURES, SUPPORTED_TYPES, CatalogEntry, why_not_runnable
 from .errors import (
     ConfigError,
@@ -71,7 +72,6 @@ from .errors import (
     UnsafeHubResponseError,
     UnsupportedModelError,
 )
-from . import hubhttp
 from .hubhttp import MAX_NAME_BYTES, MAX_PATH_BYTES, MAX_REDIRECTS
 from .hubhttp import Ctx as _Ctx
 from .hubhttp import Tensor as _Tensor

@@ -39,14 +39,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from rich.cells import cell_len
 from textual import on, work
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Label, ProgressBar, Static
 from textual.worker import get_current_worker
-
-from rich.cells import cell_len
 
 from moechat.engine.catalog import CATALOG, MISSING_FEATURES, CatalogEntry
 

@@ -1,9 +1,9 @@
 """Model architectures, one file per Hugging Face `model_type`.
 
 `ARCHITECTURES` maps a config's model_type to its class: the families below, and every module of this package that
-defines its own `ARCHITECTURES` dict (a new family registers itself in its own file, nothing to edit here). Known types that moechat does not run say
-why (a dense model needs no expert offloading; some MoE families are not implemented yet), so the user
-gets a reason instead of "unknown model".
+defines its own `ARCHITECTURES` dict (a new family registers itself in its own file, nothing to edit here). Known
+types that moechat does not run say why (a dense model needs no expert offloading; some MoE families are not
+implemented yet), so the user gets a reason instead of "unknown model".
 """
 
 from __future__ import annotations

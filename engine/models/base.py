@@ -496,25 +496,33 @@ class SparseMoeBlock(nn.Module):
         """residual + MoE(x) [T, H]."""
         topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
         provider.observe(self.layer, residual)  # the residual stream here predicts the next layers' routing
-        host_jobs = []
-        # On a CPU every pair's output gets its own fp32 row and the rows are summed in k order at the end: the
-        # same bits whichever slots hold the experts, however many groups a chunk needs and whether an expert
-        # ran from a slot or in place on the host (cached == resident, bit for bit, in bf16 too).
-        contrib = (torch.zeros(topk_ids.numel(), x.shape[-1], dtype=torch.float32)
-                   if x.device.type == "cpu" else None)
-        for batch in provider.batches(self.layer, topk_ids):  # one batch unless the slots are too few
-            if batch.on_host and x.is_cuda:  # hybrid: start the host's copy now, compute after the device's launch
-                host_jobs.append(HostJob(x, topk_weights, batch))
-                continue
-            if contrib is not None:
-                expert_compute(x, topk_weights, batch, act=self.act, contrib=contrib)
-            else:
-                residual = expert_compute(x, topk_weights, batch, residual=residual, act=self.act)
+        return run_experts(x, topk_weights, topk_ids, provider, self.layer, self.act, residual)
+
+
+def run_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, provider: ExpertProvider,
+                layer: int, act, residual: torch.Tensor) -> torch.Tensor:
+    """residual + the routed experts' weighted outputs for x [T, H], through the provider's batches.
+
+    On a CPU every pair's output gets its own fp32 row and the rows are summed in k order at the end: the same bits
+    whichever slots hold the experts, however many groups a chunk needs and whether an expert ran from a slot or in
+    place on the host (cached == resident, bit for bit, in bf16 too). On CUDA a hybrid host batch starts its copy
+    now and is computed after the device's launch."""
+    host_jobs = []
+    contrib = (torch.zeros(topk_ids.numel(), x.shape[-1], dtype=torch.float32)
+               if x.device.type == "cpu" else None)
+    for batch in provider.batches(layer, topk_ids):  # one batch unless the slots are too few
+        if batch.on_host and x.is_cuda:
+            host_jobs.append(HostJob(x, topk_weights, batch))
+            continue
         if contrib is not None:
-            residual = combine(residual, contrib, topk_ids.shape[-1])
-        for job in host_jobs:
-            residual = job.finish(residual, self.act)
-        return residual
+            expert_compute(x, topk_weights, batch, act=act, contrib=contrib)
+        else:
+            residual = expert_compute(x, topk_weights, batch, residual=residual, act=act)
+    if contrib is not None:
+        residual = combine(residual, contrib, topk_ids.shape[-1])
+    for job in host_jobs:
+        residual = job.finish(residual, act)
+    return residual
 
 
 class DecoderLayer(nn.Module):

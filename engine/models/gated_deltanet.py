@@ -35,7 +35,7 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, C], weight [C, W], state [C, W-1] (the previous W-1 inputs, oldest first; updated in place), bias [C]
     (Mamba-2 has one) -> silu(conv) [T, C], one position at a time."""
-    T, W = x.shape[0], weight.shape[1]
+    T = x.shape[0]
     window = state.to(torch.float32).clone()  # [C, W-1]
     out = []
     for t in range(T):

@@ -33,12 +33,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..experts import HostJob, combine, expert_compute
 from ..kv_cache import KVCache
 from ..moe import GEGLU_TANH, ExpertProvider
 from ..quant import native
-from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM, RMSNorm, Router, SparseMoeBlock, _bf16_gemv_lib, \
-    _in_out, rms_norm_fp32_weight, rope_frequencies
+from .base import (
+    BaseModelArgs,
+    ExpertNaming,
+    MoEForCausalLM,
+    RMSNorm,
+    Router,
+    SparseMoeBlock,
+    _bf16_gemv_lib,
+    _in_out,
+    rms_norm_fp32_weight,
+    rope_frequencies,
+    run_experts,
+)
 
 # T = tokens, S = cached positions, H = hidden size, D = a layer's head dim, E = experts, K = top-k
 
@@ -328,23 +338,7 @@ class Gemma4MoeBlock(SparseMoeBlock):
         """MoE(x) [T, H], routed on r; the provider sees r (the residual stream) for prefetch."""
         topk_weights, topk_ids = self.route(r)  # [T, K], [T, K]
         provider.observe(self.layer, r)
-        out = torch.zeros_like(x)
-        host_jobs = []
-        contrib = (torch.zeros(topk_ids.numel(), x.shape[-1], dtype=torch.float32)
-                   if x.device.type == "cpu" else None)  # per-pair rows summed in k order: cached == resident
-        for batch in provider.batches(self.layer, topk_ids):
-            if batch.on_host and x.is_cuda:
-                host_jobs.append(HostJob(x, topk_weights, batch))
-                continue
-            if contrib is not None:
-                expert_compute(x, topk_weights, batch, act=self.act, contrib=contrib)
-            else:
-                out = expert_compute(x, topk_weights, batch, residual=out, act=self.act)
-        if contrib is not None:
-            out = combine(out, contrib, topk_ids.shape[-1])
-        for job in host_jobs:
-            out = job.finish(out, self.act)
-        return out
+        return run_experts(x, topk_weights, topk_ids, provider, self.layer, self.act, torch.zeros_like(x))
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -436,7 +430,8 @@ class Gemma4TextForCausalLM(MoEForCausalLM):
         pos = torch.arange(max_positions, dtype=torch.int64).float()[:, None]  # [S, 1]
         self.rope = {}
         for kind, rope in self.args.rope_by_type.items():
-            D = next((d for (d, _), t in zip(self.args.layer_heads, self.args.layer_types) if t == kind), None)
+            heads = zip(self.args.layer_heads, self.args.layer_types, strict=True)
+            D = next((d for (d, _), t in heads if t == kind), None)
             if D is None:
                 continue
             if rope["rope_type"] == "proportional":

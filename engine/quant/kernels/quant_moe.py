@@ -28,8 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .mxfp4_moe import (INTERPRET, _e4m3x4, _f16_pair, _pair_slot, _x_chunk, decode_io, hardware_fp8, is_decode,
-                        plan_groups, sum_pairs)
+from .mxfp4_moe import (
+    INTERPRET,
+    _e4m3x4,
+    _f16_pair,
+    _pair_slot,
+    _x_chunk,
+    decode_io,
+    hardware_fp8,
+    is_decode,
+    plan_groups,
+    sum_pairs,
+)
 
 # T = tokens, K = top-k, P = computed (t, k) pairs, C = slots, H = hidden, I = intermediate, NB = groups,
 # N = outputs of a projection, KB = bytes in one packed row
