@@ -453,11 +453,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         interleaved = arch == "gpt-oss"  # its clamped SwiGLU reads gate/up rows interleaved
         fmt = GGUFFormat(*common, interleaved=interleaved)
         if len(combos) > 1:
-            if interleaved:
-                raise UnsupportedModelError(f"{where}: its gpt-oss experts change type from layer to layer "
-                                            f"({', '.join('/'.join(c) for c in combos)}); moechat runs gpt-oss GGUF "
-                                            "files whose experts have one type per projection (the MXFP4 release)")
-            layer_formats = {layer: GGUFFormat(*ts) for layer, ts in per_layer.items()}
+            layer_formats = {layer: GGUFFormat(*ts, interleaved=interleaved) for layer, ts in per_layer.items()}
     ckpt = GGUFCheckpoint(files, readers, tensors, cfg, fmt, first)
     ckpt.layer_formats = layer_formats
     return ckpt
@@ -527,10 +523,12 @@ def model_spec(path: str | os.PathLike):
 class MixedExpertStore:
     """The experts of a GGUF whose types change from layer to layer (Q4_K_M's ffn_down_exps: Q6_K in some layers,
     Q4_K in the rest): each layer checked against its own `GGUFFormat`'s layout (a typed error naming the tensor)
-    and read per expert with preadv straight from the file, as the disk tier reads uniform ones."""
+    and read per expert with preadv straight from the file, as the disk tier reads uniform ones; gpt-oss's expert
+    biases (float [E, rows], wherever the file has them) converted to the slot's dtype on the way."""
 
     def __init__(self, ckpt: GGUFCheckpoint, layers: list[int], hidden: int, inter: int, dtype: torch.dtype):
         self.formats = ckpt.layer_formats
+        self.ckpt = ckpt
         self.shapes: dict[int, dict] = {}
         self._infos: dict[int, dict[str, TensorInfo]] = {}
         for layer in layers:
@@ -538,7 +536,7 @@ class MixedExpertStore:
             if fmt is None:
                 raise CheckpointError(f"{ckpt.model_dir}: layer {layer} has no ffn_{{gate,up,down}}_exps tensors",
                                       path=str(ckpt.model_dir))
-            shapes = fmt.layout(hidden, inter, dtype, bias=False)
+            shapes = fmt.layout(hidden, inter, dtype, bias=f"blk.{layer}.ffn_down_exps.bias" in ckpt.tensors)
             self.shapes[layer] = shapes
             self._infos[layer] = {}
             for part, (shape, _) in shapes.items():
@@ -553,6 +551,10 @@ class MixedExpertStore:
 
     def read_into(self, layer: int, expert: int, dst) -> None:
         for part, info in self._infos[layer].items():
+            if part.endswith("_bias"):  # a few KB: from the memmap, converted to the slot's dtype
+                stored = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[info.ggml]
+                dst[part].copy_(self.ckpt._raw(info.gguf_name).view(stored).reshape(info.shape)[expert])
+                continue
             per = info.nbytes // info.shape[0]
             fd = self._fds.get(info.file)
             if fd is None:

@@ -135,15 +135,16 @@ def write_gpt_oss_gguf(path, model, expert="MXFP4", dense="Q8_0", sinks_suffix="
                     W.put(f"blk.{i}.{g}.{kind}", arr, typ, p + hf + "." + kind)
         W.put(f"blk.{i}.attn_sinks{sinks_suffix}", sd[p + "self_attn.sinks"], "F32", p + "self_attn.sinks")
         e = p + "mlp.experts."
+        expert_t = expert[i] if isinstance(expert, dict) else expert  # by layer, as mixes are
         gate_up = sd[e + "gate_up_proj"].swapaxes(1, 2)  # [E, 2I, H]
-        g = W.put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, ::2], expert)
-        u = W.put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, 1::2], expert)
+        g = W.put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, ::2], expert_t)
+        u = W.put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, 1::2], expert_t)
         W.held[e + "gate_up_proj"] = torch.stack([g, u], dim=2).reshape(gate_up.shape).transpose(1, 2).contiguous()
         bias = sd[e + "gate_up_proj_bias"]  # [E, 2I]
         bg = W.put(f"blk.{i}.ffn_gate_exps.bias", bias[:, ::2])
         bu = W.put(f"blk.{i}.ffn_up_exps.bias", bias[:, 1::2])
         W.held[e + "gate_up_proj_bias"] = torch.stack([bg, bu], dim=2).reshape(bias.shape)
-        d = W.put(f"blk.{i}.ffn_down_exps.weight", sd[e + "down_proj"].swapaxes(1, 2), expert)  # [E, H, I]
+        d = W.put(f"blk.{i}.ffn_down_exps.weight", sd[e + "down_proj"].swapaxes(1, 2), expert_t)  # [E, H, I]
         W.held[e + "down_proj"] = d.transpose(1, 2).contiguous()
         W.put(f"blk.{i}.ffn_down_exps.bias", sd[e + "down_proj_bias"], "F32", e + "down_proj_bias")
     return W.close()
@@ -397,3 +398,20 @@ def test_damaged_gpt_oss_and_deepseek2_files_are_one_typed_line(tmp_path, gpt_os
     with pytest.raises(UnsupportedModelError, match="not the YaRN gpt-oss is trained with") as e:
         load_model(path, dtype="float32")
     assert "\n" not in str(e.value)
+
+
+def test_gpt_oss_gguf_whose_expert_types_change_by_layer(tmp_path, gpt_oss):
+    """Experts MXFP4 in one layer, Q8_0 and Q4_0 in the others: resident, each layer in its own interleaved format
+    with its biases (converted to the compute dtype); transformers' tokens in fp32, and a bf16 load runs."""
+    path = tmp_path / "mixed.gguf"
+    held = write_gpt_oss_gguf(path, gpt_oss, expert={0: "MXFP4", 1: "Q8_0", 2: "Q4_0"})
+    engine = _check(gpt_oss, held, path, steps=6)
+    fmts = [engine.loaded.provider.prepare(layer, torch.zeros(1, 2, dtype=torch.long)).format for layer in range(3)]
+    assert [f.types["w1"].name for f in fmts] == ["MXFP4", "Q8_0", "Q4_0"] and all(f.interleaved for f in fmts)
+    bf16 = Engine(load_model(path, dtype="bfloat16"), None, None, {}, 512, 16)
+    batch = bf16.loaded.provider.prepare(1, torch.zeros(1, 2, dtype=torch.long))
+    assert batch.tensors["w3_bias"].dtype == torch.bfloat16
+    want = held["model.layers.1.mlp.experts.gate_up_proj_bias"][:, 1::2].to(torch.bfloat16)  # up's, every expert
+    assert torch.equal(batch.tensors["w3_bias"][:want.shape[0]], want)
+    got = [t for c in bf16.generate(_prompt(5, seed=3), sampling=GREEDY, max_tokens=4) for t in c.token_ids]
+    assert len(got) == 4
