@@ -315,7 +315,8 @@ def test_deepseek2_gguf_matches_transformers(tmp_path, model_type, split_kv_b):
     assert (args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank) == (32, 32, 32)
     assert args.q_lora_rank == model.config.q_lora_rank and args.first_k_dense_replace == 1
     if model_type == "deepseek_v3":
-        assert args.rope_parameters["rope_type"] == "yarn" and args.rope_parameters["mscale_all_dim"] == pytest.approx(0.8)
+        rope = args.rope_parameters
+        assert rope["rope_type"] == "yarn" and rope["mscale_all_dim"] == pytest.approx(0.8)
 
 
 def test_cached_deepseek2_gguf_experts_give_the_resident_tokens(tmp_path):
