@@ -20,7 +20,7 @@ from textual.app import App
 from textual.binding import Binding
 
 from .bridge import EngineFactory, LoadOptions, load_engine
-from .launch import DEMO_MODEL
+from .pull import DEMO_MODEL
 from .screens.chat import ChatScreen
 from .screens.setup import HubOptions, SetupScreen
 from .screens.welcome import NO_MODEL, WelcomeScreen

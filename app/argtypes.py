@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 
 def _number(text: str, parse, kind: str, minimum: float, inclusive: bool, maximum: float = math.inf):
@@ -96,3 +97,40 @@ top_p = _sampling_type("top_p", float, "a number",
 min_p = _sampling_type("min_p", float, "a number")
 repetition_penalty = _sampling_type("repetition_penalty", float, "a number")
 seed = _sampling_type("seed", int, "a whole number")
+
+
+def at_most(limit: int, unit: str, why: str, minimum=positive_int):
+    """An argparse type: `minimum`'s whole number, refused above `limit` (a value no model could use: a typo, or an
+    int64 overflow later) with one usage line that says why."""
+    def parse(text: str) -> int:
+        value = minimum(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"expected at most {limit:,} {unit} ({why}), got {value:,}")
+        return value
+
+    parse.__name__ = minimum.__name__  # argparse names the type in its "invalid ... value" line
+    return parse
+
+
+def caps():
+    from moechat.engine.validate import MAX_CONTEXT, MAX_EXPERTS, MAX_LAYERS  # pure Python
+
+    return MAX_CONTEXT, MAX_EXPERTS, MAX_LAYERS
+
+
+_MAX_CONTEXT = caps()[0]
+# Shared by `moechat fit --context`, `run --context` and `run --max-tokens`: tokens past any model's positions.
+context_length = at_most(_MAX_CONTEXT, "tokens", "more positions than any model moechat loads has")
+
+
+def warn(message: str) -> None:
+    print(f"moechat: warning: {message}", file=sys.stderr)
+
+
+def say_clamp(args: argparse.Namespace, flag: str, asked, got, why: str) -> None:
+    """A value moechat lowered (or did not apply): one stderr line with what was asked, what it got and why, and an
+    entry in `args.clamps` for the --json output. No clamp is silent."""
+    warn(f"{flag} {asked}: using {got}: {why}")
+    if getattr(args, "clamps", None) is None:
+        args.clamps = []
+    args.clamps.append({"flag": flag, "asked": asked, "got": got, "why": why})

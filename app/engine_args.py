@@ -15,32 +15,14 @@ import argparse
 
 from . import argtypes as _types
 from .argtypes import non_negative_int as _non_negative_int
-from .argtypes import positive_int as _positive_int
 from .argtypes import prefetch_depth as _prefetch_depth
 
-
-def _at_most(limit: int, unit: str, why: str, minimum=_positive_int):
-    """An argparse type: `minimum`'s whole number, refused above `limit` (a value no model could use: a typo, or an
-    int64 overflow later) with one usage line that says why."""
-    def parse(text: str) -> int:
-        value = minimum(text)
-        if value > limit:
-            raise argparse.ArgumentTypeError(f"expected at most {limit:,} {unit} ({why}), got {value:,}")
-        return value
-
-    parse.__name__ = minimum.__name__  # argparse names the type in its "invalid ... value" line
-    return parse
-
-
-def _caps():
-    from moechat.engine.validate import MAX_CONTEXT, MAX_EXPERTS, MAX_LAYERS  # pure Python
-
-    return MAX_CONTEXT, MAX_EXPERTS, MAX_LAYERS
+_at_most = _types.at_most
+_caps = _types.caps
 
 
 _MAX_CONTEXT, _MAX_EXPERTS, _MAX_LAYERS = _caps()
-# Shared with `moechat fit --context` and `run --max-tokens`: tokens past any model's positions.
-context_length = _at_most(_MAX_CONTEXT, "tokens", "more positions than any model moechat loads has")
+context_length = _types.context_length  # shared with `moechat fit --context` and `run --max-tokens`
 expert_slots = _at_most(_MAX_LAYERS * _MAX_EXPERTS, "slots", "more experts than any model moechat loads has")
 host_layers = _at_most(_MAX_LAYERS, "layers", "more layers than any model moechat loads has",
                        minimum=_non_negative_int)
@@ -102,15 +84,8 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
 
 
-def say_clamp(args: argparse.Namespace, flag: str, asked, got, why: str) -> None:
-    """A value moechat lowered (or did not apply): one stderr line with what was asked, what it got and why, and an
-    entry in `args.clamps` for the --json output. No clamp is silent."""
-    from moechat.app.fit import warn
-
-    warn(f"{flag} {asked}: using {got}: {why}")
-    if getattr(args, "clamps", None) is None:
-        args.clamps = []
-    args.clamps.append({"flag": flag, "asked": asked, "got": got, "why": why})
+say_clamp = _types.say_clamp
+warn = _types.warn
 
 
 def _policies() -> list[str]:
@@ -207,7 +182,7 @@ def _warm_start(text: str) -> str:
 
 def cache_config_from_args(args: argparse.Namespace, device: str):
     """The CacheConfig the flags ask for (None: every expert resident); unset sizes come from the memory plan."""
-    from moechat.app.fit import cache_defaults, warn
+    from moechat.app.fit import cache_defaults
     from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.errors import ConfigError, MoechatError
 
@@ -279,8 +254,6 @@ def load_engine_from_args(args: argparse.Namespace, check=None):
     cache = cache_config_from_args(args, device)
     engine = Engine.load(args.model_dir, dtype=args.dtype, device=device, context=args.context, cache=cache,
                          expert_format=args.expert_format, dense_format=args.dense_format)
-    from moechat.app.fit import warn
-
     for notice in engine.notices:  # e.g. a tokenizer far smaller than the model's embedding
         warn(notice)
     if cache is not None and cache.expert_slots is None and args.ram_cache_mb is not None:
@@ -346,8 +319,6 @@ def say_load_clamps(args: argparse.Namespace, engine) -> None:
 def _explain_ram_cache_alone(engine, ram_cache_mb: int) -> None:
     """--ram-cache-mb without --expert-slots: the provider chose the slots; say how many, why, and what the RAM tier
     then holds, so a tiny budget is not a silent surprise."""
-    from moechat.app.fit import warn
-
     snap, provider = engine.cache_snapshot(), engine.provider
     if snap is None:
         return

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .argtypes import context_length, say_clamp  # no torch
 from .argtypes import non_negative_float as _non_negative_float
-from .engine_args import context_length  # no torch
 
 EXIT_REFUSED = 3
 EXPERT_FORMATS = ("native", "int8", "int4")  # moechat run --expert-format (engine/format_plan.py FORMATS)
@@ -328,7 +327,6 @@ def run_fit(args: argparse.Namespace) -> int:
     if args.dense_format != "native" and args.device and not args.device.startswith("cpu"):
         raise ConfigError("--dense-format int8 runs on the CPU only for now: plan it with --device cpu")
     if args.context is not None and args.context > spec.max_context:
-        from .engine_args import say_clamp
 
         say_clamp(args, "--context", args.context, spec.max_context, f"the model has {spec.max_context:,} positions "
                   "(max_position_embeddings)")
@@ -721,5 +719,3 @@ def cache_defaults(model_dir, *, device: str, dtype: str | None, context: int | 
     return expert_slots, ram_cache_bytes
 
 
-def warn(message: str) -> None:
-    print(f"moechat: warning: {message}", file=sys.stderr)

@@ -70,7 +70,7 @@ MISSING_FEATURES: dict[str, str] = {
 }
 
 
-# quantization_config.quant_method values the loader reads (engine/quant/base.py QUANT_METHODS; a test keeps the
+# quantization_config.quant_method values the loader reads (engine/quant/registry.py QUANT_METHODS; a test keeps the
 # two equal); no quantization_config at all is a full-precision checkpoint.
 LOADABLE_QUANT_METHODS = ("mxfp4", "fp8")
 

@@ -77,6 +77,7 @@ from .hubhttp import Ctx as _Ctx
 from .hubhttp import Tensor as _Tensor
 from .hubhttp import redirect_loop as _redirect_loop
 from .hubhttp import transport_errors as _transport_errors
+from .paths import default_cache_dir  # noqa: F401 - the Hub's cache, also hub.default_cache_dir
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -119,14 +120,6 @@ def is_offline() -> bool:
     if env is not None:
         return env.strip().upper() in {"1", "ON", "YES", "TRUE"}
     return bool(constants.HF_HUB_OFFLINE)
-
-
-def default_cache_dir() -> Path:
-    """The standard Hugging Face cache: HF_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
 
 
 def wanted_file(path: str) -> bool:

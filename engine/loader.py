@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 
 from .cache import hostmem
+from .cache.store import expert_tensor_names
 from .checkpoint import Checkpoint, check_finite, read_json
 from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .models import ARCHITECTURES, DENSE, PLANNED_MOE, MoEForCausalLM
 from .models.base import BaseModelArgs
 from .moe import ResidentProvider
 from .quant import ExpertFormat, native_format
-from .quant.base import target_format
 from .quant.dense import DENSE as DENSE_FORMAT
+from .quant.registry import target_format
 from .validate import check_layers, show
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,16 +95,6 @@ def resolve_dtype(name: str | None, args: BaseModelArgs) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r} is not supported: use one of {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def expert_tensor_names(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint,
-                        layer: int) -> tuple[str, ...]:
-    """Which naming this checkpoint uses for a layer's experts: per-expert (3 per expert) or fused."""
-    n = cls.expert_naming
-    fused = n.fused_gate_up.format(layer=layer), n.fused_down.format(layer=layer)
-    if fused[0] in ckpt and fused[1] in ckpt:
-        return fused
-    return ()
 
 
 def validate(cls: type[MoEForCausalLM], args: BaseModelArgs, ckpt: Checkpoint,

@@ -68,7 +68,7 @@ OVERHEAD_PER_LAYER_S = {"gpu": 0.15e-3, "cpu": 1.5e-3}
 OVERHEAD_PER_MISS_S = {"gpu": 0.03e-3, "cpu": 0.05e-3}  # policy + copy call (+ preadv) per expert load
 TRACED_MISS_FACTOR = 0.6  # best LRU miss rate / uniform-routing miss rate seen on ../shared/traces
 # Expert formats moechat converts a checkpoint's experts into (`--expert-format`), kept equal to
-# engine/quant/base.py's CONVERTIBLE by a test; int4 groups along the input as engine/quant/intq.py does.
+# engine/quant/registry.py's CONVERTIBLE by a test; int4 groups along the input as engine/quant/intq.py does.
 CONVERTIBLE_FORMATS = ("int8", "int4")
 INT4_GROUPS = (32, 16, 8)
 # Expert compute of each format's path today, as a fraction of the rate the device reads dense weights at,
@@ -904,7 +904,7 @@ def _resolve_model_dir(model: str | os.PathLike) -> Path:
         try:
             from huggingface_hub import try_to_load_from_cache  # reads the local cache only, no network
 
-            from .hub import default_cache_dir  # HF_HOME / HF_HUB_CACHE now (huggingface_hub read them at import)
+            from .paths import default_cache_dir  # HF_HOME / HF_HUB_CACHE now (huggingface_hub read them at import)
 
             cached = try_to_load_from_cache(text, "config.json", cache_dir=default_cache_dir())
         except Exception:  # noqa: BLE001 - a broken cache is the same as no cache here
@@ -917,6 +917,47 @@ def _resolve_model_dir(model: str | os.PathLike) -> Path:
     raise ConfigError(f"{model}: no such model directory")
 
 
+def gguf_spec(path: str | os.PathLike) -> ModelSpec:
+    """`moechat fit FILE.gguf`: the plan's ModelSpec from the header(s) alone. The routed experts count as the file
+    packs them (their ggml types' bytes, every tier); every other tensor as the loader holds it, dequantized to the
+    compute dtype; a note gives the file's packed bytes per ggml type."""
+    import numpy as np
+
+    from .checkpoint import TensorInfo
+    from .load.gguf import open_gguf
+
+    ckpt = open_gguf(path)
+    cfg = ckpt.config
+    fdtag, fbytes = ("F32", 4) if cfg["torch_dtype"] == "float32" else ("BF16", 2)
+    held: dict[str, TensorInfo] = {}
+    by_type: dict[str, int] = {}
+    parts = {"ffn_gate_exps": "gate_gguf", "ffn_up_exps": "up_gguf", "ffn_down_exps": "down_gguf"}
+    for reader in ckpt.readers:  # the file's bytes per type (deepseek2's attn_k_b + attn_v_b are one kv_b_proj below)
+        for t in reader.tensors:
+            by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    for name, info in ckpt.tensors.items():
+        m = re.match(r"^blk\.(\d+)\.(ffn_\w+_exps)\.(weight|bias)$", name)
+        if m and m.group(3) == "weight":
+            hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}"
+            held[hf] = TensorInfo(hf, info.file, "U8", info.shape, info.start, info.end)
+        elif m:  # gpt-oss's expert biases: in every tier with their expert, in the compute dtype
+            hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}_bias"
+            held[hf] = TensorInfo(hf, info.file, fdtag, info.shape, 0, int(np.prod(info.shape)) * fbytes)
+        else:
+            n = int(np.prod(info.shape)) * fbytes
+            held[name] = TensorInfo(name, info.file, fdtag, info.shape, 0, n)
+    spec = spec_from_headers(cfg, held, name=Path(path).name, where=str(ckpt.files_[0]))
+    types = "/".join(t.name for t in ckpt.expert_format.types.values()) if ckpt.expert_format else "none"
+    packed = ", ".join(f"{t} {gib(b)}" for t, b in sorted(by_type.items(), key=lambda kv: -kv[1]))
+    size = sum(f.stat().st_size for f in ckpt.files_)
+    notes = (f"GGUF file of {gib(size)}, packed per type: {packed}",
+             f"experts kept packed as the file stores them ({types}, gate/up/down); the other tensors dequantized "
+             f"at load to {cfg['torch_dtype']}")
+    spec = replace(spec, expert_format=f"GGUF {types}", checkpoint_bytes=size, present_bytes=size,
+                   path=str(path), notes=tuple(n for n in spec.notes if "safetensors" not in n) + notes)
+    return spec
+
+
 def read_model_spec(model: str | os.PathLike) -> ModelSpec:
     """The spec of a local model directory (or a Hub id already in the local cache).
 
@@ -925,9 +966,7 @@ def read_model_spec(model: str | os.PathLike) -> ModelSpec:
     """
     path = Path(model).expanduser()
     if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))):
-        from .load.gguf import model_spec  # a GGUF model: sizes from its header(s), experts packed as stored
-
-        return model_spec(path)
+        return gguf_spec(path)  # a GGUF model: sizes from its header(s), experts packed as stored
     model_dir = _resolve_model_dir(model)
     cfg_path = model_dir / "config.json"
     config = _load_json(cfg_path, "model config (config.json)")

@@ -57,6 +57,16 @@ def expert_shapes(args, dtype: torch.dtype, fmt: ExpertFormat = DENSE) -> dict[s
     return fmt.layout(args.hidden_size, args.moe_intermediate, dtype, bias=args.expert_bias)
 
 
+def expert_tensor_names(cls: type[MoEForCausalLM], args, ckpt: Checkpoint,
+                        layer: int) -> tuple[str, ...]:
+    """Which naming this checkpoint uses for a layer's experts: per-expert (3 per expert) or fused."""
+    n = cls.expert_naming
+    fused = n.fused_gate_up.format(layer=layer), n.fused_down.format(layer=layer)
+    if fused[0] in ckpt and fused[1] in ckpt:
+        return fused
+    return ()
+
+
 class DiskStore:
     """Experts read from the shards on every request (the page cache may still help; see bench).
 
@@ -84,8 +94,6 @@ class DiskStore:
 
     def _layer_segments(self, cls, args, ckpt: Checkpoint, layer: int):
         """expert -> its segments, after checking this layer's expert tensors."""
-        from ..loader import expert_tensor_names
-
         I, H, E = args.moe_intermediate, args.hidden_size, args.num_experts
         n = cls.expert_naming
         fmt = self.format

@@ -480,46 +480,6 @@ def gguf_text(path: str | os.PathLike):
     return generation_config, text.tokenizer, template
 
 
-def model_spec(path: str | os.PathLike):
-    """`moechat fit FILE.gguf`: the plan's ModelSpec from the header(s) alone. The routed experts count as the file
-    packs them (their ggml types' bytes, every tier); every other tensor as the loader holds it, dequantized to the
-    compute dtype; a note gives the file's packed bytes per ggml type."""
-    from dataclasses import replace
-
-    from ..plan import gib, spec_from_headers
-
-    ckpt = open_gguf(path)
-    cfg = ckpt.config
-    fdtag, fbytes = ("F32", 4) if cfg["torch_dtype"] == "float32" else ("BF16", 2)
-    held: dict[str, TensorInfo] = {}
-    by_type: dict[str, int] = {}
-    parts = {"ffn_gate_exps": "gate_gguf", "ffn_up_exps": "up_gguf", "ffn_down_exps": "down_gguf"}
-    for reader in ckpt.readers:  # the file's bytes per type (deepseek2's attn_k_b + attn_v_b are one kv_b_proj below)
-        for t in reader.tensors:
-            by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
-    for name, info in ckpt.tensors.items():
-        m = re.match(r"^blk\.(\d+)\.(ffn_\w+_exps)\.(weight|bias)$", name)
-        if m and m.group(3) == "weight":
-            hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}"
-            held[hf] = TensorInfo(hf, info.file, "U8", info.shape, info.start, info.end)
-        elif m:  # gpt-oss's expert biases: in every tier with their expert, in the compute dtype
-            hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}_bias"
-            held[hf] = TensorInfo(hf, info.file, fdtag, info.shape, 0, int(np.prod(info.shape)) * fbytes)
-        else:
-            n = int(np.prod(info.shape)) * fbytes
-            held[name] = TensorInfo(name, info.file, fdtag, info.shape, 0, n)
-    spec = spec_from_headers(cfg, held, name=Path(path).name, where=str(ckpt.files_[0]))
-    types = "/".join(t.name for t in ckpt.expert_format.types.values()) if ckpt.expert_format else "none"
-    packed = ", ".join(f"{t} {gib(b)}" for t, b in sorted(by_type.items(), key=lambda kv: -kv[1]))
-    size = sum(f.stat().st_size for f in ckpt.files_)
-    notes = (f"GGUF file of {gib(size)}, packed per type: {packed}",
-             f"experts kept packed as the file stores them ({types}, gate/up/down); the other tensors dequantized "
-             f"at load to {cfg['torch_dtype']}")
-    spec = replace(spec, expert_format=f"GGUF {types}", checkpoint_bytes=size, present_bytes=size,
-                   path=str(path), notes=tuple(n for n in spec.notes if "safetensors" not in n) + notes)
-    return spec
-
-
 class MixedExpertStore:
     """The experts of a GGUF whose types change from layer to layer (Q4_K_M's ffn_down_exps: Q6_K in some layers,
     Q4_K in the rest): each layer checked against its own `GGUFFormat`'s layout (a typed error naming the tensor)

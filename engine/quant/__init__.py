@@ -10,6 +10,7 @@ MXFP4 13.2 MB, 3.8x fewer bytes per miss and 3.8x more experts per GiB of slots.
 
 from __future__ import annotations
 
-from .base import ExpertFormat, TensorSpec, detect_format, get_format, native_format
+from .base import ExpertFormat, TensorSpec
+from .registry import detect_format, get_format, native_format
 
 __all__ = ["ExpertFormat", "TensorSpec", "detect_format", "get_format", "native_format"]

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import CheckpointError
 from .base import ExpertFormat, TensorSpec

@@ -72,7 +72,7 @@ def test_a_refused_plan_is_cannot_run_and_force_says_so_with_exit_0(capsys):
 
 def test_the_loader_and_fit_agree_on_quantization_methods():
     from moechat.engine.catalog import LOADABLE_QUANT_METHODS
-    from moechat.engine.quant.base import QUANT_METHODS
+    from moechat.engine.quant.registry import QUANT_METHODS
 
     assert tuple(LOADABLE_QUANT_METHODS) == tuple(QUANT_METHODS)
 

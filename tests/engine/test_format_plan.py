@@ -25,7 +25,7 @@ from moechat.engine.plan import (
     spec_from_config,
 )
 from moechat.engine.quant import get_format
-from moechat.engine.quant.base import CONVERTIBLE
+from moechat.engine.quant.registry import CONVERTIBLE
 from moechat.engine.quant.intq import int4_group as quant_int4_group
 
 ROOT = Path(__file__).resolve().parents[2]
