@@ -211,6 +211,63 @@ def _native_dequant():
     return fn
 
 
+VECDOT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"})  # one token by native_gguf.c's integer dots
+
+
+def _native_vecdot():
+    """native_gguf.c's one-token integer-dot kernel and the library, typed here; (None, None) without it."""
+    from . import native
+
+    lib = native.library()
+    fn = getattr(lib, "moechat_gguf_vecdot", None) if lib is not None else None
+    if fn is not None and fn.argtypes is None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return fn, lib
+
+
+def quantize_x(x: torch.Tensor, t: GGMLType) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [cols] fp32 -> (q [cols / B, B] int8 values as fp32, d [cols / B, 1]) as `vecdot` rounds it: B = 32 (256
+    for the k-quants), d = amax / 127, q = round-half-even(x * (127 / amax))."""
+    xb = x.float().reshape(-1, 32 if t.block == 32 else 256)  # [blocks, B]
+    amax = xb.abs().amax(dim=1, keepdim=True)  # [blocks, 1]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(xb * inv).clamp(-127, 127), amax / 127.0
+
+
+def vecdot_reference(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor:
+    """The slow obvious `vecdot`: W dequantized, times x rounded as `quantize_x` rounds it, in fp64 -> [1, rows]."""
+    q, d = quantize_x(x.reshape(-1), t)
+    return (q.double() * d.double()).reshape(1, cols) @ dequantize(raw, t, cols).double().t()
+
+
+def vecdot_bound(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor:
+    """[1, rows]: how far `vecdot` may be from the fp32 reference x @ W^T, rounding aside: each x_i is d_b * q_i +
+    e_i with |e_i| <= d_b / 2 (d_b = amax_b / 127), so |error| <= sum_b d_b / 2 * sum_{i in b} |w_i|."""
+    _, d = quantize_x(x.reshape(-1), t)  # [blocks, 1]
+    w = dequantize(raw, t, cols).double().abs().reshape(raw.shape[0], d.shape[0], -1).sum(-1)  # [rows, blocks]
+    return (w @ (d.double() / 2)).reshape(1, -1)
+
+
+def vecdot(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor | None:
+    """x [1, cols] -> [1, rows] fp32 by native_gguf.c's integer dots (x rounded to int8 per block of 32, or of 256
+    for the k-quants: |error| <= sum over blocks of (amax_b / 127) / 2 * sum_{i in b} |w_i|), or None where the
+    type, the tensors or the library do not allow it (the caller decodes tiles instead)."""
+    if not (t.name in VECDOT_TYPES and raw.device.type == "cpu" and x.device.type == "cpu" and raw.is_contiguous()
+            and raw.dtype == torch.uint8 and raw.shape[-1] == t.row_bytes(cols) and x.shape == (1, cols)):
+        return None
+    fn, lib = _native_vecdot()
+    if fn is None:
+        return None
+    from . import native
+
+    xf = x.float().contiguous()
+    y = torch.empty(1, raw.shape[0], dtype=torch.float32)  # [1, rows]
+    native._threads(lib)  # the pool's thread count as torch's, as every native call
+    rc = fn(t.id, xf.data_ptr(), raw.data_ptr(), raw.shape[0], cols, y.data_ptr())
+    return y if rc == 0 else None
+
+
 def decode_rows(raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor:
     """raw [rows, row_bytes] -> [rows, cols] fp32, bit for bit `dequantize`: native_gguf.c where it is loaded and
     decodes this type (a contiguous CPU tile), else the torch reference."""
@@ -224,8 +281,10 @@ def decode_rows(raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor:
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, cols] -> x @ W^T (+ bias) [n, rows] in x's dtype, W decoded from `raw` [rows, row_bytes] a tile of
-    rows at a time (fp32 sums)."""
+    """x [n, cols] -> x @ W^T (+ bias) [n, rows] in x's dtype: one token by `vecdot` where the type has it, else W
+    decoded from `raw` [rows, row_bytes] a tile of rows at a time (fp32 sums)."""
+    if x.shape[0] == 1 and (y1 := vecdot(x, raw, t, cols)) is not None:
+        return (y1 + bias.float() if bias is not None else y1).to(x.dtype)
     rows = raw.shape[0]
     xf = x.float()
     y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)  # [n, rows]

@@ -147,3 +147,200 @@ int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *d
     }
     return 0;
 }
+
+/* ---- One token, integer dot products (llama.cpp's vec_dot): x quantized once per call to Q8 blocks (int8 + an
+ * fp32 scale per 32 values for Q8_0 / Q4_0; per 256 with per-16 sums for the k-quants, as ggml's Q8_K), then per
+ * row integer sums per (sub-)block and one fp32 multiply-add per block, in block order. The integer sums are exact
+ * and the float part is the same scalar code in every build (AVX-512 VNNI, AVX2, scalar C), so every build and
+ * every thread count writes the same bits. Error against the fp32 reference (dequantize, then the dot with x):
+ * x_i = dx_b * q_i + e_i with |e_i| <= dx_b / 2, dx_b = amax_b / 127, so |y - y_ref| <= sum_b dx_b / 2 *
+ * sum_{i in b} |w_i| (plus fp32 rounding of the sums). */
+#include <stdlib.h>
+
+int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, int64_t units, int64_t align,
+                         int64_t bytes);
+
+#if defined(__AVX2__) && !defined(MOECHAT_SCALAR)
+#define GV_SIMD 1
+#include <immintrin.h>
+/* 32 unsigned x 32 signed bytes -> 8 int32 partial sums (lanes 0-3: values 0-15, 4-7: values 16-31). No int16
+ * saturation on the AVX2 path: a pair is at most 2 x 128 x 127 = 32512 for every type here. */
+static inline __m256i gv_dot32(const uint8_t *u, const int8_t *s) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)u), b = _mm256_loadu_si256((const __m256i *)s);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+static inline int32_t gv_hsum(__m256i v) {
+    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1));
+    return _mm_cvtsi128_si32(a);
+}
+#else
+#define GV_SIMD 0
+#endif
+
+/* sum of u[i] * s[i] over 32 values, scaled per 16: sc0 * (values 0-15) + sc1 * (values 16-31) */
+static inline int32_t gv_dot32s(const uint8_t *u, const int8_t *s, int32_t sc0, int32_t sc1) {
+#if GV_SIMD
+    __m256i v = _mm256_mullo_epi32(gv_dot32(u, s), _mm256_setr_epi32(sc0, sc0, sc0, sc0, sc1, sc1, sc1, sc1));
+    return gv_hsum(v);
+#else
+    int32_t a = 0, b = 0;
+    for (int i = 0; i < 16; i++) a += (int32_t)u[i] * s[i];
+    for (int i = 16; i < 32; i++) b += (int32_t)u[i] * s[i];
+    return sc0 * a + sc1 * b;
+#endif
+}
+
+/* Q8_0's weights are signed: |w| times x with w's sign (ggml's trick), exact */
+static inline int32_t gv_dot32_ss(const int8_t *w, const int8_t *s) {
+#if GV_SIMD
+    __m256i a = _mm256_loadu_si256((const __m256i *)w), b = _mm256_loadu_si256((const __m256i *)s);
+    __m256i ua = _mm256_sign_epi8(a, a), sb = _mm256_sign_epi8(b, a);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return gv_hsum(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ua, sb));
+#else
+    return gv_hsum(_mm256_madd_epi16(_mm256_maddubs_epi16(ua, sb), _mm256_set1_epi16(1)));
+#endif
+#else
+    int32_t a = 0;
+    for (int i = 0; i < 32; i++) a += (int32_t)w[i] * s[i];
+    return a;
+#endif
+}
+
+typedef struct {
+    int type;
+    int64_t cols, row_bytes;
+    const uint8_t *w;
+    const int8_t *q;   /* x as int8 [cols] */
+    const float *d;    /* its scales, one per QB values */
+    const int32_t *bs; /* its sums per 16 values [cols / 16] */
+    float *y;
+} GVJob;
+
+static float gv_row(const GVJob *j, const uint8_t *row) {
+    const int8_t *q = j->q;
+    float sumf = 0.0f;
+    uint8_t u[256];
+    if (j->type == 8) {
+        for (int64_t b = 0; b < j->cols / 32; b++) {
+            const uint8_t *x = row + b * 34;
+            int32_t s = gv_dot32_ss((const int8_t *)(x + 2), q + 32 * b);
+            sumf += gguf_h2f(x) * j->d[b] * (float)s;
+        }
+    } else if (j->type == 2) {
+        for (int64_t b = 0; b < j->cols / 32; b++) {
+            const uint8_t *x = row + b * 18;
+            for (int i = 0; i < 16; i++) {
+                u[i] = x[2 + i] & 0x0f;
+                u[i + 16] = x[2 + i] >> 4;
+            }
+            int32_t s = gv_dot32s(u, q + 32 * b, 1, 1) - 8 * (j->bs[2 * b] + j->bs[2 * b + 1]);
+            sumf += gguf_h2f(x) * j->d[b] * (float)s;
+        }
+    } else if (j->type == 12 || j->type == 13) {
+        for (int64_t b = 0; b < j->cols / 256; b++) {
+            const uint8_t *x = row + b * (j->type == 12 ? 144 : 176);
+            const uint8_t *qh = x + 16, *qs = x + (j->type == 12 ? 16 : 48);
+            const int8_t *qb = q + 256 * b;
+            const int32_t *bs = j->bs + 16 * b;
+            int32_t sumi = 0, summ = 0;
+            for (int c = 0; c < 4; c++) {
+                for (int l = 0; l < 32; l++) {
+                    u[l] = qs[32 * c + l] & 0x0f;
+                    u[32 + l] = qs[32 * c + l] >> 4;
+                }
+                if (j->type == 13)
+                    for (int l = 0; l < 32; l++) {
+                        u[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+                        u[32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    }
+                for (int h = 0; h < 2; h++) {
+                    int sc, m, jj = 2 * c + h;
+                    gguf_scale_min_k4(jj, x + 4, &sc, &m);
+                    sumi += gv_dot32s(u + 32 * h, qb + 32 * jj, sc, sc);
+                    summ += m * (bs[2 * jj] + bs[2 * jj + 1]);
+                }
+            }
+            float dx = j->d[b];
+            sumf += gguf_h2f(x) * dx * (float)sumi;
+            sumf -= gguf_h2f(x + 2) * dx * (float)summ;
+        }
+    } else { /* Q6_K: value 128n + 32k + l, its scale sc[8n + 2k + l / 16] */
+        for (int64_t b = 0; b < j->cols / 256; b++) {
+            const uint8_t *x = row + b * 210, *ql = x, *qh = x + 128;
+            const int8_t *sc = (const int8_t *)(x + 192), *qb = q + 256 * b;
+            const int32_t *bs = j->bs + 16 * b;
+            int32_t sumi = 0, sumb = 0;
+            for (int n = 0; n < 2; n++) {
+                for (int l = 0; l < 32; l++) {
+                    uint8_t h = qh[32 * n + l];
+                    u[l] = (ql[64 * n + l] & 0x0f) | ((h & 3) << 4);
+                    u[32 + l] = (ql[64 * n + l + 32] & 0x0f) | (((h >> 2) & 3) << 4);
+                    u[64 + l] = (ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4);
+                    u[96 + l] = (ql[64 * n + l + 32] >> 4) | (((h >> 6) & 3) << 4);
+                }
+                for (int k = 0; k < 4; k++) {
+                    int g = 8 * n + 2 * k; /* the 16-groups of values 128n + 32k .. +31 */
+                    sumi += gv_dot32s(u + 32 * k, qb + 128 * n + 32 * k, sc[g], sc[g + 1]);
+                    sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
+                }
+            }
+            sumf += gguf_h2f(x + 208) * j->d[b] * (float)(sumi - 32 * sumb);
+        }
+    }
+    return sumf;
+}
+
+static int gv_share(void *ctx, int64_t a, int64_t b) {
+    const GVJob *j = (const GVJob *)ctx;
+    for (int64_t r = a; r < b; r++) j->y[r] = gv_row(j, j->w + r * j->row_bytes);
+    return 0;
+}
+
+/* Q8 blocks of x: qb values per scale d = amax / 127, q = round(x / d) (to even); sums per 16 values */
+void moechat_gguf_quantize_x(const float *x, int64_t cols, int64_t qb, int8_t *q, float *d, int32_t *bs) {
+    for (int64_t b = 0; b < cols / qb; b++) {
+        const float *xb = x + b * qb;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < qb; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int64_t i = 0; i < qb; i++) {
+            float v = nearbyintf(xb[i] * id);
+            q[b * qb + i] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+        }
+    }
+    for (int64_t g = 0; g < cols / 16; g++) {
+        int32_t s = 0;
+        for (int i = 0; i < 16; i++) s += q[16 * g + i];
+        bs[g] = s;
+    }
+}
+
+/* y[r] = row r of w (rows x cols of `type`) . x, through x's Q8 blocks. 0; -1 for a type without the kernel
+ * (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K have it) or cols not a multiple of its block; -2 out of memory. */
+int moechat_gguf_vecdot(int type, const float *x, const uint8_t *w, int64_t rows, int64_t cols, float *y) {
+    int64_t blk, nb;
+    if (type == 8) blk = 32, nb = 34;
+    else if (type == 2) blk = 32, nb = 18;
+    else if (type == 12) blk = 256, nb = 144;
+    else if (type == 13) blk = 256, nb = 176;
+    else if (type == 14) blk = 256, nb = 210;
+    else return -1;
+    if (cols <= 0 || cols % blk || rows < 0) return -1;
+    int8_t *q = (int8_t *)malloc((size_t)cols + sizeof(float) * (size_t)(cols / blk) + sizeof(int32_t) * (size_t)(cols / 16));
+    if (!q) return -2;
+    float *d = (float *)(void *)(q + cols); /* cols a multiple of 32: aligned */
+    int32_t *bs = (int32_t *)(void *)(d + cols / blk);
+    moechat_gguf_quantize_x(x, cols, blk, q, d, bs);
+    GVJob j = {.type = type, .cols = cols, .row_bytes = cols / blk * nb, .w = w, .q = q, .d = d, .bs = bs, .y = y};
+    int rc = moechat_parallel_for(gv_share, &j, rows, 1, rows * j.row_bytes);
+    free(q);
+    return rc;
+}

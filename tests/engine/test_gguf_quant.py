@@ -54,7 +54,7 @@ def test_dequantize_matches_the_gguf_package(name):
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q2_K", "Q3_K", "Q5_K"),
                                    ("IQ4_XS", "IQ4_NL", "MXFP4"), ("Q4_0", "Q5_1", "BF16")])
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [2, 5])  # one token (integer dots): tests/engine/test_gguf_vecdot.py
 def test_format_linear_matches_dequantize_and_linear(types, tokens):
     H, inter = 256, 512
     fmt = GGUFFormat(*types)

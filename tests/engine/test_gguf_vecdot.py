@@ -1,0 +1,144 @@
+"""native_gguf.c's one-token integer dots (x rounded to Q8 blocks once per call, as llama.cpp's vec_dot): equal to
+their slow obvious emulation (quantize_x, then fp64), within the stated bound of the fp32 reference (the gguf
+package's dequantization, then the dot), the same bits for 1, 2 and 3 threads, and what GGUFFormat.linear uses for
+one token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import quants  # noqa: E402
+
+from moechat.engine.quant import native  # noqa: E402
+from moechat.engine.quant.gguf import (  # noqa: E402
+    TYPES,
+    VECDOT_TYPES,
+    GGUFFormat,
+    gguf_linear,
+    vecdot,
+    vecdot_bound,
+    vecdot_reference,
+)
+from tests.engine.test_gguf_quant import random_blocks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels here ({native.status()})")
+KINDS = sorted(VECDOT_TYPES)
+
+
+def _case(name: str, rows: int, cols: int, seed: int, scale: float = 1.0):
+    raw = torch.from_numpy(random_blocks(name, rows, cols, seed=seed))  # [rows, row_bytes]
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(seed + 100)) * scale  # [1, cols]
+    return raw, x
+
+
+def _fp32_reference(name: str, raw: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The independent check: the gguf package's numpy decoder, then the dot in fp64."""
+    w = quants.dequantize(raw.numpy(), Q[name]).astype(np.float64)  # [rows, cols]
+    return torch.from_numpy(x.double().numpy() @ w.T)  # [1, rows]
+
+
+@pytest.mark.parametrize("name", KINDS)
+@pytest.mark.parametrize("rows,cols", [(1, 256), (7, 512), (33, 768)])  # odd row counts
+def test_vecdot_is_its_emulation_and_within_the_bound(name, rows, cols):
+    """quantize_x's rounding of x, then exact integer sums: the emulation in fp64 to fp32 rounding."""
+    raw, x = _case(name, rows, cols, seed=rows)
+    t = TYPES[name]
+    y = vecdot(x, raw, t, cols)
+    assert y is not None and y.shape == (1, rows) and y.dtype == torch.float32
+    # the integer sums are exact: only fp32 rounding of the per-block products and their sum remains
+    scale = (x.abs().double() @ torch.from_numpy(np.abs(quants.dequantize(raw.numpy(), Q[name]))).double().t())
+    torch.testing.assert_close(y.double(), vecdot_reference(x, raw, t, cols), rtol=0, atol=1e-5 * scale.max().item())
+    err = (y.double() - _fp32_reference(name, raw, x)).abs()
+    bound = vecdot_bound(x, raw, t, cols)
+    assert torch.all(err <= bound + 1e-5 * scale), (err / bound).max()
+    # the bound is a real constraint: the error is a sizeable part of it somewhere, and far from zero
+    assert (err / bound).max() > 0.01
+
+
+@settings(max_examples=12, deadline=None)
+@given(name=st.sampled_from(KINDS), rows=st.integers(1, 9), blocks=st.integers(1, 3), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([1e-3, 1.0, 50.0]))
+def test_vecdot_bound_holds_on_random_valid_blocks(name, rows, blocks, seed, scale):
+    t = TYPES[name]
+    cols = blocks * 256  # a multiple of every block size
+    raw, x = _case(name, rows, cols, seed, scale)
+    if seed % 3 == 0:
+        x[0, : cols // 2] = 0  # all-zero blocks (scale 0) beside others
+    y = vecdot(x, raw, t, cols)
+    err = (y.double() - _fp32_reference(name, raw, x)).abs()
+    scale_ = x.abs().double() @ torch.from_numpy(np.abs(quants.dequantize(raw.numpy(), Q[name]))).double().t()
+    assert torch.all(err <= vecdot_bound(x, raw, t, cols) + 1e-5 * scale_ + 1e-30)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_one_two_three_threads_write_the_same_bits(name):
+    rows, cols = 601, 2048  # >= 256 KB of packed rows for every type: split over the pool
+    raw, x = _case(name, rows, cols, seed=5)
+    t = TYPES[name]
+    lib = native.library()
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            native.pin_threads(lib, n)
+            outs.append(vecdot(x, raw, t, cols))
+    finally:
+        native.pin_threads(lib, None)
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_types_without_the_kernel_and_bad_shapes_take_the_tile_path():
+    raw, x = _case("Q4_1", 3, 256, seed=1)
+    assert vecdot(x, raw, TYPES["Q4_1"], 256) is None
+    raw, x = _case("Q4_K", 3, 256, seed=1)
+    assert vecdot(torch.cat([x, x]), raw, TYPES["Q4_K"], 256) is None  # two tokens
+    assert vecdot(x, raw[:, :144 - 1].contiguous(), TYPES["Q4_K"], 256) is None  # a row of the wrong size
+    lib = native.library()
+    fn = lib.moechat_gguf_vecdot  # typed by the vecdot calls above
+    y = torch.empty(1, 3)
+    assert fn(12, x.data_ptr(), raw.data_ptr(), 3, 255, y.data_ptr()) == -1  # not a multiple of the block
+    assert fn(3, x.data_ptr(), raw.data_ptr(), 3, 256, y.data_ptr()) == -1  # Q4_1: no kernel
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q5_K", "Q4_1")])
+def test_format_linear_one_token_uses_the_integer_dots(types):
+    H, inter = 256, 512
+    fmt = GGUFFormat(*types)
+    tensors = {}
+    for i, (part, (shape, _)) in enumerate(fmt.layout(H, inter, torch.float32, bias=True).items()):
+        if part.endswith("_bias"):
+            tensors[part] = torch.randn(shape, generator=torch.Generator().manual_seed(10 + i))
+        else:
+            tensors[part] = torch.from_numpy(random_blocks(fmt.types[part].name, shape[0], H if part != "w2" else inter,
+                                                           seed=i))
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(1))
+    got = fmt.linear(x, tensors, "w13")  # [1, 2I]
+    parts = []
+    for p in ("w1", "w3"):
+        t = fmt.types[p]
+        one = vecdot(x, tensors[p], t, H)
+        parts.append((one if one is not None else gguf_linear(x, tensors[p], t, H)) + tensors[f"{p}_bias"])
+    assert torch.equal(got, torch.cat(parts, dim=-1))
+    # and within the bound of dequantize + F.linear
+    w13 = fmt.weight(tensors, "w13", torch.float32)
+    bound = torch.cat([vecdot_bound(x, tensors[p], fmt.types[p], H) if fmt.types[p].name in VECDOT_TYPES
+                       else torch.zeros(1, inter, dtype=torch.float64) for p in ("w1", "w3")], dim=-1)
+    ref = F.linear(x, w13, fmt.bias(tensors, "w13"))
+    assert torch.all((got - ref).abs().double() <= bound + 1e-3)
+    # bf16 activations: the same kernel on x made fp32, the result in bf16
+    h = torch.randn(1, inter, generator=torch.Generator().manual_seed(2)).bfloat16()
+    t2 = fmt.types["w2"]
+    y2 = fmt.linear(h, tensors, "w2")
+    assert y2.dtype == torch.bfloat16
+    one = vecdot(h, tensors["w2"], t2, inter)
+    want = (one + tensors["w2_bias"]) if one is not None else gguf_linear(h.float(), tensors["w2"], t2, inter,
+                                                                        tensors["w2_bias"])
+    assert torch.equal(y2, want.bfloat16())
