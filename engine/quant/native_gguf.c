@@ -165,8 +165,8 @@ int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, 
 #include <immintrin.h>
 /* 32 unsigned x 32 signed bytes -> 8 int32 partial sums (lanes 0-3: values 0-15, 4-7: values 16-31). No int16
  * saturation on the AVX2 path: a pair is at most 2 x 128 x 127 = 32512 for every type here. */
-static inline __m256i gv_dot32(const uint8_t *u, const int8_t *s) {
-    __m256i a = _mm256_loadu_si256((const __m256i *)u), b = _mm256_loadu_si256((const __m256i *)s);
+static inline __m256i gv_dot32v(__m256i a, const int8_t *s) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)s);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
 #else
@@ -179,6 +179,11 @@ static inline int32_t gv_hsum(__m256i v) {
     a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1));
     return _mm_cvtsi128_si32(a);
 }
+static inline int32_t gv_dot32vs(__m256i u, const int8_t *s, int32_t sc0, int32_t sc1) {
+    __m256i v = gv_dot32v(u, s);
+    if (sc0 == sc1) return sc0 * gv_hsum(v); /* exact either way: one multiply instead of eight */
+    return gv_hsum(_mm256_mullo_epi32(v, _mm256_setr_epi32(sc0, sc0, sc0, sc0, sc1, sc1, sc1, sc1)));
+}
 #else
 #define GV_SIMD 0
 #endif
@@ -186,8 +191,7 @@ static inline int32_t gv_hsum(__m256i v) {
 /* sum of u[i] * s[i] over 32 values, scaled per 16: sc0 * (values 0-15) + sc1 * (values 16-31) */
 static inline int32_t gv_dot32s(const uint8_t *u, const int8_t *s, int32_t sc0, int32_t sc1) {
 #if GV_SIMD
-    __m256i v = _mm256_mullo_epi32(gv_dot32(u, s), _mm256_setr_epi32(sc0, sc0, sc0, sc0, sc1, sc1, sc1, sc1));
-    return gv_hsum(v);
+    return gv_dot32vs(_mm256_loadu_si256((const __m256i *)u), s, sc0, sc1);
 #else
     int32_t a = 0, b = 0;
     for (int i = 0; i < 16; i++) a += (int32_t)u[i] * s[i];
@@ -236,11 +240,18 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
     } else if (j->type == 2) {
         for (int64_t b = 0; b < j->cols / 32; b++) {
             const uint8_t *x = row + b * 18;
+#if GV_SIMD
+            __m128i p = _mm_loadu_si128((const __m128i *)(x + 2)), m4 = _mm_set1_epi8(0x0f);
+            __m256i uv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4));
+            int32_t s = gv_dot32vs(uv, q + 32 * b, 1, 1);
+#else
             for (int i = 0; i < 16; i++) {
                 u[i] = x[2 + i] & 0x0f;
                 u[i + 16] = x[2 + i] >> 4;
             }
-            int32_t s = gv_dot32s(u, q + 32 * b, 1, 1) - 8 * (j->bs[2 * b] + j->bs[2 * b + 1]);
+            int32_t s = gv_dot32s(u, q + 32 * b, 1, 1);
+#endif
+            s -= 8 * (j->bs[2 * b] + j->bs[2 * b + 1]);
             sumf += gguf_h2f(x) * j->d[b] * (float)s;
         }
     } else if (j->type == 12 || j->type == 13) {
@@ -251,6 +262,18 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
             const int32_t *bs = j->bs + 16 * b;
             int32_t sumi = 0, summ = 0;
             for (int c = 0; c < 4; c++) {
+#if GV_SIMD
+                if (j->type == 12) {
+                    __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c)), m4 = _mm256_set1_epi8(0x0f);
+                    __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+                    int sc0, m0, sc1, m1;
+                    gguf_scale_min_k4(2 * c, x + 4, &sc0, &m0);
+                    gguf_scale_min_k4(2 * c + 1, x + 4, &sc1, &m1);
+                    sumi += gv_dot32vs(lo, qb + 64 * c, sc0, sc0) + gv_dot32vs(hi, qb + 64 * c + 32, sc1, sc1);
+                    summ += m0 * (bs[4 * c] + bs[4 * c + 1]) + m1 * (bs[4 * c + 2] + bs[4 * c + 3]);
+                    continue;
+                }
+#endif
                 for (int l = 0; l < 32; l++) {
                     u[l] = qs[32 * c + l] & 0x0f;
                     u[32 + l] = qs[32 * c + l] >> 4;
