@@ -185,3 +185,12 @@ class DeviceSampler:
         token = sample_scores(logits, self.seen, self.knobs, self.noise)  # []
         self.seen.index_fill_(0, token.reshape(1), True)
         return token
+
+
+def readout(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """[3] float64 on the device: the token id, min and max of `logits`, for the caller's one host read per token
+    (generate's NaN/Inf check rides on the same read; aminmax propagates NaN)."""
+    import torch
+
+    lo, hi = torch.aminmax(logits)  # [] []
+    return torch.stack([token.to(torch.float64), lo.to(torch.float64), hi.to(torch.float64)])  # [3]

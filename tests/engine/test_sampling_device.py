@@ -17,6 +17,7 @@ from moechat.engine.sampling_device import (
     filtered_scores,
     knob_values,
     penalised_scores,
+    readout,
     sample_scores,
 )
 
@@ -183,6 +184,18 @@ def test_compiles_fullgraph_without_graph_breaks():
 def test_compiles_fullgraph_with_inductor():
     torch._dynamo.reset()
     check_compiled("inductor")
+
+
+def test_readout_is_the_one_host_read():
+    dev = DeviceSampler(SamplingParams(seed=4), 30)
+    logits = torch.linspace(-2.0, 3.0, 30)
+    logits[7] = torch.nan
+    with HostReads() as mode:
+        packed = readout(logits, dev.step(logits))  # [3]
+    assert mode.reads == []
+    token, lo, hi = packed.tolist()  # the caller's single read
+    assert 0 <= token < 30 and token == int(token)
+    assert lo != lo and hi != hi  # NaN reaches the host, so generate can raise NonFiniteLogitsError
 
 
 def test_step_rejects_wrong_shape():
