@@ -263,9 +263,15 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
             int32_t sumi = 0, summ = 0;
             for (int c = 0; c < 4; c++) {
 #if GV_SIMD
-                if (j->type == 12) {
+                {
                     __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c)), m4 = _mm256_set1_epi8(0x0f);
                     __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+                    if (j->type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
+                        __m256i h = _mm256_loadu_si256((const __m256i *)qh), b16 = _mm256_set1_epi8(0x10);
+                        __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(2 << (2 * c)));
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), b16));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), b16));
+                    }
                     int sc0, m0, sc1, m1;
                     gguf_scale_min_k4(2 * c, x + 4, &sc0, &m0);
                     gguf_scale_min_k4(2 * c + 1, x + 4, &sc1, &m1);
@@ -301,6 +307,26 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
             const int32_t *bs = j->bs + 16 * b;
             int32_t sumi = 0, sumb = 0;
             for (int n = 0; n < 2; n++) {
+#if GV_SIMD
+                {
+                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
+                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
+                    __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
+                    __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+                    __m256i v[4] = {
+                        _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
+                        _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
+                    for (int k = 0; k < 4; k++) {
+                        int g = 8 * n + 2 * k;
+                        sumi += gv_dot32vs(v[k], qb + 128 * n + 32 * k, sc[g], sc[g + 1]);
+                        sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
+                    }
+                    continue;
+                }
+#endif
                 for (int l = 0; l < 32; l++) {
                     uint8_t h = qh[32 * n + l];
                     u[l] = (ql[64 * n + l] & 0x0f) | ((h & 3) << 4);
