@@ -142,3 +142,51 @@ def test_format_linear_one_token_uses_the_integer_dots(types):
     want = (one + tensors["w2_bias"]) if one is not None else gguf_linear(h.float(), tensors["w2"], t2, inter,
                                                                         tensors["w2_bias"])
     assert torch.equal(y2, want.bfloat16())
+
+
+_SERIAL_POOL = """#include <stdint.h>
+int moechat_parallel_for(int (*fn)(void *, int64_t, int64_t), void *ctx, int64_t units, int64_t align,
+                         int64_t bytes) { (void)align; (void)bytes; return fn(ctx, 0, units); }
+"""
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """native_gguf.c alone (a serial pool beside it) built as AVX2 without VNNI, and as scalar C."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("gguf_builds")
+    (d / "pool.c").write_text(_SERIAL_POOL)
+    src = str(native.SOURCE.with_name("native_gguf.c"))
+    out = {}
+    for name, flags in (("avx2", ["-mavx2", "-mfma", "-mf16c"]), ("scalar", ["-DMOECHAT_SCALAR"])):
+        so = d / f"{name}.so"
+        try:
+            subprocess.run([cc, "-O2", *flags, "-shared", "-fPIC", "-fno-math-errno", "-o", str(so), src,
+                            str(d / "pool.c"), "-lm"], check=True, capture_output=True, timeout=60)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            pytest.fail(f"native_gguf.c does not build with {flags}: {e}")
+        fn = ctypes.CDLL(str(so)).moechat_gguf_vecdot
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        out[name] = fn
+    return out
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_every_build_writes_the_same_bits(builds, name):
+    """The integer sums are exact and the float part is the same scalar code, so AVX2, scalar C and this machine's
+    build (VNNI where it has it) agree bit for bit."""
+    rows, cols = 9, 768
+    raw, x = _case(name, rows, cols, seed=11)
+    t = TYPES[name]
+    want = vecdot(x, raw, t, cols)
+    for build, fn in builds.items():
+        y = torch.empty(1, rows)
+        assert fn(t.id, x.data_ptr(), raw.data_ptr(), rows, cols, y.data_ptr()) == 0
+        assert torch.equal(y, want), build
