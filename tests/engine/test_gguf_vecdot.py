@@ -19,6 +19,7 @@ from gguf import quants  # noqa: E402
 from moechat.engine.quant import native  # noqa: E402
 from moechat.engine.quant.gguf import (  # noqa: E402
     TYPES,
+    VECDOT_ENV,
     VECDOT_TYPES,
     GGUFFormat,
     gguf_linear,
@@ -108,9 +109,7 @@ def test_types_without_the_kernel_and_bad_shapes_take_the_tile_path():
     assert fn(3, x.data_ptr(), raw.data_ptr(), 3, 256, y.data_ptr()) == -1  # Q4_1: no kernel
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q5_K", "Q4_1")])
-def test_format_linear_one_token_uses_the_integer_dots(types):
-    H, inter = 256, 512
+def _format_case(types, H=256, inter=512):
     fmt = GGUFFormat(*types)
     tensors = {}
     for i, (part, (shape, _)) in enumerate(fmt.layout(H, inter, torch.float32, bias=True).items()):
@@ -119,29 +118,51 @@ def test_format_linear_one_token_uses_the_integer_dots(types):
         else:
             tensors[part] = torch.from_numpy(random_blocks(fmt.types[part].name, shape[0], H if part != "w2" else inter,
                                                            seed=i))
-    x = torch.randn(1, H, generator=torch.Generator().manual_seed(1))
-    got = fmt.linear(x, tensors, "w13")  # [1, 2I]
-    parts = []
-    for p in ("w1", "w3"):
-        t = fmt.types[p]
-        one = vecdot(x, tensors[p], t, H)
-        parts.append((one if one is not None else gguf_linear(x, tensors[p], t, H)) + tensors[f"{p}_bias"])
-    assert torch.equal(got, torch.cat(parts, dim=-1))
-    # and within the bound of dequantize + F.linear
-    w13 = fmt.weight(tensors, "w13", torch.float32)
+    return fmt, tensors
+
+
+def _one(x, tensors, fmt, p, cols):
+    """A projection's one token as gguf_linear makes it on the integer path: vecdot where the type has it."""
+    t = fmt.types[p]
+    y = vecdot(x, tensors[p], t, cols)
+    y = gguf_linear(x.float(), tensors[p], t, cols) if y is None else y  # [1, rows] fp32
+    return (y + tensors[f"{p}_bias"]).to(x.dtype)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q5_K", "Q4_1")])
+def test_format_linear_one_bf16_token_uses_the_integer_dots(types, monkeypatch):
+    monkeypatch.delenv(VECDOT_ENV, raising=False)
+    H, inter = 256, 512
+    fmt, tensors = _format_case(types, H, inter)
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(1)).bfloat16()
+    got = fmt.linear(x, tensors, "w13")  # [1, 2I] bf16
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.cat([_one(x, tensors, fmt, p, H) for p in ("w1", "w3")], dim=-1))
+    # within the bound of dequantize + F.linear, plus the bf16 rounding of the result
+    ref = F.linear(x.float(), fmt.weight(tensors, "w13", torch.float32), fmt.bias(tensors, "w13"))
     bound = torch.cat([vecdot_bound(x, tensors[p], fmt.types[p], H) if fmt.types[p].name in VECDOT_TYPES
                        else torch.zeros(1, inter, dtype=torch.float64) for p in ("w1", "w3")], dim=-1)
-    ref = F.linear(x, w13, fmt.bias(tensors, "w13"))
-    assert torch.all((got - ref).abs().double() <= bound + 1e-3)
-    # bf16 activations: the same kernel on x made fp32, the result in bf16
+    assert torch.all((got.float() - ref).abs().double() <= bound + ref.abs().double() * 2**-8 + 1e-3)
     h = torch.randn(1, inter, generator=torch.Generator().manual_seed(2)).bfloat16()
-    t2 = fmt.types["w2"]
-    y2 = fmt.linear(h, tensors, "w2")
-    assert y2.dtype == torch.bfloat16
-    one = vecdot(h, tensors["w2"], t2, inter)
-    want = (one + tensors["w2_bias"]) if one is not None else gguf_linear(h.float(), tensors["w2"], t2, inter,
-                                                                        tensors["w2_bias"])
-    assert torch.equal(y2, want.bfloat16())
+    assert torch.equal(fmt.linear(h, tensors, "w2"), _one(h, tensors, fmt, "w2", inter))
+
+
+def test_fp32_tokens_keep_the_tile_path_unless_told(monkeypatch):
+    """An fp32 run is the reference-accuracy one: the integer dots only with MOECHAT_GGUF_VECDOT=1, never with 0."""
+    fmt, tensors = _format_case(("Q4_K", "Q4_K", "Q6_K"))
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
+    tiles = F.linear(x, fmt.weight(tensors, "w13", torch.float32), fmt.bias(tensors, "w13"))
+    monkeypatch.delenv(VECDOT_ENV, raising=False)
+    torch.testing.assert_close(fmt.linear(x, tensors, "w13"), tiles, rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv(VECDOT_ENV, "1")
+    fast = fmt.linear(x, tensors, "w13")
+    assert torch.equal(fast, torch.cat([_one(x, tensors, fmt, p, 256) for p in ("w1", "w3")], dim=-1))
+    assert not torch.allclose(fast, tiles, rtol=1e-5, atol=1e-4)  # int8 x: visibly not the tile path
+    monkeypatch.setenv(VECDOT_ENV, "0")
+    xb = x.bfloat16()
+    want = torch.cat([gguf_linear(xb.float(), tensors[p], fmt.types[p], 256, tensors[f"{p}_bias"])
+                      for p in ("w1", "w3")], dim=-1).bfloat16()
+    assert torch.equal(fmt.linear(xb, tensors, "w13"), want)
 
 
 _SERIAL_POOL = """#include <stdint.h>
