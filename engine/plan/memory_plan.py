@@ -35,7 +35,6 @@ class PlanRefusedError(MoechatError):
         self.refusal = refusal
 
 
-
 # -- preferences, decisions, plan ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -93,7 +92,6 @@ class Refusal:
         if self.also:
             text += "; also " + "; ".join(self.also)
         return text
-
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,6 @@ def _workspace(spec: ModelSpec, context: int, chunk: int, on_gpu: bool) -> tuple
     return base + act + scores, " + ".join(parts)
 
 
-
 def _pick_device(hw: Hardware, prefs: Preferences) -> tuple[GpuInfo | None, str]:
     dev = prefs.device
     if dev == "cpu":

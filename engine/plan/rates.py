@@ -89,7 +89,6 @@ class MissRatioCurve:
                          "--json output")
 
 
-
 @dataclass(frozen=True)
 class DecodeEstimate:
     """Predicted decode tok/s (a range) and the bandwidth bound; see docs/plan.md for the formula."""
@@ -114,7 +113,6 @@ class DecodeEstimate:
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
 
 
 def _hit_rates(spec: ModelSpec, fraction: float, curve: MissRatioCurve | None) -> tuple[float, float, str]:
