@@ -179,6 +179,10 @@ static inline int32_t gv_hsum(__m256i v) {
     a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1));
     return _mm_cvtsi128_si32(a);
 }
+/* the 8 partial sums scaled per 16 values: summed over a super-block in registers, one horizontal sum at its end */
+static inline __m256i gv_dot32vm(__m256i u, const int8_t *s, int32_t sc0, int32_t sc1) {
+    return _mm256_mullo_epi32(gv_dot32v(u, s), _mm256_setr_epi32(sc0, sc0, sc0, sc0, sc1, sc1, sc1, sc1));
+}
 static inline int32_t gv_dot32vs(__m256i u, const int8_t *s, int32_t sc0, int32_t sc1) {
     __m256i v = gv_dot32v(u, s);
     if (sc0 == sc1) return sc0 * gv_hsum(v); /* exact either way: one multiply instead of eight */
@@ -261,6 +265,9 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
             const int8_t *qb = q + 256 * b;
             const int32_t *bs = j->bs + 16 * b;
             int32_t sumi = 0, summ = 0;
+#if GV_SIMD
+            __m256i acc = _mm256_setzero_si256();
+#endif
             for (int c = 0; c < 4; c++) {
 #if GV_SIMD
                 {
@@ -275,7 +282,8 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
                     int sc0, m0, sc1, m1;
                     gguf_scale_min_k4(2 * c, x + 4, &sc0, &m0);
                     gguf_scale_min_k4(2 * c + 1, x + 4, &sc1, &m1);
-                    sumi += gv_dot32vs(lo, qb + 64 * c, sc0, sc0) + gv_dot32vs(hi, qb + 64 * c + 32, sc1, sc1);
+                    acc = _mm256_add_epi32(acc, _mm256_add_epi32(gv_dot32vm(lo, qb + 64 * c, sc0, sc0),
+                                                                 gv_dot32vm(hi, qb + 64 * c + 32, sc1, sc1)));
                     summ += m0 * (bs[4 * c] + bs[4 * c + 1]) + m1 * (bs[4 * c + 2] + bs[4 * c + 3]);
                     continue;
                 }
@@ -296,6 +304,9 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
                     summ += m * (bs[2 * jj] + bs[2 * jj + 1]);
                 }
             }
+#if GV_SIMD
+            sumi += gv_hsum(acc);
+#endif
             float dx = j->d[b];
             sumf += gguf_h2f(x) * dx * (float)sumi;
             sumf -= gguf_h2f(x + 2) * dx * (float)summ;
@@ -306,6 +317,9 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
             const int8_t *sc = (const int8_t *)(x + 192), *qb = q + 256 * b;
             const int32_t *bs = j->bs + 16 * b;
             int32_t sumi = 0, sumb = 0;
+#if GV_SIMD
+            __m256i acc = _mm256_setzero_si256();
+#endif
             for (int n = 0; n < 2; n++) {
 #if GV_SIMD
                 {
@@ -321,7 +335,7 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
                     for (int k = 0; k < 4; k++) {
                         int g = 8 * n + 2 * k;
-                        sumi += gv_dot32vs(v[k], qb + 128 * n + 32 * k, sc[g], sc[g + 1]);
+                        acc = _mm256_add_epi32(acc, gv_dot32vm(v[k], qb + 128 * n + 32 * k, sc[g], sc[g + 1]));
                         sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
                     }
                     continue;
@@ -340,6 +354,9 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
                     sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
                 }
             }
+#if GV_SIMD
+            sumi += gv_hsum(acc);
+#endif
             sumf += gguf_h2f(x + 208) * j->d[b] * (float)(sumi - 32 * sumb);
         }
     }
