@@ -1,5 +1,5 @@
 """Expert formats on the CPU, side by side: compute rates against the read bandwidth, and decode tok/s at one byte
-budget (issue 14). The compute table is what engine/plan.py's EXPERT_COMPUTE_EFFICIENCY["cpu"] assumes.
+budget (issue 14). The compute table is what engine/plan/'s EXPERT_COMPUTE_EFFICIENCY["cpu"] assumes.
 
 1. Compute: for each expert width (Qwen3-30B-A3B: H 2048, I 768; GPT-OSS: H = I = 2880) and each format, one token
    through both projections of one expert (`fmt.linear`, the path experts.py takes for a packed format on the CPU),

@@ -11,7 +11,7 @@ NCCL buffers. N is rounded up to a power of two (tensor parallelism must divide 
 and capped at 8 per node; more than 8 is several nodes (`--pipeline-parallel-size` / `--nnodes`).
 DeepSeek-V3 (671B, FP8, 32k context): 8 x 141 GiB (one H200 node) or 16 x 80 GiB (two H100 nodes).
 
-Pure Python over numbers (ModelSpec), like engine/plan.py.
+Pure Python over numbers (ModelSpec), like engine/plan/.
 """
 
 from __future__ import annotations
