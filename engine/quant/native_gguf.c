@@ -204,21 +204,27 @@ static inline int32_t gv_dot32s(const uint8_t *u, const int8_t *s, int32_t sc0, 
 #endif
 }
 
-/* Q8_0's weights are signed: |w| times x with w's sign (ggml's trick), exact */
-static inline int32_t gv_dot32_ss(const int8_t *w, const int8_t *s) {
+/* Q8_0 / Q4_0 (the nibbles less 8): signed weights, |w| times x with w's sign (ggml's trick), exact; the 8 lane
+ * sums of 4 consecutive products each, scaled per block in fp32 and summed lane by lane over the row (8 fp32 sums,
+ * added in lane order at the end: the scalar build keeps the same 8 sums, so the bits agree) */
 #if GV_SIMD
-    __m256i a = _mm256_loadu_si256((const __m256i *)w), b = _mm256_loadu_si256((const __m256i *)s);
+static inline __m256 gv_lanes_ss(__m256i a, const int8_t *s, float dd, __m256 acc) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)s);
     __m256i ua = _mm256_sign_epi8(a, a), sb = _mm256_sign_epi8(b, a);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return gv_hsum(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ua, sb));
+    __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ua, sb);
 #else
-    return gv_hsum(_mm256_madd_epi16(_mm256_maddubs_epi16(ua, sb), _mm256_set1_epi16(1)));
+    __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(ua, sb), _mm256_set1_epi16(1));
 #endif
-#else
-    int32_t a = 0;
-    for (int i = 0; i < 32; i++) a += (int32_t)w[i] * s[i];
-    return a;
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(v)));
+}
 #endif
+static inline void gv_lanes_ss_scalar(const int8_t *w, const int8_t *s, float dd, float *acc) {
+    for (int k = 0; k < 8; k++) {
+        int32_t a = 0;
+        for (int i = 4 * k; i < 4 * k + 4; i++) a += (int32_t)w[i] * s[i];
+        acc[k] += dd * (float)a;
+    }
 }
 
 typedef struct {
@@ -235,29 +241,42 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
     const int8_t *q = j->q;
     float sumf = 0.0f;
     uint8_t u[256];
-    if (j->type == 8) {
-        for (int64_t b = 0; b < j->cols / 32; b++) {
-            const uint8_t *x = row + b * 34;
-            int32_t s = gv_dot32_ss((const int8_t *)(x + 2), q + 32 * b);
-            sumf += gguf_h2f(x) * j->d[b] * (float)s;
-        }
-    } else if (j->type == 2) {
-        for (int64_t b = 0; b < j->cols / 32; b++) {
-            const uint8_t *x = row + b * 18;
+    if (j->type == 8 || j->type == 2) {
+        float lanes[8] = {0};
 #if GV_SIMD
-            __m128i p = _mm_loadu_si128((const __m128i *)(x + 2)), m4 = _mm_set1_epi8(0x0f);
-            __m256i uv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m4), _mm_and_si128(p, m4));
-            int32_t s = gv_dot32vs(uv, q + 32 * b, 1, 1);
-#else
-            for (int i = 0; i < 16; i++) {
-                u[i] = x[2 + i] & 0x0f;
-                u[i + 16] = x[2 + i] >> 4;
-            }
-            int32_t s = gv_dot32s(u, q + 32 * b, 1, 1);
+        __m256 acc = _mm256_setzero_ps();
+        const __m128i m4 = _mm_set1_epi8(0x0f), k8 = _mm_set1_epi8(8);
 #endif
-            s -= 8 * (j->bs[2 * b] + j->bs[2 * b + 1]);
-            sumf += gguf_h2f(x) * j->d[b] * (float)s;
+        for (int64_t b = 0; b < j->cols / 32; b++) {
+            const uint8_t *x = row + b * (j->type == 8 ? 34 : 18);
+            float dd = gguf_h2f(x) * j->d[b];
+#if GV_SIMD
+            __m256i wv;
+            if (j->type == 8) {
+                wv = _mm256_loadu_si256((const __m256i *)(x + 2));
+            } else {
+                __m128i p = _mm_loadu_si128((const __m128i *)(x + 2));
+                wv = _mm256_set_m128i(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(p, 4), m4), k8),
+                                      _mm_sub_epi8(_mm_and_si128(p, m4), k8));
+            }
+            acc = gv_lanes_ss(wv, q + 32 * b, dd, acc);
+#else
+            int8_t wq[32];
+            if (j->type == 8) {
+                memcpy(wq, x + 2, 32);
+            } else {
+                for (int i = 0; i < 16; i++) {
+                    wq[i] = (int8_t)((x[2 + i] & 0x0f) - 8);
+                    wq[i + 16] = (int8_t)((x[2 + i] >> 4) - 8);
+                }
+            }
+            gv_lanes_ss_scalar(wq, q + 32 * b, dd, lanes);
+#endif
         }
+#if GV_SIMD
+        _mm256_storeu_ps(lanes, acc);
+#endif
+        for (int k = 0; k < 8; k++) sumf += lanes[k];
     } else if (j->type == 12 || j->type == 13) {
         for (int64_t b = 0; b < j->cols / 256; b++) {
             const uint8_t *x = row + b * (j->type == 12 ? 144 : 176);
