@@ -14,8 +14,14 @@ many tokens share each decoded tile. The tile decoder is native_gguf.c for every
 float ones (plain C, bit for bit the reference), else the torch reference (also wherever the kernel library is
 absent). One token through a Qwen3-30B-A3B expert's w13 (1536 x 2048) on one core of a loaded 2-core machine
 (medians of 5): bf16 F.linear 0.3 ms; Q4_K 1.0 ms, Q8_0 1.2 ms, Q5_K 1.2 ms, Q4_0 2.0 ms, MXFP4 2.7 ms, Q6_K 4.6 ms
-native (torch decoders: Q4_K 22.6 ms, Q8_0 7.7 ms). Integer-dot kernels (x quantized to Q8 once per call, as
-llama.cpp's vec_dot) that would read only the packed bytes are not written yet.
+native (torch decoders: Q4_K 22.6 ms, Q8_0 7.7 ms).
+
+One bf16 token of Q8_0, Q4_0, Q4_K, Q5_K and Q6_K goes through `vecdot` instead: native_gguf.c's integer dots (x
+rounded to Q8 blocks once per call, as llama.cpp's vec_dot; integer sums per row, rows over native.c's pool), which
+read only the packed bytes: 0.16-0.26 ms for every type on the same w13 (Q6_K 0.16, Q8_0 0.20, Q4_K 0.21, Q4_0 0.22,
+Q5_K 0.26 ms; 3-23x the tile path; medians of 9 interleaved rounds, bench/gguf_vecdot.py). x's rounding costs at
+most sum over blocks of (amax_b / 127) / 2 * sum_{i in b} |w_i| (`vecdot_bound`); fp32 runs keep the tile path,
+exact to the reference (MOECHAT_GGUF_VECDOT=1 sends them through the integer dots too, =0 never).
 """
 
 from __future__ import annotations
