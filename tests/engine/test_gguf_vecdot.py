@@ -211,3 +211,26 @@ def test_every_build_writes_the_same_bits(builds, name):
         y = torch.empty(1, rows)
         assert fn(t.id, x.data_ptr(), raw.data_ptr(), rows, cols, y.data_ptr()) == 0
         assert torch.equal(y, want), build
+
+
+def test_a_bf16_gguf_model_decodes_through_the_integer_dots_as_transformers_does(tmp_path, monkeypatch):
+    """End to end: a tiny Qwen3-MoE GGUF (Q4_K gate/up, Q6_K down) run in bf16 decodes every token's experts
+    through `vecdot`, and its 16 greedy tokens are transformers' on the dequantized weights in fp32."""
+    import moechat.engine.quant.gguf as G
+    from moechat.engine.generate import Engine
+    from moechat.engine.loader import load_model
+    from tests.engine.test_gguf_load import GREEDY, _prompt, _reference, tiny_qwen3moe, write_qwen3moe_gguf
+
+    monkeypatch.delenv(VECDOT_ENV, raising=False)
+    calls = []
+    monkeypatch.setattr(G, "vecdot", lambda *a: calls.append(y := vecdot(*a)) or y)
+    model = tiny_qwen3moe(hidden_size=256, moe_intermediate_size=256, num_experts=4)
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    ref = _reference(model, write_qwen3moe_gguf(path, model, ("Q4_K", "Q4_K", "Q6_K"), "F32", "F32"))
+    engine = Engine(load_model(path, dtype="bfloat16"), None, None, {}, 512, 16)
+    ids = _prompt(6, seed=50)
+    got = [t for c in engine.generate(ids, sampling=GREEDY, max_tokens=16) for t in c.token_ids]
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=0, pad_token_id=0)
+    assert got == out[0, 6:].tolist()
+    assert len(calls) >= 15 * 3 and all(y is not None for y in calls)  # every decoded token's w1, w3, w2
