@@ -80,7 +80,7 @@ def test_vecdot_bound_holds_on_random_valid_blocks(name, rows, blocks, seed, sca
 
 @pytest.mark.parametrize("name", KINDS)
 def test_one_two_three_threads_write_the_same_bits(name):
-    rows, cols = 601, 2048  # >= 256 KB of packed rows for every type: split over the pool
+    rows, cols = 1001, 2048  # >= 1.1 MB of packed rows for every type: >= 4 shares of 256 KB over the pool
     raw, x = _case(name, rows, cols, seed=5)
     t = TYPES[name]
     lib = native.library()
