@@ -39,6 +39,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _gate_up_rows(j, N, CLAMPED: tl.constexpr):
+    """The w13 rows of outputs j's gate and up: GPT-OSS interleaves them (even gate, odd up), the rest stack the gate
+    rows, then the up rows."""
+    if CLAMPED:
+        gate_rows = 2 * j
+        up_rows = 2 * j + 1
+    else:
+        gate_rows = j
+        up_rows = j + N
+    return gate_rows, up_rows
+
+
+@triton.jit
 def _e2m1(code):
     """FP4 E2M1 codes (int32, 0..15) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
     mag = code & 7
@@ -265,12 +278,7 @@ def _w13_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, group_slot_pt
         tokens = tl.where(ok, pairs // TOPK, 0)
         j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         j_ok = j < N
-        if CLAMPED:  # GPT-OSS: rows interleaved, even gate, odd up
-            gate_rows = 2 * j
-            up_rows = 2 * j + 1
-        else:  # gate rows, then up rows
-            gate_rows = j
-            up_rows = j + N
+        gate_rows, up_rows = _gate_up_rows(j, N, CLAMPED)
         slot64 = slot.to(tl.int64)  # a pool of slots can pass 2^31 bytes
         w_ptr = blocks_ptr + slot64 * stride_bc
         s_ptr = scales_ptr + slot64 * stride_sc
@@ -348,12 +356,7 @@ def _w13_decode_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, ids_pt
     if slot >= 0:
         j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         j_ok = j < N
-        if CLAMPED:  # GPT-OSS: rows interleaved, even gate, odd up
-            gate_rows = 2 * j
-            up_rows = 2 * j + 1
-        else:  # gate rows, then up rows
-            gate_rows = j
-            up_rows = j + N
+        gate_rows, up_rows = _gate_up_rows(j, N, CLAMPED)
         slot64 = slot.to(tl.int64)  # a pool of slots can pass 2^31 bytes
         w_ptr = blocks_ptr + slot64 * stride_bc
         s_ptr = scales_ptr + slot64 * stride_sc

@@ -32,6 +32,7 @@ from .mxfp4_moe import (
     INTERPRET,
     _e4m3x4,
     _f16_pair,
+    _gate_up_rows,
     _pair_slot,
     _x_chunk,
     decode_io,
@@ -245,12 +246,7 @@ def _w13_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, group_slot_ptr, group
         tokens = tl.where(ok, pairs // TOPK, 0)
         j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         j_ok = j < N
-        if CLAMPED:  # GPT-OSS: rows interleaved, even gate, odd up
-            gate_rows = 2 * j
-            up_rows = 2 * j + 1
-        else:  # gate rows, then up rows
-            gate_rows = j
-            up_rows = j + N
+        gate_rows, up_rows = _gate_up_rows(j, N, CLAMPED)
         slot64 = slot.to(tl.int64)  # a pool of slots can pass 2^31 bytes
         w_ptr = w_ptr0 + slot64 * stride_wc
         s_ptr = s_ptr0 + slot64 * stride_sc
@@ -306,12 +302,7 @@ def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_p
     if slot >= 0:
         j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         j_ok = j < N
-        if CLAMPED:  # GPT-OSS: rows interleaved, even gate, odd up
-            gate_rows = 2 * j
-            up_rows = 2 * j + 1
-        else:  # gate rows, then up rows
-            gate_rows = j
-            up_rows = j + N
+        gate_rows, up_rows = _gate_up_rows(j, N, CLAMPED)
         slot64 = slot.to(tl.int64)  # a pool of slots can pass 2^31 bytes
         w_ptr = w_ptr0 + slot64 * stride_wc
         s_ptr = s_ptr0 + slot64 * stride_sc
