@@ -39,6 +39,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _gated_act(gate, up, limit, alpha, CLAMPED: tl.constexpr):
+    """The expert activation in fp32: GPT-OSS's clamped SwiGLU ((up + 1) * gate * sigmoid(alpha gate), gate and up
+    clamped to the limit), else SwiGLU (silu(gate) * up)."""
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        a = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    else:
+        a = gate * tl.sigmoid(gate) * up
+    return a
+
+
+@triton.jit
 def _gate_up_rows(j, N, CLAMPED: tl.constexpr):
     """The w13 rows of outputs j's gate and up: GPT-OSS interleaves them (even gate, odd up), the rest stack the gate
     rows, then the up rows."""
@@ -297,12 +310,7 @@ def _w13_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, group_slot_pt
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
             up += tl.load(b_ptr + up_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        if CLAMPED:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            a = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-        else:
-            a = gate * tl.sigmoid(gate) * up
+        a = _gated_act(gate, up, limit, alpha, CLAMPED)
         tl.store(act_ptr + pairs[:, None] * stride_act + j[None, :], a.to(act_ptr.dtype.element_ty),
                  mask=ok[:, None] & j_ok[None, :])
 
@@ -367,12 +375,7 @@ def _w13_decode_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, ids_pt
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
             up += tl.load(b_ptr + up_rows, mask=j_ok, other=0.0).to(tl.float32)
-        if CLAMPED:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            a = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-        else:
-            a = gate * tl.sigmoid(gate) * up
+        a = _gated_act(gate, up, limit, alpha, CLAMPED)
         tl.store(act_ptr + pair.to(tl.int64) * stride_act + j, a.to(act_ptr.dtype.element_ty), mask=j_ok)
 
 

@@ -33,6 +33,7 @@ from .mxfp4_moe import (
     _e4m3x4,
     _f16_pair,
     _gate_up_rows,
+    _gated_act,
     _pair_slot,
     _x_chunk,
     decode_io,
@@ -258,12 +259,7 @@ def _w13_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, group_slot_ptr, group
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
             up += tl.load(b_ptr + up_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        if CLAMPED:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            a = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-        else:
-            a = gate * tl.sigmoid(gate) * up
+        a = _gated_act(gate, up, limit, alpha, CLAMPED)
         tl.store(act_ptr + pairs[:, None] * stride_act + j[None, :], a.to(act_ptr.dtype.element_ty),
                  mask=ok[:, None] & j_ok[None, :])
 
@@ -315,12 +311,7 @@ def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_p
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
             up += tl.load(b_ptr + up_rows, mask=j_ok, other=0.0).to(tl.float32)
-        if CLAMPED:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            a = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-        else:
-            a = gate * tl.sigmoid(gate) * up
+        a = _gated_act(gate, up, limit, alpha, CLAMPED)
         tl.store(act_ptr + pair.to(tl.int64) * stride_act + j, a.to(act_ptr.dtype.element_ty), mask=j_ok)
 
 
