@@ -66,9 +66,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from moechat.engine.calibration import measure_ram_read_gbps
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.plan.calibration import measure_ram_read_gbps
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     work = args.work or Path(tempfile.mkdtemp(prefix="dense_format_"))
     path = work / f"qwen3-shaped-{args.layers}"

@@ -103,13 +103,13 @@ def matvec_bandwidth(device: str, nbytes: int = 256 << 20, reps: int = 20) -> fl
 
 
 def load_moechat(path: Path, context: int, device: str):
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     return Engine.load(path, dtype="float32", context=context, device=device)
 
 
 def run_moechat(engine, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, do_sample=False)
     chunks = list(engine.generate(prompt, sampling=greedy, max_tokens=new))

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from moechat.engine.cache.provider import CacheConfig
-from moechat.engine.generate import Engine
-from moechat.engine.kv_cache import KVCache
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.layers.kv_cache import KVCache
+from moechat.engine.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "assets" / "demo-moe"

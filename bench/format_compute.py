@@ -180,8 +180,8 @@ def fp8_copy(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
 def engine_table(name: str, path: Path, fp8_path: Path, args, work: Path) -> None:
     """Decode tok/s per format, every engine with the same slot and RAM byte budget, interleaved over rounds."""
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, do_sample=False)
     probe = Engine.load(path)
@@ -245,8 +245,8 @@ def cuda_table(args) -> None:
     under TRITON_INTERPRET=1, which checks this script, not the speed), next to the per-expert torch paths."""
     from quantized_experts import copy_bandwidth, device_time
 
-    from moechat.engine.experts import _general_compute
-    from moechat.engine.moe import ExpertActivation, ExpertBatch
+    from moechat.engine.layers.experts import _general_compute
+    from moechat.engine.layers.moe import ExpertActivation, ExpertBatch
     from moechat.engine.quant.kernels.quant_moe import quant_moe
 
     act = ExpertActivation()
@@ -302,7 +302,7 @@ def cuda_table(args) -> None:
     x = torch.randn(1, H, generator=g).bfloat16().to(dev)
     ids = torch.arange(K, device=dev)[None]
     tw = torch.full((1, K), 1 / K, device=dev)
-    from moechat.engine.experts import expert_compute
+    from moechat.engine.layers.experts import expert_compute
 
     batch = ExpertBatch(dense, ids, ids.cpu(), format=get_format("dense"))
     show("torch per expert (bf16)", 1, lambda: expert_compute(x, tw, batch, x, act), K * bf16_expert, K)
@@ -419,8 +419,8 @@ def _int8_rows(args, model: str, fmt, t, H: int, I: int) -> None:
 
 def prefill_engines(path: Path, fp8_path: Path, args, work: Path) -> None:
     """Prefill tok/s of one prompt per engine (experts resident), int4/FP8 over the three paths interleaved."""
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, do_sample=False)
     prompt = list(range(3, 3 + args.prefill_prompt))
@@ -459,8 +459,8 @@ def prefill_engines(path: Path, fp8_path: Path, args, work: Path) -> None:
 def prefill_chunks(path: Path, args) -> None:
     """Prefill tok/s of one `--prefill-prompt`-token prompt (int4 experts resident, the prefill kernels) at each of
     `--prefill-chunks` chunk sizes, interleaved, per thread count: what quant/prefill.chunk_size is based on."""
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, do_sample=False)
     prompt = list(range(3, 3 + args.prefill_prompt))

@@ -14,7 +14,7 @@ the ratio other processes on a shared machine do not bias. `--threads` adds a sw
 size (the host experts' threads) with misses on the host.
 By default the slots start empty, so on a CPU host and auto never slot an expert (every miss in place) while
 load fills them; `--warm` starts every mode with the prompt's most used experts in slots, so host and auto
-split steps between the slots and the RAM tier (one expert pass on a CPU: engine/experts.py).
+split steps between the slots and the RAM tier (one expert pass on a CPU: engine/layers/experts.py).
 
 Figures (README, "Where misses run on this 2-core CPU"): on a busy 2-core machine the differences between the modes on
 the demo model are within the run-to-run spread (host == load's work at 50% warm read 0.88-1.09x); the
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from moechat.engine.cache.provider import CacheConfig
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
@@ -112,7 +112,7 @@ def thread_sweep(path: Path, device: str, runs: int, tokens: int, fraction: floa
     """Host experts run on the forward thread through torch's intra-op pool: its size is the choice. Decode tok/s
     with misses on the host at each pool size from 1 to the usable cores, interleaved, next to the size
     `leave_a_core` picks (every core but one, which the UI, the transfer worker and the CUDA driver use)."""
-    from moechat.engine.hardware import leave_a_core, usable_cores
+    from moechat.engine.plan.hardware import leave_a_core, usable_cores
 
     saved = torch.get_num_threads()
     cores = usable_cores()
@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="also host / load of the demo model in process time over ROUNDS paired rounds")
     args = ap.parse_args()
-    from moechat.engine.hardware import leave_a_core
+    from moechat.engine.plan.hardware import leave_a_core
 
     leave_a_core(torch)  # the threads moechat run uses (every core but one)
     fractions = tuple(float(f) for f in args.fractions.split(","))

@@ -47,7 +47,7 @@ def _texts(path: Path, n: int, skip: int = 0) -> list[str]:
 
 def _engine(model: Path, slots: int, warm_start, profile_dir: Path):
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     config = CacheConfig(expert_slots=slots, prefetch="off", warm_start=warm_start, profile_dir=str(profile_dir))
     return Engine.load(model, dtype="float32", cache=config)
@@ -59,7 +59,7 @@ def _rate(snap) -> float:
 
 def _run(engine, ids: list[int], total: int, prompt_tokens: int = 8) -> dict[int, float]:
     """Greedy decode to `total` tokens; the hit rate so far at each window's end."""
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, do_sample=False)
     rates, done = {}, prompt_tokens
@@ -75,10 +75,10 @@ def record_imatrix(model: Path, texts: list[str], out: Path) -> np.ndarray:
     """Routing counts [L, E] over calibration text (prefill), written as llama.cpp's GGUF imatrix."""
     from moechat.engine.cache.imatrix import write_gguf_imatrix
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     engine = Engine.load(model, dtype="float32", cache=CacheConfig(expert_slots=None, warm_start=False))
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, do_sample=False)
     for text in texts:
@@ -99,7 +99,7 @@ def save_profile_from_session(model: Path, slots: int, prompts: list[list[int]],
 
 
 def live(args, imatrix: Path, work: Path) -> dict[int, dict[tuple[str, int], list[float]]]:
-    from moechat.engine.tokenizer import Tokenizer
+    from moechat.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_dir(args.model)
     held = _texts(args.corpus / "heldout.jsonl", args.prompts * 2)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from moechat.engine.moe import ExpertActivation
+from moechat.engine.layers.moe import ExpertActivation
 
 # H = hidden, I = intermediate, E = experts, K = top-k, C = slots
 MODELS = {"gpt-oss-20b": dict(H=2880, I=2880, E=32, K=4), "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8)}

@@ -50,8 +50,8 @@ def read_paths(path: Path, layer: int = 0) -> dict[str, float]:
     import torch
 
     from moechat.engine.cache.store import DiskStore
-    from moechat.engine.checkpoint import Checkpoint
-    from moechat.engine.loader import read_expert, read_model_config
+    from moechat.engine.io.checkpoint import Checkpoint
+    from moechat.engine.load.loader import read_expert, read_model_config
 
     cls, args, _ = read_model_config(path)
     ckpt = Checkpoint.open(path)
@@ -103,8 +103,8 @@ def drop_page_cache(path: Path) -> None:
 
 def child_moechat(path: str, budget: int, prompt: list[int], new: int, slots: int, repack: str | None = None) -> dict:
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     t0 = time.perf_counter()
     engine = Engine.load(path, dtype="float32", context=len(prompt) + new + 8,

@@ -74,11 +74,11 @@ def prompt_ids(engine) -> list[int]:
 
 def run_once(model: Path, slots: int, new: int, cfg, cold_reads: bool, device: str = "cpu", tier: str = "disk") -> dict:
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     label, policy, prefetch, depth, transfer, budget = cfg
     if budget == "2k":
-        from moechat.engine.loader import read_model_config
+        from moechat.engine.load.loader import read_model_config
 
         budget = 2 * read_model_config(model)[1].top_k
     config = CacheConfig(expert_slots=slots, policy=policy, ram_cache_bytes=0 if tier == "disk" else None,

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moechat.engine.moe import ExpertActivation
+from moechat.engine.layers.moe import ExpertActivation
 from moechat.engine.quant import get_format, mxfp4
 
 # T = tokens, K = top-k, E = experts, C = slots, H = hidden size, I = expert intermediate size
@@ -390,8 +390,8 @@ def bench_engine(args, times, nbytes) -> None:
         print("  skipped: moechat has no gpt_oss model yet (engine/models/gpt_oss.py)")
         return
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     tmp = None
     if args.model_dir:
@@ -475,8 +475,8 @@ def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
 def bench_cuda(args) -> None:
     """The fused kernel at GPT-OSS-20B widths on CUDA (--smoke: tiny widths on the CPU under TRITON_INTERPRET=1,
     which checks this script, not the speed)."""
-    from moechat.engine.experts import _general_compute, expert_compute
-    from moechat.engine.moe import ExpertBatch
+    from moechat.engine.layers.experts import _general_compute, expert_compute
+    from moechat.engine.layers.moe import ExpertBatch
     from moechat.engine.quant.kernels.mxfp4_moe import mxfp4_moe
 
     dev = torch.device("cpu" if args.smoke else "cuda")

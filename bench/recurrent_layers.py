@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moechat.engine.kv_cache import KVCache
+from moechat.engine.layers.kv_cache import KVCache
 from moechat.engine.models import gated_deltanet as gd
 from moechat.engine.models.qwen3_5_moe import Qwen3_5MoeArgs
 from moechat.engine.models.qwen3_next import GatedAttention, GatedDeltaNet

@@ -66,8 +66,8 @@ def child(model: str, tokens: int, dtype: str, mkldnn: bool, threads: int) -> di
     import psutil
     import torch
 
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     torch.backends.mkldnn.enabled = mkldnn
     torch.set_num_threads(threads)
@@ -108,7 +108,7 @@ def paired(model: Path, rounds: int, threads: int) -> None:
     tok/s@30); medians and quartiles. Each step is undone (KV truncated), so every pair sees the same positions."""
     import torch
 
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     torch.set_num_threads(threads)
     copy = long_context_copy(model, 4300)

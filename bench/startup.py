@@ -7,7 +7,7 @@ files written by an untimed first run, as on any start after the first), medians
 of --runs with the range beside them:
 
 1. phases: a child that does what `moechat run` does, in its order, with a clock between the steps: the
-   interpreter's start (spawn to the child's first line), the CLI (import moechat.app.cli, build the parser,
+   interpreter's start (spawn to the child's first line), the CLI (import moechat.app.cli.main, build the parser,
    parse), import torch, import the engine, load (resolve MODEL, plan the cache, Engine.load), the first token
    (chat template, prefill, one decode step), then the rest of a 32-token greedy reply;
 2. end to end: the real `moechat run --prompt ... --temperature 0 --max-tokens 32`, spawn to its first byte on
@@ -17,7 +17,7 @@ of --runs with the range beside them:
    process's end (quit);
 4. threads under contention: decode tok/s of `moechat run` (128 greedy tokens) with the machine as it is
    and with a busy-loop neighbour process, for the default thread count (every core but one,
-   engine/hardware.leave_a_core) and for every core (OMP_NUM_THREADS = cores), interleaved; the ratio
+   engine/plan/hardware.py leave_a_core) and for every core (OMP_NUM_THREADS = cores), interleaved; the ratio
    busy / idle is what the default is chosen for (>= 0.5 is the aim).
 
 The issue's bar (18): first token under 2 s on the 2-core CI machine when it is idle, the first frame under
@@ -49,14 +49,14 @@ import json, sys
 marks = {}
 def mark(name):
     marks[name] = time.perf_counter() - T0
-from moechat.app import cli
+from moechat.app.cli import main as cli
 args = cli.build_parser().parse_args(sys.argv[1:])
 mark("cli")
 import torch
 mark("torch")
-import moechat.engine.generate, moechat.engine.cache.provider
+import moechat.engine.runtime.generate, moechat.engine.cache.provider
 mark("engine")
-from moechat.app.engine_args import load_engine_from_args
+from moechat.app.cli.engine_args import load_engine_from_args
 engine = load_engine_from_args(args, check=cli._check_run_args)
 mark("load")
 ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
@@ -74,9 +74,9 @@ TUI_CHILD = r"""
 import time
 T0, W0 = time.perf_counter(), time.time()
 import asyncio, json, sys
-from moechat.app.app import make_app
-from moechat.app.settings import Settings
-from moechat.app.bridge import EngineBridge
+from moechat.app.tui.app import make_app
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.bridge import EngineBridge
 marks = {}
 async def pilot(p):
     marks["frame"] = time.perf_counter() - T0
@@ -94,14 +94,14 @@ async def pilot(p):
 app = make_app(sys.argv[1], settings=Settings(path=None))
 app.run(headless=True, size=(120, 40), auto_pilot=pilot)
 print(json.dumps({"wall0": W0, "marks": marks}), flush=True)
-from moechat.app.cli import _leave_now  # as the `moechat` command ends
+from moechat.app.cli.main import _leave_now  # as the `moechat` command ends
 _leave_now(0)
 """
 
 
 def _moechat() -> list[str]:
     script = Path(sys.executable).parent / "moechat"
-    return [str(script)] if script.exists() else [sys.executable, "-c", "from moechat.app.cli import main; "
+    return [str(script)] if script.exists() else [sys.executable, "-c", "from moechat.app.cli.main import main; "
                                                   "import sys; sys.exit(main())"]
 
 
@@ -119,7 +119,7 @@ def _warm_up(model: str, cwd: Path, env: dict) -> None:
     after the first."""
     subprocess.run([*_moechat(), "run", model, "--prompt", "hi", "--max-tokens", "1"], cwd=cwd, env=env,
                    capture_output=True, timeout=300)
-    subprocess.run([sys.executable, "-c", "import moechat.app.app, moechat.app.bridge, moechat.app.serve"], cwd=cwd,
+    subprocess.run([sys.executable, "-c", "import moechat.app.tui.app, moechat.app.tui.bridge, moechat.app.serve.server"], cwd=cwd,
                    env=env, capture_output=True, timeout=300)
 
 
@@ -226,7 +226,7 @@ def main() -> None:
     ap.add_argument("--skip-tui", action="store_true")
     ap.add_argument("--skip-threads", action="store_true")
     args = ap.parse_args()
-    from moechat.engine.hardware import usable_cores
+    from moechat.engine.plan.hardware import usable_cores
 
     model = str(Path(args.model).resolve())
     cores = usable_cores()

@@ -18,7 +18,7 @@ interleaved round by round (a busy neighbour hits all of them alike) and the tab
 Why: torch's OpenMP workers spin after each op (libgomp's default, OMP_WAIT_POLICY unset: ~200 ms on a
 machine with fewer threads than cores) and take the core that native.c's pool wants next (issue 27); passive puts
 them to sleep at once. `moechat run`/`serve`/`chat` set passive before torch loads unless the user set a policy
-(engine/hardware.quiet_openmp), and size the pool with `--threads` (default `leave_a_core`).
+(engine/plan/hardware.py quiet_openmp), and size the pool with `--threads` (default `leave_a_core`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ CHILD = r"""
 import json, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[2]))
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 fmt = sys.argv[4] if len(sys.argv) > 4 else "native"
 if len(sys.argv) > 5 and int(sys.argv[5]):  # the native pool's own count; torch's set by argv[2]
     from moechat.engine.quant import native

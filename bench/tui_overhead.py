@@ -28,10 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from moechat.app.app import make_app
-from moechat.app.bridge import LoadOptions
-from moechat.app.settings import Settings
-from moechat.app.store import ChatStore
+from moechat.app.tui.app import make_app
+from moechat.app.tui.bridge import LoadOptions
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.store import ChatStore
 
 PROMPT = "Explain how apt works, step by step, in detail."
 # The demo model ends its turn after ~40 tokens, too short to time a panel that redraws 4 times a second.
@@ -102,7 +102,7 @@ async def app_runs(model: str, tokens: int, rounds: int, options: LoadOptions) -
 
 
 def engine_rates(model: str, tokens: int, rounds: int, options: LoadOptions) -> list[float]:
-    from moechat.app.bridge import load_engine
+    from moechat.app.tui.bridge import load_engine
 
     engine = load_engine(model, options, lambda stage: None)
     engine.eos_token_ids = frozenset()  # fixed-length replies (see PROMPT)

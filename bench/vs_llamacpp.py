@@ -408,8 +408,8 @@ def worker(args) -> None:
     import torch
 
     torch.set_num_threads(int(args.threads))
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     expert_format, dense_format, _ = ROWS[args.row]
     t0 = time.perf_counter()
@@ -469,7 +469,7 @@ def main() -> None:
 
 
 def run(args) -> None:
-    from moechat.engine.calibration import measure_ram_read_gbps
+    from moechat.engine.plan.calibration import measure_ram_read_gbps
 
     work = args.work or Path(tempfile.mkdtemp(prefix="vs_llamacpp_"))
     work.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ def typed_errors(what: str):
 class ConfigError(MoechatError):
     """config.json / generation_config.json / tokenizer files missing or malformed.
 
-    A value that breaks a rule (engine/validate.py) carries `path` (the file) and `key` (``rope_scaling.factor``).
+    A value that breaks a rule (engine/io/validate.py) carries `path` (the file) and `key` (``rope_scaling.factor``).
     """
 
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
@@ -107,7 +107,7 @@ class GenerationCancelled(MoechatError):
     """Raised inside the engine when the caller cancels; never escapes the public API."""
 
 
-# -- the Hugging Face Hub (engine/hub.py) ----------------------------------------------------------------
+# -- the Hugging Face Hub (engine/plan/hub.py) ----------------------------------------------------------------
 
 class HubError(MoechatError):
     """Talking to the Hugging Face Hub, or downloading from it, failed. `repo_id` names the repo."""

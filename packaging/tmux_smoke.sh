@@ -4,7 +4,7 @@
 #
 #   packaging/tmux_smoke.sh [MODEL_DIR]        MODEL_DIR defaults to assets/demo-moe
 #
-# Environment: MOECHAT, the command to run (default `moechat`; e.g. `python -m moechat.app.launch`),
+# Environment: MOECHAT, the command to run (default `moechat`; e.g. `python -m moechat.app.tui.launch`),
 # TIMEOUT seconds for loading and for the reply (default 180), KEEP=1 keeps the tmux session.
 # Settings and chats go to a temporary XDG dir, so the user's own are never touched. Exit 0 on success;
 # 1 with the captured pane on failure; 2 when tmux or the model is missing.

@@ -153,7 +153,7 @@ def script_sampler(monkeypatch):
             def __call__(self, logits, seen=None):
                 return next(script)
 
-        monkeypatch.setattr("moechat.engine.generate.Sampler", Scripted)
+        monkeypatch.setattr("moechat.engine.runtime.generate.Sampler", Scripted)
 
     return install
 
@@ -230,7 +230,7 @@ def hub(hub_server_session, tmp_path, monkeypatch):
     `hub.client` is an engine Hub pointed at it; `hub.server` the server (faults, requests, repos)."""
     from types import SimpleNamespace
 
-    from moechat.engine.hub import Hub
+    from moechat.engine.plan.hub import Hub
 
     hub_server_session.reset()
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE"):

@@ -32,7 +32,7 @@ _LISTENING = re.compile(r"on http://(\[[^\]]+\]|[^:/]+):(\d+)/v1")
 def moechat_command() -> list[str]:
     """The installed `moechat` entry point (the same one users run)."""
     exe = Path(sys.executable).with_name("moechat")
-    return [str(exe)] if exe.exists() else [sys.executable, "-P", "-m", "moechat.app.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-P", "-m", "moechat.app.cli.main"]
 
 
 class ServeProcess:
@@ -182,9 +182,9 @@ class ScriptedEngine:
 @contextlib.contextmanager
 def scripted_app(gate=None, *, api_key: str | None = None, engine: ScriptedEngine | None = None):
     """(the ASGI app, its engine) for `moechat serve` over a ScriptedEngine; the worker thread stops at exit."""
-    from moechat.app.serve import Server, build_app
-    from moechat.app.serve_metrics import ServerMetrics
-    from moechat.app.serve_worker import EngineWorker
+    from moechat.app.serve.server import Server, build_app
+    from moechat.app.serve.metrics import ServerMetrics
+    from moechat.app.serve.worker import EngineWorker
 
     engine = engine or ScriptedEngine()
     worker = EngineWorker(engine, max_queue=4)

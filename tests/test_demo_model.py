@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo-moe"
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)

@@ -298,7 +298,7 @@ DAMAGE = [(damage_config, 30), (damage_generation_config, 8), (damage_tokenizer_
 
 def _run_case(d: Path, cached: bool) -> str:
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     cache = CacheConfig(expert_slots=3, ram_cache_bytes=0, warm_start=False) if cached else None
     engine = Engine.load(d, dtype="float32", context=64, cache=cache)
@@ -429,7 +429,7 @@ def _cli_argv(rng: random.Random, model: str, tmp: Path) -> list[str]:
 
 
 def test_random_command_lines_end_in_one_clear_line(bases, tmp_path, monkeypatch):
-    from moechat.app import cli
+    from moechat.app.cli import main as cli
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a repo id is looked up in the local cache only
 

@@ -1,4 +1,4 @@
-"""Fuzzing the bounded Hub HTTP layer (engine/hubhttp.py) through the local Hub (tests/hubserver.py): hypothesis
+"""Fuzzing the bounded Hub HTTP layer (engine/plan/hubhttp.py) through the local Hub (tests/hubserver.py): hypothesis
 draws hostile answers for model info, the tree listing, search and a safetensors header read (random JSON shapes
 near and far from the real ones, any status, encodings, links, truncated and compressed bodies), and every call must
 end in a correct result or one typed line, within a bounded time."""
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from moechat.engine import hubhttp
+from moechat.engine.plan import hubhttp
 from moechat.engine.errors import MoechatError
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,

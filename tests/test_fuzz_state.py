@@ -62,7 +62,7 @@ def _write(data: bytes, name: str) -> Path:
 # -- settings.toml ------------------------------------------------------------------------------------------
 
 def _valid_settings() -> bytes:
-    from moechat.app.settings import Settings
+    from moechat.app.tui.settings import Settings
 
     path = Path(tempfile.mkdtemp(dir=_ROOT)) / "settings.toml"
     s = Settings(path=path, system_prompt="Be brief.", sampling={"temperature": 0.3, "top_k": 20}, max_tokens=300)
@@ -76,7 +76,7 @@ def _valid_settings() -> bytes:
 @FUZZ
 @given(data=damaged(_valid_settings()))
 def test_settings(data):
-    from moechat.app.settings import Settings
+    from moechat.app.tui.settings import Settings
 
     path = _write(data, "settings.toml")
     s = Settings.load(path)  # never raises: the defaults or the valid values, and a problem to show
@@ -91,7 +91,7 @@ def test_settings(data):
 # -- the chat database ----------------------------------------------------------------------------------------
 
 def _valid_chats() -> bytes:
-    from moechat.app.store import ChatStore
+    from moechat.app.tui.store import ChatStore
 
     path = Path(tempfile.mkdtemp(dir=_ROOT)) / "chats.sqlite3"
     store = ChatStore(path)
@@ -110,7 +110,7 @@ def _valid_chats() -> bytes:
 @FUZZ
 @given(data=damaged(_valid_chats()))
 def test_chat_database(data):
-    from moechat.app.store import ChatStore
+    from moechat.app.tui.store import ChatStore
 
     path = _write(data, "chats.sqlite3")
     try:
@@ -147,7 +147,7 @@ def _valid_calibration() -> bytes:
 @FUZZ
 @given(data=damaged(_valid_calibration()))
 def test_calibration(data):
-    from moechat.engine import calibration
+    from moechat.engine.plan import calibration
 
     cal = calibration.load(_write(data, "calibration.json"))  # a damaged file: the assumptions
     assert cal.ram_read_gbps is None or 0.01 < cal.ram_read_gbps < 10_000
@@ -216,7 +216,7 @@ def repacked(tiny_models, tmp_path_factory):
     """A tiny model's int8 repacked store: (its disk store, layers, experts, format, the valid sidecar, the bytes of
     every expert read back)."""
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     folder = tmp_path_factory.mktemp("repack")
     engine = Engine.load(tiny_models["qwen3_moe"][0], dtype="float32", expert_format="int8",

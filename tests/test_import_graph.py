@@ -42,13 +42,21 @@ def _targets(mod: str, path: Path, node: ast.AST, mods: dict[str, Path]) -> list
     return out
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:`: imports for annotations only, never executed, so not an arrow."""
+    return isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+
+
 def import_graph() -> dict[str, set[str]]:
     mods = _modules()
     graph = {}
     for mod, path in mods.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block) for b in block.body
+                       for n in ast.walk(b)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
                 deps.update(_targets(mod, path, node, mods))
         graph[mod] = deps
     return graph
@@ -97,7 +105,8 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_walk_sees_the_arrows():
     graph = import_graph()
     assert "moechat.engine.quant.base" in graph["moechat.engine.quant.intq"]
-    assert "moechat.engine.cache.store" in graph["moechat.engine.loader"]  # a lazy import counts too
+    assert "moechat.engine.cache.store" in graph["moechat.engine.load.loader"]  # a lazy import counts too
+    assert "moechat.engine.models.base" not in graph["moechat.engine.cache.store"]  # under TYPE_CHECKING
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -110,3 +119,43 @@ def test_app_imports_the_engine_never_the_reverse():
     back = sorted((m, d) for m, deps in graph.items() if m.startswith("moechat.engine") for d in deps
                   if d.startswith("moechat.app"))
     assert back == []
+
+
+# The engine's rooms, top to bottom: a module may import its own room and the rooms below it, never one above or
+# beside it (runtime and planning sit side by side: neither imports the other). docs/architecture.md draws it.
+ENGINE_ROOMS = [
+    ("runtime", "plan"),
+    ("load",),
+    ("models",),
+    ("cache",),
+    ("layers",),
+    ("quant",),
+    ("text",),
+    ("io",),
+    ("errors", "paths", ""),
+]
+
+
+def _room(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def up_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    rank = {room: i for i, rooms in enumerate(ENGINE_ROOMS) for room in rooms}
+    return sorted((m, d) for m, deps in graph.items() if m.startswith("moechat.engine") for d in deps
+                  if d.startswith("moechat.engine") and _room(m) != _room(d) and rank[_room(d)] <= rank[_room(m)])
+
+
+def test_the_engine_rooms_point_down():
+    graph = import_graph()
+    found = {_room(m) for m in graph if m.startswith("moechat.engine")}
+    assert found <= {room for rooms in ENGINE_ROOMS for room in rooms}, f"a room not in ENGINE_ROOMS: {found}"
+    assert up_arrows(graph) == [], "imports that point up or sideways between rooms"
+
+
+def test_the_room_check_sees_a_wrong_arrow():
+    fake = {"moechat.engine.cache.store": {"moechat.engine.models.base", "moechat.engine.quant.base"},
+            "moechat.engine.runtime.generate": {"moechat.engine.plan.hardware", "moechat.engine.runtime.sampling"}}
+    assert up_arrows(fake) == [("moechat.engine.cache.store", "moechat.engine.models.base"),
+                               ("moechat.engine.runtime.generate", "moechat.engine.plan.hardware")]

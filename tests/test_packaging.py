@@ -71,14 +71,14 @@ def test_bare_engine_and_app_are_not_importable(tmp_path):
 
 
 def test_engine_never_imports_textual(tmp_path):
-    code = ("import sys, moechat.engine.generate, moechat.engine.loader, moechat.engine.models\n"
+    code = ("import sys, moechat.engine.runtime.generate, moechat.engine.load.loader, moechat.engine.models\n"
             "assert 'textual' not in sys.modules, 'engine imported textual'")
     result = _run(code, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
 
 
 def test_cli_start_up_does_not_import_torch(tmp_path):
-    code = ("import sys\nfrom moechat.app.cli import build_parser\nbuild_parser().parse_args(['run', 'x', "
+    code = ("import sys\nfrom moechat.app.cli.main import build_parser\nbuild_parser().parse_args(['run', 'x', "
             "'--prompt', 'hi'])\nassert 'torch' not in sys.modules, 'torch imported at start-up'")
     result = _run(code, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -119,17 +119,17 @@ def test_the_wheel_holds_every_module_the_stylesheet_and_the_demo_model(wheel):
         for py in (ROOT / folder).rglob("*.py"):
             if "__pycache__" not in py.parts:
                 assert f"moechat/{py.relative_to(ROOT).as_posix()}" in names, py
-    assert "moechat/app/moechat.tcss" in names
+    assert "moechat/app/tui/moechat.tcss" in names
     assert "moechat/engine/quant/native.c" in names  # the native CPU kernels are built from it at first use
     demo = {n.removeprefix("moechat/assets/demo-moe/") for n in names if n.startswith("moechat/assets/demo-moe/")}
     assert demo >= DEMO_FILES and not {n for n in demo if n.endswith((".png", ".csv"))}
-    # where the code looks for it (app/pull.py: the folder above the app package), inside the wheel too
-    from moechat.app.pull import DEMO_MODEL
+    # where the code looks for it (app/cli/pull.py: the folder above the app package), inside the wheel too
+    from moechat.app.cli.pull import DEMO_MODEL
 
     assert DEMO_MODEL.relative_to(Path(moechat.app.__file__).parents[1]) == Path("assets/demo-moe")
     assert not {n for n in names if n.startswith(("tests/", "bench/", "packaging/", "moechat/tests"))}
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "moechat = moechat.app.cli:main" in meta
+    assert "moechat = moechat.app.cli.main:main" in meta
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ With r the expected further uses while it would stay in a slot, a miss is cheape
 A layer's host experts run as one pass, whose fixed cost (on CUDA two activation copies and their
 synchronisation, `ACTIVATION_COPY_S` each) is paid once however many experts it holds: the misses with a
 positive margin go to the host when their margins together exceed it, else every miss loads (`place`). On a
-CPU the host experts join the slotted ones in the step's one pass (engine/experts.py: no second pass, no fixed
+CPU the host experts join the slotted ones in the step's one pass (engine/layers/experts.py: no second pass, no fixed
 cost).
 At batch 1 on a PC the host usually wins (GPT-OSS-20B: 13.2 MB over a 25 GB/s link is 0.53 ms; reading it
 at ~40 GB/s and 45 MFLOP at ~200 GFLOP/s is ~0.55 ms, and no slot is evicted), a prefill chunk with many
@@ -30,6 +30,11 @@ from dataclasses import dataclass
 
 ON_MISS = ("load", "host", "auto")
 REUSE_HORIZON = 8  # steps an expert that is loaded now is expected to stay useful in a slot
+# Raw GB/s per lane after line encoding, by PCIe generation (8b/10b for 1-2, 128b/130b for 3-5, FLIT for 6).
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+PCIE_EFFICIENCY = 0.8  # usable fraction of the raw rate for large host->device DMA copies
+# Assumed when the link cannot be probed (docs/plan.md lists every assumption).
+ASSUMED_LINK_GBPS = round(PCIE_LANE_GBPS[4] * 16 * PCIE_EFFICIENCY, 1)  # PCIe 4.0 x16, usable: 25.2
 ACTIVATION_COPY_S = 20e-6  # one small host<->device copy plus its synchronisation, on CUDA
 
 

@@ -67,14 +67,6 @@ class HitCurve:
         """Predicted hit rate with `slots` slots; None when the trace has no counted request."""
         return self.hits_at(slots) / self.requests if self.requests else None
 
-    def to_miss_ratio_curve(self, num_keys: int, points: int = 32):
-        """As the planner's `MissRatioCurve` (hit rate against the fraction of all `num_keys` experts)."""
-        from ..plan import MissRatioCurve
-
-        sizes = np.unique(np.linspace(1, max(num_keys, 1), points).round().astype(np.int64))
-        pts = tuple((float(c) / num_keys, float(self.hit_rate(int(c)) or 0.0)) for c in sizes)
-        return MissRatioCurve(pts, None, f"{self.policy.upper()} stack distances, {self.source or 'routing trace'}")
-
 
 def step_starts(trace: RoutingTrace) -> np.ndarray:
     """[N] bool: row i begins a provider step (a decode row, or the first row of a prefill chunk at a layer).

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import MoechatError
-from ..files import atomic_write, read_regular
+from ..io.files import atomic_write, read_regular
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +66,7 @@ def check_prefetch(mode: str, depth: int) -> None:
 
 def nothing_to_prefetch(mode: str) -> str:
     """Why prefetch `mode` is refused on a CPU that computes misses in place with every expert in RAM: the one
-    message of the provider's check at load and of the CLI's before it (app/engine_args.py)."""
+    message of the provider's check at load and of the CLI's before it (app/cli/engine_args.py)."""
     return (f"--prefetch {mode} has nothing to do here: on a CPU every miss is computed in place from RAM and every "
             "expert is already in RAM; bound the RAM tier (--ram-cache-mb) to prefetch experts from disk into it, or "
             "leave --prefetch off")

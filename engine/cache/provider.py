@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..moe import ExpertBatch
+from ..layers.moe import ExpertBatch
 from ..quant.base import ExpertFormat
 from ..quant.dense import DENSE
 from .hybrid import REUSE_HORIZON, MissCostModel, check_on_miss
@@ -122,7 +122,7 @@ def _cost_model(store, args, device: torch.device, link_gbps: float | None) -> M
     host_gbps, host_gflops = calibrate_host(store, args)
     same = device.type == "cpu"
     if not same and link_gbps is None:
-        from ..hardware import ASSUMED_LINK_GBPS
+        from .hybrid import ASSUMED_LINK_GBPS
 
         link_gbps = ASSUMED_LINK_GBPS
     return MissCostModel(store.expert_bytes, flops, None if same else link_gbps, host_gbps, host_gflops,
@@ -132,8 +132,8 @@ def _cost_model(store, args, device: torch.device, link_gbps: float | None) -> M
 def calibrate_host(store, args, reps: int = 3) -> tuple[float, float]:
     """Effective host GB/s (packed bytes read while computing one token) and GFLOP/s (a 16-token chunk), timed on
     the first expert the RAM tier holds."""
-    from ..experts import _expert
-    from ..moe import SWIGLU
+    from ..layers.experts import _expert
+    from ..layers.moe import SWIGLU
 
     layer = next(iter(getattr(store, "tensors", {0: None})))
     got = store.host_slot(layer, 0)

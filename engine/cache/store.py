@@ -23,17 +23,20 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..checkpoint import Checkpoint, TensorInfo, check_finite
+from ..io.checkpoint import Checkpoint, TensorInfo, check_finite
 from ..errors import CheckpointError
-from ..files import UnwritableFileError, atomic_write
-from ..models.base import MoEForCausalLM
+from ..io.files import UnwritableFileError, atomic_write
 from ..quant.base import ExpertFormat, TensorSpec
 from ..quant.dense import DENSE
 from .policy import make_policy
 from .slots import SlotLayout
+
+if TYPE_CHECKING:  # a type only: the cache never imports the model files
+    from ..models.base import MoEForCausalLM
 
 RAM, DISK = "ram", "disk"
 
@@ -153,7 +156,7 @@ class DiskStore:
         return per_expert
 
     def _check(self, info: TensorInfo, name: str, shape: tuple[int, ...]) -> None:
-        from ..checkpoint import FLOAT_DTAGS, SAFETENSORS_DTYPES
+        from ..io.checkpoint import FLOAT_DTAGS, SAFETENSORS_DTYPES
 
         if info.shape != tuple(shape):
             raise CheckpointError(f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, the config and "
@@ -170,7 +173,7 @@ class DiskStore:
 
     @staticmethod
     def _stored(info: TensorInfo) -> torch.dtype:
-        from ..checkpoint import SAFETENSORS_DTYPES
+        from ..io.checkpoint import SAFETENSORS_DTYPES
 
         return SAFETENSORS_DTYPES[info.dtype]
 
@@ -425,7 +428,7 @@ def default_repack_dir(model_dir: str | os.PathLike, fmt: str) -> Path:
 def _json_or_none(path: Path):
     """A sidecar's JSON, or None when it is missing or damaged (a FIFO, a huge file, bad JSON): then it is rebuilt."""
     from ..errors import MoechatError
-    from ..files import read_json_file
+    from ..io.files import read_json_file
 
     try:
         return read_json_file(path, "repack sidecar")

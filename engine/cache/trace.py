@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MoechatError
-from ..files import atomic_write, open_regular
+from ..io.files import atomic_write, open_regular
 
 
 class TraceError(MoechatError, ValueError):

@@ -1,2 +1,2 @@
-"""Reading checkpoints from disk: the GGUF container (safetensors is read by engine/checkpoint.py and
-engine/loader.py until they move here)."""
+"""Checkpoints into a model: `loader.py` (build on meta, fill from safetensors or GGUF, choose the expert store)
+and `gguf.py` (the GGUF container mapped onto the same model classes, its tokenizer and template)."""

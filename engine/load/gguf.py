@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint, TensorInfo
+from ..io.checkpoint import Checkpoint, TensorInfo
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 from ..quant.gguf import TYPES, GGUFFormat, decode_rows, ggml_type
 
@@ -462,7 +462,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 def gguf_text(path: str | os.PathLike):
     """(generation_config, tokenizer or None, ChatTemplate or None) from a GGUF model's tokenizer.* metadata
     (engine/text/gguf_tokenizer.py); a file without a vocabulary runs on token ids alone."""
-    from ..chat_template import ChatTemplate
+    from ..text.chat_template import ChatTemplate
     from ..errors import TokenizerError
     from ..text.gguf_tokenizer import tokenizer_from_gguf
 
@@ -537,7 +537,7 @@ class MixedExpertStore:
 def resident_mixed_provider(ckpt: GGUFCheckpoint, cls, args, dtype: torch.dtype, device: torch.device):
     """Every expert of a mixed-type GGUF resident, packed, each layer computed in its own format."""
     from ..cache import hostmem
-    from ..moe import ExpertBatch, ResidentProvider
+    from ..layers.moe import ExpertBatch, ResidentProvider
 
     class LayerFormatProvider(ResidentProvider):
         def __init__(self, tensors, num_layers, formats):

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import validate
+from ..io import validate
 from ..errors import UnsupportedModelError
-from ..experts import HostJob, combine, expert_compute
-from ..kv_cache import KVCache
-from ..moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
+from ..layers.experts import HostJob, combine, expert_compute
+from ..layers.kv_cache import KVCache
+from ..layers.moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
 from ..quant import native
 
 # T = tokens, S = positions in the KV cache, H = hidden size, D = head dim, E = experts, K = top-k
@@ -65,7 +65,7 @@ class BaseModelArgs:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config.json") -> BaseModelArgs:
         """Unknown keys are dropped; an alias fills its field when the canonical key is absent. Each value is
-        checked against its field's rule before the dataclass is built, the relations after (engine/validate.py):
+        checked against its field's rule before the dataclass is built, the relations after (engine/io/validate.py):
         a violation is a ConfigError naming `where`, the key, the value and what is allowed."""
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}

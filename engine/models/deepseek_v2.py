@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..moe import ExpertProvider, grouped_topk
+from ..layers.moe import ExpertProvider, grouped_topk
 from .base import MLP, BaseModelArgs, ExpertNaming, MoEForCausalLM, SparseMoeBlock
 from .mla import MLAttention
 

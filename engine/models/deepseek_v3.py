@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import grouped_topk
+from ..layers.moe import grouped_topk
 from .base import MoEForCausalLM
 from .deepseek_v2 import DEEPSEEK_EXPERTS, DeepseekV2Args, SharedExpertMoeBlock
 from .mla import MLAttention

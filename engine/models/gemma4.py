@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..kv_cache import KVCache
-from ..moe import GEGLU_TANH, ExpertProvider
+from ..layers.kv_cache import KVCache
+from ..layers.moe import GEGLU_TANH, ExpertProvider
 from ..quant import native
 from .base import (
     BaseModelArgs,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..moe import grouped_topk
+from ..layers.moe import grouped_topk
 from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM, SparseMoeBlock
 
 

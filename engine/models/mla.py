@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kv_cache import KVCache
+from ..layers.kv_cache import KVCache
 from .base import RMSNorm, _in_out, apply_rope, rms_norm
 
 # T = tokens, S = cached positions, H = hidden size, nH = heads, C = kv_lora_rank, R = qk_rope_head_dim,

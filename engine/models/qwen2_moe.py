@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import ExpertProvider
+from ..layers.moe import ExpertProvider
 from .base import MLP, ExpertNaming, MoEForCausalLM, SparseMoeBlock
 from .qwen3_moe import Qwen3MoeArgs
 

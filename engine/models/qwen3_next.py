@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..kv_cache import KVCache
-from ..moe import ExpertProvider
+from ..layers.kv_cache import KVCache
+from ..layers.moe import ExpertProvider
 from ..quant import native
 from . import gated_deltanet as gd
 from .base import MLP, ExpertNaming, MoEForCausalLM, _bf16_gemv_lib, _in_out, apply_rope

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MoechatError
-from ..hardware import GiB
+from .hardware import GiB
 from .rates import DecodeEstimate, MissPlacement, MissRatioCurve
 from .spec import MiB
 
@@ -17,7 +17,7 @@ REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py de
 MIN_CONTEXT = 512  # below this a chat is not worth planning for
 CONTEXT_STEP = 256  # a lowered context is a multiple of this
 PREFILL_CHUNK = 512
-# engine/kv_cache.py allocates every layer for the whole context, sliding-window layers included, so the plan
+# engine/layers/kv_cache.py allocates every layer for the whole context, sliding-window layers included, so the plan
 # counts that by default; attention still reads only a window layer's last `window` keys.
 KV_WINDOWED_ALLOCATION = False
 
@@ -47,10 +47,10 @@ class Preferences:
     disk_read_gbps: float | None = None
     host_read_gbps: float | None = None  # the CPU's read rate over packed experts (None: ASSUMED_RAM_GBPS)
     host_read_source: str = ""  # where host_read_gbps comes from, for the plan's lines ("measured on this machine")
-    cpu_layer_s: float | None = None  # measured seconds per layer on the CPU beyond the reads (engine/calibration.py)
+    cpu_layer_s: float | None = None  # measured seconds per layer on the CPU beyond the reads (engine/plan/calibration.py)
     override: bool = False  # load anyway: a refused plan is still made, best effort, and check() passes
     # True: sliding-window layers are allocated `window` tokens, as a ring would need; False: every layer the
-    # whole context, as engine/kv_cache.py allocates today (the plan then names the saving a ring would bring)
+    # whole context, as engine/layers/kv_cache.py allocates today (the plan then names the saving a ring would bring)
     windowed_kv: bool = KV_WINDOWED_ALLOCATION
     prefill_chunk: int = PREFILL_CHUNK
     repacked: frozenset[str] = frozenset()  # converted formats whose repacked file is already written (reused)

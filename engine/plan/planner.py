@@ -13,7 +13,7 @@ import re
 from dataclasses import replace
 
 from ..errors import ConfigError
-from ..hardware import (
+from .hardware import (
     ASSUMED_DISK_GBPS,
     ASSUMED_GPU_MEMORY_GBPS,
     ASSUMED_LINK_GBPS,
@@ -216,7 +216,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     elif prefs.windowed_kv:
         alloc = f"; window layers allocated {spec.window} tokens each ({gib(kv_full - kv_ring)} less than full length)"
     else:
-        alloc = (f"; every layer allocated full length, as engine/kv_cache.py does (a {spec.window}-token ring on the "
+        alloc = (f"; every layer allocated full length, as engine/layers/kv_cache.py does (a {spec.window}-token ring on the "
                  f"window layers would need {gib(kv_ring)}, {gib(kv_full - kv_ring)} less)")
     decisions.append(Decision(f"KV cache, {context:,} tokens", kv, dev_label,
                               f"{gib(kvpt)}/token ({spec.kv_kind}: {spec.kv_detail}, {elem} B); context "

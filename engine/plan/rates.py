@@ -11,12 +11,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 
-from ..hardware import GB
+from .hardware import GB
 from .spec import ModelSpec
 
 GPU_EFFICIENCY = 0.7  # fraction of peak memory bandwidth decode mat-vecs reach
 # Eager PyTorch launch/dispatch per decoder layer. The CPU's is measured by `moechat run` where it has run
-# (engine/calibration.py: 2.0-2.2 ms on the busy 2-core CI machine, the demo model at 70-78 tok/s; ~1 ms when it
+# (engine/plan/calibration.py: 2.0-2.2 ms on the busy 2-core CI machine, the demo model at 70-78 tok/s; ~1 ms when it
 # is quiet); this is the figure before that, within 2x of both.
 OVERHEAD_PER_LAYER_S = {"gpu": 0.15e-3, "cpu": 1.5e-3}
 OVERHEAD_PER_MISS_S = {"gpu": 0.03e-3, "cpu": 0.05e-3}  # policy + copy call (+ preadv) per expert load
@@ -67,6 +67,15 @@ class MissRatioCurve:
 
     def best_at(self, fraction: float) -> float:
         return self.hit_at(fraction) if not self.best else max(self.hit_at(fraction), self._at(self.best, fraction))
+
+    @classmethod
+    def from_stack_distances(cls, curve, num_keys: int, points: int = 32) -> MissRatioCurve:
+        """From a cache/mrc.py `HitCurve` (hit rate at every slot count): hit rate against the fraction of all
+        `num_keys` experts, at `points` sizes. Duck-typed, so the planner does not import the cache."""
+        step = (max(num_keys, 1) - 1) / max(points - 1, 1)
+        sizes = sorted({round(1 + i * step) for i in range(points)})
+        pts = tuple((float(c) / num_keys, float(curve.hit_rate(int(c)) or 0.0)) for c in sizes)
+        return cls(pts, None, f"{curve.policy.upper()} stack distances, {curve.source or 'routing trace'}")
 
     @classmethod
     def from_json(cls, data, num_experts: int, *, policy: str | None = None) -> MissRatioCurve:

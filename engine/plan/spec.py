@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from ..hardware import GiB
+from .hardware import GiB
 
 MiB = 1 << 20
-DEFAULT_CONTEXT = 4096  # what `moechat run` allocates when --context is not given (engine/generate.py)
+DEFAULT_CONTEXT = 4096  # what `moechat run` allocates when --context is not given (engine/runtime/generate.py)
 # Expert formats moechat converts a checkpoint's experts into (`--expert-format`), kept equal to
 # engine/quant/registry.py's CONVERTIBLE by a test; int4 groups along the input as engine/quant/intq.py does.
 CONVERTIBLE_FORMATS = ("int8", "int4")
@@ -127,7 +127,7 @@ class ModelSpec:
     remote_code: bool = False  # config.json has an auto_map (custom code shipped with the model)
     dense_format: str = "native"  # "int8": attention projections and LM head held in int8 (--dense-format int8)
     # Recurrent layers (Gated DeltaNet, Mamba-2): their state is the same size at any context; counted with the
-    # snapshots engine/kv_cache.py keeps for prefix reuse (1 + MAX_SNAPSHOTS copies)
+    # snapshots engine/layers/kv_cache.py keeps for prefix reuse (1 + MAX_SNAPSHOTS copies)
     recurrent_state_bytes: int = 0
     recurrent_detail: str = ""
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..files import read_json_object
-from ..hardware import GB, GiB
-from ..validate import check_common
+from ..io.files import read_json_object
+from .hardware import GB, GiB
+from ..io.validate import check_common
 from .spec import DEFAULT_CONTEXT, DTAG_OF_SIZE, FLOAT_SIZES, MiB, ModelSpec, TensorSpec
 
 # -- config.json reading -----------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ class _Shape:
 def _shape(c: dict, where: str, notes: list[str]) -> _Shape:
     if isinstance(c.get("text_config"), dict) and "num_hidden_layers" not in c:
         c = {**c, **c["text_config"]}
-    check_common(c, where)  # types, ranges and size caps of the common keys (engine/validate.py), before any loop
+    check_common(c, where)  # types, ranges and size caps of the common keys (engine/io/validate.py), before any loop
     L = _pos_int(c, where, "num_hidden_layers")
     H = _pos_int(c, where, "hidden_size")
     V = _pos_int(c, where, "vocab_size")
@@ -131,7 +131,7 @@ def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
     window = c.get("sliding_window")
     types = c.get("layer_types")
     linear = _linear_layers(c, s.L)
-    if linear:  # recurrent layers keep a fixed state, no K/V (engine/kv_cache.py)
+    if linear:  # recurrent layers keep a fixed state, no K/V (engine/layers/kv_cache.py)
         n = s.L - linear
         detail = detail.replace(f"{s.L} layers x", f"{n} attention layers (of {s.L}) x", 1)
         return kind, per * n, 0, None, detail
@@ -169,7 +169,7 @@ def _recurrent(c: dict, s: _Shape) -> tuple[int, str]:
     n = _linear_layers(c, s.L)
     if not n:
         return 0, ""
-    from ..kv_cache import MAX_SNAPSHOTS
+    from ..layers.kv_cache import MAX_SNAPSHOTS
 
     hk, hv = int(c.get("linear_num_key_heads") or 16), int(c.get("linear_num_value_heads") or 32)
     dk, dv = int(c.get("linear_key_head_dim") or 128), int(c.get("linear_value_head_dim") or 128)
@@ -415,7 +415,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
     fmt = q.format if q.applies("model.layers.0.mlp.experts") else s.float_dtype
     notes.insert(0, "sizes derived from config.json" + (" and its quantization_config" if q.method else "")
                  + ": estimates, not read from the weights")
-    from ..catalog import SUPPORTED_TYPES
+    from .catalog import SUPPORTED_TYPES
 
     if isinstance(config.get("text_config"), dict) and config.get("vision_config") and mt in SUPPORTED_TYPES:
         notes.append(f"{config.get('model_type')} is multimodal: its vision tower's tensors are downloaded but not "

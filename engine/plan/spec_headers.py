@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..hardware import GiB
-from ..validate import check_index
+from .hardware import GiB
+from ..io.validate import check_index
 from .spec import FLOAT_DTAGS, ModelSpec, TensorSpec, gib
 from .spec_config import _fp32_weights, _load_json, spec_from_config
 
@@ -153,7 +153,7 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
     compute dtype; a note gives the file's packed bytes per ggml type."""
     import numpy as np
 
-    from ..checkpoint import TensorInfo
+    from ..io.checkpoint import TensorInfo
     from ..load.gguf import open_gguf
 
     ckpt = open_gguf(path)
@@ -209,7 +209,7 @@ def read_model_spec(model: str | os.PathLike) -> ModelSpec:
         shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
     present = [s for s in shards if (model_dir / s).is_file()]
     if shards and len(present) == len(shards):
-        from ..checkpoint import Checkpoint  # torch is imported only when there are weights to read
+        from ..io.checkpoint import Checkpoint  # torch is imported only when there are weights to read
 
         ckpt = Checkpoint.open(model_dir)
         spec = spec_from_headers(config, ckpt.tensors, name=name, where=str(cfg_path))

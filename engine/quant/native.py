@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_write
+from ..io.files import atomic_write
 
 ENV = "MOECHAT_NATIVE"  # "0": the torch paths
 DECODE_ENV = "MOECHAT_NATIVE_DECODE"  # "0": many tokens decode their tiles with the torch decoders (one token unchanged)
@@ -409,7 +409,7 @@ def moe_decode(lib, kind: int, x: torch.Tensor, ptrs, weights, n: int, hidden: i
                group2: int, block: tuple[int, int], bias_kind: int, act: int, limit: float, alpha: float) -> None:
     """n experts on one token x [1, H] (fp32 or bf16, contiguous) into their output rows: ptrs a ctypes int64 array
     [n, 7] (each expert's w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0, and its fp32 [H] output row),
-    weights a ctypes float array [n] (native.c's moechat_moe_decode; engine/experts.py builds both)."""
+    weights a ctypes float array [n] (native.c's moechat_moe_decode; engine/layers/experts.py builds both)."""
     _threads(lib)
     _check(lib.moechat_moe_decode(kind, x.data_ptr(), int(x.dtype == torch.bfloat16), ptrs, weights, n, hidden,
                                   inter, group13, group2, block[0], block[1], bias_kind, act, limit, alpha,

@@ -165,7 +165,7 @@ def _load_cached() -> dict[str, str] | None:
 
 
 def _save(verdict: dict[str, str]) -> None:
-    from ..files import atomic_write
+    from ..io.files import atomic_write
 
     try:
         atomic_write(_cache_path(), json.dumps({"int8pack_mm": verdict}, indent=1), fsync=False)

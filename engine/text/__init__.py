@@ -1,2 +1,3 @@
-"""Text in and out: tokenizers built from a checkpoint's metadata (GGUF's `tokenizer.ggml.*`); the safetensors
-tokenizer, chat templates, reasoning and tool-call parsing live in engine/ until they move here."""
+"""Text in and out: `tokenizer.py` (from tokenizer.json), `gguf_tokenizer.py` (from GGUF's `tokenizer.ggml.*`),
+`chat_template.py` (Jinja templates in a sandbox), `reasoning.py` (thinking split from the answer) and
+`tool_calls.py` (tool calls parsed from the text)."""

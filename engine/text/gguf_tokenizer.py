@@ -33,7 +33,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
 from ..errors import TokenizerError
-from ..tokenizer import Tokenizer
+from .tokenizer import Tokenizer
 
 # llama.cpp's token types (gguf.TokenType); a CONTROL token is a special added token, USER_DEFINED a plain one.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

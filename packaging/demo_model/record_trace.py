@@ -13,8 +13,8 @@ import argparse
 from pathlib import Path
 
 from moechat.engine.cache.provider import CacheConfig
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 96

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from moechat.app.app import make_app
-from moechat.app.bridge import LoadOptions
-from moechat.app.settings import Settings
-from moechat.app.store import ChatStore
-from moechat.app.sysmon import MemoryReading
+from moechat.app.tui.app import make_app
+from moechat.app.tui.bridge import LoadOptions
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.store import ChatStore
+from moechat.app.tui.sysmon import MemoryReading
 from moechat.engine.cache.stats import CacheSnapshot
 from moechat.engine.errors import ConfigError, MoechatError
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moechat.app.bridge import cache_state, describe, describe_error, resolve_model
-from moechat.app.sysmon import MemoryProbe
+from moechat.app.tui.bridge import cache_state, describe, describe_error, resolve_model
+from moechat.app.tui.sysmon import MemoryProbe
 from moechat.engine.errors import ConfigError, NotDownloadedError, PromptTooLongError
 
 
@@ -65,8 +65,8 @@ def test_describe_says_the_expert_format_and_its_sizes(fakes):
 def test_load_engine_converts_the_experts_and_describes_them(tiny_models, monkeypatch, tmp_path):
     import torch
 
-    from moechat.app.bridge import LoadOptions, load_engine
-    from moechat.app.fit import repack_dir
+    from moechat.app.tui.bridge import LoadOptions, load_engine
+    from moechat.app.cli.fit import repack_dir
     from moechat.engine.quant import get_format
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

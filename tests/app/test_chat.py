@@ -7,12 +7,12 @@ import threading
 import pytest
 from textual.widgets import Label, Select
 
-from moechat.app.screens.chat import ChatScreen
-from moechat.app.store import ChatStore
-from moechat.app.widgets.loading import LoadingPanel
-from moechat.app.widgets.prompt import PromptInput
-from moechat.app.widgets.transcript import AssistantMessage, UserMessage
-from moechat.app.widgets.tuning import StepInput, TuningPanel
+from moechat.app.tui.screens.chat import ChatScreen
+from moechat.app.tui.store import ChatStore
+from moechat.app.tui.widgets.loading import LoadingPanel
+from moechat.app.tui.widgets.prompt import PromptInput
+from moechat.app.tui.widgets.transcript import AssistantMessage, UserMessage
+from moechat.app.tui.widgets.tuning import StepInput, TuningPanel
 from moechat.engine.errors import CheckpointError
 
 pytestmark = pytest.mark.anyio

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from moechat.app.screens.chat import ChatScreen
-from moechat.app.settings import Settings
-from moechat.app.widgets.prompt import PromptInput
+from moechat.app.tui.screens.chat import ChatScreen
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.widgets.prompt import PromptInput
 
 SIZE = (120, 36)
 pytestmark = pytest.mark.anyio
@@ -73,8 +73,9 @@ async def test_without_flags_the_saved_settings_apply(build_app, fakes, app_env)
 
 
 def test_run_chat_hands_the_flags_to_the_app(monkeypatch, tmp_path):
-    from moechat.app import app as app_module
-    from moechat.app import cli, launch
+    from moechat.app.tui import app as app_module
+    from moechat.app.cli import main as cli
+    from moechat.app.tui import launch
 
     (tmp_path / "config.json").write_text("{}")
     seen = {}

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from moechat.app import cli
+from moechat.app.cli import main as cli
 
 
 @pytest.mark.parametrize("argv, message", [

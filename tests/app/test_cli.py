@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from moechat.app.cli import main
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.app.cli.main import main
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 
 def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "moechat.app.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "moechat.app.cli.main", *args], capture_output=True, text=True,
                           timeout=300, cwd=cwd, env=env)
 
 

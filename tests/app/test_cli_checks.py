@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from moechat.app import cli
+from moechat.app.cli import main as cli
 
 BAD = [  # flag, value, what the usage line must say
     ("--temperature", "1e-45", "expected 0 (greedy) or at least 0.001"),
@@ -37,8 +37,9 @@ COMMANDS = {"run": ["run", "--prompt-ids", "1"], "chat": ["chat"], "serve": ["se
 @pytest.fixture
 def no_load(monkeypatch):
     """Fail the test if anything past parsing runs: a model load, the app, the server."""
-    from moechat.app import launch, serve
-    from moechat.engine.generate import Engine
+    from moechat.app.tui import launch
+    from moechat.app.serve import server as serve
+    from moechat.engine.runtime.generate import Engine
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))
     monkeypatch.setattr(launch, "run_chat", lambda args: pytest.fail("the app was started"))
@@ -65,7 +66,7 @@ def test_every_sampling_flag_is_checked_at_parse_time_in_every_command(capsys, n
 
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_good_sampling_values_reach_every_command(command):
-    from moechat.app.engine_args import sampling_overrides
+    from moechat.app.cli.engine_args import sampling_overrides
 
     args = cli.build_parser().parse_args([*COMMANDS[command], "--temperature", "0.7", "--top-k", "20", "--top-p",
                                           "0.95", "--min-p", "0.05", "--repetition-penalty", "1.1", "--seed", "7",
@@ -82,9 +83,9 @@ def test_the_parse_time_checks_are_the_engines_rules():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from moechat.app import argtypes
+    from moechat.app.cli import argtypes
     from moechat.engine.errors import ConfigError
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.sampling import SamplingParams
 
     types = {"temperature": argtypes.temperature, "top_p": argtypes.top_p, "min_p": argtypes.min_p,
              "repetition_penalty": argtypes.repetition_penalty}
@@ -113,14 +114,14 @@ def test_the_parse_time_checks_are_the_engines_rules():
 
 def test_usage_errors_are_one_line_from_the_real_command():
     """The process itself: no usage block, exit 2, and the parse never imports torch."""
-    code = ("import sys; from moechat.app import cli\n"
+    code = ("import sys; from moechat.app.cli import main as cli\n"
             "try:\n    cli.build_parser().parse_args(['run', '--prompt-ids', '1', '--top-p', '0.5', '--seed', '3'])\n"
             "finally:\n    print('torch' in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
     for argv in (["run", "--prompt-ids", "1", "--repetition-penalty", "0"], ["serve", "--top-p", "0"],
                  ["chat", "--nope"], ["run"]):
-        result = subprocess.run([sys.executable, "-m", "moechat.app.cli", *argv], capture_output=True, text=True,
+        result = subprocess.run([sys.executable, "-m", "moechat.app.cli.main", *argv], capture_output=True, text=True,
                                 timeout=120)
         lines = result.stderr.splitlines()
         assert result.returncode == 2 and len(lines) == 1, result.stderr
@@ -129,7 +130,7 @@ def test_usage_errors_are_one_line_from_the_real_command():
 
 
 def test_one_model_metavar_and_help_everywhere():
-    from moechat.app.engine_args import MODEL_HELP
+    from moechat.app.cli.engine_args import MODEL_HELP
 
     parser = cli.build_parser()
     subs = parser._subparsers._group_actions[0].choices
@@ -178,7 +179,7 @@ def test_a_prefetch_with_nothing_to_do_is_refused_before_the_load(tiny_models, c
 
 @pytest.mark.parametrize("flags", [["--on-miss", "load"], ["--ram-cache-mb", "1"], ["--prefetch", "off"]])
 def test_a_prefetch_with_something_to_do_is_not_refused(tiny_models, flags):
-    from moechat.app.engine_args import cache_config_from_args
+    from moechat.app.cli.engine_args import cache_config_from_args
 
     args = cli.build_parser().parse_args(["run", str(tiny_models["qwen3_moe"][0]), "--prompt-ids", "1",
                                           "--expert-slots", "6", "--prefetch", "next-layer", *flags])
@@ -190,7 +191,7 @@ def test_values_past_the_models_config_are_said_before_a_weight_is_read(tiny_mod
     """--host-layers 99 on a 3-MoE-layer model, --expert-slots 100000: lowered and said from config.json, before
     the load starts (it is stopped here, to prove the order)."""
     from moechat.engine.errors import ConfigError
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     asked = {}
 

@@ -1,4 +1,4 @@
-"""Every CLI path ends in one line and exit status 1 (app/guard.py); bad flag values are clear errors before a
+"""Every CLI path ends in one line and exit status 1 (app/cli/guard.py); bad flag values are clear errors before a
 model loads; --debug / MOECHAT_DEBUG=1 add the traceback of an unexpected error."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from moechat.app import cli
-from moechat.app.guard import guarded, take_debug_flag
+from moechat.app.cli import main as cli
+from moechat.app.cli.guard import guarded, take_debug_flag
 from moechat.engine.errors import MoechatError, UnexpectedError, typed_errors
 
 
@@ -28,7 +28,7 @@ def _one_line(err: str) -> str:
 @pytest.fixture
 def no_load(monkeypatch):
     """Fail the test if a model starts loading: these errors must come first."""
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))
 
@@ -55,7 +55,7 @@ def test_cuda_without_cuda(tiny_models, capsys, no_load):
 def test_record_trace_into_a_read_only_folder(tiny_models, tmp_path, capsys, no_load, monkeypatch):
     import errno
 
-    from moechat.engine import files
+    from moechat.engine.io import files
 
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -88,14 +88,14 @@ def test_non_utf8_argv_from_a_real_shell(tiny_models):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable.encode(), b"-m", b"moechat.app.cli", b"run",
+    result = subprocess.run([sys.executable.encode(), b"-m", b"moechat.app.cli.main", b"run",
                              str(tiny_models["qwen3_moe"][0]).encode(), b"--raw", b"--prompt", b"\xff\xfe"],
                             capture_output=True, timeout=120)
     assert result.returncode == 2 and b"not valid UTF-8" in result.stderr and b"Traceback" not in result.stderr
 
 
 def test_unexpected_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
-    import moechat.app.fit as fit
+    import moechat.app.cli.fit as fit
 
     def boom(args):
         raise RuntimeError("something\nbroke")
@@ -114,7 +114,7 @@ def test_unexpected_error_is_one_line_and_debug_shows_the_traceback(capsys, monk
 
 
 def test_engine_entry_points_type_what_they_did_not_expect(tiny_models, monkeypatch, capsys):
-    from moechat.engine import generate
+    from moechat.engine.runtime import generate
 
     monkeypatch.setattr(generate, "load_model", lambda *a, **k: (_ for _ in ()).throw(KeyError("boom")))
     with pytest.raises(UnexpectedError, match=r"loading the model failed: unexpected KeyError: 'boom'") as e:

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from moechat.app.pull import DEMO_MODEL
+from moechat.app.cli.pull import DEMO_MODEL
 
 
 def _closed_early(argv: list[str], cwd) -> tuple[int, bytes]:
     """Run moechat with its stdout a pipe whose reader is gone before the first byte: the process takes over a
     tenth of a second to start, the pipe closes at once."""
-    p = subprocess.Popen([sys.executable, "-m", "moechat.app.cli", *argv], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "moechat.app.cli.main", *argv], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, cwd=cwd)
     p.stdout.close()
     err = p.stderr.read()

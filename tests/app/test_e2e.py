@@ -7,16 +7,16 @@ import re
 import pytest
 from textual.widgets import Label
 
-from moechat.app.bridge import LoadOptions
-from moechat.app.settings import Settings
-from moechat.app.widgets.transcript import AssistantMessage
+from moechat.app.tui.bridge import LoadOptions
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.widgets.transcript import AssistantMessage
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_real_engine_streams_and_fills_the_panel(tiny_chat_model, app_env, fakes):
-    from moechat.app.app import make_app
-    from moechat.app.store import ChatStore
+    from moechat.app.tui.app import make_app
+    from moechat.app.tui.store import ChatStore
 
     path = tiny_chat_model[0]
     settings = Settings(path=app_env / "settings.toml", max_tokens=12, sampling={"temperature": 0.0})
@@ -61,9 +61,9 @@ async def test_panel_shows_where_experts_ran(tiny_chat_model, app_env, fakes):
     """--on-miss host in the app on a CPU: every miss runs on the host from the RAM tier, so the slots never fill and
     the panel shows the cache that exists there (the RAM tier over the disk) and where the experts ran: requests
     served from RAM and from disk, how many ran on the host, the heatmap of what RAM holds, no slot knob."""
-    from moechat.app.app import make_app
-    from moechat.app.store import ChatStore
-    from moechat.app.widgets.heatmap import HeatmapLegend
+    from moechat.app.tui.app import make_app
+    from moechat.app.tui.store import ChatStore
+    from moechat.app.tui.widgets.heatmap import HeatmapLegend
 
     path = tiny_chat_model[0]
     settings = Settings(path=app_env / "settings.toml", max_tokens=12, sampling={"temperature": 0.0})
@@ -92,8 +92,8 @@ async def test_panel_shows_where_experts_ran(tiny_chat_model, app_env, fakes):
 async def test_a_chat_longer_than_the_context_goes_on_and_says_so(tiny_chat_model, app_env, fakes):
     """Issue 19: once a chat outgrows the context, the next message ("hi") is answered with the oldest turns
     left out of the prompt, the transcript keeps them, and a notice says what happened, once."""
-    from moechat.app.app import make_app
-    from moechat.app.store import ChatStore
+    from moechat.app.tui.app import make_app
+    from moechat.app.tui.store import ChatStore
 
     path = tiny_chat_model[0]
     settings = Settings(path=app_env / "settings.toml", max_tokens=400, sampling={"temperature": 0.0})

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Button, Label, Select
 
-from moechat.app.bridge import LoadOptions
-from moechat.app.livestats import fmt_bytes
-from moechat.app.screens.dialogs import FormatScreen
-from moechat.app.settings import Settings
+from moechat.app.tui.bridge import LoadOptions
+from moechat.app.tui.livestats import fmt_bytes
+from moechat.app.tui.screens.dialogs import FormatScreen
+from moechat.app.tui.settings import Settings
 
 pytestmark = pytest.mark.anyio
 SIZE = (130, 44)
@@ -95,8 +95,8 @@ async def test_the_chat_flag_holds_for_its_model_and_a_saved_choice_for_the_next
 async def test_the_wizard_hands_its_recommended_format_to_the_chat(build_app, fakes, app_env):
     from types import SimpleNamespace
 
-    from moechat.app.screens.setup import HubOptions, SetupScreen
-    from moechat.engine.hardware import Hardware, HostMemory
+    from moechat.app.tui.screens.setup import HubOptions, SetupScreen
+    from moechat.engine.plan.hardware import Hardware, HostMemory
 
     engine = fakes.Engine()
     loads: list = []

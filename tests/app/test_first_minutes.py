@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from moechat.app import cli, pull
+from moechat.app.cli import main as cli
+from moechat.app.cli import pull
 from moechat.engine.errors import ConfigError, NotDownloadedError
 
 DEMO = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
@@ -99,9 +100,9 @@ def _python(code: str) -> str:
 def test_run_start_up_imports_neither_textual_nor_torch_dynamo():
     # The parser `moechat run` builds (chat's included) without Textual (0.3 s); loading the demo without
     # torch._dynamo (2.4 s: nn.Embedding's init on the meta device went through torch._refs).
-    assert _python("import sys; from moechat.app import cli; cli.build_parser(); print('textual' in sys.modules)") \
+    assert _python("import sys; from moechat.app.cli import main as cli; cli.build_parser(); print('textual' in sys.modules)") \
         == "False"
-    assert _python(f"import sys; from moechat.engine.generate import Engine; Engine.load({str(DEMO)!r}); "
+    assert _python(f"import sys; from moechat.engine.runtime.generate import Engine; Engine.load({str(DEMO)!r}); "
                    "print('torch._dynamo' in sys.modules)") == "False"
 
 
@@ -118,7 +119,7 @@ def test_pull_json_prints_json_on_error(capsys):
 
 
 def test_chat_refuses_a_bad_device_before_the_app_opens(monkeypatch, capsys):
-    from moechat.app import launch
+    from moechat.app.tui import launch
 
     opened = []
     monkeypatch.setattr(launch, "_run", lambda app: opened.append(app) or 0)
@@ -144,7 +145,7 @@ def test_the_command_leaves_without_teardown_and_loses_nothing(tmp_path):
     # `moechat run` (argv from the command line) ends with os._exit once torch is loaded: flushed output, its status
     import json
 
-    code = ("import sys; from moechat.app.cli import main; sys.argv = ['moechat'] + sys.argv[1:]; main(); "
+    code = ("import sys; from moechat.app.cli.main import main; sys.argv = ['moechat'] + sys.argv[1:]; main(); "
             "print('not reached', file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", code, "run", "--prompt", "What does math.sqrt do?", "--temperature",
                            "0", "--max-tokens", "12", "--json"], capture_output=True, text=True, timeout=300,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from moechat.app.cli import main
-from moechat.app.fit import EXIT_REFUSED, plan_for_run
-from moechat.engine.hardware import GiB, Hardware, HostMemory
+from moechat.app.cli.main import main
+from moechat.app.cli.fit import EXIT_REFUSED, plan_for_run
+from moechat.engine.plan.hardware import GiB, Hardware, HostMemory
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT.parent / "shared" / "model-configs"
@@ -125,12 +125,12 @@ def test_gpt_oss_plans_with_packed_experts_and_is_runnable(capsys):
 
 @pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs not found (gpt-oss-20b)")
 def test_run_plans_in_the_dtype_the_loader_picks(monkeypatch):
-    from moechat.engine.hardware import GpuInfo
-    from moechat.engine.loader import read_model_config, resolve_dtype
+    from moechat.engine.plan.hardware import GpuInfo
+    from moechat.engine.load.loader import read_model_config, resolve_dtype
 
     box = Hardware((GpuInfo(0, 0, "test GPU", "GPU-0", 8 * GiB, 8 * GiB, 4, 16, link_gbps=25.0),),
                    HostMemory(32 * GiB, 32 * GiB), None)
-    monkeypatch.setattr("moechat.engine.hardware.probe", lambda *a, **k: box)
+    monkeypatch.setattr("moechat.engine.plan.hardware.probe", lambda *a, **k: box)
     bf16 = plan_for_run(OSS20, device="cuda:0", dtype="bfloat16", context=None)
     assert bf16.dense_bytes == 3_595_648_128 and bf16.expert_slots >= 200 and bf16.context == 4096
     default = plan_for_run(OSS20, device="cuda:0", dtype=None, context=None)
@@ -152,7 +152,7 @@ def test_errors_are_one_line(capsys, tmp_path, monkeypatch):
 
 
 def test_fit_parser_does_not_import_torch(tmp_path):
-    code = ("import sys\nfrom moechat.app.cli import build_parser\nbuild_parser().parse_args(['fit', 'x', "
+    code = ("import sys\nfrom moechat.app.cli.main import build_parser\nbuild_parser().parse_args(['fit', 'x', "
             "'--vram-gb', '8'])\nassert 'torch' not in sys.modules, 'torch imported at start-up'")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -163,7 +163,7 @@ def test_run_takes_cache_defaults_from_the_plan_only_when_needed(tiny_models, ca
     args = [str(path), "--prompt-ids", "3,1,4,1,5", "--max-tokens", "6", "--temperature", "0", "--device", "cpu",
             "--json"]
     cpu_box = Hardware((), HostMemory(64 * GiB, 64 * GiB), None)
-    monkeypatch.setattr("moechat.engine.hardware.probe", lambda *a, **k: cpu_box)
+    monkeypatch.setattr("moechat.engine.plan.hardware.probe", lambda *a, **k: cpu_box)
     assert main(["run", *args]) == 0
     resident = json.loads(capsys.readouterr().out)
     assert resident["cache"]["mode"] == "resident"  # every expert fits: today's path, unchanged
@@ -173,7 +173,7 @@ def test_run_takes_cache_defaults_from_the_plan_only_when_needed(tiny_models, ca
     fixed = roomy.device_used_bytes - roomy.total_experts * roomy.expert_bytes
     avail = math.ceil((fixed + 5.5 * roomy.expert_bytes + GiB) / 0.95)
     small_box = Hardware((), HostMemory(avail, avail), None)
-    monkeypatch.setattr("moechat.engine.hardware.probe", lambda *a, **k: small_box)
+    monkeypatch.setattr("moechat.engine.plan.hardware.probe", lambda *a, **k: small_box)
     plan = plan_for_run(path, device="cpu", dtype=None, context=None)
     assert plan.needs_cache and plan.expert_slots == 5 and plan.ram_cache_bytes == 0
     assert main(["run", *args]) == 0
@@ -251,7 +251,7 @@ def test_gpt_oss_recommends_native_and_says_conversions_are_larger(capsys):
 
 
 def test_repack_dir_is_the_store_s(tmp_path, monkeypatch):
-    from moechat.app.fit import repack_dir, repacked_formats
+    from moechat.app.cli.fit import repack_dir, repacked_formats
     from moechat.engine.cache.store import default_repack_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -266,13 +266,13 @@ def test_repack_dir_is_the_store_s(tmp_path, monkeypatch):
 
 
 def test_run_plans_its_slots_in_the_expert_format(tiny_models, monkeypatch):
-    from moechat.app.fit import cache_defaults
+    from moechat.app.cli.fit import cache_defaults
 
     path, _ = tiny_models["qwen3_moe"]
     roomy = plan_for_run(path, device="cpu", dtype=None, context=None)
     fixed = roomy.device_used_bytes - roomy.total_experts * roomy.expert_bytes
     avail = math.ceil((fixed + 5.5 * roomy.expert_bytes + GiB) / 0.95)  # 5 bf16 experts' room beyond the rest
-    monkeypatch.setattr("moechat.engine.hardware.probe", lambda *a, **k: Hardware((), HostMemory(avail, avail), None))
+    monkeypatch.setattr("moechat.engine.plan.hardware.probe", lambda *a, **k: Hardware((), HostMemory(avail, avail), None))
     native = plan_for_run(path, device="cpu", dtype=None, context=None)
     int8 = plan_for_run(path, device="cpu", dtype=None, context=None, expert_format="int8")
     assert native.expert_slots == 5 and int8.expert_slots > native.expert_slots

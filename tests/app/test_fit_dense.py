@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from moechat.app.cli import main
+from moechat.app.cli.main import main
 from moechat.engine.plan import read_model_spec
 
 

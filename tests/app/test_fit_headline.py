@@ -1,6 +1,6 @@
 """`moechat fit`'s first line (issue 18): exactly one of "runs", "runs with ..." and "cannot run: <why>", the exit
 status following it; planned on total RAM with what is free now as a condition; never "runs" for what the engine
-cannot load; ranges that never read "5.2-5.2"; the decode prediction from measured numbers (engine/calibration.py)."""
+cannot load; ranges that never read "5.2-5.2"; the decode prediction from measured numbers (engine/plan/calibration.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from moechat.app.cli import main
-from moechat.app.fit import EXIT_REFUSED, headline, least_free_ram
-from moechat.engine import calibration
-from moechat.engine.hardware import DiskInfo, GiB, Hardware, HostMemory
+from moechat.app.cli.main import main
+from moechat.app.cli.fit import EXIT_REFUSED, headline, least_free_ram
+from moechat.engine.plan import calibration
+from moechat.engine.plan.hardware import DiskInfo, GiB, Hardware, HostMemory
 from moechat.engine.plan import Preferences, make_plan, rate_range, read_model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_a_refused_plan_is_cannot_run_and_force_says_so_with_exit_0(capsys):
 
 
 def test_the_loader_and_fit_agree_on_quantization_methods():
-    from moechat.engine.catalog import LOADABLE_QUANT_METHODS
+    from moechat.engine.plan.catalog import LOADABLE_QUANT_METHODS
     from moechat.engine.quant.registry import QUANT_METHODS
 
     assert tuple(LOADABLE_QUANT_METHODS) == tuple(QUANT_METHODS)

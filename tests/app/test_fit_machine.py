@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from moechat.app.cli import main
-from moechat.engine import calibration
-from moechat.engine.hardware import (
+from moechat.app.cli.main import main
+from moechat.engine.plan import calibration
+from moechat.engine.plan.hardware import (
     ASSUMED_RAM_GBPS,
     GPU_PRESETS,
     LINK_PRESETS,
@@ -211,7 +211,7 @@ def test_a_what_if_machine_never_plans_with_this_machine_s_ram_read_rate(env, ca
 
 
 def test_host_read_rate_formula():
-    from moechat.engine.hardware import Rate
+    from moechat.engine.plan.hardware import Rate
 
     assert host_read_rate(measured_gbps=12.5) == Rate(12.5, "measured on this machine, one thread")
     assert host_read_rate(measured_gbps=12.5, what_if=True).gbps == ASSUMED_RAM_GBPS
@@ -322,7 +322,7 @@ def test_a_downloaded_model_needs_no_disk_for_its_weights(env, capsys):
 def test_int8_beside_fp8_is_said_larger_in_sizes_that_differ():
     """DeepSeek-V3's experts (7168 x 2048) in block FP8 and in int8: int8's per-row fp32 scales make it 34 KiB
     larger on 42 MiB, which printed "larger than native fp8 e4m3 (42.0 MiB vs 42.0 MiB an expert)"."""
-    from moechat.engine.format_plan import plan_formats, sizes_apart
+    from moechat.engine.plan.format_plan import plan_formats, sizes_apart
 
     config = CONFIG | {"hidden_size": 7168, "moe_intermediate_size": 2048, "num_attention_heads": 56,
                        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
@@ -337,7 +337,7 @@ def test_int8_beside_fp8_is_said_larger_in_sizes_that_differ():
 
 
 def test_the_same_size_is_said_the_same(monkeypatch):
-    from moechat.engine import format_plan
+    from moechat.engine.plan import format_plan
 
     spec = spec_from_config(CONFIG, name="t")
     monkeypatch.setattr(type(spec), "in_format", lambda self, name: self if name == "native" else
@@ -360,7 +360,7 @@ def test_the_assumed_gpu_bandwidth_in_the_notes_is_the_table_s():
 
 
 def test_this_machine_s_gpu_figures_are_labelled_measured_and_the_on_miss_modes_are_run_s():
-    from moechat.app.fit import machine_rates
+    from moechat.app.cli.fit import machine_rates
     from moechat.engine.cache.hybrid import ON_MISS
     from moechat.engine.plan import ON_MISS_MODES
 
@@ -379,7 +379,7 @@ def test_this_machine_s_gpu_figures_are_labelled_measured_and_the_on_miss_modes_
 
 
 def test_the_presets_fit_s_help_names_exist():
-    from moechat.app.cli import build_parser
+    from moechat.app.cli.main import build_parser
 
     text = build_parser()._subparsers._group_actions[0].choices["fit"].format_help()
     text = " ".join(text.split())

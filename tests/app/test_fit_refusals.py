@@ -2,7 +2,7 @@
 
 Each folder below is one way a checkpoint can be broken that the loader catches from config.json and the
 safetensors headers alone; fit must give the same one-line reason (text and --json) and exit 3, and run its
-error, from the same checks (engine/loader.py `check_model`)."""
+error, from the same checks (engine/load/loader.py `check_model`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moechat.app.cli import main
-from moechat.engine.validate import INDEX_NAME
+from moechat.app.cli.main import main
+from moechat.engine.io.validate import INDEX_NAME
 
 SHARD = "model.safetensors"
 

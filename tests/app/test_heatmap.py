@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moechat.app.widgets.heatmap import aggregate, cell_kind, group_size
+from moechat.app.tui.widgets.heatmap import aggregate, cell_kind, group_size
 
 
 @pytest.mark.parametrize("E, columns, g", [(32, 40, 1), (32, 31, 2), (256, 40, 8), (256, 31, 16), (8, 1, 8),

@@ -8,9 +8,9 @@ import sys
 
 
 def test_app_import_does_not_import_torch(tmp_path):
-    code = ("import sys\nimport moechat.app, moechat.app.app, moechat.app.launch, moechat.app.bridge\n"
-            "from moechat.app.app import make_app\n"
-            "mods = ('torch', 'numpy', 'moechat.engine.generate', 'transformers')\n"
+    code = ("import sys\nimport moechat.app, moechat.app.tui.app, moechat.app.tui.launch, moechat.app.tui.bridge\n"
+            "from moechat.app.tui.app import make_app\n"
+            "mods = ('torch', 'numpy', 'moechat.engine.runtime.generate', 'transformers')\n"
             "parser_mods = [m for m in mods if m in sys.modules]\n"
             "assert not parser_mods, parser_mods")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)

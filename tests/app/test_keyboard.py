@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Label, Select
 
-from moechat.app.screens.chat import ChatScreen
-from moechat.app.widgets.prompt import PromptInput
-from moechat.app.widgets.tuning import StepInput
+from moechat.app.tui.screens.chat import ChatScreen
+from moechat.app.tui.widgets.prompt import PromptInput
+from moechat.app.tui.widgets.tuning import StepInput
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)

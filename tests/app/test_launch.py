@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from moechat.app import launch
-from moechat.app.bridge import LoadOptions, default_policy
-from moechat.app.screens.welcome import WelcomeScreen
-from moechat.app.settings import Settings
+from moechat.app.tui import launch
+from moechat.app.tui.bridge import LoadOptions, default_policy
+from moechat.app.tui.screens.welcome import WelcomeScreen
+from moechat.app.tui.settings import Settings
 
 
 def _parse(*argv):
@@ -107,7 +107,7 @@ async def test_run_default_without_any_model_shows_the_welcome_screen(captured, 
 
 
 def test_a_gguf_file_and_a_gguf_quant_are_models_for_the_app(tmp_path):
-    from moechat.app.bridge import is_local_model, looks_like_repo_id, resolve_model
+    from moechat.app.tui.bridge import is_local_model, looks_like_repo_id, resolve_model
 
     f = tmp_path / "Qwen3-30B-A3B-Q4_K_M.gguf"
     f.write_bytes(b"GGUF")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from moechat.app.livestats import StatsTracker, fmt_bytes, fmt_pct, fmt_rate
+from moechat.app.tui.livestats import StatsTracker, fmt_bytes, fmt_pct, fmt_rate
 
 
 def snap(freq, ram=0, disk=0, hits=(0, 0), misses=(0, 0)):

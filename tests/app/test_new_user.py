@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from rich.cells import cell_len
 from textual.widgets import Label, Static
 
-from moechat.app.livestats import DashboardStats
-from moechat.app.screens.chats import describe as describe_chat
-from moechat.app.widgets.heatmap import CacheHeatmap
-from moechat.app.widgets.prompt import PromptInput
-from moechat.app.widgets.text import ELLIPSIS, FitLabel, first_that_fits, fit_words, plural
-from moechat.app.widgets.tuning import StepInput, TuningPanel, describe_prediction
+from moechat.app.tui.livestats import DashboardStats
+from moechat.app.tui.screens.chats import describe as describe_chat
+from moechat.app.tui.widgets.heatmap import CacheHeatmap
+from moechat.app.tui.widgets.prompt import PromptInput
+from moechat.app.tui.widgets.text import ELLIPSIS, FitLabel, first_that_fits, fit_words, plural
+from moechat.app.tui.widgets.tuning import StepInput, TuningPanel, describe_prediction
 
 pytestmark = pytest.mark.anyio
 
@@ -166,12 +166,12 @@ async def test_the_wizard_at_80x24_shows_whole_columns_and_a_whole_title(app_env
     """The report: 'Downl', '~12.8' at the right edge, and the header cut in the Hub's URL."""
     from textual.widgets import DataTable
 
-    from moechat.app.app import make_app
-    from moechat.app.bridge import LoadOptions
-    from moechat.app.screens.setup import SetupScreen, HubOptions
-    from moechat.app.settings import Settings
-    from moechat.app.store import ChatStore
-    from moechat.engine.hardware import probe
+    from moechat.app.tui.app import make_app
+    from moechat.app.tui.bridge import LoadOptions
+    from moechat.app.tui.screens.setup import SetupScreen, HubOptions
+    from moechat.app.tui.settings import Settings
+    from moechat.app.tui.store import ChatStore
+    from moechat.engine.plan.hardware import probe
 
     hardware = probe(app_env, nvml=None, cuda=None).with_overrides(vram_gb=8, ram_gb=32, disk_gb=100)
     options = HubOptions(endpoint="http://127.0.0.1:9", cache_dir=app_env / "hf", hardware=hardware)
@@ -277,7 +277,7 @@ async def test_a_loaded_model_keeps_ctrl_l_working_but_off_the_footer(build_app,
 
 async def test_remote_server_hides_the_knobs_and_says_why(build_app, fakes):
     """The report: with --remote the knobs showed and did nothing (the server has no API to retune)."""
-    from moechat.app.remote import RemoteEngine
+    from moechat.app.tui.remote import RemoteEngine
 
     note = RemoteEngine.tuning_note.fget(SimpleNamespace(is_moechat=True))
     engine = fakes.Engine(num_layers=6, num_experts=16, slots=32)
@@ -300,8 +300,8 @@ async def test_remote_server_hides_the_knobs_and_says_why(build_app, fakes):
 
 
 def test_run_remote_chat_gives_the_app_the_servers_tuning_note(monkeypatch):
-    from moechat.app import remote
-    from moechat.app.app import MoechatApp
+    from moechat.app.tui import remote
+    from moechat.app.tui.app import MoechatApp
 
     engine = SimpleNamespace(label="http://gpu:8000/v1/m", panel_note="panel", tuning_note="tuned on the server")
     monkeypatch.setattr(remote.RemoteEngine, "connect", classmethod(lambda cls, *a, **k: engine))
@@ -342,7 +342,7 @@ def test_predictions_at_one_slot_and_a_one_message_chat_are_singular():
 
 
 def test_hit_counts_are_singular_at_one():
-    from moechat.app.widgets.dashboard import hit_counts_text
+    from moechat.app.tui.widgets.dashboard import hit_counts_text
 
     s = DashboardStats(hits=1, misses=1, num_slots=4, resident=np.zeros((1, 4), dtype=bool))
     assert hit_counts_text(s).startswith("1 hit · 1 miss")

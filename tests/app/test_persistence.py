@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from moechat.app.settings import Settings
-from moechat.app.store import ChatStore
-from moechat.app.widgets.prompt import PromptInput
-from moechat.app.widgets.transcript import AssistantMessage, UserMessage
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.store import ChatStore
+from moechat.app.tui.widgets.prompt import PromptInput
+from moechat.app.tui.widgets.transcript import AssistantMessage, UserMessage
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
@@ -81,7 +81,7 @@ async def test_the_tuning_is_saved_per_model_and_restored_at_its_next_load(build
 
 
 async def test_the_command_line_wins_over_saved_tuning(build_app, fakes, app_env):
-    from moechat.app.bridge import LoadOptions
+    from moechat.app.tui.bridge import LoadOptions
 
     settings = Settings(path=app_env / "settings.toml")
     settings.set_tuning("/models/fake-moe", slots=8, policy="lfu")
@@ -135,8 +135,8 @@ async def test_chats_are_searched_renamed_and_deleted(build_app, fakes):
 
 
 async def test_a_message_sent_while_the_model_loads_is_answered_when_it_is_ready(build_app, fakes, app_env):
-    from moechat.app.app import make_app
-    from moechat.app.bridge import LoadOptions
+    from moechat.app.tui.app import make_app
+    from moechat.app.tui.bridge import LoadOptions
 
     engine = fakes.Engine(replies=[fakes.Reply(["ready now"])])
     loaded = threading.Event()
@@ -184,8 +184,8 @@ async def test_quitting_while_the_model_loads_does_not_wait_for_it(app_env, fake
     """The exit used to hold the UI for the load (up to 5 s on the engine lock); the load now closes what it loaded."""
     import time
 
-    from moechat.app.app import make_app
-    from moechat.app.bridge import LoadOptions
+    from moechat.app.tui.app import make_app
+    from moechat.app.tui.bridge import LoadOptions
 
     closed = threading.Event()
     release = threading.Event()

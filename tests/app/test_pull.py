@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from moechat.app.cli import main
-from moechat.app.pull import ProgressBar
+from moechat.app.cli.main import main
+from moechat.app.cli.pull import ProgressBar
 
 
 def _main(capsys, *argv: str) -> tuple[int, str, str]:
@@ -82,7 +82,7 @@ def test_progress_bar_draws_in_place_on_a_terminal(hub):
 
 
 def test_a_hostile_hub_api_is_one_line_for_pull_and_fit(hub, capsys, monkeypatch):
-    from moechat.engine import hubhttp
+    from moechat.engine.plan import hubhttp
 
     monkeypatch.setattr(hubhttp, "MAX_PAGES", 5)
     f = hub.server.faults

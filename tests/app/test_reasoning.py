@@ -6,10 +6,10 @@ import pytest
 from textual.widgets import Collapsible, Markdown, Select
 from textual.widgets._collapsible import CollapsibleTitle
 
-from moechat.app.screens.chat import ChatScreen
-from moechat.app.settings import Settings
-from moechat.app.widgets.prompt import PromptInput
-from moechat.app.widgets.transcript import AssistantMessage, ThinkingBlock
+from moechat.app.tui.screens.chat import ChatScreen
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.widgets.prompt import PromptInput
+from moechat.app.tui.widgets.transcript import AssistantMessage, ThinkingBlock
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)

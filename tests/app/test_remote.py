@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from moechat.app.remote import RemoteEngine, api_base, snapshot_from_metrics
-from moechat.app.screens.chat import ChatScreen
-from moechat.app.settings import Settings
-from moechat.app.widgets.prompt import PromptInput
-from moechat.app.widgets.transcript import AssistantMessage
+from moechat.app.tui.remote import RemoteEngine, api_base, snapshot_from_metrics
+from moechat.app.tui.screens.chat import ChatScreen
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.widgets.prompt import PromptInput
+from moechat.app.tui.widgets.transcript import AssistantMessage
 from moechat.engine.errors import MoechatError
 
 openai = pytest.importorskip("openai")
@@ -187,7 +187,7 @@ def test_any_openai_compatible_server(plain_server):
 def test_cli_remote_errors_are_one_line(capsys):
     import socket
 
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from moechat.app.cli import main
+from moechat.app.cli.main import main
 from moechat.engine.plan import read_model_spec
-from moechat.engine.scaleout import RESERVE, UTILIZATION, GiB, scale_out
+from moechat.engine.plan.scaleout import RESERVE, UTILIZATION, GiB, scale_out
 
 CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "model-configs"
 DSV3 = CONFIGS / "deepseek-ai--DeepSeek-V3"

@@ -103,7 +103,7 @@ def test_completions_raw_text_and_token_ids(server, client, xdg):
     assert out.usage.prompt_tokens == ref["prompt_tokens"]
     assert out.usage.completion_tokens == ref["generated_tokens"]
     # the same prompt as token ids: the same reply
-    from moechat.engine.tokenizer import Tokenizer
+    from moechat.engine.text.tokenizer import Tokenizer
 
     token_ids = Tokenizer.from_model_dir(serveproc.DEMO).encode(prompt, add_special_tokens=True)
     assert len(token_ids) == ref["prompt_tokens"]
@@ -335,7 +335,7 @@ def test_models_and_api_key(server, client):
 
 
 def test_serve_and_run_share_the_load_flags():
-    from moechat.app.cli import build_parser
+    from moechat.app.cli.main import build_parser
 
     parser = build_parser()
     run_dests = {a.dest for a in parser._subparsers._group_actions[0].choices["run"]._actions}

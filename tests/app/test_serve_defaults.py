@@ -33,11 +33,11 @@ class RecordingEngine(serveproc.ScriptedEngine):
 
 @contextlib.contextmanager
 def _served(argv):
-    from moechat.app import cli
-    from moechat.app.engine_args import sampling_overrides
-    from moechat.app.serve import Server, build_app, model_info
-    from moechat.app.serve_metrics import ServerMetrics
-    from moechat.app.serve_worker import EngineWorker
+    from moechat.app.cli import main as cli
+    from moechat.app.cli.engine_args import sampling_overrides
+    from moechat.app.serve.server import Server, build_app, model_info
+    from moechat.app.serve.metrics import ServerMetrics
+    from moechat.app.serve.worker import EngineWorker
 
     args = cli.build_parser().parse_args(["serve", *argv])  # the flags as the command parses them
     defaults = sampling_overrides(args)
@@ -81,10 +81,11 @@ def test_without_flags_a_request_gets_the_models_own():
 
 def test_run_serve_passes_the_flags_to_the_server(monkeypatch, tmp_path):
     """run_serve -> serve_engine with the parsed defaults (the engine load itself is the real one's contract)."""
-    from moechat.app import cli, serve
+    from moechat.app.cli import main as cli
+    from moechat.app.serve import server as serve
 
     seen = {}
-    monkeypatch.setattr("moechat.app.engine_args.load_engine_from_args", lambda args, check=None: object())
+    monkeypatch.setattr("moechat.app.cli.engine_args.load_engine_from_args", lambda args, check=None: object())
     monkeypatch.setattr(serve, "serve_engine", lambda engine, sock, **kw: seen.update(kw) or sock.close() or 0)
     args = cli.build_parser().parse_args(["serve", str(tmp_path), "--port", "0", "--min-p", "0.1", "--top-k", "5",
                                           "--max-tokens", "9"])
@@ -100,7 +101,7 @@ def test_run_serve_passes_the_flags_to_the_server(monkeypatch, tmp_path):
     ({"top_p": 1.5}, "top_p must be between 0 and 1, got 1.5"),
 ])
 def test_a_range_reads_as_numbers_a_person_writes(body, message):
-    from moechat.app.serve_request import BadRequest, parse_common
+    from moechat.app.serve.request import BadRequest, parse_common
 
     with pytest.raises(BadRequest) as e:
         parse_common(body, "scripted")

@@ -1,4 +1,4 @@
-"""The server's gate (app/serve.py `Gate`, `GateConfig`, `gated_protocol`): Host, Origin, content type, body size
+"""The server's gate (app/serve/server.py `Gate`, `GateConfig`, `gated_protocol`): Host, Origin, content type, body size
 in-process over the real Starlette app and worker (a scripted engine); header deadline, idle timeout and the
 connection cap with real sockets against a real uvicorn on loopback, with deadlines of a fraction of a second.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from moechat.app.serve import GateConfig, _uvicorn_server, model_info, uvicorn_config
+from moechat.app.serve.server import GateConfig, _uvicorn_server, model_info, uvicorn_config
 
 _spec = importlib.util.spec_from_file_location("serveproc", Path(__file__).parents[1] / "serveproc.py")
 serveproc = importlib.util.module_from_spec(_spec)
@@ -146,7 +146,7 @@ def test_an_allowed_origin_gets_cors_and_preflight_answers():
     (["--allowed-host", "a/b"], "argument --allowed-host: expected a host name"),
 ])
 def test_bad_gate_options_are_one_usage_line_at_parse_time(capsys, argv, says):
-    from moechat.app.cli import build_parser
+    from moechat.app.cli.main import build_parser
 
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", *argv])
@@ -155,7 +155,7 @@ def test_bad_gate_options_are_one_usage_line_at_parse_time(capsys, argv, says):
 
 
 def test_gate_options_reach_the_config():
-    from moechat.app.cli import build_parser
+    from moechat.app.cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "--allowed-host", "Moe.LAN", "--allowed-host", "[fd00::1]",
                                       "--cors-origin", "HTTP://LocalHost:3000/", "--cors-origin", "https://a.example:443",

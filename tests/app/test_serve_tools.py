@@ -71,7 +71,7 @@ def test_tool_calls_streamed_and_tool_choice_none(client):
 
 
 def test_tool_call_arguments_in_the_history_reach_the_template_as_objects():
-    from moechat.app.serve_request import BadRequest, parse_messages
+    from moechat.app.serve.request import BadRequest, parse_messages
 
     messages = parse_messages([
         {"role": "user", "content": "Weather?"},

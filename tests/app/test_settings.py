@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from moechat.app.settings import Settings, config_dir, data_dir, dumps
+from moechat.app.tui.settings import Settings, config_dir, data_dir, dumps
 
 
 def test_dumps_round_trips_through_tomllib():

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from moechat.app.livestats import DashboardStats
+from moechat.app.tui.livestats import DashboardStats
 
 REPLY = ["Each token is routed to **2 of 32 experts** per layer. ", "Only the hot ones stay in slots:\n\n",
          "```python\n", "for layer in range(L):\n", "    batch = provider.prepare(layer, topk_ids)\n", "```\n\n",

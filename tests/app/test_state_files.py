@@ -15,10 +15,10 @@ import time
 import numpy as np
 import pytest
 
-from moechat.app.settings import Settings
-from moechat.app.store import ChatStore, export_file
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.store import ChatStore, export_file
 from moechat.engine.cache.prefetch import load_profile, save_profile
-from moechat.engine.files import atomic_write
+from moechat.engine.io.files import atomic_write
 
 
 def _names(folder):
@@ -72,7 +72,7 @@ def test_settings_that_are_a_fifo_do_not_block(tmp_path):
 
 @pytest.fixture
 def full_disk(monkeypatch):
-    """full_disk(): from then on, writes through engine/files.py fail after 3 bytes with ENOSPC."""
+    """full_disk(): from then on, writes through engine/io/files.py fail after 3 bytes with ENOSPC."""
     real_fdopen = os.fdopen
 
     class Full:
@@ -129,7 +129,7 @@ def test_a_profile_that_cannot_be_written_leaks_no_temporary_file(tmp_path, monk
 
 def test_engine_saving_a_profile_in_a_read_only_place_is_quiet(tiny_models, tmp_path, monkeypatch):
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     engine = Engine.load(tiny_models["qwen3_moe"][0], cache=CacheConfig(expert_slots=4, warm_start=False))
     list(engine.generate([1, 2, 3], max_tokens=2))
@@ -147,7 +147,7 @@ def test_kill_9_mid_write_leaves_the_old_or_the_new_file_whole(tmp_path):
     atomic_write(path, json.dumps({"v": "A" * 2_000_000}))
     child = subprocess.Popen([sys.executable, "-c", (
         "import json, sys\n"
-        "from moechat.engine.files import atomic_write\n"
+        "from moechat.engine.io.files import atomic_write\n"
         "i = 0\n"
         "while True:\n"
         "    atomic_write(sys.argv[1], json.dumps({'v': 'AB'[i % 2] * 2_000_000}))\n"
@@ -228,7 +228,7 @@ def test_an_export_that_fails_leaves_no_partial_file(tmp_path, full_disk, monkey
 
 
 def test_the_app_is_told_when_chats_stop_being_saved():
-    from moechat.app.app import make_app
+    from moechat.app.tui.app import make_app
 
     store = ChatStore(":memory:")
     app = make_app(None, store=store, memory_probe=lambda: None)
@@ -238,8 +238,8 @@ def test_the_app_is_told_when_chats_stop_being_saved():
 # -- --record-trace PATH: never clobbers what is not a regular file, writes through a link (issue 25) ---------
 
 def test_record_trace_onto_a_device_is_refused_before_the_run(tiny_models, capsys, monkeypatch):
-    from moechat.app.cli import main
-    from moechat.engine.generate import Engine
+    from moechat.app.cli.main import main
+    from moechat.engine.runtime.generate import Engine
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))
     code = main(["run", str(tiny_models["qwen3_moe"][0]), "--prompt-ids", "1", "--record-trace", "/dev/full"])
@@ -249,7 +249,7 @@ def test_record_trace_onto_a_device_is_refused_before_the_run(tiny_models, capsy
 
 
 def test_record_trace_through_a_symlink_keeps_the_link(tiny_models, tmp_path, capsys):
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
     from moechat.engine.cache.trace import RoutingTrace
 
     target = tmp_path / "traces" / "run.npz"

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from moechat.app.store import ChatStore, export_file, title_of
+from moechat.app.tui.store import ChatStore, export_file, title_of
 
 
 def test_wal_and_streamed_reply_survives_without_finish(tmp_path):
@@ -123,7 +123,7 @@ def _damage(path, page, size=4096):
 
 @pytest.mark.parametrize("cli", [True, False], ids=["sqlite3-cli", "row-by-row"])
 def test_a_damaged_database_is_set_aside_and_recovered(tmp_path, monkeypatch, cli):
-    import moechat.app.store as store_module
+    import moechat.app.tui.store as store_module
 
     if cli and store_module.shutil.which("sqlite3") is None:
         pytest.skip("no sqlite3 CLI here")
@@ -151,7 +151,7 @@ def test_a_damaged_database_is_set_aside_and_recovered(tmp_path, monkeypatch, cl
 
 
 def test_a_damaged_database_in_a_read_only_place_is_read_into_memory(tmp_path, monkeypatch):
-    import moechat.app.store as store_module
+    import moechat.app.tui.store as store_module
 
     path = tmp_path / "chats.sqlite3"
     _filled(path, chats=2, per_chat=40)
@@ -224,7 +224,7 @@ def test_another_program_s_database_is_left_untouched(tmp_path):
 
 
 def test_moechat_files_get_the_marker_and_the_app_shows_the_notice(tmp_path):
-    from moechat.app.app import make_app
+    from moechat.app.tui.app import make_app
 
     path = tmp_path / "chats.sqlite3"
     ChatStore(path).close()

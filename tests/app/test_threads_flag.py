@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from moechat.app.cli import build_parser
-from moechat.app.launch import options_from_args
+from moechat.app.cli.main import build_parser
+from moechat.app.tui.launch import options_from_args
 
 
 @pytest.mark.parametrize("command", ["run", "serve", "chat"])
@@ -39,7 +39,7 @@ def test_chat_threads_reach_the_load_options():
 def test_run_loads_with_the_threads_asked(capsys):
     import torch
 
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
     from moechat.engine.quant import native
 
     before = torch.get_num_threads()

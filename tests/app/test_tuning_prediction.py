@@ -8,7 +8,7 @@ import re
 import pytest
 from textual.widgets import Label
 
-from moechat.app.widgets.tuning import StepInput, lru_warm_rate
+from moechat.app.tui.widgets.tuning import StepInput, lru_warm_rate
 from moechat.engine.cache.mrc import lru_hit_curve
 from moechat.engine.cache.replay import replay_policy
 from moechat.engine.cache.trace import DECODE, TraceRecorder
@@ -88,10 +88,10 @@ async def test_moving_the_slots_knob_moves_the_predicted_hit_rate(build_app, fak
 async def test_the_demo_model_predicts_from_its_bundled_trace_before_any_reply(app_env, fakes):
     from pathlib import Path
 
-    from moechat.app.app import make_app
-    from moechat.app.bridge import LoadOptions
-    from moechat.app.settings import Settings
-    from moechat.app.store import ChatStore
+    from moechat.app.tui.app import make_app
+    from moechat.app.tui.bridge import LoadOptions
+    from moechat.app.tui.settings import Settings
+    from moechat.app.tui.store import ChatStore
     from moechat.engine.cache.trace import RoutingTrace
 
     demo = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
@@ -120,10 +120,10 @@ def _ram_predicted(screen) -> tuple[int, int] | None:
 async def _demo_on_a_cpu(app_env, fakes, **options):
     from pathlib import Path
 
-    from moechat.app.app import make_app
-    from moechat.app.bridge import LoadOptions
-    from moechat.app.settings import Settings
-    from moechat.app.store import ChatStore
+    from moechat.app.tui.app import make_app
+    from moechat.app.tui.bridge import LoadOptions
+    from moechat.app.tui.settings import Settings
+    from moechat.app.tui.store import ChatStore
 
     demo = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
     return demo, make_app(demo, options=LoadOptions(dtype="bfloat16", device="cpu", warm_start=False, **options),

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from moechat.engine.hardware import leave_a_core as leave_a_core_for_the_ui
+from moechat.engine.plan.hardware import leave_a_core as leave_a_core_for_the_ui
 
 
 class FakeTorch:

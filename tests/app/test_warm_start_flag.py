@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from moechat.app.cli import main
+from moechat.app.cli.main import main
 from moechat.engine.cache.imatrix import write_gguf_imatrix
 
 

@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 from textual.widgets import DataTable, Label, Static
 
-from moechat.app.app import make_app
-from moechat.app.bridge import LoadOptions
-from moechat.app.screens.chat import ChatScreen
-from moechat.app.screens.setup import HubOptions, SetupScreen
-from moechat.app.screens.welcome import WelcomeScreen
-from moechat.app.settings import Settings
-from moechat.app.store import ChatStore
-from moechat.engine.catalog import CatalogEntry, find
+from moechat.app.tui.app import make_app
+from moechat.app.tui.bridge import LoadOptions
+from moechat.app.tui.screens.chat import ChatScreen
+from moechat.app.tui.screens.setup import HubOptions, SetupScreen
+from moechat.app.tui.screens.welcome import WelcomeScreen
+from moechat.app.tui.settings import Settings
+from moechat.app.tui.store import ChatStore
+from moechat.engine.plan.catalog import CatalogEntry, find
 from moechat.engine.errors import NotDownloadedError
-from moechat.engine.hardware import probe
-from moechat.engine.hub import INDEX_FILE, wanted_file
+from moechat.engine.plan.hardware import probe
+from moechat.engine.plan.hub import INDEX_FILE, wanted_file
 
 pytestmark = pytest.mark.anyio
 SIZE = (150, 45)
@@ -305,8 +305,8 @@ async def test_gpt_oss_rows_are_runnable_with_verdict_speed_and_download(hub, ap
 
 async def test_hub_unreachable_rows_get_the_catalogs_estimate_and_search_says_offline_at_once(app_env, fakes):
     """Issue 18: offline, every verdict was "unknown", search spun 24 s, Enter then D said "Pick a model first"."""
-    from moechat.app.screens.setup import catalog_estimate
-    from moechat.engine.catalog import CATALOG
+    from moechat.app.tui.screens.setup import catalog_estimate
+    from moechat.engine.plan.catalog import CATALOG
 
     hardware = probe(app_env, nvml=None, cuda=None).with_overrides(vram_gb=8, ram_gb=32, disk_gb=100)
     options = HubOptions(endpoint="http://127.0.0.1:9", cache_dir=app_env / "hf", hardware=hardware)  # refused

@@ -16,8 +16,8 @@ from pathlib import Path
 import jinja2.exceptions
 import pytest
 
-from moechat.engine import chat_template as chat_template_module
-from moechat.engine.chat_template import ChatTemplate
+from moechat.engine.text import chat_template as chat_template_module
+from moechat.engine.text.chat_template import ChatTemplate
 from moechat.engine.errors import ChatTemplateError, ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moechat.engine.checkpoint import Checkpoint, read_safetensors_header
+from moechat.engine.io.checkpoint import Checkpoint, read_safetensors_header
 from moechat.engine.errors import CheckpointError, ConfigError, UnsupportedModelError
-from moechat.engine.generate import Engine
-from moechat.engine.loader import load_model
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.load.loader import load_model
 
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
 
@@ -219,9 +219,9 @@ def test_check_model_reads_no_weight_and_fetched_headers_get_the_same_checks(mod
     to a local header's rules and finds the same mismatch the folder's own headers show."""
     from types import SimpleNamespace
 
-    from moechat.engine import checkpoint
-    from moechat.engine.checkpoint import tensors_from_entries
-    from moechat.engine.loader import check_model
+    from moechat.engine.io import checkpoint
+    from moechat.engine.io.checkpoint import tensors_from_entries
+    from moechat.engine.load.loader import check_model
 
     monkeypatch.setattr(checkpoint.Checkpoint, "get", lambda *a: pytest.fail("a weight was read"))
     checked = check_model(model_dir)

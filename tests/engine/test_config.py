@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moechat.engine.errors import UnsupportedModelError
-from moechat.engine.loader import read_model_config
+from moechat.engine.load.loader import read_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "model-configs"
 
@@ -63,7 +63,7 @@ def test_known_but_unsupported(tmp_path, name, file, model_type):
 @pytest.mark.parametrize("name, L, E, K, window_layers", [("openai--gpt-oss-20b", 24, 32, 4, 12),
                                                          ("openai--gpt-oss-120b", 36, 128, 4, 18)])
 def test_real_gpt_oss_configs(tmp_path, name, L, E, K, window_layers):
-    from moechat.engine.loader import checkpoint_format
+    from moechat.engine.load.loader import checkpoint_format
 
     d = _model_dir(tmp_path, name, "config.json")
     cls, args, raw = read_model_config(d)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from moechat.engine.hardware import cgroup_cpu_quota, usable_cores
+from moechat.engine.plan.hardware import cgroup_cpu_quota, usable_cores
 
 
 def _v2(tmp_path, cpu_max: str | None):
@@ -51,7 +51,7 @@ def test_a_cpu_only_torch_build_is_known_without_importing_it(tmp_path, monkeypa
     import importlib.util
     from types import SimpleNamespace
 
-    from moechat.engine import hardware
+    from moechat.engine.plan import hardware
 
     (tmp_path / "version.py").write_text(version)
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -1,4 +1,4 @@
-"""The one safe-write helper (engine/files.py `atomic_write`) and its start-of-run check (`check_writable`): regular
+"""The one safe-write helper (engine/io/files.py `atomic_write`) and its start-of-run check (`check_writable`): regular
 files or new names only, through symlinks, the target's permission bits kept, never onto a device (issue 25)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from moechat.engine.errors import MoechatError
-from moechat.engine.files import UnwritableFileError, atomic_write, check_writable
+from moechat.engine.io.files import UnwritableFileError, atomic_write, check_writable
 
 
 def _socket_file(path):

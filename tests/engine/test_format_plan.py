@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moechat.engine.errors import ConfigError
-from moechat.engine.format_plan import QUALITY, SPEEDUP, plan_formats
-from moechat.engine.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
+from moechat.engine.plan.format_plan import QUALITY, SPEEDUP, plan_formats
+from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
 from moechat.engine.plan import (
     CONVERTIBLE_FORMATS,
     EXPERT_COMPUTE_EFFICIENCY,
@@ -208,7 +208,7 @@ def test_when_only_a_conversion_fits_it_is_recommended_and_when_none_fits_none_i
 
 
 def test_a_hub_verdict_is_the_recommended_format_s():
-    from moechat.engine.hub import FitVerdict
+    from moechat.engine.plan.hub import FitVerdict
 
     s = real_spec(QWEN)
     hw = machine(8, 32)

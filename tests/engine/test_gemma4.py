@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,8 +115,8 @@ def _reference_greedy(ref, ids, n):
 
 
 def test_the_wrapper_reads_text_config_and_skips_the_vision_tower(models, caplog):
-    from moechat.engine.checkpoint import Checkpoint
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.io.checkpoint import Checkpoint
+    from moechat.engine.load.loader import read_model_config
 
     path, _ = models("wrapper")
     cls, a, raw = read_model_config(path)
@@ -249,7 +249,7 @@ def test_a_multi_turn_reuses_the_cache_like_a_fresh_prefill(models):
 
 def test_unsupported_gemma4_variants_are_one_typed_line(tmp_path):
     from moechat.engine.errors import MoechatError
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     base = {"model_type": "gemma4_text", **TEXT}
     for bad, what in (({"hidden_size_per_layer_input": 8}, "per-layer inputs"),
@@ -302,7 +302,7 @@ def real(tmp_path):
 
 
 def test_real_gemma_4_26b_a4b_config(real):
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     cls, a, _ = read_model_config(real)
     assert cls.__name__ == "Gemma4ForConditionalGeneration"
@@ -321,7 +321,7 @@ def test_real_gemma_4_26b_a4b_config(real):
 
 
 def test_fit_plans_gemma_4_26b_a4b(real, capsys):
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     code = main(["fit", str(real), "--vram-gb", "24", "--ram-gb", "64", "--disk-gb", "2000", "--json"])
     data = json.loads(capsys.readouterr().out)
@@ -340,8 +340,8 @@ def test_fit_counts_what_the_model_allocates(real):
     at global_head_dim x num_global_key_value_heads, no v_proj with attention_k_eq_v)."""
     import math
 
-    from moechat.engine.kv_cache import KVCache
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.layers.kv_cache import KVCache
+    from moechat.engine.load.loader import read_model_config
     from moechat.engine.plan import spec_from_config
 
     cls, args, _ = read_model_config(real)
@@ -355,7 +355,7 @@ def test_fit_counts_what_the_model_allocates(real):
 
 
 def test_the_catalog_lists_gemma_4_as_runnable():
-    from moechat.engine.catalog import find
+    from moechat.engine.plan.catalog import find
 
     entry = find("google/gemma-4-26B-A4B-it")
     assert entry.supported and entry.family == "gemma4"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moechat.engine.errors import PromptTooLongError
-from moechat.engine.generate import Engine, GenerationChunk
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine, GenerationChunk
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 

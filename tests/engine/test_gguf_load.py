@@ -11,11 +11,11 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from moechat.engine.errors import CheckpointError, UnsupportedModelError  # noqa: E402
-from moechat.engine.generate import Engine  # noqa: E402
+from moechat.engine.runtime.generate import Engine  # noqa: E402
 from moechat.engine.load.gguf import open_gguf, unpermute  # noqa: E402
-from moechat.engine.loader import load_model  # noqa: E402
+from moechat.engine.load.loader import load_model  # noqa: E402
 from moechat.engine.quant.gguf import TYPES, dequantize  # noqa: E402
-from moechat.engine.sampling import SamplingParams  # noqa: E402
+from moechat.engine.runtime.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
@@ -338,7 +338,7 @@ def test_moechat_run_on_a_gguf_file_gives_transformers_greedy_tokens(good_file, 
     dequantized weights in fp32."""
     import json
 
-    from moechat.app import cli
+    from moechat.app.cli import main as cli
 
     ref = _reference(qwen3moe, write_qwen3moe_gguf(tmp_path / "again.gguf", qwen3moe))  # the same bytes as good_file
     ids = _prompt(5, seed=21)
@@ -429,7 +429,7 @@ def test_a_gguf_with_its_tokenizer_chats_as_the_safetensors_folder_does(tiny_cha
     same tokens and text as the model's safetensors folder (fp32 weights in both)."""
     import json
 
-    from moechat.app import cli
+    from moechat.app.cli import main as cli
 
     folder, model, fast = tiny_chat_model
 

@@ -338,10 +338,10 @@ def test_embedded_hf_json_wins(tmp_path):
 def test_the_demo_models_tokenizer_through_the_converters_steps(tmp_path):
     """The bundled demo model's tokenizer written as convert_hf_to_gguf.py's get_vocab_base writes it (vocab by
     id, added tokens pre-normalized, CONTROL when special or looking special), read back: the ids equal those of
-    the safetensors folder's tokenizer (engine/tokenizer.py, itself tested equal to transformers')."""
+    the safetensors folder's tokenizer (engine/text/tokenizer.py, itself tested equal to transformers')."""
     from pathlib import Path
 
-    from moechat.engine.tokenizer import Tokenizer
+    from moechat.engine.text.tokenizer import Tokenizer
 
     demo = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
     ref = Tokenizer.from_model_dir(demo)

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,7 +178,7 @@ def test_int8_and_int4_experts_convert_and_cache_alike(variants, fmt):
 
 
 def test_the_mtp_layer_is_skipped_and_counted(variants):
-    from moechat.engine.checkpoint import Checkpoint
+    from moechat.engine.io.checkpoint import Checkpoint
     from moechat.engine.plan import read_model_spec
 
     path, _ = variants("flash")
@@ -191,7 +191,7 @@ def test_the_mtp_layer_is_skipped_and_counted(variants):
 
 def test_bad_mlp_layer_types_and_partial_rotary_are_one_typed_line(tmp_path):
     from moechat.engine.errors import ConfigError
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     base = {"model_type": "glm4_moe_lite", **TINY, "n_routed_experts": 8, "num_experts_per_tok": 2}
     for bad, key in (({"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types"),
@@ -237,7 +237,7 @@ def real(tmp_path):
 
 
 def test_real_glm_4_7_flash_config(real):
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     cls, a, _ = read_model_config(real)
     assert cls.__name__ == "Glm4MoeLiteForCausalLM"
@@ -255,7 +255,7 @@ def test_real_glm_4_7_flash_config(real):
 
 
 def test_fit_plans_glm_4_7_flash(real, capsys):
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     code = main(["fit", str(real), "--vram-gb", "24", "--ram-gb", "64", "--disk-gb", "2000", "--json"])
     data = json.loads(capsys.readouterr().out)
@@ -269,7 +269,7 @@ def test_fit_plans_glm_4_7_flash(real, capsys):
 
 
 def test_the_catalog_lists_glm_4_7_flash_as_runnable():
-    from moechat.engine.catalog import SUPPORTED_TYPES, find
+    from moechat.engine.plan.catalog import SUPPORTED_TYPES, find
 
     entry = find("zai-org/GLM-4.7-Flash")
     assert "glm4_moe_lite" in SUPPORTED_TYPES and entry.supported and entry.family == "glm4_moe_lite"

@@ -15,10 +15,10 @@ import torch
 
 from moechat.engine.cache import slots as slots_mod
 from moechat.engine.errors import CheckpointError, ConfigError, MoechatError, UnsupportedModelError
-from moechat.engine.generate import Engine
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.quant import mxfp4
 from moechat.engine.quant.writer import gpt_oss_expert_tensors, save_checkpoint
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 E, K, L, H, I = 4, 2, 4, 64, 64
@@ -184,7 +184,7 @@ def test_packed_expert_is_a_quarter_of_bf16():
 
 
 def test_json_counts_packed_bytes_per_miss(gpt_oss, capsys):
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     path, _, _ = gpt_oss
     rc = main(["run", str(path), "--prompt-ids", "1,2,3,4,5", "--max-tokens", "4", "--temperature", "0",

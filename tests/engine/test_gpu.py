@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)

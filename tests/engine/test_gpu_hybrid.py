@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from moechat.engine.cache.provider import CacheConfig
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)

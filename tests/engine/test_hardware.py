@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moechat.engine.hardware import (
+from moechat.engine.plan.hardware import (
     CGROUP_V1_UNLIMITED,
     GiB,
     Hardware,

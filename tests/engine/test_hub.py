@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine import hub as hubmod
-from moechat.engine import hubhttp
+from moechat.engine.plan import hub as hubmod
+from moechat.engine.plan import hubhttp
 from moechat.engine.errors import (
     DiskSpaceError,
     DownloadBusyError,
@@ -50,7 +50,7 @@ def _weight_gets(hub, file=SHARD):
 
 
 def test_clean_download_is_pinned_verified_and_the_engine_generates_from_it(hub, hub_repo_dir):
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     events = []
     path = hub.client.download(hub.repo, progress=events.append)
@@ -177,7 +177,7 @@ def test_an_api_that_never_answers_times_out(hub, monkeypatch):
 
 _KILLED = """
 import sys
-from moechat.engine.hub import Hub
+from moechat.engine.plan.hub import Hub
 Hub(endpoint=sys.argv[1], cache_dir=sys.argv[2]).download(sys.argv[3])
 """
 
@@ -383,7 +383,7 @@ def test_a_partial_snapshot_from_other_tools_is_not_complete(hub, tmp_path):
 
 
 def _hardware(tmp_path, vram_gb=0, ram_gb=16):
-    from moechat.engine.hardware import probe
+    from moechat.engine.plan.hardware import probe
 
     return probe(tmp_path, nvml=None, cuda=None).with_overrides(vram_gb=vram_gb, ram_gb=ram_gb, disk_gb=100)
 
@@ -420,7 +420,7 @@ def test_fit_verdict_from_headers_alone_never_fetches_a_weight_file(hub, hub_rep
 
 
 def test_catalog_verdicts_and_errors_per_entry(hub, tmp_path):
-    from moechat.engine.catalog import CatalogEntry
+    from moechat.engine.plan.catalog import CatalogEntry
 
     entries = [CatalogEntry(hub.repo, "qwen3_moe", 0.0002, 0.0001, "fp32"),
                CatalogEntry(hub.gated, "qwen3_moe", 0.0002, 0.0001, "fp32", gated=True),
@@ -460,7 +460,7 @@ def test_search_keeps_supported_model_types(hub, monkeypatch):
 
 
 def test_the_catalog_is_consistent_with_the_engine():
-    from moechat.engine.catalog import CATALOG, SUPPORTED_TYPES, find
+    from moechat.engine.plan.catalog import CATALOG, SUPPORTED_TYPES, find
     from moechat.engine.models import ARCHITECTURES, PLANNED_MOE
 
     assert SUPPORTED_TYPES == set(ARCHITECTURES)
@@ -495,7 +495,7 @@ def test_the_catalog_is_consistent_with_the_engine():
 
 def test_listing_the_catalog_does_not_import_torch(tmp_path):
     """SUPPORTED_TYPES is read from engine/models/__init__.py's source, not by importing it (torch)."""
-    code = ("import sys\nfrom moechat.engine.catalog import CATALOG, SUPPORTED_TYPES\n"
+    code = ("import sys\nfrom moechat.engine.plan.catalog import CATALOG, SUPPORTED_TYPES\n"
             "assert 'torch' not in sys.modules, 'torch imported'\nprint(sorted(SUPPORTED_TYPES))")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from moechat.app.cli import main
-from moechat.engine import hub as hubmod
+from moechat.app.cli.main import main
+from moechat.engine.plan import hub as hubmod
 from moechat.engine.errors import DownloadIntegrityError, QuantChoiceError, UnsafeHubResponseError
 
 REPO = "gguf-org/tiny-moe-GGUF"
@@ -162,7 +162,7 @@ def test_cli_pull_without_quant_lists_them(hub, repo, capsys):
 
 
 def test_a_pulled_quant_resolves_offline(hub, repo, monkeypatch):
-    from moechat.app.pull import resolve_model_arg
+    from moechat.app.cli.pull import resolve_model_arg
     from moechat.engine.errors import NotDownloadedError
 
     path = hub.client.download_quant(REPO, "Q4_K_M")

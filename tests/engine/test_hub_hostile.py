@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine import hub as hubmod
-from moechat.engine import hubhttp
+from moechat.engine.plan import hub as hubmod
+from moechat.engine.plan import hubhttp
 from moechat.engine.errors import (
     DownloadIntegrityError,
     HubError,
@@ -146,7 +146,7 @@ def test_traversal_etag_header_is_only_compared(hub, tmp_path):
 
 def test_fit_reads_config_without_trusting_the_etag(hub, tmp_path):
     # huggingface_hub's hf_hub_download would name the blob after this ETag; moechat's fit does not use it
-    from moechat.engine.hardware import probe
+    from moechat.engine.plan.hardware import probe
 
     victim = _victim(tmp_path)
     hub.server.faults.etag["config.json"] = _escape(hub.cache, victim)
@@ -318,7 +318,7 @@ def test_hostile_tree_and_search_shapes_are_one_typed_line(hub, kind, body, prob
 
 
 def test_a_hostile_safetensors_header_is_one_typed_line(hub, tmp_path):
-    from moechat.engine.hardware import probe
+    from moechat.engine.plan.hardware import probe
 
     bad = b'{"w": {"dtype": "F32", "shape": [2, "x"], "data_offsets": [0, 8]}}'
     hub.server.faults.canned["cdn"] = hub.module.Canned(status=206, body=len(bad).to_bytes(8, "little") + bad)

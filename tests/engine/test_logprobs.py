@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moechat.engine.errors import MoechatError
-from moechat.engine.generate import Engine
+from moechat.engine.runtime.generate import Engine
 
 PROMPT = [3, 17, 42, 99, 7]
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,7 +81,7 @@ def _reference_greedy(ref, ids, n):
 
 
 def test_the_hub_config_reads_without_remote_code(tiny):
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     path, _ = tiny
     cls, a, raw = read_model_config(path)
@@ -251,7 +251,7 @@ def real(tmp_path):
 
 
 def test_real_minimax_m2_5_config(real):
-    from moechat.engine.loader import checkpoint_format, read_model_config
+    from moechat.engine.load.loader import checkpoint_format, read_model_config
 
     cls, a, raw = read_model_config(real)
     assert cls.__name__ == "MiniMaxM2ForCausalLM" and raw["auto_map"]
@@ -266,7 +266,7 @@ def test_real_minimax_m2_5_config(real):
 
 
 def test_fit_plans_minimax_m2_5(real, capsys):
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     code = main(["fit", str(real), "--vram-gb", "24", "--ram-gb", "256", "--disk-gb", "2000", "--json"])
     data = json.loads(capsys.readouterr().out)
@@ -289,7 +289,7 @@ def _loaded_dense_bytes(cls, args, float_bytes: int) -> int:
 def test_fit_counts_fp8_dense_weights_as_loaded_and_experts_by_their_names(real):
     """The loader dequantizes FP8 attention to bf16 (loader._dense_tensor): fit's dense bytes are that, the
     download stays the FP8 size, a note says both; the experts' tensors are w1/w3/w2 as the checkpoint's."""
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
     from moechat.engine.plan import spec_from_config
 
     cls, args, raw = read_model_config(real)
@@ -309,7 +309,7 @@ def test_fit_counts_fp8_dense_weights_as_loaded_and_experts_by_their_names(real)
 def test_fit_reads_an_fp8_checkpoint_at_its_loaded_size(fp8):
     """From the safetensors headers: FP8 q/k/v/o counted at the float dtype they are loaded in, the scales not at
     all; the download is the files' bytes."""
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
     from moechat.engine.plan import read_model_spec
 
     path, _ = fp8
@@ -322,7 +322,7 @@ def test_fit_reads_an_fp8_checkpoint_at_its_loaded_size(fp8):
 
 
 def test_the_catalog_lists_minimax_m2_5_as_runnable():
-    from moechat.engine.catalog import find
+    from moechat.engine.plan.catalog import find
 
     entry = find("MiniMaxAI/MiniMax-M2.5")
     assert entry.supported and entry.family == "minimax_m2" and entry.format.startswith("fp8")

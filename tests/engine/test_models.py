@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 PROMPT_LENGTHS = [1, 5, 23, 70]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moechat.engine.experts import expert_compute
-from moechat.engine.moe import ExpertBatch, ExpertProvider, ResidentProvider, moe_reference, softmax_topk
+from moechat.engine.layers.experts import expert_compute
+from moechat.engine.layers.moe import ExpertBatch, ExpertProvider, ResidentProvider, moe_reference, softmax_topk
 
 
 def _experts(E, H, I, seed=0):

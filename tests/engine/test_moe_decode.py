@@ -1,4 +1,4 @@
-"""One token through a layer's experts in one native call (native.c moechat_moe_decode, engine/experts.py
+"""One token through a layer's experts in one native call (native.c moechat_moe_decode, engine/layers/experts.py
 `_native_moe`) against the per-projection path it replaces (each format's `linear` for gate/up, the activation in
 torch, `linear` for down, then contrib[k].add_(y, alpha=w_k)): bit for bit, for int4, int8, MXFP4 and FP8, SwiGLU and
 GPT-OSS's clamped SwiGLU, with and without biases, bf16 and fp32 activations, odd sizes (int4 groups of 16 and 8,
@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from moechat.engine import experts
-from moechat.engine.experts import expert_compute
-from moechat.engine.moe import SWIGLU, ExpertActivation, ExpertBatch
+from moechat.engine.layers import experts
+from moechat.engine.layers.experts import expert_compute
+from moechat.engine.layers.moe import SWIGLU, ExpertActivation, ExpertBatch
 from moechat.engine.quant import get_format, mxfp4, native
 from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moechat.engine.errors import ConfigError
-from moechat.engine.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
+from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
 from moechat.engine.plan import (
     OVERHEAD_PER_LAYER_S,
     OVERHEAD_PER_MISS_S,
@@ -155,7 +155,7 @@ def test_gpt_oss_20b_on_8_gib_vram_and_32_gib_ram_by_hand():
     s = read_model_spec(CONFIGS / "openai--gpt-oss-20b")
     plan = make_plan(s, machine(8, 32, link=25.2, membw=500))
     budget = int(8 * GiB - 0.05 * 8 * GiB)  # 7.6 GiB
-    kv = 24 * 2048 * 4096  # every layer at full length, as engine/kv_cache.py allocates (192 MiB)
+    kv = 24 * 2048 * 4096  # every layer at full length, as engine/layers/kv_cache.py allocates (192 MiB)
     workspace = 512 * 2**20 + 4 * 512 * (8 * 2880 + 4 * 4 * 2880)
     assert (plan.device_budget_bytes, plan.kv_bytes, plan.workspace_bytes) == (budget, kv, workspace)
     room = budget - 3_595_648_128 - kv - workspace
@@ -213,7 +213,7 @@ def test_gpt_oss_20b_config_and_index_directory_uses_total_size():
 def test_qwen3_mixtral_deepseek_sizes_by_hand():
     q = spec("qwen3-30b-a3b")
     assert q.expert_bytes == 3 * 768 * 2048 * 2 == 9_437_184
-    assert q.kv_bytes_per_token() == 48 * 2 * 4 * 128 * 2 == 98_304  # 96 KiB, as engine/kv_cache.py says
+    assert q.kv_bytes_per_token() == 48 * 2 * 4 * 128 * 2 == 98_304  # 96 KiB, as engine/layers/kv_cache.py says
     assert q.window is None  # use_sliding_window is false: its sliding_window value is inactive
     # embeddings + lm_head + 48 x (attention 2048x4096 + 2 x 2048x512 + 4096x2048 + q/k norms 2x128
     # + router 128x2048 + 2 norms of 2048) + final norm, in bf16

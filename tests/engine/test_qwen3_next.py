@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import CheckpointError
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from moechat.engine.reasoning import (
+from moechat.engine.text.reasoning import (
     HARMONY,
     THINK_TAGS,
     HarmonyParser,
@@ -174,7 +174,7 @@ QWEN3_LIKE = (  # enough of Qwen3's template for the engine: <think> in the temp
 
 @pytest.fixture(scope="module")
 def harmony_engine(tiny_harmony_model):
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     path, fast = tiny_harmony_model
     return Engine.load(path, dtype="float32"), fast  # loading takes seconds: one engine for the module
@@ -240,7 +240,7 @@ def test_engine_without_a_parser_keeps_plain_text(harmony_engine, script_sampler
 
 
 def test_engine_splits_think_tags(harmony_engine, script_sampler, monkeypatch):
-    from moechat.engine.chat_template import ChatTemplate
+    from moechat.engine.text.chat_template import ChatTemplate
     engine, fast = harmony_engine
     engine.chat_template = ChatTemplate.from_string(QWEN3_LIKE)
     script_sampler(_script(fast, "<think>\nHmm, a greeting.\n</think>\n\nHey!"))

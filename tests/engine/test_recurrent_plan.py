@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moechat.engine.kv_cache import MAX_SNAPSHOTS, KVCache
-from moechat.engine.loader import model_config
+from moechat.engine.layers.kv_cache import MAX_SNAPSHOTS, KVCache
+from moechat.engine.load.loader import model_config
 from moechat.engine.plan import spec_from_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "model-configs"

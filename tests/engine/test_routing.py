@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moechat.engine.moe import grouped_topk
+from moechat.engine.layers.moe import grouped_topk
 
 E = 16
 

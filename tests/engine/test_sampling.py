@@ -1,4 +1,4 @@
-"""moechat.engine.sampling against transformers' logits processors and GenerationConfig defaults."""
+"""moechat.engine.runtime.sampling against transformers' logits processors and GenerationConfig defaults."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import transformers
 from transformers.generation import logits_process as lp
 
 from moechat.engine.errors import ConfigError
-from moechat.engine.sampling import Sampler, SamplingParams
+from moechat.engine.runtime.sampling import Sampler, SamplingParams
 
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
                            "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,

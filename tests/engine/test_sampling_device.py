@@ -1,4 +1,4 @@
-"""moechat.engine.sampling_device against Sampler (same tokens, same seed), with no host read, and compiled."""
+"""moechat.engine.runtime.sampling_device against Sampler (same tokens, same seed), with no host read, and compiled."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from moechat.engine.sampling import Sampler, SamplingParams
-from moechat.engine.sampling_device import (
+from moechat.engine.runtime.sampling import Sampler, SamplingParams
+from moechat.engine.runtime.sampling_device import (
     DeviceSampler,
     filtered_scores,
     knob_values,

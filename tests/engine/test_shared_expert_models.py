@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, initializer_range=0.2,
@@ -315,7 +315,7 @@ def test_multi_turn_equals_full_reprefill(variants, name):
 
 
 def test_mtp_layer_in_the_checkpoint_is_ignored(variants):
-    from moechat.engine.checkpoint import Checkpoint
+    from moechat.engine.io.checkpoint import Checkpoint
     from moechat.engine.plan import read_model_spec
 
     path, _ = variants(MTP)
@@ -328,7 +328,7 @@ def test_mtp_layer_in_the_checkpoint_is_ignored(variants):
 
 
 def test_hub_and_transformers_5_spellings_parse_alike(variants, tmp_path):
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     path, ref = variants("deepseek_v3")
     hub = json.loads((path / "config.json").read_text())
@@ -446,7 +446,7 @@ def _real(tmp_path, key):
 def test_real_deepseek_v3_config(tmp_path):
     import math
 
-    from moechat.engine.loader import checkpoint_format, read_model_config
+    from moechat.engine.load.loader import checkpoint_format, read_model_config
     from moechat.engine.models.base import rope_frequencies
     from moechat.engine.models.mla import yarn_softmax_scale
 
@@ -473,7 +473,7 @@ def test_real_deepseek_v3_config(tmp_path):
 
 
 def test_real_deepseek_v2_lite_config(tmp_path):
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     d = _real(tmp_path, "deepseek-v2-lite")
     cls, a, _ = read_model_config(d)
@@ -487,7 +487,7 @@ def test_real_deepseek_v2_lite_config(tmp_path):
 
 
 def test_real_glm_4_5_air_config(tmp_path):
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     d = _real(tmp_path, "glm-4.5-air")
     cls, a, _ = read_model_config(d)
@@ -501,7 +501,7 @@ def test_real_glm_4_5_air_config(tmp_path):
 
 
 def test_real_qwen1_5_moe_config(tmp_path):
-    from moechat.engine.loader import read_model_config
+    from moechat.engine.load.loader import read_model_config
 
     d = _real(tmp_path, "qwen1.5-moe")
     cls, a, _ = read_model_config(d)
@@ -516,7 +516,7 @@ def test_real_qwen1_5_moe_config(tmp_path):
 
 @pytest.mark.parametrize("key", list(REAL))
 def test_fit_plans_the_real_configs_as_runnable(tmp_path, capsys, key):
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     d = _real(tmp_path, key)
     code = main(["fit", str(d), "--vram-gb", "24", "--ram-gb", "64", "--disk-gb", "2000", "--json"])

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine import chat_template as chat_template_module
-from moechat.engine.chat_template import ChatTemplate
+from moechat.engine.text import chat_template as chat_template_module
+from moechat.engine.text.chat_template import ChatTemplate
 from moechat.engine.errors import ChatTemplateError
-from moechat.engine.reasoning import HARMONY, THINK_TAGS, make_parser, reasoning_format
+from moechat.engine.text.reasoning import HARMONY, THINK_TAGS, make_parser, reasoning_format
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine.chat_template import ChatTemplate
+from moechat.engine.text.chat_template import ChatTemplate
 from moechat.engine.errors import ChatTemplateError, GenerationCancelled, PromptTooLongError
 
 HI = [{"role": "user", "content": "hi"}]
@@ -84,7 +84,7 @@ def test_the_sandbox_state_does_not_leak_between_renders():
 
 @pytest.fixture
 def engine(tiny_chat_model):
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     return Engine.load(tiny_chat_model[0], dtype="float32", context=256)
 
@@ -115,7 +115,7 @@ def test_a_long_prompt_under_the_bound_is_counted_in_pieces(engine, monkeypatch)
 
 
 def test_cancelling_while_the_template_renders_cancels_the_turn(engine):
-    from moechat.engine.chat_template import ChatTemplate as CT
+    from moechat.engine.text.chat_template import ChatTemplate as CT
 
     engine.chat_template = CT("{% for m in messages %}{{ m.content }}{% endfor %}" + NESTED.replace("{{ k }}", ""))
     conversation = engine.conversation()
@@ -221,7 +221,7 @@ def test_bounded_filters_give_jinjas_results():
 def test_a_slow_loop_of_bounded_calls_is_stopped_by_the_watchdog(monkeypatch):
     """Each sort here takes ~0.1 s: the old code looked at the clock every 256 lines, ~13 s of sorting; the
     watchdog flags the deadline and the next line or hook stops the render."""
-    from moechat.engine import chat_template
+    from moechat.engine.text import chat_template
 
     monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.5)
     source = "{% for i in range(100000) %}{% set x = (range(100000)|list)|sort(reverse=true) %}{% endfor %}"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moechat.engine import hardware
+from moechat.engine.plan import hardware
 from moechat.engine.errors import ConfigError
-from moechat.engine.generate import Engine
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.quant import native
 
 DEMO = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"

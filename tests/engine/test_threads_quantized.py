@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moechat.engine.generate import Engine
+from moechat.engine.runtime.generate import Engine
 
 from ..conftest import build_tiny_model
 from .test_threads import assert_same_logits, at_each_count

@@ -1,4 +1,4 @@
-"""moechat.engine.tokenizer against transformers, on tokenizers trained here with `tokenizers`.
+"""moechat.engine.text.tokenizer against transformers, on tokenizers trained here with `tokenizers`.
 
 Four tokenizers, wrapped in transformers' PreTrainedTokenizerFast, saved with save_pretrained and given
 real-looking tokenizer_config.json files:
@@ -27,7 +27,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from moechat.engine.errors import TokenizerError
-from moechat.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from moechat.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -407,7 +407,7 @@ def _model_with_vocab(tmp_path_factory, tiny_chat_model, vocab_size: int):
 
 def test_a_tokenizer_with_ids_past_the_embedding_is_refused(tmp_path_factory, tiny_chat_model):
     """Old: ids past the embedding reached the model (an index error mid-prefill, or garbage on a GPU)."""
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     tok = Tokenizer.from_model_dir(tiny_chat_model[0])
     path = _model_with_vocab(tmp_path_factory, tiny_chat_model, 300)
@@ -420,7 +420,7 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused(tmp_path_factory, ti
 
 def test_a_tokenizer_far_smaller_than_the_embedding_gets_a_notice(tmp_path_factory, tiny_chat_model):
     """Old: a 400-token tokenizer on a 4,096-row model ran and printed garbage, silently."""
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     tok = Tokenizer.from_model_dir(tiny_chat_model[0])
     engine = Engine.load(_model_with_vocab(tmp_path_factory, tiny_chat_model, 4096), dtype="float32", context=64)
@@ -430,7 +430,7 @@ def test_a_tokenizer_far_smaller_than_the_embedding_gets_a_notice(tmp_path_facto
 
 def test_a_padded_embedding_is_normal(tmp_path_factory, tiny_chat_model):
     """Real models pad their rows past the tokenizer (Qwen3: 151,669 tokens, 151,936 rows): no notice."""
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     tok = Tokenizer.from_model_dir(tiny_chat_model[0])
     assert Engine.load(tiny_chat_model[0], dtype="float32", context=64).notices == []

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from moechat.engine.errors import PromptTooLongError
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 LONG = "zq xv jk " * 40

@@ -1,4 +1,4 @@
-"""Tool calls parsed out of generated text (engine/tool_calls.py), fed in every split the stream can make."""
+"""Tool calls parsed out of generated text (engine/text/tool_calls.py), fed in every split the stream can make."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine.tool_calls import (
+from moechat.engine.text.tool_calls import (
     HARMONY,
     HERMES,
     HarmonyToolParser,
@@ -98,7 +98,7 @@ def test_real_qwen3_template_renders_tools_and_its_calls_parse():
     import sys
     from pathlib import Path
 
-    from moechat.engine.chat_template import ChatTemplate
+    from moechat.engine.text.chat_template import ChatTemplate
 
     spec = importlib.util.spec_from_file_location("_templates", Path(__file__).with_name("test_chat_template.py"))
     templates = importlib.util.module_from_spec(spec)
@@ -120,7 +120,7 @@ SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates
 
 @pytest.mark.skipif(not (SHARED / "openai-gpt-oss-120b.jinja").is_file(), reason="../shared/chat-templates absent")
 def test_real_gpt_oss_template_renders_tools_and_reads_back_the_call():
-    from moechat.engine.chat_template import ChatTemplate
+    from moechat.engine.text.chat_template import ChatTemplate
 
     source = (SHARED / "openai-gpt-oss-120b.jinja").read_text()
     assert tool_call_format(source) == HARMONY

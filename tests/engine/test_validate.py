@@ -1,4 +1,4 @@
-"""The validation layer (engine/validate.py, engine/files.py): every bad value of config.json,
+"""The validation layer (engine/io/validate.py, engine/io/files.py): every bad value of config.json,
 generation_config.json, tokenizer_config.json and the safetensors index is one typed line naming the file, the
 key, the value and what is allowed; non-regular files are refused without blocking; headers are offset-checked."""
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine import validate
-from moechat.engine.checkpoint import Checkpoint, read_safetensors_header
+from moechat.engine.io import validate
+from moechat.engine.io.checkpoint import Checkpoint, read_safetensors_header
 from moechat.engine.errors import CheckpointError, ConfigError, MoechatError, TokenizerError
-from moechat.engine.files import atomic_write, read_json_object
-from moechat.engine.loader import load_model, read_model_config
+from moechat.engine.io.files import atomic_write, read_json_object
+from moechat.engine.load.loader import load_model, read_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -202,7 +202,7 @@ def test_real_configs_of_every_family_pass():
 ])
 def test_bad_generation_config_fails_before_the_weights_are_read(tiny_chat_model, tmp_path, monkeypatch, key,
                                                                   value, allowed):
-    from moechat.engine import generate
+    from moechat.engine.runtime import generate
 
     src, _, _ = tiny_chat_model
     d = tmp_path / "m"
@@ -222,7 +222,7 @@ def test_bad_generation_config_fails_before_the_weights_are_read(tiny_chat_model
     ({"add_bos_token": "no"}, "add_bos_token = 'no' is not allowed: must be true or false or null"),
 ])
 def test_bad_tokenizer_config(tiny_chat_model, tmp_path, config, fragment):
-    from moechat.engine.tokenizer import Tokenizer
+    from moechat.engine.text.tokenizer import Tokenizer
 
     src, _, _ = tiny_chat_model
     d = tmp_path / "m"
@@ -275,7 +275,7 @@ def _returns_within(fn, seconds=20.0):
 @pytest.mark.parametrize("victim", ["config.json", "model.safetensors", "generation_config.json",
                                     "tokenizer_config.json", "tokenizer.json", "index"])
 def test_a_fifo_is_refused_not_waited_on(tiny_chat_model, tmp_path, victim):
-    from moechat.engine.generate import Engine
+    from moechat.engine.runtime.generate import Engine
 
     src, _, _ = tiny_chat_model
     d = tmp_path / "m"
@@ -359,7 +359,7 @@ def test_deeply_nested_header(tmp_path):
 
 def test_tokenizer_errors_stay_typed(tmp_path):
     (tmp_path / "tokenizer.json").write_bytes(b"\xff\xfe not json")
-    from moechat.engine.tokenizer import Tokenizer
+    from moechat.engine.text.tokenizer import Tokenizer
 
     with pytest.raises(TokenizerError, match="unreadable tokenizer.json"):
         Tokenizer.from_model_dir(tmp_path)

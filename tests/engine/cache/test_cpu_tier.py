@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from moechat.app.cli import main
+from moechat.app.cli.main import main
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import ConfigError
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 

@@ -10,10 +10,10 @@ import torch
 
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import ConfigError
-from moechat.engine.generate import Engine
-from moechat.engine.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
 from moechat.engine.plan import Preferences, make_plan, spec_from_config
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.sampling import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parents[3].parent / "shared" / "model-configs"
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
@@ -77,7 +77,7 @@ def test_tokens_are_identical_with_the_table_on_the_host(tiny_models, name):
 def test_run_resolves_the_flag(tiny_models):
     import argparse
 
-    from moechat.app.engine_args import _embeddings_for_run
+    from moechat.app.cli.engine_args import _embeddings_for_run
 
     path, _ = tiny_models["mixtral"]
     ns = lambda **kw: argparse.Namespace(**{"embeddings": "auto", "expert_slots": None, "model_dir": str(path),

@@ -11,8 +11,8 @@ import torch
 
 from moechat.engine.cache.hybrid import MissCostModel
 from moechat.engine.cache.provider import CacheConfig
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 
@@ -206,7 +206,7 @@ def test_cost_model_learns_the_host_rate():
 
 
 def test_cli_reports_where_experts_ran(tiny_models, capsys):
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     path, _ = tiny_models["mixtral"]
     rc = main(["run", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--temperature", "0", "--dtype",

@@ -15,8 +15,8 @@ from moechat.engine.cache.imatrix import (find_imatrix, parse_warm_start, read_i
                                           write_gguf_imatrix)
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import ConfigError
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 L, E, N_IN = 3, 8, 16  # the tiny qwen3_moe: 3 layers of 8 experts (N_IN: any row size, the ranking ignores it)
 CHUNK = 512

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from moechat.engine.cache.mrc import _count_dominated, lru_hit_curve, stack_distances
+from moechat.engine.plan import MissRatioCurve
 from moechat.engine.cache.policy import make_policy
 from moechat.engine.cache.trace import DECODE, PREFILL, RoutingTrace, TraceRecorder
 
@@ -151,5 +152,5 @@ def test_bundled_demo_trace_matches_a_replay():
     for c in (curve.exact_from, 24, 48, 72):
         assert curve.hits_at(c) == brute_force_lru(steps, c, decode_only=True)
     assert 0 < curve.hit_rate(24) < curve.hit_rate(72) < 1
-    mrc = curve.to_miss_ratio_curve(trace.num_layers * trace.num_experts)
+    mrc = MissRatioCurve.from_stack_distances(curve, trace.num_layers * trace.num_experts)
     assert mrc.hit_at(0.5) == pytest.approx(curve.hit_rate(48), abs=0.02)

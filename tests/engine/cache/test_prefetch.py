@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from moechat.app.cli import main
+from moechat.app.cli.main import main
 from moechat.engine.cache.prefetch import PREFETCH_MODES, Predictor, load_profile, profile_path, save_profile
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.cache.slots import FREE, LOADING, READY
 from moechat.engine.cache.transfer import CANCELLED, DONE, Job, ThreadTransfer
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 PROMPT = [(7 * i + 3) % 250 for i in range(21)]

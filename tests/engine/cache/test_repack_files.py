@@ -12,7 +12,7 @@ import pytest
 
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import CheckpointError
-from moechat.engine.generate import Engine
+from moechat.engine.runtime.generate import Engine
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_a_read_only_repack_folder_is_one_typed_line(tiny_models, tmp_path, read
 
 
 def test_the_cli_says_it_in_one_line(tiny_models, tmp_path, read_only, capsys):
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     path, _ = tiny_models["qwen3_moe"]
     folder = tmp_path / "repack"

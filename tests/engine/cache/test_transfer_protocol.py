@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.cache.slots import ALIGN, SlotLayout, SlotPool
 from moechat.engine.cache.transfer import CopyStream, Job, RecordingStream
-from moechat.engine.generate import Engine
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 PROMPT = [(5 * i + 2) % 250 for i in range(13)]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moechat.engine.generate import Engine
-from moechat.engine.kv_cache import KVCache
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.layers.kv_cache import KVCache
 from moechat.engine.quant import native
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moechat.engine.errors import ConfigError
-from moechat.engine.generate import Engine
-from moechat.engine.kv_cache import KVCache
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.layers.kv_cache import KVCache
 from moechat.engine.models.base import Attention
 from moechat.engine.quant import native
 from moechat.engine.quant.dense_int8 import Int8Linear, check_dense_format
@@ -118,8 +118,8 @@ def test_the_dense_format_is_checked():
 def test_run_and_chat_take_the_flag(tiny_models, capsys):
     import json
 
-    from moechat.app.cli import build_parser, main
-    from moechat.app.launch import options_from_args
+    from moechat.app.cli.main import build_parser, main
+    from moechat.app.tui.launch import options_from_args
 
     path, _ = tiny_models["qwen3_moe"]
     argv = ["run", str(path), "--prompt-ids", "1,2,3", "--max-tokens", "3", "--temperature", "0", "--json"]

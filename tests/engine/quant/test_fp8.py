@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moechat.engine.errors import CheckpointError, ConfigError, UnsupportedModelError
-from moechat.engine.generate import Engine
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 BLOCK = (24, 40)  # 64 and 32 are not multiples: partial blocks on both edges

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from moechat.engine.cache import slots as slots_mod
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import CheckpointError, ConfigError
-from moechat.engine.generate import Engine
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.quant import get_format
 from moechat.engine.quant.intq import INT4, INT8, int4_group
-from moechat.engine.sampling import SamplingParams
+from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)
 
@@ -260,7 +260,7 @@ def test_unsupported_targets_say_what_is(tiny_models, name):
 def test_cli_expert_format_counts_packed_bytes_per_miss(tiny_models, capsys):
     import json
 
-    from moechat.app.cli import main
+    from moechat.app.cli.main import main
 
     path, _ = tiny_models["qwen3_moe"]
     rc = main(["run", str(path), "--prompt-ids", "1,2,3,4", "--max-tokens", "3", "--temperature", "0", "--dtype",

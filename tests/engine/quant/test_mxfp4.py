@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moechat.engine.experts import expert_compute
-from moechat.engine.moe import ExpertActivation, ExpertBatch, moe_reference
+from moechat.engine.layers.experts import expert_compute
+from moechat.engine.layers.moe import ExpertActivation, ExpertBatch, moe_reference
 from moechat.engine.quant import mxfp4
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moechat.engine.moe import ExpertActivation, moe_reference
+from moechat.engine.layers.moe import ExpertActivation, moe_reference
 from moechat.engine.quant import mxfp4
 
 # T = tokens, K = top-k, E = experts, C = slots, H = hidden, I = intermediate

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moechat.engine.moe import ExpertActivation, ExpertBatch, moe_reference
+from moechat.engine.layers.moe import ExpertActivation, ExpertBatch, moe_reference
 from moechat.engine.quant import get_format
 from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
 from moechat.engine.quant.kernels import has_triton
@@ -273,7 +273,7 @@ def test_cuda_kernel_matches_the_reference_at_qwen3_30b_widths(case):
 @pytest.mark.parametrize("T", [1, 40])
 def test_expert_compute_runs_the_fused_kernel_on_cuda(fmt, T, monkeypatch):
     """expert_compute on a CUDA batch of each format goes through quant_moe and equals the per-expert path."""
-    from moechat.engine import experts
+    from moechat.engine.layers import experts
     from moechat.engine.quant.kernels import quant_moe as kernel
 
     case = Case(fmt, "swiglu", T, None, "all", True, torch.bfloat16, **QWEN3_30B)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moechat.engine.cache.slots import SlotPool
-from moechat.engine.moe import ExpertActivation, ExpertBatch, moe_reference
+from moechat.engine.layers.moe import ExpertActivation, ExpertBatch, moe_reference
 from moechat.engine.quant import get_format, mxfp4
 
 # T = tokens, K = top-k, E = experts per layer, C = slots, H = hidden, I = intermediate
@@ -183,8 +183,8 @@ def _tiny_gpt_oss(path):
 @pytest.mark.gpu
 def test_cuda_whole_steps_look_slots_up_in_the_kernel_and_match_resident(tmp_path, monkeypatch):
     from moechat.engine.cache.provider import CacheConfig
-    from moechat.engine.generate import Engine
-    from moechat.engine.sampling import SamplingParams
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
 
     path = _tiny_gpt_oss(tmp_path)
     seen = []  # (the batch carries a map, the batch is the whole step) per fused call of a cached run

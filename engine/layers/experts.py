@@ -1,0 +1,336 @@
+"""Expert compute over slot buffers and slot ids (the torch path).
+
+Kernels see only slots: `ExpertBatch.tensors["w13"]` [C, 2I, H], `["w2"]` [C, H, I] and `slot_ids`
+[T, K]. Two shapes of work, two strategies:
+
+* decode (T == 1): K matrix-vector products straight from the slot buffers. Gathering the K experts
+  into a contiguous [K, 2I, H] batch first would copy every weight once more, doubling the bytes a
+  bandwidth-bound decode step moves (for Qwen3-30B-A3B, 8 x 4.7 MB per layer).
+* prefill (T > 1): sort (token, k) pairs by slot, one GEMM per slot that any token uses, then one
+  weighted scatter-add back. Each expert's weights are read once per chunk, whatever T is.
+
+Both read the slot ids on the host once (the one sync per layer the design allows) and are checked
+against `moe.moe_reference` in the tests.
+
+On a CPU a step whose experts are split between the slots and the RAM tier (hybrid `--on-miss host|auto`) is one
+batch: slot ids >= C index `batch.host_tensors` (the RAM tier's buffers), and both strategies index per-slot
+views of the two sets of buffers alike. A second pass over the host experts cost a second round of per-batch
+work (slot ids to the host, views, the pairs' mask), a dispatch-bound share of a small model's layer.
+
+Any other expert (a packed format such as MXFP4, biases, GPT-OSS's clamped SwiGLU) takes the same two
+strategies through the format's `linear`, which computes from the packed slot tensors of one expert
+(on the CPU: dequantized one projection at a time into a reused scratch buffer), so no layer is ever
+expanded to full width.
+
+One token on the CPU with packed experts (int4, int8, MXFP4, FP8) is one native call for all of the batch's pairs
+(`_native_moe`: quant/native.py moe_decode), each weighted output into its own contrib row: 2 x top-k format
+`linear` calls (~10 us of Python and ctypes each, a pool wake each) become one, bit for bit the same rows
+(tests/engine/test_moe_decode.py). A Qwen3-30B-A3B layer (top-8, int4, one thread, loaded 2-core machine):
+1.82 -> 1.35 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from .moe import SWIGLU, ExpertActivation, ExpertBatch
+from ..quant import native
+from ..quant.base import ExpertFormat
+
+FUSED_KINDS = ("swiglu", "clamped_swiglu")  # the activations the Triton MoE kernels fuse; others take the general path
+
+# T = tokens, K = top-k, C = slots, H = hidden size, I = expert intermediate size
+
+
+# Per-slot views of the slot buffers, built once per set of buffers (slot buffers and the RAM tier live at fixed
+# addresses for the life of a provider): indexing a [C, ...] tensor costs a dispatcher call per use, and decode
+# makes 2K of them per layer. A mixed batch's host buffers follow its slots (virtual slots C..C+N-1).
+_VIEWS: dict[tuple, tuple[tuple[torch.Tensor, ...], object]] = {}
+_VIEWS_MAX = 1024  # entries (one per layer of a resident model, a few for a cache): a retuned pool's old ones go
+
+
+def _cached_views(kind: str, batch: ExpertBatch, build):
+    """build(tensors) -> per-slot views of one set of buffers, memoised per (kind, buffers); a mixed batch's
+    lists are its slots' then its host buffers'."""
+    sets = (batch.tensors,) if batch.host_tensors is None else (batch.tensors, batch.host_tensors)
+    firsts = tuple(next(iter(ts.values())) for ts in sets)
+    key = (kind, *map(id, firsts))
+    entry = _VIEWS.get(key)
+    if entry is None or any(a is not b for a, b in zip(entry[0], firsts, strict=True)):
+        if len(_VIEWS) >= _VIEWS_MAX:
+            _VIEWS.clear()
+        parts = [build(ts) for ts in sets]
+        views = parts[0] if len(parts) == 1 else tuple(a + b for a, b in zip(*parts, strict=True))
+        entry = _VIEWS[key] = (firsts, views)
+    return entry[1]
+
+
+def _dense_lists(ts) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    w2 = ts["w2"].unbind(0)
+    return list(ts["w13"].unbind(0)), list(w2), [w.t() for w in w2]
+
+
+def _slot_views(batch: ExpertBatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """w13[s] [2I, H], w2[s] [H, I] and w2[s].t() [I, H] for every (virtual) slot s of a full-width batch."""
+    return _cached_views("dense", batch, _dense_lists)
+
+
+def _expert_lists(ts) -> tuple[list[dict[str, torch.Tensor]]]:
+    per_name = {name: t.unbind(0) for name, t in ts.items()}
+    return ([{name: v[s] for name, v in per_name.items()} for s in range(next(iter(ts.values())).shape[0])],)
+
+
+def _expert_views(batch: ExpertBatch) -> list[dict[str, torch.Tensor]]:
+    """Per (virtual) slot, that expert's stored tensors by name (views)."""
+    return _cached_views("expert", batch, _expert_lists)[0]
+
+
+def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I], [n, I]
+    return F.linear(F.silu(gate) * up, w2)  # [n, H]
+
+
+def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) -> torch.Tensor:
+    """One expert on x [n, H] from its stored tensors -> [n, H]."""
+    return fmt.linear(act(fmt.linear(x, tensors, "w13")), tensors, "w2")
+
+
+# -- one token on the CPU: the layer's experts in one native call (quant/native.py moe_decode) ------------------------
+# Per (virtual) slot, its tensors' addresses and the layer's shape, built once per set of buffers as the views are:
+# ((w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0), (kind, H, I, group13, group2, block, bias kind)),
+# or None where the kernels do not take that slot's tensors (another dtype, a strided buffer: the general path).
+_MOE_NAMES = {"int4": ("w13_q", "w13_scale", "w2_q", "w2_scale"), "int8": ("w13_q", "w13_scale", "w2_q", "w2_scale"),
+              "mxfp4": ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"), "fp8": ("w13", "w13_scale", "w2",
+                                                                                        "w2_scale")}
+_MOE_SCALE_DTYPES = {"int4": torch.float16, "int8": torch.float32, "mxfp4": torch.uint8, "fp8": torch.float32}
+
+
+def _moe_rows(fmt: ExpertFormat, ts) -> tuple[list]:
+    names = _MOE_NAMES[fmt.name]
+    w13, s13, w2, s2 = (ts[k] for k in names)
+    b13, b2 = ts.get("w13_bias"), ts.get("w2_bias")
+    C = w13.shape[0]
+    ok = (all(t.is_contiguous() and t.device.type == "cpu" for t in (w13, s13, w2, s2))
+          and s13.dtype == s2.dtype == _MOE_SCALE_DTYPES[fmt.name]
+          and all(b is None or (b.is_contiguous() and b.dtype in native.BIAS_KINDS) for b in (b13, b2))
+          and (b13 is None) == (b2 is None))
+    if not ok:
+        return ([None] * C,)
+    hidden, inter = w2.shape[1], w13.shape[1] // 2  # w13 [C, 2I, ...], w2 [C, H, ...] in every format
+    group13 = group2 = 0
+    if fmt.name == "int4":
+        group13, group2 = hidden // s13.shape[2], inter // s2.shape[2]
+    block = tuple(getattr(fmt, "block", (0, 0)))
+    if b13 is not None and b13.dtype != b2.dtype:
+        return ([None] * C,)
+    meta = (native.MOE_KINDS[fmt.name], hidden, inter, group13, group2, block,
+            0 if b13 is None else native.BIAS_KINDS[b13.dtype])
+    rows = []
+    for s in range(C):
+        addr = [t[s].data_ptr() for t in (w13, s13, w2, s2)]
+        addr += [0, 0] if b13 is None else [b13[s].data_ptr(), b2[s].data_ptr()]
+        rows.append((tuple(addr), meta))
+    return (rows,)
+
+
+def _native_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch, act: ExpertActivation,
+                contrib: torch.Tensor, slots: list[int], ks) -> bool:
+    """The one-token pairs ks of a CPU batch through native.moe_decode into their contrib rows; False (nothing done)
+    where the kernels do not take this batch: the per-projection path then runs (the same bits, tested)."""
+    fmt = batch.format
+    if (fmt.name not in _MOE_NAMES or act.kind not in native.ACT_KINDS or hidden_states.device.type != "cpu"
+            or hidden_states.dtype not in (torch.float32, torch.bfloat16) or not contrib.is_contiguous()
+            or (lib := native.library()) is None):
+        return False
+    rows = _cached_views(f"moe-{fmt.name}", batch, lambda ts: _moe_rows(fmt, ts))[0]
+    ks = list(ks)
+    entries = [rows[slots[k]] for k in ks]
+    if not entries or any(e is None for e in entries):
+        return not entries
+    kind, hidden, inter, group13, group2, block, bias_kind = entries[0][1]
+    if inter >= 32768 or contrib.shape[1] != hidden:  # torch would split the activation ops over threads
+        return False
+    x = hidden_states.contiguous()
+    base, row = contrib.data_ptr(), contrib.stride(0) * 4
+    flat = []
+    for k, (addr, _) in zip(ks, entries, strict=True):
+        flat += addr
+        flat.append(base + k * row)
+    weights = topk_weights[0].tolist()
+    n = len(ks)
+    ptrs = (ctypes.c_int64 * (7 * n))(*flat)
+    ws = (ctypes.c_float * n)(*(weights[k] for k in ks))
+    limit, alpha = act.limit, act.alpha
+    native.moe_decode(lib, kind, x, ptrs, ws, n, hidden, inter, group13, group2, block, bias_kind,
+                      native.ACT_KINDS[act.kind], limit, alpha)
+    return True
+
+
+def _put(contrib: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
+    """contrib[idx] = w * y in fp32: each (token, k) pair's weighted expert output in its own row."""
+    contrib.index_copy_(0, idx, y.float() * w.float()[:, None])
+
+
+def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, act,
+                     contrib: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Any format, biases, any activation: per used slot, its tokens through the format's linear."""
+    views = _expert_views(batch)
+    slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]
+    dtype = hidden_states.dtype
+    T, K = slot_ids.shape
+    if T == 1:
+        ks = range(K) if batch.pairs is None else batch.pairs.tolist()
+        slots = slot_ids[0].tolist()
+        if contrib is not None:
+            if _native_moe(hidden_states, topk_weights, batch, act, contrib, slots, ks):
+                return None
+            weights = topk_weights[0].tolist()
+            for k in ks:
+                y = _expert(hidden_states, batch.format, views[slots[k]], act)  # [1, H]
+                contrib[k].add_(y[0], alpha=weights[k])
+            return None
+        out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
+        for k in ks:
+            y = _expert(hidden_states, batch.format, views[slots[k]], act)  # [1, H]
+            out = out + (y * topk_weights[:, k : k + 1]).to(dtype)
+        return out
+    flat = slot_ids.reshape(-1)  # [T*K]
+    idx = torch.arange(T * K) if batch.pairs is None else batch.pairs.cpu()  # [P] flat (t, k)
+    flat = flat.index_select(0, idx)
+    order = torch.argsort(flat, stable=True)
+    sorted_slots, idx = flat[order].tolist(), idx[order]
+    device_idx = idx.to(hidden_states.device)
+    token_idx = device_idx // K  # [P]
+    x_sorted = hidden_states.index_select(0, token_idx)  # [P, H]
+    w_sorted = topk_weights.reshape(-1).index_select(0, device_idx)  # [P]
+    y_sorted = torch.empty_like(x_sorted)  # [P, H]
+    start = 0
+    while start < len(sorted_slots):
+        s = sorted_slots[start]
+        end = start
+        while end < len(sorted_slots) and sorted_slots[end] == s:
+            end += 1
+        y_sorted[start:end] = _expert(x_sorted[start:end], batch.format, views[s], act)
+        start = end
+    if contrib is not None:
+        _put(contrib, device_idx, y_sorted, w_sorted)
+        return None
+    out = residual.clone() if residual is not None else torch.zeros_like(hidden_states)  # [T, H]
+    out.index_add_(0, token_idx, (y_sorted * w_sorted[:, None]).to(dtype))
+    return out
+
+
+def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch,
+                   residual: torch.Tensor | None = None, act: ExpertActivation = SWIGLU,
+                   contrib: torch.Tensor | None = None) -> torch.Tensor | None:
+    """[residual +] sum_k topk_weights[t, k] * Expert_{slot_ids[t, k]}(hidden_states[t]) -> [T, H], input dtype.
+
+    With `batch.pairs` set (an expert-major group of a chunk that needs more experts than slots), only
+    those flat (t, k) pairs are computed; the others' slot ids are never read.
+
+    With `contrib` (fp32 [T*K, H]), each computed pair's weighted output goes to its own row t*K + k instead
+    and nothing is returned: the caller sums the rows in k order once every batch ran (`combine`), so the
+    result does not depend on which slots hold the experts, how a chunk was split into groups, or where a
+    group ran (the CPU paths; CUDA's fused kernels accumulate onto the residual).
+    """
+    if batch.format.packed or act.kind != "swiglu" or "w13_bias" in batch.tensors:
+        fused = getattr(batch.format, "fused_moe", None)
+        if fused is not None and hidden_states.is_cuda and contrib is None and act.kind in FUSED_KINDS:
+            return fused(hidden_states, topk_weights, batch, residual, act)
+        return _general_compute(hidden_states, topk_weights, batch, residual, act, contrib)
+    w13 = batch.tensors["w13"]  # [C, 2I, H]
+    w2 = batch.tensors["w2"]  # [C, H, I]
+    slot_ids = batch.slot_ids_cpu if batch.slot_ids_cpu is not None else batch.slot_ids.cpu()  # [T, K]
+    dtype = hidden_states.dtype
+    T, K = slot_ids.shape
+    pairs = batch.pairs
+    if T == 1:
+        ks = range(K) if pairs is None else pairs.tolist()
+        slots = slot_ids[0].tolist()
+        if contrib is not None:  # as below, each weighted output into its own fp32 row (add_ into zeros)
+            w13s, _, w2ts = _slot_views(batch)
+            inter = w2.shape[-1]
+            weights = topk_weights[0].tolist()
+            for k in ks:
+                gate_up = F.linear(hidden_states, w13s[slots[k]])  # [1, 2I]
+                y = torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2ts[slots[k]])  # [1, H]
+                contrib[k].add_(y[0], alpha=weights[k])
+            return None
+        if topk_weights.device.type == "cpu":
+            # Host weights cost nothing to read here: fold each into its down-projection GEMM, and the
+            # residual (or the previous expert's sum) into its accumulator: 4 ops per expert.
+            w13s, _, w2ts = _slot_views(batch)
+            inter = w2.shape[-1]
+            weights = topk_weights[0].tolist()
+            out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
+            for k in ks:
+                gate_up = F.linear(hidden_states, w13s[slots[k]])  # [1, 2I]
+                out = torch.addmm(out, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2ts[slots[k]],
+                                  alpha=weights[k])  # [1, H]
+            return out
+        out = residual if residual is not None else torch.zeros_like(hidden_states)  # [1, H]
+        for k in ks:
+            s = slots[k]
+            out = out + (_swiglu(hidden_states, w13[s], w2[s]) * topk_weights[:, k : k + 1]).to(dtype)  # [1, H]
+        return out
+
+    flat = slot_ids.reshape(-1)  # [T*K]
+    if pairs is not None:
+        pairs_cpu = pairs.cpu()
+        flat = flat.index_select(0, pairs_cpu)  # [P]
+    order = torch.argsort(flat, stable=True)  # [P], pairs grouped by slot
+    w13s, w2s, _ = _slot_views(batch) if batch.host_tensors is not None else (w13, w2, None)
+    counts = torch.bincount(flat, minlength=len(w13s)).tolist()
+    if pairs is not None:
+        order = pairs_cpu.index_select(0, order)  # back to flat (t, k) indices
+    device_order = order.to(hidden_states.device)
+    token_idx = device_order // K  # [P]
+    x_sorted = hidden_states.index_select(0, token_idx)  # [P, H]
+    w_sorted = topk_weights.reshape(-1).index_select(0, device_order)  # [P]
+    y_sorted = torch.empty_like(x_sorted)  # [P, H]
+    start = 0
+    for s, n in enumerate(counts):
+        if n:
+            y_sorted[start : start + n] = _swiglu(x_sorted[start : start + n], w13s[s], w2s[s])
+            start += n
+    if contrib is not None:
+        _put(contrib, device_order, y_sorted, w_sorted)
+        return None
+    out = residual.clone() if residual is not None else torch.zeros_like(hidden_states)  # [T, H]
+    out.index_add_(0, token_idx, (y_sorted * w_sorted[:, None]).to(dtype))
+    return out
+
+
+# -- hybrid execution on CUDA: host experts computed on the CPU while the device runs the resident ones -------
+
+def combine(residual: torch.Tensor, contrib: torch.Tensor, top_k: int) -> torch.Tensor:
+    """residual + the sum over k, in k order and in fp32, of the pairs' rows in `contrib` [T*K, H]; one rounding
+    to the residual's dtype."""
+    T, H = residual.shape
+    if T == 1:
+        return residual.float().add_(contrib.sum(0)).to(residual.dtype)
+    return contrib.view(T, top_k, H).sum(1).add_(residual).to(residual.dtype)
+
+
+class HostJob:
+    """A host batch started before the device batch is enqueued: the activations (and routing weights) are copied
+    to pinned host memory on the compute stream with an event, so the CPU waits for exactly that copy, not for
+    the device experts enqueued after it; `finish` computes on the CPU and adds the result back on the device."""
+
+    def __init__(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch):
+        self.batch = batch
+        self.device = hidden_states.device
+        self.x = torch.empty(hidden_states.shape, dtype=hidden_states.dtype, pin_memory=True)  # [T, H]
+        self.w = torch.empty(topk_weights.shape, dtype=topk_weights.dtype, pin_memory=True)  # [T, K]
+        self.x.copy_(hidden_states, non_blocking=True)
+        self.w.copy_(topk_weights, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(self.device))
+
+    def finish(self, residual: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
+        self.ready.synchronize()  # the two small copies only
+        y = expert_compute(self.x, self.w, self.batch, None, act)  # [T, H] on the CPU
+        return residual + y.pin_memory().to(self.device, non_blocking=True)

@@ -1,0 +1,184 @@
+"""Tool calls in a model's generated text, for the families whose chat templates define them.
+
+Two formats, told apart by the chat template (as `reasoning_format` tells reasoning formats apart):
+
+* hermes (Qwen2.5, Qwen3 and the templates that copy them): the answer holds
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, one per call.
+* harmony (gpt-oss): a call is a message on the ``commentary`` channel addressed to a function,
+  ``<|start|>assistant to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>{...}<|call|>``
+  (the recipient may also follow the channel name); ``<|call|>`` is a stop token, so a call ends the reply.
+
+The parsers are reasoning parsers (engine/text/reasoning.py) that also collect calls: the engine feeds
+them the generated text as it streams, the thinking and the answer come out as before minus the
+call blocks, and `take_calls()` returns the calls completed since it was last asked. A hermes block
+that is not valid JSON stays in the answer as the model wrote it: nothing the model said is lost.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from .reasoning import (
+    HARMONY,
+    THINK_TAGS,
+    HarmonyParser,
+    ReasoningDelta,
+    ReasoningParser,
+    ThinkTagParser,
+    _partial_marker_len,
+    reasoning_format,
+)
+
+__all__ = ["HERMES", "HARMONY", "HarmonyToolParser", "HermesToolParser", "ToolCall", "make_tool_parser",
+           "tool_call_format"]
+
+HERMES = "hermes"
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+
+
+def tool_call_format(template_source: str | None) -> str | None:
+    """HARMONY, HERMES, or None when the template defines no tool-call format."""
+    if not template_source:
+        return None
+    if reasoning_format(template_source) == HARMONY:
+        return HARMONY
+    if _CALL_OPEN in template_source:
+        return HERMES
+    return None
+
+
+class HermesToolParser(ReasoningParser):
+    """``<tool_call>{json}</tool_call>`` blocks cut out of the answer; `inner` (e.g. a ThinkTagParser) splits the
+    thinking first, so a block inside the thinking is left there."""
+
+    def __init__(self, inner: ReasoningParser | None = None):
+        super().__init__()
+        self.inner = inner
+        self.markers = (inner.markers if inner is not None else ()) + (_CALL_OPEN, _CALL_CLOSE)
+        self._in_call = False
+        self._pending = ""
+        self.calls: list[ToolCall] = []
+        self._taken = 0
+
+    def feed(self, text: str) -> ReasoningDelta:
+        delta = self.inner.feed(text) if self.inner is not None else ReasoningDelta("", text)
+        return self._split(delta, final=False)
+
+    def flush(self) -> ReasoningDelta:
+        delta = self.inner.flush() if self.inner is not None else ReasoningDelta()
+        return self._split(delta, final=True)
+
+    def take_calls(self) -> list[ToolCall]:
+        new, self._taken = self.calls[self._taken:], len(self.calls)
+        return new
+
+    def _split(self, delta: ReasoningDelta, final: bool) -> ReasoningDelta:
+        buf, out = self._pending + delta.answer, []
+        while True:
+            marker = _CALL_CLOSE if self._in_call else _CALL_OPEN
+            at = buf.find(marker)
+            if at != -1:
+                if self._in_call:
+                    out.append(self._finish(buf[:at]))
+                else:
+                    out.append(buf[:at])
+                self._in_call = not self._in_call
+                buf = buf[at + len(marker):]
+                continue
+            if self._in_call:
+                if final:  # an unterminated block at the end: parse what is there
+                    out.append(self._finish(buf))
+                    self._in_call, buf = False, ""
+                break
+            keep = 0 if final else _partial_marker_len(buf, (_CALL_OPEN,))
+            out.append(buf[: len(buf) - keep])
+            buf = buf[len(buf) - keep:]
+            break
+        self._pending = buf
+        answer = "".join(out)
+        self._answer.append(answer)
+        if delta.thinking:
+            self._thinking.append(delta.thinking)
+        return ReasoningDelta(delta.thinking, answer)
+
+    def _finish(self, body: str) -> str:
+        """Record the call in `body`; returns the text to show instead ("" for a call, the block if not one)."""
+        try:
+            data = json.loads(body)
+            name = data["name"]
+            arguments = data.get("arguments", data.get("parameters", {}))
+            if not isinstance(name, str) or not name:
+                raise ValueError(name)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return _CALL_OPEN + body + _CALL_CLOSE
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        self.calls.append(ToolCall(name, text))
+        return ""
+
+
+class HarmonyToolParser(HarmonyParser):
+    """gpt-oss: a message addressed ``to=functions.NAME`` is a call; its body (JSON) is the arguments, neither
+    thinking nor answer."""
+
+    def __init__(self, prompt_tail: str = "<|start|>assistant"):
+        self.calls: list[ToolCall] = []
+        self._taken = 0
+        self._call: tuple[str, list[str]] | None = None
+        super().__init__(prompt_tail)
+
+    def take_calls(self) -> list[ToolCall]:
+        new, self._taken = self.calls[self._taken:], len(self.calls)
+        return new
+
+    def _end_call(self) -> None:
+        if self._call is not None:
+            name, parts = self._call
+            self._call = None
+            self.calls.append(ToolCall(name, "".join(parts).strip()))
+
+    def _open_body(self) -> None:
+        self._end_call()
+        match = _RECIPIENT.search(self._header)
+        super()._open_body()
+        if match:
+            self._call = (match.group(1), [])
+
+    def _scan(self, final: bool) -> None:
+        before = self._state
+        super()._scan(final)
+        if self._call is not None and (final or (before == "body" and self._state != "body")):
+            self._end_call()
+
+    def _body_text(self, text: str) -> None:
+        if self._call is not None:
+            self._call[1].append(text)
+        else:
+            super()._body_text(text)
+
+
+def make_tool_parser(template_source: str | None, prompt_tail: str = "") -> ReasoningParser | None:
+    """A parser that splits thinking, answer and tool calls for a reply to a prompt ending in `prompt_tail`;
+    None when the template has neither a reasoning nor a tool-call format."""
+    calls = tool_call_format(template_source)
+    reasoning = reasoning_format(template_source)
+    if calls == HARMONY:
+        return HarmonyToolParser(prompt_tail)
+    inner = None
+    if reasoning == THINK_TAGS:
+        inner = ThinkTagParser(starts_in_thinking=prompt_tail.rstrip().endswith("<think>"))
+    elif reasoning == HARMONY:
+        inner = HarmonyParser(prompt_tail)
+    if calls == HERMES:
+        return HermesToolParser(inner)
+    return inner
