@@ -13,17 +13,84 @@ Three paths, all fp32 inside:
   (the WY form: U = (I + A)^-1 (beta V - beta gamma K S0), A[t, j] = beta_t gamma_t / gamma_j k_t . k_j for j < t),
   so a 512-token prefill is 8 steps of batched GEMMs instead of 512 rank-1 updates;
 * `delta_rule_step`: decode, one token, the state updated in place (four batched GEMV-sized ops).
+
+Decode (one token) takes a fused kernel where there is one: on CPU tensors native_recurrent.c's
+`moechat_delta_rule_step` and `moechat_conv_step` (engine/quant/native.py: every value head's update and output in one
+call, the heads split over native.c's pool, the same bits at any thread count, within ~1e-6 relative of the torch
+step); on CUDA tensors the Triton kernels of engine/quant/kernels/recurrent.py. MOECHAT_RECURRENT_NATIVE=0 turns both
+off (the torch steps above, on every device); so does a CPU without the native library (native.status() says why).
+At Qwen3.6-35B-A3B's widths the native step is ~N x the torch one on this CPU (bench/recurrent_layers.py).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
+
+from ..quant import native
 
 # T = tokens, C = conv channels, W = conv kernel width, HV = value heads, HK = key heads, Dk/Dv = head dims,
 # N = chunks, L = chunk length
 
 CHUNK = 64
+ENV = "MOECHAT_RECURRENT_NATIVE"  # "0": the torch decode steps (no native, no Triton kernel)
+
+
+def fused_steps(t: torch.Tensor):
+    """The one-token kernels for tensors on t's device, as functions with native.py's wrappers' arguments less the
+    library (`conv_step`, `delta_rule_step`, `ssd_step`): native_recurrent.c (CPU) or the Triton kernels (CUDA); None
+    for the torch steps (MOECHAT_RECURRENT_NATIVE=0, no native library, no triton, another device)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    if t.device.type == "cpu":
+        lib = native.library()
+        return None if lib is None else _native_steps(lib)
+    if t.is_cuda:
+        from ..quant.kernels import has_triton
+
+        if has_triton():
+            from ..quant.kernels import recurrent
+
+            return recurrent
+    return None
+
+
+@functools.cache
+def _native_steps(lib) -> _Native:
+    return _Native(lib)
+
+
+class _Native:
+    def __init__(self, lib):
+        self.lib = lib
+
+    def conv_step(self, *a):
+        return native.conv_step(self.lib, *a)
+
+    def delta_rule_step(self, *a):
+        return native.delta_rule_step(self.lib, *a)
+
+    def ssd_step(self, *a):
+        return native.ssd_step(self.lib, *a)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """t as the fused kernels read it: fp32 or bf16, contiguous."""
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        t = t.float()
+    return t.contiguous()
+
+
+def _fp32_state(state: torch.Tensor) -> bool:
+    return state.dtype == torch.float32 and state.is_contiguous()
+
+
+def _conv_ok(x: torch.Tensor, state: torch.Tensor) -> bool:
+    two = (torch.float32, torch.bfloat16)
+    return x.dtype in two and state.dtype in two and state.is_contiguous() and state.device == x.device
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -51,6 +118,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     """The same as `causal_conv1d_reference`: one grouped conv1d over [state | x] (prefill) or a multiply-add over
     the window (decode)."""
     T, W = x.shape[0], weight.shape[1]
+    fused = fused_steps(x) if T == 1 and _conv_ok(x, state) else None
+    if fused is not None:  # silu(conv) in fp32, one rounding to x's dtype (the reference's math)
+        out = torch.empty(1, x.shape[1], dtype=x.dtype, device=x.device)  # [1, C]
+        fused.conv_step(_flat(x[0]), _flat(weight), None if bias is None else _flat(bias), state, out[0])
+        return out
     if T == 1:
         full = torch.cat([state, x.t()], dim=1)  # [C, W]
         y = (full.to(weight.dtype) * weight).sum(-1, keepdim=True).t()  # [1, C]
@@ -138,8 +210,19 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.reshape(HV, N * L, Dv)[:, :T].transpose(0, 1)  # [T, HV, Dv]
 
 
+def delta_rule_fused_step(q, k, v, g, beta, state, fused):
+    """`delta_rule_step` through a fused kernel (`fused_steps`): one call for every value head."""
+    HV, _, Dv = state.shape
+    out = torch.empty(1, HV, Dv, dtype=torch.float32, device=state.device)  # [1, HV, Dv]
+    fused.delta_rule_step(_flat(q[0]), _flat(k[0]), _flat(v[0]), _flat(g[0]), _flat(beta[0]), state, out[0])
+    return out
+
+
 def delta_rule(q, k, v, g, beta, state):
-    """The fast path: the step for one token, chunks for more."""
+    """The fast path: the fused step (native or Triton) or the torch step for one token, chunks for more."""
     if q.shape[0] == 1:
+        fused = fused_steps(q) if _fp32_state(state) else None
+        if fused is not None:
+            return delta_rule_fused_step(q, k, v, g, beta, state, fused)
         return delta_rule_step(q, k, v, g, beta, state)
     return delta_rule_chunked(q, k, v, g, beta, state)

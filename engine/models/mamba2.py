@@ -8,12 +8,20 @@ x 64 x 128 fp32 = 2 MiB per layer (+ a [6144, 3] conv window), 46 MiB for its 23
 Three paths, fp32 inside: `ssd_reference` (token by token), `ssd_chunked` (prefill: the SSD form, within a chunk
 y = (C B^T * decay) (dt x) + decay_in C S0, the state carried between chunks by one GEMM each) and `ssd_step`
 (decode, the state updated in place).
+
+Decode (one token) takes gated_deltanet's fused kernels where there are (`gd.fused_steps`): native_recurrent.c's
+`moechat_ssd_step` on CPU tensors (every head's update and output in one call, the heads split over native.c's pool,
+the same bits at any thread count, within ~1e-6 relative of `ssd_step`), engine/quant/kernels/recurrent.py's Triton
+kernel on CUDA tensors; MOECHAT_RECURRENT_NATIVE=0 turns both off (`ssd_step`, the torch step). The conv in front of
+it is gated_deltanet's `causal_conv1d` (with its bias), fused the same way.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import gated_deltanet as gd
 
 # T = tokens, H = heads, P = head dim, G = groups, N = state size, L = chunk length
 
@@ -87,6 +95,20 @@ def ssd_chunked(x, dt, A, B, C, D, state, chunk: int = CHUNK):
     return y + D[:, None] * x.float()
 
 
+def ssd_fused_step(x, dt, A, B, C, D, state, fused):
+    """`ssd_step` through a fused kernel (`gd.fused_steps`): one call for every head."""
+    H, P, _ = state.shape
+    y = torch.empty(1, H, P, dtype=torch.float32, device=state.device)  # [1, H, P]
+    f = gd._flat
+    fused.ssd_step(f(x[0]), f(dt[0]), f(A), f(B[0]), f(C[0]), f(D), state, y[0])
+    return y
+
+
 def ssd(x, dt, A, B, C, D, state):
-    """The fast path: the step for one token, chunks for more."""
-    return ssd_step(x, dt, A, B, C, D, state) if x.shape[0] == 1 else ssd_chunked(x, dt, A, B, C, D, state)
+    """The fast path: the fused step (native or Triton) or the torch step for one token, chunks for more."""
+    if x.shape[0] != 1:
+        return ssd_chunked(x, dt, A, B, C, D, state)
+    fused = gd.fused_steps(x) if gd._fp32_state(state) else None
+    if fused is not None:
+        return ssd_fused_step(x, dt, A, B, C, D, state, fused)
+    return ssd_step(x, dt, A, B, C, D, state)

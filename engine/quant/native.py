@@ -414,3 +414,49 @@ def moe_decode(lib, kind: int, x: torch.Tensor, ptrs, weights, n: int, hidden: i
     _check(lib.moechat_moe_decode(kind, x.data_ptr(), int(x.dtype == torch.bfloat16), ptrs, weights, n, hidden,
                                   inter, group13, group2, block[0], block[1], bias_kind, act, limit, alpha,
                                   vector_step(x.dtype)), "expert layer")
+
+
+# -- the recurrent layers' one-token steps (native_recurrent.c; engine/models/gated_deltanet.py, mamba2.py): fp32 or
+# bf16 inputs (a flag bit each, in argument order), contiguous; the fp32 state updated in place -----------------------
+def _recurrent(lib):
+    if lib.moechat_delta_rule_step.argtypes is None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.moechat_delta_rule_step.argtypes = [p, p, p, p, p, i32, i64, i64, i64, i64, p, p]
+        lib.moechat_ssd_step.argtypes = [p, p, p, p, p, p, i32, i64, i64, i64, i64, p, p]
+        lib.moechat_conv_step.argtypes = [p, p, p, p, p, i32, i64, i64]
+        for f in (lib.moechat_delta_rule_step, lib.moechat_ssd_step, lib.moechat_conv_step):
+            f.restype = i32
+    _threads(lib)
+
+
+def _bits(*ts: torch.Tensor | None) -> int:
+    return sum(1 << i for i, t in enumerate(ts) if t is not None and t.dtype == torch.bfloat16)
+
+
+def delta_rule_step(lib, q, k, v, g, beta, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q, k [HK, Dk], v [HV, Dv], g, beta [HV] -> out [HV, Dv] fp32; state [HV, Dk, Dv] fp32."""
+    _recurrent(lib)
+    HV, Dk, Dv = state.shape
+    _check(lib.moechat_delta_rule_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                       _bits(q, k, v, g, beta), q.shape[0], HV, Dk, Dv, state.data_ptr(),
+                                       out.data_ptr()), "delta rule")
+    return out
+
+
+def ssd_step(lib, x, dt, A, B, C, D, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x [H, P], dt, A, D [H], B, C [G, N] -> out [H, P] fp32; state [H, P, N] fp32."""
+    _recurrent(lib)
+    H, P, N = state.shape
+    _check(lib.moechat_ssd_step(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(),
+                                _bits(x, dt, A, B, C, D), H, B.shape[0], P, N, state.data_ptr(), out.data_ptr()),
+           "ssd")
+    return out
+
+
+def conv_step(lib, x, w, bias, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x [C], w [C, W], bias [C] or None, state [C, W-1] (shifted in place) -> out [C] = silu(conv)."""
+    _recurrent(lib)
+    _check(lib.moechat_conv_step(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
+                                 state.data_ptr(), out.data_ptr(), _bits(x, w, bias, state, out), w.shape[0],
+                                 w.shape[1]), "conv")
+    return out
