@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2.exceptions
 import pytest
 
-from moechat.engine.text import chat_template as chat_template_module
+from moechat.engine.text.chat_template import sandbox
 from moechat.engine.text.chat_template import ChatTemplate
 from moechat.engine.errors import ChatTemplateError, ConfigError
 
@@ -1211,13 +1211,13 @@ def test_message_shape_errors():
 
 def test_compiled_once_per_template(monkeypatch):
     calls = []
-    real = chat_template_module._ENV.from_string
+    real = sandbox._ENV.from_string
 
     def counting(source, *args, **kwargs):
         calls.append(source)
         return real(source, *args, **kwargs)
 
-    monkeypatch.setattr(chat_template_module._ENV, "from_string", counting)
+    monkeypatch.setattr(sandbox._ENV, "from_string", counting)
     template = ChatTemplate.from_string(QWEN3, QWEN_TOKENS)
     outputs = {template.render(MULTI_TURN, enable_thinking=flag) for flag in (True, False, True)}
     assert calls == [QWEN3]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine.text import chat_template as chat_template_module
+from moechat.engine.text.chat_template import sandbox
 from moechat.engine.text.chat_template import ChatTemplate
 from moechat.engine.errors import ChatTemplateError
 from moechat.engine.text.reasoning import HARMONY, THINK_TAGS, make_parser, reasoning_format
@@ -207,7 +207,7 @@ def test_gpt_oss_matches_transformers(gpt_oss, conversation, variant, add_gen):
 def test_gpt_oss_literal(gpt_oss, monkeypatch):
     # Written by hand from the harmony format's documentation, so a bug shared by both renderers would show.
     _, ours = gpt_oss
-    monkeypatch.setitem(chat_template_module._ENV.globals, "strftime_now",
+    monkeypatch.setitem(sandbox._ENV.globals, "strftime_now",
                         lambda fmt: datetime(2025, 8, 5).strftime(fmt))
     assert ours.render(WITH_SYSTEM, reasoning_effort="high") == (
         "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"

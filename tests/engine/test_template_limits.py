@@ -221,9 +221,9 @@ def test_bounded_filters_give_jinjas_results():
 def test_a_slow_loop_of_bounded_calls_is_stopped_by_the_watchdog(monkeypatch):
     """Each sort here takes ~0.1 s: the old code looked at the clock every 256 lines, ~13 s of sorting; the
     watchdog flags the deadline and the next line or hook stops the render."""
-    from moechat.engine.text import chat_template
+    from moechat.engine.text.chat_template import limits
 
-    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(limits, "MAX_RENDER_SECONDS", 0.5)
     source = "{% for i in range(100000) %}{% set x = (range(100000)|list)|sort(reverse=true) %}{% endfor %}"
     t0 = time.monotonic()
     with pytest.raises(ChatTemplateError, match="ran for more than 0.5 s"):
