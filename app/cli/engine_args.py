@@ -134,11 +134,13 @@ def add_load_args(parser: argparse.ArgumentParser, *, record_trace: bool = True)
                        help="how every tier holds the experts: native (as the checkpoint ships them: bf16, MXFP4 or "
                        "FP8), int8 (per-channel, ~half of bf16) or int4 (groups of 32, ~0.3 of bf16); converted once "
                        "into a repacked file (--repack-dir, default under $XDG_CACHE_HOME/moechat/repacked)")
-    parser.add_argument("--dense-format", choices=["native", "int8"], default="native",
+    parser.add_argument("--dense-format", choices=["native", "int8", "int4"], default="native",
                         help="how the dense weights (attention projections, LM head) are held: native (the "
-                        "model's dtype) or int8 (per output channel, quantized at load; CPU only: half the bytes a "
+                        "model's dtype), int8 (per output channel, quantized at load; CPU only: half the bytes a "
                         "token reads there, perplexity within 0.05%% of native on the demo model, "
-                        "bench/expert_formats.py --dense). Default: native")
+                        "bench/expert_formats.py --dense) or int4 (attention in groups of 32 with fp16 scales, 4.5 "
+                        "bits a weight, the LM head in int8 as llama.cpp keeps it; CPU only; bench/dense_format.py). "
+                        "Default: native")
     cache.add_argument("--on-miss", choices=_on_miss_modes(), default="auto",
                        help="where an expert that is not in a slot runs: load (copy it into a slot), host (compute "
                        "it on the CPU straight from the RAM tier, sending only activations), or auto (a cost model "

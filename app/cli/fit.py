@@ -79,9 +79,9 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
     fit.add_argument("--expert-format", choices=list(EXPERT_FORMATS), help="show the plan in this expert format "
                      "(native: as the checkpoint ships them; int8, int4: converted once by moechat); default: the "
                      "recommended one. Every format is planned and compared either way")
-    fit.add_argument("--dense-format", choices=["native", "int8"], default="native", help="plan with attention's "
-                     "projections and the LM head in int8 (moechat run --dense-format int8; CPU only): fewer bytes a "
-                     "token reads")
+    fit.add_argument("--dense-format", choices=["native", "int8", "int4"], default="native", help="plan with "
+                     "attention's projections and the LM head in int8, or attention in int4 and the LM head in int8 "
+                     "(moechat run --dense-format; CPU only): fewer bytes a token reads. Every one is shown either way")
     fit.add_argument("--force", action="store_true", help="show the plan that loading anyway would use, and exit 0 "
                      "even when it does not fit")
     return fit
@@ -323,9 +323,9 @@ def run_fit(args: argparse.Namespace) -> int:
         return _refused_only(args, refused)
     if args.dtype:
         spec = spec.in_dtype(FLOAT_SIZES[args.dtype], args.dtype)
-    spec = spec.in_dense_format(args.dense_format)
+    undensed, spec = spec, spec.in_dense_format(args.dense_format)
     if args.dense_format != "native" and args.device and not args.device.startswith("cpu"):
-        raise ConfigError("--dense-format int8 runs on the CPU only for now: plan it with --device cpu")
+        raise ConfigError(f"--dense-format {args.dense_format} runs on the CPU only for now: plan it with --device cpu")
     if args.context is not None and args.context > spec.max_context:
 
         say_clamp(args, "--context", args.context, spec.max_context, f"the model has {spec.max_context:,} positions "
@@ -361,7 +361,7 @@ def run_fit(args: argparse.Namespace) -> int:
     verdict, status = headline(plan, spec, hw, why_not, chosen.name, plan_now, need)
     rates = machine_rates(plan, hw, prefs)
     flags = _run_flags(plan, spec, chosen.name, args.on_miss)
-    dense_alt = _dense_int8_plan(chosen, plan, hw, prefs) if args.dense_format == "native" else None
+    dense_alts = _dense_plans(undensed.in_format(chosen.name), spec.dense_format, plan, hw, prefs)
     if args.json:
         print(json.dumps({"model": args.model, "headline": verdict, "verdict": verdict.partition(":")[0].partition(
                           " with")[0] + (" with" if verdict.startswith("runs with") else ""),
@@ -374,36 +374,46 @@ def run_fit(args: argparse.Namespace) -> int:
                           "scale_out": None if plan.ok else _scale_out(spec).to_json(),
                           "run_flags": flags if plan.ok or plan.overridden else None,
                           "dense_format": spec.dense_format,
-                          "dense_int8": None if dense_alt is None else {
-                              "dense_read_bytes": dense_alt.spec_dense_read_bytes, "decode": dense_alt.decode},
+                          "dense_int8": None if spec.dense_format != "native" or dense_alts["int8"].decode is None
+                          else {"dense_read_bytes": dense_alts["int8"].spec_dense_read_bytes,
+                                "decode": dense_alts["int8"].decode},
+                          "dense_formats": {name: a.to_json() for name, a in dense_alts.items()},
                           "clamps": getattr(args, "clamps", None) or []},
                          indent=1))
     else:
         print(format_plan(plan, spec, hw, why_not, advice, chosen.name, verdict=verdict,
                           calibration=cal if measured_cpu else None, plan_now=plan_now, rates=rates,
-                          on_miss=args.on_miss, dense_alt=dense_alt))
+                          on_miss=args.on_miss, dense_alts=dense_alts))
     return status
 
 
 @dataclass(frozen=True)
 class DenseAlternative:
-    """The chosen plan again with `--dense-format int8`: what fit shows beside the native dense weights."""
+    """The chosen plan with one `--dense-format`: what fit shows beside the chosen dense weights."""
 
+    spec_dense_bytes: int
     spec_dense_read_bytes: int
-    decode: dict | None  # {"low", "high", "bound"} tok/s
+    decode: dict | None  # {"low", "high", "bound"} tok/s; None off a CPU plan (the quantized ones are CPU only)
+
+    def to_json(self) -> dict:
+        return {"dense_bytes": self.spec_dense_bytes, "dense_read_bytes": self.spec_dense_read_bytes,
+                "decode": self.decode}
 
 
-def _dense_int8_plan(chosen, plan, hw, prefs) -> DenseAlternative | None:
-    """On a CPU plan: the same experts and cache with the dense weights in int8 (fewer bytes each token reads)."""
+def _dense_plans(undensed, chosen: str, plan, hw, prefs) -> dict[str, DenseAlternative]:
+    """Every --dense-format of the chosen experts (`undensed`: their spec with native dense weights): its dense
+    bytes, and on a CPU plan its decode rate with the same experts and cache (the chosen one's is the plan's)."""
     from moechat.engine.plan import make_plan
 
-    if plan.device != "cpu" or chosen.spec is None or plan.decode is None:
-        return None
-    spec = chosen.spec.in_dense_format("int8")
-    alt = make_plan(spec, hw, prefs)
-    d = alt.decode
-    return DenseAlternative(spec.dense_read_bytes, None if d is None else {"low": d.low, "high": d.high,
-                                                                           "bound": d.bound})
+    out = {}
+    for name in ("native", "int8", "int4"):
+        spec = undensed.in_dense_format(name)
+        d = None
+        if plan.device == "cpu" and plan.decode is not None:
+            d = plan.decode if name == chosen else make_plan(spec, hw, prefs).decode
+        out[name] = DenseAlternative(spec.dense_bytes, spec.dense_read_bytes, None if d is None else {
+            "low": d.low, "high": d.high, "bound": d.bound})
+    return out
 
 
 def disk_target(spec, hf_cache: Path) -> tuple[Path, str]:
@@ -541,7 +551,7 @@ def _run_flags(plan, spec, expert_format: str = "native", on_miss: str = "auto")
 
 def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format: str = "native", *,
                 verdict: str | None = None, calibration=None, plan_now=None, rates: dict | None = None,
-                on_miss: str = "auto", dense_alt: DenseAlternative | None = None) -> str:
+                on_miss: str = "auto", dense_alts: dict[str, DenseAlternative] | None = None) -> str:
     from moechat.engine.plan import gib, rate, rate_range
 
     if verdict is None:
@@ -554,11 +564,16 @@ def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format:
                + f"; {spec.total_experts:,} experts = {gib(spec.all_experts_bytes)}")
     out.append(f"            {spec.expert_format_line()}; stored as {spec.expert_format}")
     out.append(f"            one expert: {ts}")
-    dense = "" if spec.dense_format == "native" else f" ({spec.dense_format} attention and LM head)"
+    dense = {"native": "", "int8": " (int8 attention and LM head)",
+             "int4": " (int4 attention, int8 LM head)"}.get(spec.dense_format, f" ({spec.dense_format})")
     out.append(f"            dense {gib(spec.dense_bytes)}{dense}, {gib(spec.dense_read_bytes)} read a token; "
                f"KV {gib(spec.kv_bytes_per_token())}/token "
                f"({spec.kv_kind}); checkpoint {gib(spec.checkpoint_bytes)}; sizes from {spec.source}"
                + (" (ESTIMATES)" if spec.estimated else " (exact)"))
+    if dense_alts:
+        out.append("            read a token by --dense-format: " + " · ".join(
+            f"{name} {gib(a.spec_dense_read_bytes)}" for name, a in dense_alts.items())
+            + ("" if plan.device == "cpu" else " (int8 and int4 run on the CPU only)"))
     out.append(f"            moechat run: {'supported' if runnable else 'cannot load it (planning only)'}")
     def mark(source: str) -> str:
         return " (what-if)" if source == "what-if" else ""
@@ -588,11 +603,12 @@ def format_plan(plan, spec, hw, why_not: str | None, advice=None, expert_format:
         if now is not None and (now.low, now.high) != (d.low, d.high):
             out.append(f"            with the {gib(hw.ram.free_now_bytes)} of RAM free now: "
                        f"{rate_range(now.low, now.high)} tok/s ({plan_now.expert_slots:,} slots)")
-        if dense_alt is not None and dense_alt.decode is not None:
-            a = dense_alt.decode
-            out.append(f"            with --dense-format int8: {rate_range(a['low'], a['high'])} tok/s (the dense "
-                       f"weights read {gib(dense_alt.spec_dense_read_bytes)} a token instead of "
-                       f"{gib(spec.dense_read_bytes)})")
+        for name, alt in (dense_alts or {}).items():
+            if name != spec.dense_format and alt.decode is not None:
+                a = alt.decode
+                out.append(f"            with --dense-format {name}: {rate_range(a['low'], a['high'])} tok/s (the "
+                           f"dense weights read {gib(alt.spec_dense_read_bytes)} a token instead of "
+                           f"{gib(spec.dense_read_bytes)})")
         if calibration is not None and plan.device == "cpu":
             out.append("            " + (f"measured here: {calibration.describe()}" if calibration.describe() else
                                          "assumed figures: no RAM read rate measured yet"))

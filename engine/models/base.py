@@ -312,14 +312,14 @@ class Attention(nn.Module):
                                              self.k_norm.weight.expand(self.n_kv, -1)])  # [nH+nKV, D]
         if self.sinks is not None:  # decode's scores are [nKV, G, S]: the sinks as [nKV, G, 1]
             self.sink_logits = self.sinks.detach().view(self.n_kv, self.n_heads // self.n_kv, 1)
-        self.qkv_q = self.o_q = None  # int8 projections (`quantize_dense`)
+        self.qkv_q = self.o_q = None  # int8 / int4 projections (`quantize_dense`)
 
-    def quantize_dense(self) -> None:
-        """q/k/v and o in int8 per output channel (quant/dense_int8.py); the full-precision copies are freed."""
-        from ..quant.dense_int8 import Int8Linear
+    def quantize_dense(self, name: str = "int8") -> None:
+        """q/k/v and o in `name` (int8 or int4, quant/dense_quant.py); the full-precision copies are freed."""
+        from ..quant.dense_quant import QuantLinear
 
-        self.qkv_q = Int8Linear(self.qkv_t.t(), self.qkv_bias)
-        self.o_q = Int8Linear(self.o_weight_t.t(), self.o_bias)
+        self.qkv_q = QuantLinear(self.qkv_t.t(), self.qkv_bias, name)
+        self.o_q = QuantLinear(self.o_weight_t.t(), self.o_bias, name)
         self.qkv_t = self.o_weight_t = None
         del self.o_proj
 
@@ -631,16 +631,17 @@ class MoEForCausalLM(nn.Module):
         self.dense_format = "native"
 
     def quantize_dense(self, name: str) -> None:
-        """`--dense-format int8`: attention's projections and the LM head in int8 (quant/dense_int8.py). MLA
-        attention keeps its own layout (its absorbed decode multiplies the latent by the weights directly)."""
+        """`--dense-format int8|int4`: attention's projections in `name`, the LM head in int8 under either
+        (quant/dense_quant.py). MLA attention keeps its own layout (its absorbed decode multiplies the latent by the
+        weights directly)."""
         if name == "native":
             return
-        from ..quant.dense_int8 import Int8Linear
+        from ..quant.dense_quant import LM_HEAD_FORMAT, QuantLinear
 
         for layer in self.layer_list:
             if isinstance(layer.self_attn, Attention):
-                layer.self_attn.quantize_dense()
-        self.lm_q = Int8Linear(self.lm_weight_t.t())
+                layer.self_attn.quantize_dense(name)
+        self.lm_q = QuantLinear(self.lm_weight_t.t(), None, LM_HEAD_FORMAT)
         self.lm_weight_t = None
         if not self.args.tie_word_embeddings:
             del self.lm_head  # the int8 copy is the LM head now; a tied table stays for the embedding lookups

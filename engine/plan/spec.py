@@ -125,7 +125,7 @@ class ModelSpec:
     converted_from: str | None = None  # the checkpoint's format when moechat converts the experts (--expert-format)
     quant_method: str | None = None  # config.json's quantization_config.quant_method, as written
     remote_code: bool = False  # config.json has an auto_map (custom code shipped with the model)
-    dense_format: str = "native"  # "int8": attention projections and LM head held in int8 (--dense-format int8)
+    dense_format: str = "native"  # "int8" | "int4": attention projections held so, the LM head in int8 (--dense-format)
     # Recurrent layers (Gated DeltaNet, Mamba-2): their state is the same size at any context; counted with the
     # snapshots engine/layers/kv_cache.py keeps for prefix reuse (1 + MAX_SNAPSHOTS copies)
     recurrent_state_bytes: int = 0
@@ -232,9 +232,10 @@ class ModelSpec:
                                            f"(--expert-format {name})",))
 
     def in_dense_format(self, name: str | None) -> ModelSpec:
-        """The same model as `--dense-format int8` holds it (quant/dense_int8.py): attention's projections (GQA; MLA
-        keeps its layout) and the LM head at one byte a weight plus an fp32 scale per output row; a tied LM head
-        gets its own int8 copy beside the embedding table, which stays for lookups."""
+        """The same model as `--dense-format int8|int4` holds it (quant/dense_quant.py): attention's projections (GQA;
+        MLA keeps its layout) in int8 (a byte a weight plus an fp32 scale per output row) or int4 (half a byte plus
+        an fp16 scale per group of 32 inputs: 4.5 bits), the LM head in int8 under either; a tied LM head gets its own
+        int8 copy beside the embedding table, which stays for lookups."""
         if name in (None, "native"):
             return self
         fb = max(1, self.float_bytes)
@@ -243,16 +244,27 @@ class ModelSpec:
             elems = nbytes // fb
             return elems + 4 * max(1, elems // max(1, self.hidden_size))  # + a scale per row of H inputs
 
+        def int4(nbytes: int) -> int:
+            elems = nbytes // fb
+            group = int4_group(self.hidden_size) if self.hidden_size % 8 == 0 else 32  # (run refuses the latter)
+            return elems // 2 + 2 * max(1, elems // group)  # + an fp16 scale a group
+
+        attention = int4 if name == "int4" else int8
         parts = []
         for what, b in self.dense_parts:
-            quantized = what == "lm_head" or (what == "attention" and self.kv_kind != "MLA latent")
-            parts.append((what, int8(b) if quantized else b))
+            if what == "lm_head":
+                b = int8(b)
+            elif what == "attention" and self.kv_kind != "MLA latent":
+                b = attention(b)
+            parts.append((what, b))
         embedding = self.embedding_bytes
         if not any(what == "lm_head" for what, _ in self.dense_parts):  # tied: the table is now only looked up
             embedding = dict(self.dense_parts).get("embeddings", 0)
             parts.append(("lm_head", int8(embedding)))
+        held = "attention projections in int4 and the LM head in int8" if name == "int4" else \
+            "attention projections and the LM head in int8"
         return replace(self, dense_parts=tuple(parts), dense_format=name, embedding_bytes=embedding,
-                       notes=self.notes + ("attention projections and the LM head in int8 (--dense-format int8)",))
+                       notes=self.notes + (f"{held} (--dense-format {name})",))
 
     def in_dtype(self, elem_bytes: int, name: str) -> ModelSpec:
         """The same model as `moechat run --dtype` holds it: float weights converted, quantized ones kept."""

@@ -131,4 +131,4 @@ def test_run_and_chat_take_the_flag(tiny_models, capsys):
     args = build_parser().parse_args(["chat", str(path), "--dense-format", "int8"])
     assert options_from_args(args).dense_format == "int8"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["run", str(path), "--dense-format", "int4"])
+        build_parser().parse_args(["run", str(path), "--dense-format", "int3"])

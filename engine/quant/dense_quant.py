@@ -1,0 +1,109 @@
+"""Dense projections held quantized on the CPU (`--dense-format int8|int4`): attention's q/k/v and o projections in
+the chosen format, the LM head in int8 either way, the embedding table in the model's dtype (it is looked up a row a
+token, never read whole).
+
+Why: with quantized experts the dense weights become most of the bytes a CPU token reads. A Qwen3-30B-A3B-shaped
+model with int8 experts reads 1.24 GB a token of which 0.93 GB are bf16 attention and LM head (issue 27); int8
+halves those, which at the read bandwidth is up to ~1.6x the decode rate. llama.cpp keeps every projection in its
+quant type for the same reason.
+
+The formats are the experts' own (quant/intq.py), quantized at load:
+- int8: per output channel, w = q * scale (|q| <= 127, fp32 scale per row): 8 bits a weight + 32 per row.
+- int4: symmetric in groups of 32 along the input, fp16 scales: 4.5 bits a weight (llama.cpp's Q4_K_M ~4.8). Only
+  attention's projections: the LM head stays int8 under `--dense-format int4`, as llama.cpp keeps its output matrix
+  at 6-8 bits (Q6_K in a Q4_K_M file, Q8_0 in Q4_0/Q8_0 ones) because the logits are where rounding shows; the
+  head's rows are the vocabulary, each read once a token, and an int4 head would cost the most quality per byte.
+  On the Qwen3-30B-A3B shape (48 layers) attention reads 1.81 GB a token in bf16, 0.91 GB in int8 and 0.51 GB in
+  int4; the LM head 0.62 GB in bf16 and 0.31 GB in int8.
+
+Compute: each format's own `linear`, the paths its experts take: int8 one token through the native int8 GEMV (fp32
+sums), several through torch's `_weight_int8pack_mm` where this machine's check passed (quant/torch_paths.py), else
+one GEMM over the codes cast to x's dtype; int4 one token through the native int4 GEMV (codes decoded in registers;
+a bf16 x summed in integers over x rounded to 16 bits per 32-element block, `native.round_x16`), several through the
+prefill kernel (quant/prefill.py: each block of rows decoded once, fp32 sums), else the torch row-tile decoder.
+
+Quality: the weights' rounding (activations stay in the model's dtype). Against its own dequantized weight a
+projection is exact up to the sums' rounding (tests/engine/quant/test_dense_quant.py); against the original weight
+int8 is within scale/2 per weight (perplexity within 0.05% of native on the demo model) and int4 within about half
+a group step (amax/15 of its group); measured per choice on a Qwen3-shaped model in bench/dense_format.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CheckpointError, ConfigError
+from .intq import Int4Format, Int8Format
+
+DENSE_FORMATS = ("native", "int8", "int4")
+LM_HEAD_FORMAT = "int8"  # under every quantized dense format (see the module docstring)
+
+_FORMATS = {"int8": Int8Format(), "int4": Int4Format()}
+
+
+class QuantLinear:
+    """y = x @ W^T (+ bias) (+ residual) from W [out, in] quantized in `fmt` ("int8" or "int4", quant/intq.py)."""
+
+    __slots__ = ("fmt", "q", "scale", "bias", "_tensors")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, fmt: str = "int8"):
+        if fmt not in _FORMATS:
+            raise ConfigError(f"--dense-format {fmt!r}: a quantized dense format is one of {', '.join(_FORMATS)}")
+        self.fmt = _FORMATS[fmt]
+        w = weight.detach()
+        if fmt == "int4" and w.shape[1] % 8:
+            raise ConfigError(f"--dense-format int4 needs projection inputs divisible by 8 (this model has one of "
+                              f"{w.shape[1]}): use --dense-format int8")
+        try:
+            packed = self.fmt.quantize(w)
+        except CheckpointError:
+            raise CheckpointError(f"dense weights reach |w| = {float(w.abs().max()):.4g}, past int4's fp16 group "
+                                  "scales: use --dense-format int8 (fp32 scales)") from None
+        self.q = packed["q"].contiguous()  # int8 [out, in] | uint8 [out, in/2]
+        self.scale = packed["scale"].contiguous()  # fp32 [out] | fp16 [out, in/group]
+        self.bias = None if bias is None else bias.detach()
+        self._tensors = {"w_q": self.q, "w_scale": self.scale}
+        if self.bias is not None:
+            self._tensors["w_bias"] = self.bias
+
+    @property
+    def format(self) -> str:
+        return self.fmt.name
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a token reads through it (codes and scales; the bias left out, as the plan leaves it)."""
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized weight [out, in]: the slow reference."""
+        return self.fmt.weight(self._tensors, "w", dtype)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype (or fp32 for out_dtype=float32: the LM head's logits, never rounded to
+        bf16), plus residual [T, out] when given: the format's own dispatch (its `linear`)."""
+        if out_dtype == torch.float32 and x.dtype != torch.float32:
+            x = x.float()  # int8: exact, its GEMV sums in fp32 either way; int4: fp32 sums over x as it is
+        y = self.fmt.linear(x, self._tensors, "w")  # [T, out]
+        return y if residual is None else residual + y
+
+
+class Int8Linear(QuantLinear):
+    """QuantLinear in int8 (the name `--dense-format int8` had first)."""
+
+    __slots__ = ()
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias, "int8")
+
+
+def check_dense_format(name: str | None, device: torch.device) -> str:
+    """'native', 'int8' or 'int4'; the quantized ones on the CPU only (their GPU kernels are not written yet)."""
+    name = name or "native"
+    if name not in DENSE_FORMATS:
+        raise ConfigError(f"--dense-format {name!r}: use one of {', '.join(DENSE_FORMATS)}")
+    if name != "native" and device.type != "cpu":
+        raise ConfigError(f"--dense-format {name} runs on the CPU only for now (no GPU kernel for it yet): leave it "
+                          "out on a GPU, where the dense weights stay in the model's dtype")
+    return name
