@@ -211,12 +211,12 @@ class Gemma4Attention(nn.Module):
             del self.v_proj
         self.qkv_q = self.o_q = None  # int8 projections (`quantize_dense`)
 
-    def quantize_dense(self) -> None:
-        """q/k/v and o in int8 per output channel (quant/dense_int8.py); the full-precision copies are freed."""
-        from ..quant.dense_int8 import Int8Linear
+    def quantize_dense(self, name: str = "int8") -> None:
+        """q/k/v and o in `name` (int8 or int4, quant/dense_quant.py); the full-precision copies are freed."""
+        from ..quant.dense_quant import QuantLinear
 
-        self.qkv_q = Int8Linear(self.qkv_t.t(), self.qkv_bias)
-        self.o_q = Int8Linear(self.o_weight_t.t(), self.o_bias)
+        self.qkv_q = QuantLinear(self.qkv_t.t(), self.qkv_bias, name)
+        self.o_q = QuantLinear(self.o_weight_t.t(), self.o_bias, name)
         self.qkv_t = self.o_weight_t = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, start: int) -> torch.Tensor:
@@ -447,14 +447,15 @@ class Gemma4TextForCausalLM(MoEForCausalLM):
         self.dense_format = "native"
 
     def quantize_dense(self, name: str) -> None:
-        """`--dense-format int8`: attention's projections and the LM head in int8; the tied table stays for lookups."""
+        """`--dense-format int8|int4`: attention's projections in `name`, the LM head in int8 under either; the tied
+        table stays for lookups."""
         if name == "native":
             return
-        from ..quant.dense_int8 import Int8Linear
+        from ..quant.dense_quant import LM_HEAD_FORMAT, QuantLinear
 
         for layer in self.layer_list:
-            layer.self_attn.quantize_dense()
-        self.lm_q = Int8Linear(self.lm_weight_t.t())
+            layer.self_attn.quantize_dense(name)
+        self.lm_q = QuantLinear(self.lm_weight_t.t(), None, LM_HEAD_FORMAT)
         self.lm_weight_t = None
         self.dense_format = name
 
