@@ -82,7 +82,7 @@ class LoadOptions:
     expert_format: str | None = None  # native, int8, int4 (None: native); int8/int4 convert once into a repacked file
     on_miss: str = "auto"  # where a miss runs: load (into a slot), host (from the RAM tier, in place), auto
     host_layers: int = 0  # the first N MoE layers' experts stay on the host
-    dense_format: str = "native"  # int8: attention projections and LM head in int8 (CPU; quant/dense_int8.py)
+    dense_format: str = "native"  # int8 / int4 attention, int8 LM head (CPU; quant/dense_quant.py)
     threads: int | None = None  # --threads: compute threads (None: every core but one, `hardware.set_threads`)
 
 

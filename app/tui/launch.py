@@ -65,11 +65,12 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
                        "them), int8 or int4 (converted once into a repacked file under $XDG_CACHE_HOME/moechat/"
                        "repacked); default: the one chosen for this model in the app's panel, else native. `moechat "
                        "fit MODEL` says which one to use")
-    chat.add_argument("--dense-format", choices=["native", "int8"], default="native",
+    chat.add_argument("--dense-format", choices=["native", "int8", "int4"], default="native",
                         help="how the dense weights (attention projections, LM head) are held: native (the "
-                        "model's dtype) or int8 (per output channel, quantized at load; CPU only: half the bytes a "
+                        "model's dtype), int8 (per output channel, quantized at load; CPU only: half the bytes a "
                         "token reads there, perplexity within 0.05%% of native on the demo model, "
-                        "bench/expert_formats.py --dense). Default: native")
+                        "bench/expert_formats.py --dense) or int4 (attention in groups of 32, the LM head in int8; "
+                        "CPU only). Default: native")
     from moechat.engine.cache.prefetch import MAX_PREFETCH_DEPTH, PREFETCH_MODES  # pure Python: no torch
 
     cache.add_argument("--prefetch", choices=list(PREFETCH_MODES), default=None,
