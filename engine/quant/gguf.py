@@ -202,8 +202,7 @@ def dequantize(raw: torch.Tensor, t: GGMLType | str, cols: int) -> torch.Tensor:
 
 
 TILE_ROWS = 256  # rows decoded at a time by `linear`: 2 MB of fp32 at 2048 columns
-NATIVE_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-                          "MXFP4"})  # decoded by native_gguf.c
+NATIVE_TYPES = frozenset(TYPES)  # every type decoded by native_gguf.c
 
 
 def _native_dequant():
@@ -218,7 +217,8 @@ def _native_dequant():
     return fn
 
 
-VECDOT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"})  # one token by native_gguf.c's integer dots
+# one token by native_gguf.c's integer dots: every quantized type (the float ones go through the many-token path)
+VECDOT_TYPES = frozenset(TYPES) - {"F32", "F16", "BF16"}
 # "0": never the integer dots; "1": for fp32 activations too. Unset: for bf16 / fp16 activations only, whose own
 # rounding (2^-9 of each value) is already of the size of x's int8 rounding (amax / 254 per block), while an fp32
 # run is the one compared with the reference to 1e-4 (the tests against transformers)
@@ -285,6 +285,44 @@ def vecdot(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.
     return y if rc == 0 else None
 
 
+# "0": many tokens (and one fp32 token) decode 256-row tiles and run torch's GEMM on each instead of `prefill`
+PREFILL_ENV = "MOECHAT_GGUF_PREFILL"
+
+
+def _native_prefill():
+    """native_gguf.c's many-token kernel and the library, typed here; (None, None) without it or when switched off."""
+    from . import native
+
+    lib = native.library() if os.environ.get(PREFILL_ENV, "1") != "0" else None
+    fn = getattr(lib, "moechat_gguf_prefill", None) if lib is not None else None
+    if fn is not None and fn.argtypes is None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ctypes.c_int, p, i64, p, i64, i64, p, i64]
+        fn.restype = ctypes.c_int
+    return fn, lib
+
+
+def prefill(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor | None:
+    """x [T, cols] -> [T, rows] fp32 by native_gguf.c's many-token kernel: each 4-row block of W decoded once (bit for
+    bit `dequantize`) into a cache-resident fp32 scratch and multiplied there by every token with fp32 FMAs, so each
+    output is F.linear(x, dequantize(W)) up to the order of its fp32 sum (|error| <= cols 2^-24 sum |x w|), the same
+    bits at any thread count and whatever other tokens are in the batch. None where the tensors, the library or
+    MOECHAT_GGUF_PREFILL=0 do not allow it (the caller decodes tiles instead)."""
+    if not (raw.device.type == "cpu" and x.device.type == "cpu" and raw.is_contiguous() and raw.dtype == torch.uint8
+            and raw.dim() == 2 and raw.shape[-1] == t.row_bytes(cols) and x.dim() == 2 and x.shape[1] == cols):
+        return None
+    fn, lib = _native_prefill()
+    if fn is None:
+        return None
+    from . import native
+
+    xf = x.float().contiguous()
+    y = torch.empty(x.shape[0], raw.shape[0], dtype=torch.float32)  # [T, rows]
+    native._threads(lib)
+    rc = fn(t.id, xf.data_ptr(), x.shape[0], raw.data_ptr(), raw.shape[0], cols, y.data_ptr(), raw.shape[0])
+    return y if rc == 0 else None
+
+
 def decode_rows(raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor:
     """raw [rows, row_bytes] -> [rows, cols] fp32, bit for bit `dequantize`: native_gguf.c where it is loaded and
     decodes this type (a contiguous CPU tile), else the torch reference."""
@@ -299,15 +337,18 @@ def decode_rows(raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor:
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, cols] -> x @ W^T (+ bias) [n, rows] in x's dtype: one token by `vecdot` where the type has it and
-    `use_vecdot` says so, else W decoded from `raw` [rows, row_bytes] a tile of rows at a time (fp32 sums)."""
+    `use_vecdot` says so, else `prefill` (W's 4-row blocks decoded once for all n tokens), else W decoded from `raw`
+    [rows, row_bytes] a tile of rows at a time and torch's GEMM (fp32 sums, all three)."""
     if x.shape[0] == 1 and use_vecdot(x) and (y1 := vecdot(x, raw, t, cols)) is not None:
         return (y1 + bias.float() if bias is not None else y1).to(x.dtype)
-    rows = raw.shape[0]
-    xf = x.float()
-    y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)  # [n, rows]
-    for r in range(0, rows, TILE_ROWS):
-        w = decode_rows(raw[r:r + TILE_ROWS], t, cols)  # [tile, cols] fp32
-        torch.matmul(xf, w.t(), out=y[:, r:r + w.shape[0]])
+    y = prefill(x, raw, t, cols)
+    if y is None:
+        rows = raw.shape[0]
+        xf = x.float()
+        y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)  # [n, rows]
+        for r in range(0, rows, TILE_ROWS):
+            w = decode_rows(raw[r:r + TILE_ROWS], t, cols)  # [tile, cols] fp32
+            torch.matmul(xf, w.t(), out=y[:, r:r + w.shape[0]])
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)

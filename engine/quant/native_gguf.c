@@ -42,6 +42,18 @@ static const int8_t gguf_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1,
 /* type: the ggml type id; src: nblocks blocks back to back; dst: nblocks x the type's values. 0, or -1 for a type
  * decoded only by the torch path. */
 int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *dst) {
+    if (type == 0) { /* F32: one value a block */
+        memcpy(dst, src, (size_t)nblocks * 4);
+        return 0;
+    }
+    if (type == 1 || type == 30) { /* F16 / BF16 (the top half of an fp32) */
+        for (int64_t i = 0; i < nblocks; i++) {
+            uint32_t bits = (uint32_t)(src[2 * i] | (src[2 * i + 1] << 8)) << 16;
+            if (type == 1) dst[i] = gguf_h2f(src + 2 * i);
+            else memcpy(dst + i, &bits, 4);
+        }
+        return 0;
+    }
     for (int64_t b = 0; b < nblocks; b++) {
         if (type == 8) { /* Q8_0: d, int8 qs[32] */
             const uint8_t *x = src + b * 34;
@@ -128,6 +140,27 @@ int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *d
                     yy[l + 96] = d * (float)sc[8 * n + is + 6] * (float)q4;
                 }
             }
+        } else if (type == 10) { /* Q2_K: scales[16] (low nibble scale, high min), qs[64], d, dmin */
+            const uint8_t *x = src + b * 84, *qs = x + 16;
+            float d = gguf_h2f(x + 80), dmin = gguf_h2f(x + 82), *y = dst + b * 256;
+            for (int n = 0; n < 2; n++) /* value 128n + 32j + i: bits 2j of byte 32n + i; its group 8n + 2j + i / 16 */
+                for (int jj = 0; jj < 4; jj++)
+                    for (int i = 0; i < 32; i++) {
+                        int g = 8 * n + 2 * jj + i / 16;
+                        float dl = d * (float)(x[g] & 0x0f), ml = dmin * (float)(x[g] >> 4);
+                        y[128 * n + 32 * jj + i] = dl * (float)((qs[32 * n + i] >> (2 * jj)) & 3) - ml;
+                    }
+        } else if (type == 11) { /* Q3_K: hmask[32], qs[64], scales[12] (16 of 6 bits, less 32), d */
+            const uint8_t *x = src + b * 110, *hm = x, *qs = x + 32, *s = x + 96;
+            float d = gguf_h2f(x + 108), *y = dst + b * 256;
+            for (int n = 0; n < 2; n++)
+                for (int jj = 0; jj < 4; jj++)
+                    for (int i = 0; i < 32; i++) {
+                        int g = 8 * n + 2 * jj + i / 16;
+                        int lo = g < 8 ? s[g] & 0x0f : s[g - 8] >> 4, hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+                        int q = ((qs[32 * n + i] >> (2 * jj)) & 3) - (((hm[i] >> (4 * n + jj)) & 1) ? 0 : 4);
+                        y[128 * n + 32 * jj + i] = d * (float)((lo | (hi << 4)) - 32) * (float)q;
+                    }
         } else if (type == 23) { /* IQ4_XS: d, scales_h u16, scales_l[4], qs[128] */
             const uint8_t *x = src + b * 136;
             float d = gguf_h2f(x), *y = dst + b * 256;
@@ -208,19 +241,43 @@ static inline int32_t gv_dot32s(const uint8_t *u, const int8_t *s, int32_t sc0, 
 #endif
 }
 
-/* Q8_0 / Q4_0 (the nibbles less 8): signed weights, |w| times x with w's sign (ggml's trick), exact; the 8 lane
- * sums of 4 consecutive products each, scaled per block in fp32 and summed lane by lane over the row (8 fp32 sums,
- * added in lane order at the end: the scalar build keeps the same 8 sums, so the bits agree) */
+/* The 32-value types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4): each block's 32 codes as signed bytes in value
+ * order (Q4_1 / Q5_1: the unsigned codes before the min, Q4_0 / Q5_0 less 8 / 16, IQ4_NL / MXFP4 through their int8
+ * tables), |w| times x with w's sign (ggml's trick), exact; the 8 lane sums of 4 consecutive products each, scaled
+ * per block in fp32 and summed lane by lane over the row (8 fp32 sums, added in lane order at the end: the scalar
+ * build keeps the same 8 sums, so the bits agree). Q4_1 / Q5_1's min m adds m * dx * (x's block sum) per block. */
 #if GV_SIMD
-static inline __m256 gv_lanes_ss(__m256i a, const int8_t *s, float dd, __m256 acc) {
-    __m256i b = _mm256_loadu_si256((const __m256i *)s);
+static inline __m256i gv_sdot32v(__m256i a, __m256i b) { /* signed a x signed b -> 8 int32 sums of 4 */
     __m256i ua = _mm256_sign_epi8(a, a), sb = _mm256_sign_epi8(b, a);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    __m256i v = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ua, sb);
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ua, sb);
 #else
-    __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(ua, sb), _mm256_set1_epi16(1));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ua, sb), _mm256_set1_epi16(1));
 #endif
+}
+static inline __m256 gv_lanes_ss(__m256i a, const int8_t *s, float dd, __m256 acc) {
+    __m256i v = gv_sdot32v(a, _mm256_loadu_si256((const __m256i *)s));
     return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(v)));
+}
+/* 16 bytes of nibbles -> 32 values: the low nibbles first, then the high ones (through an int8 table if lut) */
+static inline __m256i gv_nibbles(const uint8_t *p16, const int8_t *lut) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i p = _mm_loadu_si128((const __m128i *)p16);
+    __m128i lo = _mm_and_si128(p, m4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m4);
+    if (lut) {
+        __m128i t = _mm_loadu_si128((const __m128i *)lut);
+        lo = _mm_shuffle_epi8(t, lo);
+        hi = _mm_shuffle_epi8(t, hi);
+    }
+    return _mm256_set_m128i(hi, lo);
+}
+/* Q5_0 / Q5_1's fifth bits: byte i of the result 0x10 where bit i of qh is set */
+static inline __m256i gv_bit5(uint32_t qh) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, /* each 128-bit half: */
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3); /* qh's bytes 0-3 */
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(0x10));
 }
 #endif
 static inline void gv_lanes_ss_scalar(const int8_t *w, const int8_t *s, float dd, float *acc) {
@@ -229,6 +286,18 @@ static inline void gv_lanes_ss_scalar(const int8_t *w, const int8_t *s, float dd
         for (int i = 4 * k; i < 4 * k + 4; i++) a += (int32_t)w[i] * s[i];
         acc[k] += dd * (float)a;
     }
+}
+
+/* MXFP4's E8M0 scale 2^(e - 128) (E2M1 held doubled) from its bits: a normal from e = 2, subnormals below */
+static inline float gv_e8m0(uint8_t e) {
+    uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : (uint32_t)1 << (21 + e);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint32_t gv_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
 typedef struct {
@@ -241,147 +310,304 @@ typedef struct {
     float *y;
 } GVJob;
 
-static float gv_row(const GVJob *j, const uint8_t *row) {
+/* a 32-value block's codes as signed bytes (the scalar build's form of the SIMD unpacking) */
+static inline void gv_codes32(const int type, const uint8_t *x, int8_t *w) {
+    if (type == 8) {
+        memcpy(w, x + 2, 32);
+        return;
+    }
+    int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2; /* where the nibbles start */
+    uint32_t qh = type == 6 || type == 7 ? gv_u32(x + o - 4) : 0;
+    for (int i = 0; i < 16; i++) {
+        int lo = x[o + i] & 0x0f, hi = x[o + i] >> 4;
+        if (type == 20) lo = gguf_iq4[lo], hi = gguf_iq4[hi];
+        else if (type == 39) lo = gguf_fp4x2[lo], hi = gguf_fp4x2[hi];
+        lo |= (int)((qh >> i) & 1) << 4;
+        hi |= (int)((qh >> (i + 16)) & 1) << 4;
+        int off = type == 2 ? 8 : type == 6 ? 16 : 0;
+        w[i] = (int8_t)(lo - off);
+        w[i + 16] = (int8_t)(hi - off);
+    }
+}
+
+static inline __attribute__((always_inline)) float gv_row32(const GVJob *j, const uint8_t *row, const int type,
+                                                             const int64_t nb) {
+    const int8_t *q = j->q;
+    float lanes[8] = {0}, summ = 0.0f, sumf = 0.0f;
+#if GV_SIMD
+    __m256 acc = _mm256_setzero_ps();
+#endif
+    for (int64_t b = 0; b < j->cols / 32; b++) {
+        const uint8_t *x = row + b * nb;
+        float dx = j->d[b], dd = (type == 39 ? gv_e8m0(x[0]) : gguf_h2f(x)) * dx;
+#if GV_SIMD
+        __m256i wv;
+        if (type == 8) {
+            wv = _mm256_loadu_si256((const __m256i *)(x + 2));
+        } else {
+            int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2;
+            wv = gv_nibbles(x + o, type == 20 ? gguf_iq4 : type == 39 ? gguf_fp4x2 : NULL);
+            if (type == 6 || type == 7) wv = _mm256_or_si256(wv, gv_bit5(gv_u32(x + o - 4)));
+            if (type == 2 || type == 6) wv = _mm256_sub_epi8(wv, _mm256_set1_epi8(type == 2 ? 8 : 16));
+        }
+        acc = gv_lanes_ss(wv, q + 32 * b, dd, acc);
+#else
+        int8_t w[32];
+        gv_codes32(type, x, w);
+        gv_lanes_ss_scalar(w, q + 32 * b, dd, lanes);
+#endif
+        if (type == 3 || type == 7) summ += gguf_h2f(x + 2) * dx * (float)(j->bs[2 * b] + j->bs[2 * b + 1]);
+    }
+#if GV_SIMD
+    _mm256_storeu_ps(lanes, acc);
+#endif
+    for (int k = 0; k < 8; k++) sumf += lanes[k];
+    return type == 3 || type == 7 ? sumf + summ : sumf;
+}
+
+/* Q4_K / Q5_K: unsigned codes times 6-bit scales per 32, the mins' term from x's sums per 16 */
+static float gv_row_q45k(const GVJob *j, const uint8_t *row) {
     const int8_t *q = j->q;
     float sumf = 0.0f;
-    uint8_t u[256];
-    if (j->type == 8 || j->type == 2) {
-        float lanes[8] = {0};
-#if GV_SIMD
-        __m256 acc = _mm256_setzero_ps();
-        const __m128i m4 = _mm_set1_epi8(0x0f), k8 = _mm_set1_epi8(8);
-#endif
-        for (int64_t b = 0; b < j->cols / 32; b++) {
-            const uint8_t *x = row + b * (j->type == 8 ? 34 : 18);
-            float dd = gguf_h2f(x) * j->d[b];
-#if GV_SIMD
-            __m256i wv;
-            if (j->type == 8) {
-                wv = _mm256_loadu_si256((const __m256i *)(x + 2));
-            } else {
-                __m128i p = _mm_loadu_si128((const __m128i *)(x + 2));
-                wv = _mm256_set_m128i(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(p, 4), m4), k8),
-                                      _mm_sub_epi8(_mm_and_si128(p, m4), k8));
-            }
-            acc = gv_lanes_ss(wv, q + 32 * b, dd, acc);
-#else
-            int8_t wq[32];
-            if (j->type == 8) {
-                memcpy(wq, x + 2, 32);
-            } else {
-                for (int i = 0; i < 16; i++) {
-                    wq[i] = (int8_t)((x[2 + i] & 0x0f) - 8);
-                    wq[i + 16] = (int8_t)((x[2 + i] >> 4) - 8);
-                }
-            }
-            gv_lanes_ss_scalar(wq, q + 32 * b, dd, lanes);
-#endif
+    uint8_t u[64];
+    for (int64_t b = 0; b < j->cols / 256; b++) {
+        const uint8_t *x = row + b * (j->type == 12 ? 144 : 176);
+        const uint8_t *qh = x + 16, *qs = x + (j->type == 12 ? 16 : 48);
+        const int8_t *qb = q + 256 * b;
+        const int32_t *bs = j->bs + 16 * b;
+        int32_t sumi = 0, summ = 0, scs[8], mns[8];
+        for (int jj = 0; jj < 8; jj++) { /* the 8 scales and mins once, and the mins' term from x's sums */
+            gguf_scale_min_k4(jj, x + 4, &scs[jj], &mns[jj]);
+            summ += mns[jj] * (bs[2 * jj] + bs[2 * jj + 1]);
         }
 #if GV_SIMD
-        _mm256_storeu_ps(lanes, acc);
+        __m256i acc = _mm256_setzero_si256();
 #endif
-        for (int k = 0; k < 8; k++) sumf += lanes[k];
-    } else if (j->type == 12 || j->type == 13) {
-        for (int64_t b = 0; b < j->cols / 256; b++) {
-            const uint8_t *x = row + b * (j->type == 12 ? 144 : 176);
-            const uint8_t *qh = x + 16, *qs = x + (j->type == 12 ? 16 : 48);
-            const int8_t *qb = q + 256 * b;
-            const int32_t *bs = j->bs + 16 * b;
-            int32_t sumi = 0, summ = 0, scs[8], mns[8];
-            for (int jj = 0; jj < 8; jj++) { /* the 8 scales and mins once, and the mins' term from x's sums */
-                gguf_scale_min_k4(jj, x + 4, &scs[jj], &mns[jj]);
-                summ += mns[jj] * (bs[2 * jj] + bs[2 * jj + 1]);
-            }
+        for (int c = 0; c < 4; c++) {
 #if GV_SIMD
-            __m256i acc = _mm256_setzero_si256();
-#endif
-            for (int c = 0; c < 4; c++) {
-#if GV_SIMD
-                {
-                    __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c)), m4 = _mm256_set1_epi8(0x0f);
-                    __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
-                    if (j->type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
-                        __m256i h = _mm256_loadu_si256((const __m256i *)qh), b16 = _mm256_set1_epi8(0x10);
-                        __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c)));
-                        __m256i b1 = _mm256_set1_epi8((char)(2 << (2 * c)));
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), b16));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), b16));
-                    }
-                    int32_t sc0 = scs[2 * c], sc1 = scs[2 * c + 1];
-                    acc = _mm256_add_epi32(acc, _mm256_add_epi32(gv_dot32vm(lo, qb + 64 * c, sc0, sc0),
-                                                                 gv_dot32vm(hi, qb + 64 * c + 32, sc1, sc1)));
-                    continue;
+            {
+                __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c)), m4 = _mm256_set1_epi8(0x0f);
+                __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+                if (j->type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
+                    __m256i h = _mm256_loadu_si256((const __m256i *)qh), b16 = _mm256_set1_epi8(0x10);
+                    __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c)));
+                    __m256i b1 = _mm256_set1_epi8((char)(2 << (2 * c)));
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), b16));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), b16));
                 }
+                int32_t sc0 = scs[2 * c], sc1 = scs[2 * c + 1];
+                acc = _mm256_add_epi32(acc, _mm256_add_epi32(gv_dot32vm(lo, qb + 64 * c, sc0, sc0),
+                                                             gv_dot32vm(hi, qb + 64 * c + 32, sc1, sc1)));
+                continue;
+            }
 #endif
+            for (int l = 0; l < 32; l++) {
+                u[l] = qs[32 * c + l] & 0x0f;
+                u[32 + l] = qs[32 * c + l] >> 4;
+            }
+            if (j->type == 13)
                 for (int l = 0; l < 32; l++) {
-                    u[l] = qs[32 * c + l] & 0x0f;
-                    u[32 + l] = qs[32 * c + l] >> 4;
+                    u[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+                    u[32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
                 }
-                if (j->type == 13)
-                    for (int l = 0; l < 32; l++) {
-                        u[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
-                        u[32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
-                    }
-                for (int h = 0; h < 2; h++)
-                    sumi += gv_dot32s(u + 32 * h, qb + 64 * c + 32 * h, scs[2 * c + h], scs[2 * c + h]);
-            }
-#if GV_SIMD
-            sumi += gv_hsum(acc);
-#endif
-            float dx = j->d[b];
-            sumf += gguf_h2f(x) * dx * (float)sumi;
-            sumf -= gguf_h2f(x + 2) * dx * (float)summ;
+            for (int h = 0; h < 2; h++)
+                sumi += gv_dot32s(u + 32 * h, qb + 64 * c + 32 * h, scs[2 * c + h], scs[2 * c + h]);
         }
-    } else { /* Q6_K: value 128n + 32k + l, its scale sc[8n + 2k + l / 16] */
-        for (int64_t b = 0; b < j->cols / 256; b++) {
-            const uint8_t *x = row + b * 210, *ql = x, *qh = x + 128;
-            const int8_t *sc = (const int8_t *)(x + 192), *qb = q + 256 * b;
-            const int32_t *bs = j->bs + 16 * b;
-            int32_t sumi = 0, sumb = 0;
 #if GV_SIMD
-            __m256i acc = _mm256_setzero_si256();
+        sumi += gv_hsum(acc);
 #endif
-            for (int n = 0; n < 2; n++) {
-#if GV_SIMD
-                {
-                    __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
-                    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
-                    __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
-                    __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
-                    __m256i v[4] = {
-                        _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
-                        _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                        _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
-                    for (int k = 0; k < 4; k++) {
-                        int g = 8 * n + 2 * k;
-                        acc = _mm256_add_epi32(acc, gv_dot32vm(v[k], qb + 128 * n + 32 * k, sc[g], sc[g + 1]));
-                        sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
-                    }
-                    continue;
-                }
-#endif
-                for (int l = 0; l < 32; l++) {
-                    uint8_t h = qh[32 * n + l];
-                    u[l] = (ql[64 * n + l] & 0x0f) | ((h & 3) << 4);
-                    u[32 + l] = (ql[64 * n + l + 32] & 0x0f) | (((h >> 2) & 3) << 4);
-                    u[64 + l] = (ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4);
-                    u[96 + l] = (ql[64 * n + l + 32] >> 4) | (((h >> 6) & 3) << 4);
-                }
-                for (int k = 0; k < 4; k++) {
-                    int g = 8 * n + 2 * k; /* the 16-groups of values 128n + 32k .. +31 */
-                    sumi += gv_dot32s(u + 32 * k, qb + 128 * n + 32 * k, sc[g], sc[g + 1]);
-                    sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
-                }
-            }
-#if GV_SIMD
-            sumi += gv_hsum(acc);
-#endif
-            sumf += gguf_h2f(x + 208) * j->d[b] * (float)(sumi - 32 * sumb);
-        }
+        float dx = j->d[b];
+        sumf += gguf_h2f(x) * dx * (float)sumi;
+        sumf -= gguf_h2f(x + 2) * dx * (float)summ;
     }
     return sumf;
+}
+
+/* Q6_K: value 128n + 32k + l, its scale sc[8n + 2k + l / 16]; codes less 32 through x's sums per 16 */
+static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
+    const int8_t *q = j->q;
+    float sumf = 0.0f;
+    uint8_t u[128];
+    for (int64_t b = 0; b < j->cols / 256; b++) {
+        const uint8_t *x = row + b * 210, *ql = x, *qh = x + 128;
+        const int8_t *sc = (const int8_t *)(x + 192), *qb = q + 256 * b;
+        const int32_t *bs = j->bs + 16 * b;
+        int32_t sumi = 0, sumb = 0;
+#if GV_SIMD
+        __m256i acc = _mm256_setzero_si256();
+#endif
+        for (int n = 0; n < 2; n++) {
+#if GV_SIMD
+            {
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
+                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
+                __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
+                __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+                __m256i v[4] = {
+                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
+                    _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
+                for (int k = 0; k < 4; k++) {
+                    int g = 8 * n + 2 * k;
+                    acc = _mm256_add_epi32(acc, gv_dot32vm(v[k], qb + 128 * n + 32 * k, sc[g], sc[g + 1]));
+                    sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
+                }
+                continue;
+            }
+#endif
+            for (int l = 0; l < 32; l++) {
+                uint8_t h = qh[32 * n + l];
+                u[l] = (ql[64 * n + l] & 0x0f) | ((h & 3) << 4);
+                u[32 + l] = (ql[64 * n + l + 32] & 0x0f) | (((h >> 2) & 3) << 4);
+                u[64 + l] = (ql[64 * n + l] >> 4) | (((h >> 4) & 3) << 4);
+                u[96 + l] = (ql[64 * n + l + 32] >> 4) | (((h >> 6) & 3) << 4);
+            }
+            for (int k = 0; k < 4; k++) {
+                int g = 8 * n + 2 * k; /* the 16-groups of values 128n + 32k .. +31 */
+                sumi += gv_dot32s(u + 32 * k, qb + 128 * n + 32 * k, sc[g], sc[g + 1]);
+                sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
+            }
+        }
+#if GV_SIMD
+        sumi += gv_hsum(acc);
+#endif
+        sumf += gguf_h2f(x + 208) * j->d[b] * (float)(sumi - 32 * sumb);
+    }
+    return sumf;
+}
+
+/* Q2_K: value 128n + 32j + i is bits 2j of qs[32n + i], in group g = 8n + 2j + i / 16 of scale (x[g] & 15) and min
+ * (x[g] >> 4): w = d * sc * q - dmin * m, so the sum is d * dx * sum_g sc_g (q . xq)_g - dmin * dx * sum_g m_g bs_g */
+static float gv_row_q2k(const GVJob *j, const uint8_t *row) {
+    float sumf = 0.0f;
+    for (int64_t b = 0; b < j->cols / 256; b++) {
+        const uint8_t *x = row + b * 84, *qs = x + 16;
+        const int8_t *qb = j->q + 256 * b;
+        const int32_t *bs = j->bs + 16 * b;
+        int32_t sumi = 0, summ = 0;
+        for (int g = 0; g < 16; g++) summ += (x[g] >> 4) * bs[g];
+#if GV_SIMD
+        __m256i acc = _mm256_setzero_si256();
+        const __m256i m3 = _mm256_set1_epi8(3);
+        for (int n = 0; n < 2; n++) {
+            __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int jj = 0; jj < 4; jj++) {
+                int g = 8 * n + 2 * jj;
+                __m256i u = _mm256_and_si256(_mm256_srli_epi16(p, 2 * jj), m3);
+                acc = _mm256_add_epi32(acc, gv_dot32vm(u, qb + 128 * n + 32 * jj, x[g] & 0x0f, x[g + 1] & 0x0f));
+            }
+        }
+        sumi = gv_hsum(acc);
+#else
+        uint8_t u[32];
+        for (int n = 0; n < 2; n++)
+            for (int jj = 0; jj < 4; jj++) {
+                int g = 8 * n + 2 * jj;
+                for (int i = 0; i < 32; i++) u[i] = (qs[32 * n + i] >> (2 * jj)) & 3;
+                sumi += gv_dot32s(u, qb + 128 * n + 32 * jj, x[g] & 0x0f, x[g + 1] & 0x0f);
+            }
+#endif
+        float dx = j->d[b];
+        sumf += gguf_h2f(x + 80) * dx * (float)sumi;
+        sumf -= gguf_h2f(x + 82) * dx * (float)summ;
+    }
+    return sumf;
+}
+
+/* Q3_K: value 128n + 32j + i has 2 bits (2j of qs[32n + i]) and a third (bit 4n + j of hmask[i]; clear: less 4),
+ * in group g = 8n + 2j + i / 16 of 6-bit signed scale sc_g: the codes 0..7 summed, less 4 x sum_g sc_g bs_g */
+static float gv_row_q3k(const GVJob *j, const uint8_t *row) {
+    float sumf = 0.0f;
+    for (int64_t b = 0; b < j->cols / 256; b++) {
+        const uint8_t *x = row + b * 110, *hm = x, *qs = x + 32, *s = x + 96;
+        const int8_t *qb = j->q + 256 * b;
+        const int32_t *bs = j->bs + 16 * b;
+        int32_t sumi = 0, sumb = 0, sc[16];
+        for (int g = 0; g < 16; g++) {
+            int lo = g < 8 ? s[g] & 0x0f : s[g - 8] >> 4, hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+            sc[g] = (lo | (hi << 4)) - 32;
+            sumb += sc[g] * bs[g];
+        }
+#if GV_SIMD
+        __m256i acc = _mm256_setzero_si256();
+        const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+        const __m256i h = _mm256_loadu_si256((const __m256i *)hm);
+        for (int n = 0; n < 2; n++) {
+            __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int jj = 0; jj < 4; jj++) {
+                int g = 8 * n + 2 * jj;
+                __m256i bit = _mm256_set1_epi8((char)(1 << (4 * n + jj)));
+                __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 2 * jj), m3),
+                                            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), four));
+                acc = _mm256_add_epi32(acc, gv_dot32vm(u, qb + 128 * n + 32 * jj, sc[g], sc[g + 1]));
+            }
+        }
+        sumi = gv_hsum(acc);
+#else
+        uint8_t u[32];
+        for (int n = 0; n < 2; n++)
+            for (int jj = 0; jj < 4; jj++) {
+                int g = 8 * n + 2 * jj;
+                for (int i = 0; i < 32; i++)
+                    u[i] = (uint8_t)(((qs[32 * n + i] >> (2 * jj)) & 3) | (((hm[i] >> (4 * n + jj)) & 1) << 2));
+                sumi += gv_dot32s(u, qb + 128 * n + 32 * jj, sc[g], sc[g + 1]);
+            }
+#endif
+        sumf += gguf_h2f(x + 108) * j->d[b] * (float)(sumi - 4 * sumb);
+    }
+    return sumf;
+}
+
+/* IQ4_XS: 8 sub-blocks of 32 (IQ4_NL's codebook, nibbles as IQ4_NL's), each with a 6-bit scale less 32; signed
+ * codebook values times x (the sign trick), exact integer sums scaled per sub-block, one fp32 step per 256 */
+static float gv_row_iq4xs(const GVJob *j, const uint8_t *row) {
+    float sumf = 0.0f;
+    for (int64_t b = 0; b < j->cols / 256; b++) {
+        const uint8_t *x = row + b * 136;
+        const int8_t *qb = j->q + 256 * b;
+        int sh = x[2] | (x[3] << 8);
+        int32_t sumi = 0;
+#if GV_SIMD
+        __m256i acc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            int32_t ls = (((x[4 + ib / 2] >> (4 * (ib % 2))) & 0x0f) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+            const uint8_t *qs = x + 8 + 16 * ib;
+#if GV_SIMD
+            __m256i v = gv_sdot32v(gv_nibbles(qs, gguf_iq4), _mm256_loadu_si256((const __m256i *)(qb + 32 * ib)));
+            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(v, _mm256_set1_epi32(ls)));
+#else
+            int32_t s = 0;
+            for (int i = 0; i < 16; i++)
+                s += gguf_iq4[qs[i] & 0x0f] * qb[32 * ib + i] + gguf_iq4[qs[i] >> 4] * qb[32 * ib + 16 + i];
+            sumi += ls * s;
+#endif
+        }
+#if GV_SIMD
+        sumi = gv_hsum(acc);
+#endif
+        sumf += gguf_h2f(x) * j->d[b] * (float)sumi;
+    }
+    return sumf;
+}
+
+static float gv_row(const GVJob *j, const uint8_t *row) {
+    switch (j->type) { /* the 32-value rows inlined per type: its constants folded */
+        case 8: return gv_row32(j, row, 8, 34);
+        case 2: return gv_row32(j, row, 2, 18);
+        case 3: return gv_row32(j, row, 3, 20);
+        case 6: return gv_row32(j, row, 6, 22);
+        case 7: return gv_row32(j, row, 7, 24);
+        case 20: return gv_row32(j, row, 20, 18);
+        case 39: return gv_row32(j, row, 39, 17);
+        case 10: return gv_row_q2k(j, row);
+        case 11: return gv_row_q3k(j, row);
+        case 12: case 13: return gv_row_q45k(j, row);
+        case 23: return gv_row_iq4xs(j, row);
+        default: return gv_row_q6k(j, row);
+    }
 }
 
 static int gv_share(void *ctx, int64_t a, int64_t b) {
@@ -410,16 +636,27 @@ void moechat_gguf_quantize_x(const float *x, int64_t cols, int64_t qb, int8_t *q
     }
 }
 
-/* y[r] = row r of w (rows x cols of `type`) . x, through x's Q8 blocks. 0; -1 for a type without the kernel
- * (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K have it) or cols not a multiple of its block; -2 out of memory. */
+/* a type's values and bytes per block; 0, or -1 for a type this file does not know */
+static int gguf_block(int type, int64_t *blk, int64_t *nb) {
+    static const int16_t table[][3] = {{0, 1, 4},      {1, 1, 2},      {2, 32, 18},    {3, 32, 20},   {6, 32, 22},
+                                       {7, 32, 24},    {8, 32, 34},    {10, 256, 84},  {11, 256, 110}, {12, 256, 144},
+                                       {13, 256, 176}, {14, 256, 210}, {20, 32, 18},   {23, 256, 136}, {30, 1, 2},
+                                       {39, 32, 17}};
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
+        if (table[i][0] == type) {
+            *blk = table[i][1];
+            *nb = table[i][2];
+            return 0;
+        }
+    return -1;
+}
+
+/* y[r] = row r of w (rows x cols of `type`) . x, through x's Q8 blocks (of 32 for the 32-value types, of 256 for the
+ * k-quants and IQ4_XS). 0; -1 for a type without the kernel (the float ones) or cols not a multiple of its block;
+ * -2 out of memory. */
 int moechat_gguf_vecdot(int type, const float *x, const uint8_t *w, int64_t rows, int64_t cols, float *y) {
     int64_t blk, nb;
-    if (type == 8) blk = 32, nb = 34;
-    else if (type == 2) blk = 32, nb = 18;
-    else if (type == 12) blk = 256, nb = 144;
-    else if (type == 13) blk = 256, nb = 176;
-    else if (type == 14) blk = 256, nb = 210;
-    else return -1;
+    if (gguf_block(type, &blk, &nb) || blk == 1) return -1;
     if (cols <= 0 || cols % blk || rows < 0) return -1;
     size_t bytes = (size_t)cols + sizeof(float) * (size_t)(cols / blk) + sizeof(int32_t) * (size_t)(cols / 16);
     int8_t *q = (int8_t *)malloc(bytes);
@@ -431,4 +668,143 @@ int moechat_gguf_vecdot(int type, const float *x, const uint8_t *w, int64_t rows
     int rc = moechat_parallel_for(gv_share, &j, rows, 1, rows * j.row_bytes);
     free(q);
     return rc;
+}
+
+/* ---- Many tokens (prefill): y [T, rows] = x [T, cols] @ W^T, each weight decoded once for all T tokens (the pattern
+ * of native_prefill.c, whose micro-kernel is file-local there): the rows cut into blocks of GP_RB = 4, a share's rows
+ * decoded `big` at a time (a ~256 KB scratch, in L2) by moechat_gguf_dequant above (bit for bit dequantize), then
+ * every block of GP_TB tokens (6 with AVX-512, 3 with AVX2) over each 4 rows: GP_RB x GP_TB vector accumulators of
+ * fp32 FMAs along the input, one horizontal sum each at the end. The path it replaces decoded 256 rows into an fp32
+ * tile and ran torch's GEMM on it.
+ * Exactness: exact decoded weights times the fp32 x, summed in fp32: F.linear(x, dequantize(w)) up to the order of
+ * the sum (|y - ref| <= cols * 2^-24 * sum |x w|, the worst case of a sequential sum; tested). The order is a
+ * function of (t, r) alone (lanes k mod VL, a fixed horizontal sum, then the tail), so every thread count, every T
+ * and every batch a token is in give the same bits. Unlike the one-token integer dots, the AVX2, AVX-512 and scalar
+ * builds differ in the last bits (their lane counts differ). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(MOECHAT_SCALAR)
+#include <immintrin.h>
+#define GP_RB 4
+#if defined(__AVX512F__)
+#define GP_VL 16
+#define GP_TB 6 /* 24 accumulators + 4 weights + x of 32 zmm registers */
+typedef __m512 gp_vf;
+#define GP_LOAD(p) _mm512_loadu_ps(p)
+#define GP_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GP_ZERO() _mm512_setzero_ps()
+static inline float gp_hsum(__m512 v) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); /* AVX-512F alone */
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+#else
+#define GP_VL 8
+#define GP_TB 3 /* 12 accumulators, the weights as FMA memory operands */
+typedef __m256 gp_vf;
+#define GP_LOAD(p) _mm256_loadu_ps(p)
+#define GP_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define GP_ZERO() _mm256_setzero_ps()
+static inline float gp_hsum(__m256 v) {
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+#endif
+#else
+#define GP_RB 4
+#define GP_VL 1
+#define GP_TB 4
+typedef float gp_vf;
+#define GP_LOAD(p) (*(p))
+#define GP_FMA(a, b, c) ((a) * (b) + (c)) /* fp-contract off: a product, then a sum */
+#define GP_ZERO() 0.0f
+#define gp_hsum(v) (v)
+#endif
+
+/* y[t * ldy + r] = S[r, :] . x[t, :] for NR rows of the scratch and NT tokens */
+static inline __attribute__((always_inline)) void gp_tile(const float *S, const int NR, const float *x, const int NT,
+                                                          int64_t cols, float *y, int64_t ldy) {
+    gp_vf acc[GP_TB][GP_RB];
+    for (int t = 0; t < NT; t++)
+        for (int r = 0; r < NR; r++) acc[t][r] = GP_ZERO();
+    int64_t kv = cols / GP_VL * GP_VL;
+    for (int64_t k = 0; k < kv; k += GP_VL) {
+        gp_vf w[GP_RB];
+        for (int r = 0; r < NR; r++) w[r] = GP_LOAD(S + r * cols + k);
+        for (int t = 0; t < NT; t++) {
+            gp_vf xv = GP_LOAD(x + t * cols + k);
+            for (int r = 0; r < NR; r++) acc[t][r] = GP_FMA(w[r], xv, acc[t][r]);
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int r = 0; r < NR; r++) {
+            float s = gp_hsum(acc[t][r]);
+            for (int64_t k = kv; k < cols; k++) s += S[r * cols + k] * x[t * cols + k];
+            y[t * ldy + r] = s;
+        }
+}
+
+/* NR (1 or GP_RB) rows by nt <= GP_TB tokens, each count its own unrolled kernel */
+#define GP_NT(NR)                                                                  \
+    switch (nt) {                                                                  \
+        case 1: gp_tile(S, NR, x, 1, cols, y, ldy); break;                         \
+        case 2: gp_tile(S, NR, x, 2, cols, y, ldy); break;                         \
+        case 3: gp_tile(S, NR, x, 3, cols, y, ldy); break;                         \
+        case 4: gp_tile(S, NR, x, GP_TB >= 4 ? 4 : 1, cols, y, ldy); break;        \
+        case 5: gp_tile(S, NR, x, GP_TB >= 5 ? 5 : 1, cols, y, ldy); break;        \
+        default: gp_tile(S, NR, x, GP_TB >= 6 ? 6 : 1, cols, y, ldy); break;       \
+    }
+
+static void gp_tiles(const float *S, int nr, const float *x, int nt, int64_t cols, float *y, int64_t ldy) {
+    if (nr == GP_RB) {
+        GP_NT(GP_RB)
+    } else {
+        for (int r = 0; r < nr; r++, S += cols, y++) { GP_NT(1) }
+    }
+}
+
+typedef struct {
+    int type;
+    int64_t blk, row_bytes, cols, T, ldy;
+    const uint8_t *w;
+    const float *x;
+    float *y;
+} GPJob;
+
+#define GP_SCRATCH (256 << 10)
+static int gp_share(void *ctx, int64_t a, int64_t b) {
+    const GPJob *j = (const GPJob *)ctx;
+    int64_t cols = j->cols, big = GP_SCRATCH / (4 * cols) / GP_RB * GP_RB;
+    if (big < GP_RB) big = GP_RB;
+    if (big > b - a) big = (b - a + GP_RB - 1) / GP_RB * GP_RB;
+    size_t bytes = ((size_t)(big * cols) * sizeof(float) + 63) / 64 * 64;
+    float *S = (float *)aligned_alloc(64, bytes);
+    if (!S) return -2;
+    int rc = 0;
+    for (int64_t r0 = a; r0 < b && rc == 0; r0 += big) {
+        int64_t n = b - r0 < big ? b - r0 : big;
+        rc = moechat_gguf_dequant(j->type, j->w + r0 * j->row_bytes, n * (cols / j->blk), S); /* rows back to back */
+        for (int64_t t0 = 0; t0 < j->T && rc == 0; t0 += GP_TB) {
+            int nt = (int)(j->T - t0 < GP_TB ? j->T - t0 : GP_TB);
+            for (int64_t i = 0; i < n; i += GP_RB)
+                gp_tiles(S + i * cols, (int)(n - i < GP_RB ? n - i : GP_RB), j->x + t0 * cols, nt, cols,
+                         j->y + t0 * j->ldy + r0 + i, j->ldy);
+        }
+    }
+    free(S);
+    return rc;
+}
+
+/* x [T, cols] fp32 contiguous, w [rows, row_bytes] of `type` -> y [T, ldy] fp32 (row r of token t at y[t * ldy + r]).
+ * 0; -1 for a type this file does not decode or a shape it does not take; -2 where memory cannot be had. */
+int moechat_gguf_prefill(int type, const float *x, int64_t T, const uint8_t *w, int64_t rows, int64_t cols, float *y,
+                         int64_t ldy) {
+    int64_t blk, nb;
+    if (gguf_block(type, &blk, &nb) || cols <= 0 || cols % blk || rows < 0 || T < 0 || ldy < rows) return -1;
+    if (rows == 0 || T == 0) return 0;
+    GPJob j = {.type = type, .blk = blk, .row_bytes = cols / blk * nb, .cols = cols, .T = T, .ldy = ldy, .w = w,
+               .x = x, .y = y};
+    /* the pool's "bytes": multiply-adds / 4, as native_prefill.c's (a share of >= 256 KB is ~1M MACs) */
+    return moechat_parallel_for(gp_share, &j, rows, GP_RB, rows * cols / 4 * T);
 }

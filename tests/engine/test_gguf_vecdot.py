@@ -97,8 +97,8 @@ def test_one_two_three_threads_write_the_same_bits(name):
 
 
 def test_types_without_the_kernel_and_bad_shapes_take_the_tile_path():
-    raw, x = _case("Q4_1", 3, 256, seed=1)
-    assert vecdot(x, raw, TYPES["Q4_1"], 256) is None
+    raw, x = _case("F16", 3, 256, seed=1)
+    assert vecdot(x, raw, TYPES["F16"], 256) is None  # the float types: no integer dot
     raw, x = _case("Q4_K", 3, 256, seed=1)
     assert vecdot(torch.cat([x, x]), raw, TYPES["Q4_K"], 256) is None  # two tokens
     assert vecdot(x, raw[:, :144 - 1].contiguous(), TYPES["Q4_K"], 256) is None  # a row of the wrong size
@@ -106,7 +106,8 @@ def test_types_without_the_kernel_and_bad_shapes_take_the_tile_path():
     fn = lib.moechat_gguf_vecdot  # typed by the vecdot calls above
     y = torch.empty(1, 3)
     assert fn(12, x.data_ptr(), raw.data_ptr(), 3, 255, y.data_ptr()) == -1  # not a multiple of the block
-    assert fn(3, x.data_ptr(), raw.data_ptr(), 3, 256, y.data_ptr()) == -1  # Q4_1: no kernel
+    assert fn(1, x.data_ptr(), raw.data_ptr(), 3, 256, y.data_ptr()) == -1  # F16: no kernel
+    assert fn(16, x.data_ptr(), raw.data_ptr(), 3, 256, y.data_ptr()) == -1  # IQ2_XXS: a type moechat lacks
 
 
 def _format_case(types, H=256, inter=512):
@@ -129,7 +130,8 @@ def _one(x, tensors, fmt, p, cols):
     return (y + tensors[f"{p}_bias"]).to(x.dtype)
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q5_K", "Q4_1")])
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q5_K", "Q4_1"),
+                                   ("Q2_K", "Q3_K", "IQ4_XS"), ("IQ4_NL", "MXFP4", "BF16")])
 def test_format_linear_one_bf16_token_uses_the_integer_dots(types, monkeypatch):
     monkeypatch.delenv(VECDOT_ENV, raising=False)
     H, inter = 256, 512
