@@ -219,8 +219,8 @@ def test_a_bf16_gguf_model_decodes_through_the_integer_dots_as_transformers_does
     """End to end: a tiny Qwen3-MoE GGUF (Q4_K gate/up, Q6_K down) run in bf16 decodes every token's experts
     through `vecdot`, and its 16 greedy tokens are transformers' on the dequantized weights in fp32."""
     import moechat.engine.quant.gguf as G
-    from moechat.engine.runtime.generate import Engine
     from moechat.engine.load.loader import load_model
+    from moechat.engine.runtime.generate import Engine
     from tests.engine.test_gguf_load import GREEDY, _prompt, _reference, tiny_qwen3moe, write_qwen3moe_gguf
 
     monkeypatch.delenv(VECDOT_ENV, raising=False)
