@@ -1,6 +1,7 @@
 """Where experts live when they are not in a slot: the host tier (RAM) over the disk tier.
 
-An expert is a set of named tensors, as its format stores them (`w13` [2I, H], `w2` [H, I] at full
+An expert is a set of named tensors, as its format stores them (`w13` [2I, H] ([I, H]: up alone for ungated
+experts, Nemotron-H's relu^2), `w2` [H, I] at full
 width; `w13_blocks`, `w13_scales`, ... packed): a store copies one expert's stored bytes into the slot
 views it is given and says which tier the bytes came from. Packed experts stay packed in every tier.
 Three stores:
@@ -57,6 +58,8 @@ class Segment:
 
 def expert_shapes(args, dtype: torch.dtype, fmt: ExpertFormat = DENSE) -> dict[str, TensorSpec]:
     """The stored tensors of one expert of this model in this format (what every tier holds)."""
+    if not args.gated_experts:  # w13 = up alone ([I, H]); GGUF layouts take no `gated` (no ungated GGUF is read)
+        return fmt.layout(args.hidden_size, args.moe_intermediate, dtype, bias=args.expert_bias, gated=False)
     return fmt.layout(args.hidden_size, args.moe_intermediate, dtype, bias=args.expert_bias)
 
 
@@ -119,11 +122,20 @@ class DiskStore:
                 infos[name] = info
             return lambda e: [self._slice(info, name, 0, self.shapes[name][0][0], e) for name, info in infos.items()]
         fused = expert_tensor_names(cls, args, ckpt, layer)
+        rows13 = (2 if args.gated_experts else 1) * I
         if fused:
             gu, dn = ckpt.info(fused[0]), ckpt.info(fused[1])
-            self._check(gu, "w13", (E, 2 * I, H))
+            self._check(gu, "w13", (E, rows13, H))
             self._check(dn, "w2", (E, H, I))
-            return lambda e: [self._slice(gu, "w13", 0, 2 * I, e), self._slice(dn, "w2", 0, H, e)]
+            return lambda e: [self._slice(gu, "w13", 0, rows13, e), self._slice(dn, "w2", 0, H, e)]
+        if not args.gated_experts:  # up (w13's I rows) and down: no gate projection
+            def per_expert_ungated(e: int) -> list[Segment]:
+                infos = [ckpt.info(name.format(layer=layer, expert=e)) for name in (n.up, n.down)]
+                self._check(infos[0], "w13", (I, H))
+                self._check(infos[1], "w2", (H, I))
+                return [self._whole(infos[0], "w13", 0, I), self._whole(infos[1], "w2", 0, H)]
+
+            return per_expert_ungated
 
         def per_expert(e: int) -> list[Segment]:
             infos = [ckpt.info(name.format(layer=layer, expert=e)) for name in (n.gate, n.up, n.down)]
@@ -138,11 +150,14 @@ class DiskStore:
         """Per-expert weights each with its own scale tensor (FP8: `gate_proj.weight` + `.weight_scale_inv`):
         gate and up fill w13's rows and w13_scale's rows in turn, down fills w2 and w2_scale."""
         (rows13, _), (srows13, _) = self.shapes["w13"][0], self.shapes["w13_scale"][0]
-        I, nb = rows13 // 2, srows13 // 2
+        gated = self.args.gated_experts
+        I, nb = (rows13 // 2, srows13 // 2) if gated else (rows13, srows13)
+        parts = (((n.gate, "w13", 0, 0), (n.up, "w13", I, nb)) if gated else ((n.up, "w13", 0, 0),)) + \
+            ((n.down, "w2", 0, 0),)
 
         def per_expert(e: int) -> list[Segment]:
             segs = []
-            for template, target, r0, s0 in ((n.gate, "w13", 0, 0), (n.up, "w13", I, nb), (n.down, "w2", 0, 0)):
+            for template, target, r0, s0 in parts:
                 name = template.format(layer=layer, expert=e)
                 w, scale = ckpt.info(name), ckpt.info(name + suffix)
                 wshape = self.shapes[target][0]

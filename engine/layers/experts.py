@@ -17,7 +17,8 @@ batch: slot ids >= C index `batch.host_tensors` (the RAM tier's buffers), and bo
 views of the two sets of buffers alike. A second pass over the host experts cost a second round of per-batch
 work (slot ids to the host, views, the pairs' mask), a dispatch-bound share of a small model's layer.
 
-Any other expert (a packed format such as MXFP4, biases, GPT-OSS's clamped SwiGLU) takes the same two
+Any other expert (a packed format such as MXFP4, biases, GPT-OSS's clamped SwiGLU, Nemotron-H's ungated relu^2 with
+w13 = up only [I, H]) takes the same two
 strategies through the format's `linear`, which computes from the packed slot tensors of one expert
 (on the CPU: dequantized one projection at a time into a reused scratch buffer), so no layer is ever
 expanded to full width.
@@ -141,6 +142,8 @@ def _native_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: 
     """The one-token pairs ks of a CPU batch through native.moe_decode into their contrib rows; False (nothing done)
     where the kernels do not take this batch: the per-projection path then runs (the same bits, tested)."""
     fmt = batch.format
+    if not act.gated:  # the native kernels read w13 as [gate; up] (2I rows): an ungated expert takes the general path
+        return False
     if (fmt.name not in _MOE_NAMES or act.kind not in native.ACT_KINDS or hidden_states.device.type != "cpu"
             or hidden_states.dtype not in (torch.float32, torch.bfloat16) or not contrib.is_contiguous()
             or (lib := native.library()) is None):
@@ -238,7 +241,8 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
     """
     if batch.format.packed or act.kind != "swiglu" or "w13_bias" in batch.tensors:
         fused = getattr(batch.format, "fused_moe", None)
-        if fused is not None and hidden_states.is_cuda and contrib is None and act.kind in FUSED_KINDS:
+        # the Triton kernels fuse gated activations only (w13 = [gate; up]); ungated (relu2) experts never reach them
+        if fused is not None and hidden_states.is_cuda and contrib is None and act.gated and act.kind in FUSED_KINDS:
             return fused(hidden_states, topk_weights, batch, residual, act)
         return _general_compute(hidden_states, topk_weights, batch, residual, act, contrib)
     w13 = batch.tensors["w13"]  # [C, 2I, H]

@@ -48,14 +48,24 @@ class ExpertActivation:
     `swiglu`: gate rows then up rows, silu(gate) * up (Qwen3, Mixtral, OLMoE). `clamped_swiglu`: GPT-OSS's
     interleaved rows (even gate, odd up), gate.clamp(max=limit), up.clamp(-limit, limit), then
     (up + 1) * gate * sigmoid(alpha * gate). `geglu_tanh`: gate rows then up rows, gelu_tanh(gate) * up (Gemma 4).
+    `relu2`: no gate, w13 is the up projection alone ([I, H], not [2I, H]): relu(up)^2 (Nemotron-H). Only the
+    general per-projection path computes an ungated expert (the fused CPU decode and the Triton kernels read a
+    gate; `gated` is how they tell).
     """
 
     kind: str = "swiglu"
     limit: float = 7.0
     alpha: float = 1.702
 
+    @property
+    def gated(self) -> bool:
+        """True: w13 holds gate and up rows (2I); False: up rows only (I)."""
+        return self.kind != "relu2"
+
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [n, 2I] -> [n, I]."""
+        """gate_up [n, 2I] (ungated: up [n, I]) -> [n, I]."""
+        if self.kind == "relu2":
+            return torch.relu(gate_up).square()
         if self.kind == "swiglu":
             gate, up = gate_up.chunk(2, dim=-1)  # [n, I], [n, I]
             return F.silu(gate) * up
@@ -69,6 +79,7 @@ class ExpertActivation:
 
 SWIGLU = ExpertActivation()
 GEGLU_TANH = ExpertActivation("geglu_tanh")
+RELU2 = ExpertActivation("relu2")
 
 
 @dataclass(frozen=True)
@@ -177,7 +188,8 @@ def moe_reference(hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Slow obvious MoE: for every token, for every chosen expert, run its MLP and weight it.
 
-    hidden_states [T, H], topk_weights [T, K], topk_ids [T, K], w13 [E, 2I, H], w2 [E, H, I] (dense; a packed
+    hidden_states [T, H], topk_weights [T, K], topk_ids [T, K], w13 [E, 2I, H] ([E, I, H] ungated), w2 [E, H, I]
+    (dense; a packed
     format's `weight()` gives them), optional biases [E, 2I] / [E, H] -> [T, H]. Used only by tests, as the
     oracle for every fast path.
     """

@@ -1,7 +1,8 @@
 """The expert-format contract and the registry.
 
 An expert is two projections: `w13` ([2I, H]: gate and up, in the order the model's activation
-expects) and `w2` ([H, I]: down), each optionally with a bias. A format stores each projection as one
+expects; [I, H], up alone, for an ungated activation such as Nemotron-H's relu^2: `gated=False`) and `w2` ([H, I]:
+down), each optionally with a bias. A format stores each projection as one
 or more named tensors (`w13`, or `w13_blocks` + `w13_scales`, ...) plus `w13_bias` / `w2_bias` in the
 compute dtype when the model has biases. Everything a cache tier moves is `layout(...)`: its bytes are
 the expert's bytes.
@@ -20,9 +21,9 @@ TensorSpec = tuple[tuple[int, ...], torch.dtype]
 PROJECTIONS = ("w13", "w2")
 
 
-def projection_shape(which: str, hidden: int, inter: int) -> tuple[int, int]:
-    """[out, in] of a projection: w13 [2I, H], w2 [H, I]."""
-    return (2 * inter, hidden) if which == "w13" else (hidden, inter)
+def projection_shape(which: str, hidden: int, inter: int, gated: bool = True) -> tuple[int, int]:
+    """[out, in] of a projection: w13 [2I, H] ([I, H] ungated), w2 [H, I]."""
+    return ((2 if gated else 1) * inter, hidden) if which == "w13" else (hidden, inter)
 
 
 class ExpertFormat:
@@ -31,20 +32,22 @@ class ExpertFormat:
     name: ClassVar[str] = ""
     packed: ClassVar[bool] = False  # True: the stored bytes are not the compute dtype
 
-    def layout(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> dict[str, TensorSpec]:
+    def layout(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool,
+               gated: bool = True) -> dict[str, TensorSpec]:
         """The named tensors of one expert, with their shapes and dtypes (biases are in the compute dtype)."""
-        out = self.projection_layout(hidden, inter, dtype)
+        out = self.projection_layout(hidden, inter, dtype, gated)
         if bias:
-            out["w13_bias"] = ((2 * inter,), dtype)
+            out["w13_bias"] = (((2 if gated else 1) * inter,), dtype)
             out["w2_bias"] = ((hidden,), dtype)
         return out
 
-    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
+    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype,
+                          gated: bool = True) -> dict[str, TensorSpec]:
         raise NotImplementedError
 
-    def expert_bytes(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> int:
+    def expert_bytes(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool, gated: bool = True) -> int:
         return sum(torch.Size(shape).numel() * dt.itemsize for shape, dt in self.layout(hidden, inter, dtype,
-                                                                                         bias).values())
+                                                                                         bias, gated).values())
 
     def weight(self, tensors: Mapping[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
         """The slow obvious reference: projection `which` of one expert as a dense [out, in] matrix."""

@@ -14,8 +14,9 @@ class DenseFormat(ExpertFormat):
     name = "dense"
     packed = False
 
-    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
-        return {w: (projection_shape(w, hidden, inter), dtype) for w in ("w13", "w2")}
+    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype,
+                          gated: bool = True) -> dict[str, TensorSpec]:
+        return {w: (projection_shape(w, hidden, inter, gated), dtype) for w in ("w13", "w2")}
 
     def weight(self, tensors: Mapping[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
         return tensors[which].to(dtype)

@@ -62,16 +62,18 @@ class Fp8Format(ExpertFormat):
         self.block = (int(block[0]), int(block[1]))
         self.name = "fp8"
 
-    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
+    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype,
+                          gated: bool = True) -> dict[str, TensorSpec]:
         b0, b1 = self.block
-        return {"w13": ((2 * inter, hidden), FP8_DTYPE), "w13_scale": ((2 * _blocks(inter, b0), _blocks(hidden, b1)),
+        n = 2 if gated else 1  # gate and up each with their own block grid, or up alone
+        return {"w13": ((n * inter, hidden), FP8_DTYPE), "w13_scale": ((n * _blocks(inter, b0), _blocks(hidden, b1)),
                                                                         torch.float32),
                 "w2": ((hidden, inter), FP8_DTYPE), "w2_scale": ((_blocks(hidden, b0), _blocks(inter, b1)),
                                                                   torch.float32)}
 
     def weight(self, tensors: Mapping[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
         w, scale = tensors[which], tensors[f"{which}_scale"]
-        if which == "w2":
+        if not _gate_up(tensors, which):
             return dequantize_blocks(w, scale, self.block, dtype)
         half, sh = w.shape[0] // 2, scale.shape[0] // 2  # gate and up keep their own blocking
         return torch.cat([dequantize_blocks(w[:half], scale[:sh], self.block, dtype),
@@ -80,14 +82,20 @@ class Fp8Format(ExpertFormat):
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
         if x.device.type == "cpu":  # row tiles decoded with integer ops, each multiplied in cache (quant/cpu.py)
             w = tensors[which]
-            return fp8_linear(x, w, tensors[f"{which}_scale"], self.block, w.shape[0] // 2 if which == "w13" else None,
-                              tensors.get(f"{which}_bias"))
+            half = w.shape[0] // 2 if _gate_up(tensors, which) else None
+            return fp8_linear(x, w, tensors[f"{which}_scale"], self.block, half, tensors.get(f"{which}_bias"))
         return F.linear(x, self.weight(tensors, which, x.dtype), tensors.get(f"{which}_bias"))
 
     @property
     def fused_moe(self):
         """The fused Triton MoE on CUDA (kernels/quant_moe.py); None where triton is not installed."""
         return quant_fused_moe("fp8", self.block)
+
+
+def _gate_up(tensors: Mapping[str, torch.Tensor], which: str) -> bool:
+    """Whether projection `which` is gate and up stacked (each blocked on its own): w13 of 2I rows, I being w2's
+    input size; an ungated expert's w13 (Nemotron-H's relu^2: up alone, I rows) is one projection."""
+    return which == "w13" and tensors["w13"].shape[0] == 2 * tensors["w2"].shape[1]
 
 
 @cache

@@ -55,10 +55,11 @@ class Int8Format(ExpertFormat):
     name = "int8"
     packed = True
 
-    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
+    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype,
+                          gated: bool = True) -> dict[str, TensorSpec]:
         out: dict[str, TensorSpec] = {}
         for w in ("w13", "w2"):
-            rows, cols = projection_shape(w, hidden, inter)
+            rows, cols = projection_shape(w, hidden, inter, gated)
             out[f"{w}_q"] = ((rows, cols), torch.int8)
             out[f"{w}_scale"] = ((rows,), torch.float32)
         return out
@@ -116,10 +117,11 @@ class Int4Format(ExpertFormat):
     name = "int4"
     packed = True
 
-    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
+    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype,
+                          gated: bool = True) -> dict[str, TensorSpec]:
         out: dict[str, TensorSpec] = {}
         for w in ("w13", "w2"):
-            rows, cols = projection_shape(w, hidden, inter)
+            rows, cols = projection_shape(w, hidden, inter, gated)
             out[f"{w}_q"] = ((rows, cols // 2), torch.uint8)
             out[f"{w}_scale"] = ((rows, cols // int4_group(cols)), torch.float16)
         return out

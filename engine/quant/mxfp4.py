@@ -68,10 +68,11 @@ class Mxfp4Format(ExpertFormat):
     name = "mxfp4"
     packed = True
 
-    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
+    def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype,
+                          gated: bool = True) -> dict[str, TensorSpec]:
         out: dict[str, TensorSpec] = {}
         for w in ("w13", "w2"):
-            rows, cols = projection_shape(w, hidden, inter)
+            rows, cols = projection_shape(w, hidden, inter, gated)
             if cols % BLOCK:
                 raise ConfigError(f"MXFP4 experts need the input size of {w} ({cols}) to be a multiple of {BLOCK}")
             out[f"{w}_blocks"] = ((rows, cols // BLOCK, BLOCK // 2), torch.uint8)

@@ -1,0 +1,225 @@
+"""Nemotron-H (Mamba-2 + attention + ungated relu^2 MoE) end to end against transformers.
+
+A tiny model built by transformers' NemotronHConfig with every layer kind (M Mamba-2, * attention, E MoE, - MLP),
+grouped sigmoid routing with a correction bias and a scaling factor, saved with save_pretrained and its config.json
+rewritten in the Hub's spelling (`hybrid_override_pattern`, as nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B ships it).
+Also: cached at several slot counts == resident; int8/int4 experts (w13 = up alone, [I, H]) against the slow
+reference over their dequantized weights; the ungated model never takes the fused native decode; prefix reuse ==
+fresh prefill; a missing Mamba tensor is one typed line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moechat.engine.cache.provider import CacheConfig
+from moechat.engine.errors import CheckpointError
+from moechat.engine.layers import experts
+from moechat.engine.layers.moe import RELU2, SWIGLU, ExpertBatch, moe_reference
+from moechat.engine.quant.registry import get_format
+from moechat.engine.runtime.generate import Engine
+from moechat.engine.runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, do_sample=False)
+PATTERN = "M*EM-EM"
+TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=48, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4,
+            chunk_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            initializer_range=0.2, max_position_embeddings=512)
+
+
+def build(path, seed: int = 0):
+    import transformers
+
+    config = transformers.NemotronHConfig(hybrid_override_pattern=PATTERN, **TINY)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms at 1, D at 1, the correction bias at 0: random, so every weight counts
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith(".D"):
+                p.copy_(1 + torch.randn_like(p) * 0.3)
+            elif n.endswith("A_log"):
+                p.copy_(torch.rand_like(p) * 2 - 1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    model.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("layers_block_type")  # the Hub's config: the pattern string and the layer count
+    raw.pop("time_step_limit", None)
+    raw.update(hybrid_override_pattern=PATTERN, num_hidden_layers=len(PATTERN))
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nemotron_h")
+    return path, build(path)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def _greedy(engine, ids, n=16, sequence=None):
+    return [t for c in engine.generate(ids, sampling=GREEDY, max_tokens=n, sequence=sequence) for t in c.token_ids]
+
+
+def test_logits_match_transformers_prefill_and_decode(tiny):
+    path, ref = tiny
+    engine = Engine.load(path, dtype="float32", prefill_chunk=32)  # 41 tokens: chunks of 32 and 9
+    for n in (1, 5, 17, 41):
+        ids = _prompt(n, seed=n)
+        with torch.inference_mode():
+            ours = engine._forward(engine.new_sequence(), ids)
+            theirs = ref(torch.tensor([ids])).logits[0, -1]
+        err = (ours - theirs).abs().max().item()
+        assert err < 1e-4, f"{n} tokens: max |logit diff| {err:.2e}"
+    seq = engine.new_sequence()
+    with torch.inference_mode():
+        logits = engine._forward(seq, _prompt(6, seed=7))
+        for step in range(5):
+            theirs = ref(torch.tensor([seq.tokens])).logits[0, -1]
+            err = (logits - theirs).abs().max().item()
+            assert err < 1e-4, f"decode step {step}: {err:.2e}"
+            logits = engine._forward(seq, [int(logits.argmax())])
+
+
+def test_greedy_tokens_match_transformers_generate(tiny):
+    path, ref = tiny
+    engine = Engine.load(path, dtype="float32", prefill_chunk=16)
+    ids = _prompt(19, seed=121)
+    ours = _greedy(engine, ids, 16)
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=0, pad_token_id=0)
+    assert ours == out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("slots,prefetch", [(2, "off"), (3, "both"), (8, "off")])
+def test_cached_matches_resident(tiny, slots, prefetch):
+    path, _ = tiny
+    ids = _prompt(13, seed=5)
+    resident = _greedy(Engine.load(path, dtype="float32"), ids, 10)
+    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=slots, ram_cache_bytes=0,
+                                                                  prefetch=prefetch))
+    assert _greedy(engine, ids, 10) == resident
+    snap = engine.cache_snapshot()
+    asked = [h + m for h, m in zip(snap.hits, snap.misses, strict=True)]
+    moe = [i for i, c in enumerate(PATTERN) if c == "E"]
+    assert [i for i, n in enumerate(asked) if n] == moe, asked  # only the E layers ever ask for experts
+
+
+def test_ungated_experts_are_stored_up_only(tiny):
+    path, _ = tiny
+    engine = Engine.load(path, dtype="float32")
+    w = engine.loaded.provider._tensors[2]
+    assert w["w13"].shape == (8, 32, 64) and w["w2"].shape == (8, 64, 32)  # [E, I, H]: no gate rows
+    assert get_format("int4").expert_bytes(64, 32, torch.float32, False, gated=False) == \
+        2 * (32 * 64 // 2 + 32 * 64 // 32 * 2)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_experts_match_their_dequantized_reference(tiny, fmt, monkeypatch):
+    """Every projection through the format's own compute (one token and a chunk) == moe_reference over the format's
+    dequantized weights; a whole generation in that format takes the general path, never the fused decode, and
+    cached (3 slots over the repacked file) == resident."""
+    path, _ = tiny
+    engine = Engine.load(path, dtype="float32", expert_format=fmt)
+    provider = engine.loaded.provider
+    assert provider.format.name == fmt
+    f = provider.format
+    ts = provider._tensors[5]
+    assert ts["w13_q"].shape[1] == 32  # I rows of up, not 2I
+    E = ts["w2_q"].shape[0]
+    w13 = torch.stack([f.weight({k: v[e] for k, v in ts.items()}, "w13", torch.float32) for e in range(E)])
+    w2 = torch.stack([f.weight({k: v[e] for k, v in ts.items()}, "w2", torch.float32) for e in range(E)])
+    g = torch.Generator().manual_seed(3)
+    for T in (1, 7):
+        x = torch.randn(T, 64, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])  # [T, 2]
+        w = torch.rand(T, 2, generator=g)
+        batch = ExpertBatch(ts, ids, ids, format=f)
+        contrib = torch.zeros(T * 2, 64)
+        experts.expert_compute(x, w, batch, act=RELU2, contrib=contrib)
+        got = contrib.view(T, 2, 64).sum(1)
+        want = moe_reference(x, w, ids, w13, w2, act=RELU2)
+        assert (got - want).abs().max().item() < 2e-4, (fmt, T)
+    calls = []
+    real = experts.native.moe_decode
+    monkeypatch.setattr(experts.native, "moe_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = _prompt(9, seed=9)
+    want = _greedy(engine, ids, 6)
+    assert calls == []  # ungated: the general path, every step
+    # the condition is the activation: the same one-token batch with a gated kind does reach the fused kernel
+    x, w, pair = torch.randn(1, 64), torch.rand(1, 2), torch.tensor([[0, 3]])
+    batch = ExpertBatch(ts, pair, pair, format=f)
+    contrib = torch.zeros(2, 64)
+    assert not experts._native_moe(x, w, batch, RELU2, contrib, [0, 3], range(2))
+    if experts.native.library() is not None:
+        assert experts._native_moe(x, w, batch, SWIGLU, contrib, [0, 3], range(2)) and calls
+    cached = Engine.load(path, dtype="float32", expert_format=fmt, cache=CacheConfig(expert_slots=3, ram_cache_bytes=0))
+    assert _greedy(cached, ids, 6) == want
+
+
+def test_prefix_reuse_equals_fresh_prefill(tiny):
+    """Turn 2 reuses turn 1's Mamba states (the end state, or the snapshot 8 tokens before the prompt's end); its
+    tokens == a fresh prefill, for a prefix that extends the state, one that diverges in the reply, and one that
+    diverges in the prompt."""
+    path, _ = tiny
+    engine = Engine.load(path, dtype="float32", prefill_chunk=16)
+    first = _prompt(21, seed=1)
+    seq = engine.new_sequence()
+    reply = _greedy(engine, first, 6, sequence=seq)
+    history = first + reply[:-1]
+    cases = {"extends": (history + _prompt(7, seed=2), len(history)),
+             "diverges in the reply": (first + reply[:2] + _prompt(5, seed=3), len(first) - 8),
+             "diverges in the prompt": (first[:9] + _prompt(10, seed=4), 0)}
+    for what, (ids, expected) in cases.items():
+        fresh = _greedy(engine, ids, 8)
+        s = engine.new_sequence()
+        _greedy(engine, first, 6, sequence=s)
+        common = next((i for i, (a, b) in enumerate(zip(s.tokens, ids, strict=False)) if a != b),
+                      min(len(s.tokens), len(ids)))
+        keep = s.truncate(min(common, len(ids) - 1))
+        assert keep == expected, what
+        assert _greedy(engine, ids[keep:], 8, sequence=s) == fresh, what
+
+
+def test_state_is_mamba_only_and_kv_is_attention_only(tiny):
+    path, _ = tiny
+    engine = Engine.load(path, dtype="float32")
+    kv = engine.new_sequence().kv
+    assert kv.recurrent_layers == [i for i, c in enumerate(PATTERN) if c == "M"]
+    assert kv.state[0]["ssm"].shape == (8, 8, 16) and kv.state[0]["conv"].shape == (8 * 8 + 2 * 2 * 16, 3)
+    assert [i for i, k in enumerate(kv.k) if k.numel()] == [1]  # the one attention layer caches K/V
+
+
+@pytest.mark.parametrize("damage", ["missing", "wrong size"])
+def test_damaged_mamba_tensor_is_one_typed_line(tiny, damage, tmp_path):
+    path, _ = tiny
+    tensors = load_file(str(path / "model.safetensors"))
+    target = "backbone.layers.3." + ("mixer.A_log" if damage == "missing" else "mixer.conv1d.weight")
+    if damage == "missing":
+        del tensors[target]
+    else:
+        tensors[target] = tensors[target][..., :3].contiguous()  # a conv window of 3, not 4
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(CheckpointError) as e:
+        Engine.load(tmp_path, dtype="float32")
+    assert target in str(e.value) and "\n" not in str(e.value)
