@@ -51,9 +51,9 @@ def test_a_cpu_only_torch_build_is_known_without_importing_it(tmp_path, monkeypa
     import importlib.util
     from types import SimpleNamespace
 
-    from moechat.engine.plan import hardware
+    from moechat.engine.plan.hardware import detect
 
     (tmp_path / "version.py").write_text(version)
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name: SimpleNamespace(submodule_search_locations=[str(tmp_path)]))
-    assert hardware._torch_build_has_gpu() is gpu
+    assert detect._torch_build_has_gpu() is gpu

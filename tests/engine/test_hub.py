@@ -17,6 +17,7 @@ import pytest
 
 from moechat.engine.plan import hub as hubmod
 from moechat.engine.plan import hubhttp
+from moechat.engine.plan.hub import transfer as hubtransfer  # the download loop's knobs are read there
 from moechat.engine.errors import (
     DiskSpaceError,
     DownloadBusyError,
@@ -100,7 +101,7 @@ def test_connection_dropped_mid_file_resumes_with_range(hub):
 
 
 def test_network_gone_mid_file_keeps_the_bytes_and_the_next_pull_resumes(hub, monkeypatch):
-    monkeypatch.setattr(hubmod, "RETRY_DELAY_S", 0.01)
+    monkeypatch.setattr(hubtransfer, "RETRY_DELAY_S", 0.01)
     hub.server.faults.drop_at[SHARD] = 100_000
     hub.server.faults.hang_up_from[SHARD] = 100_000
     with pytest.raises(NetworkError, match=r"^model-00001.*dropped or stalled 5 times in a row.*kept: run "
@@ -121,9 +122,9 @@ def test_a_trickling_server_is_dropped_resumed_and_the_file_bounded_in_time(hub,
     """A server that sends a few bytes at a time never times out a read; the pull drops it when a window brings
     less than the minimum rate, resumes, gives up after RETRIES such windows with the bytes kept, and the next
     pull resumes from them."""
-    monkeypatch.setattr(hubmod, "RETRY_DELAY_S", 0.01)
-    monkeypatch.setattr(hubmod, "STALL_WINDOW_S", 0.3)
-    monkeypatch.setattr(hubmod, "MIN_RATE_BPS", 1 << 20)  # 1 MiB/s wanted, ~10 KiB/s sent
+    monkeypatch.setattr(hubtransfer, "RETRY_DELAY_S", 0.01)
+    monkeypatch.setattr(hubtransfer, "STALL_WINDOW_S", 0.3)
+    monkeypatch.setattr(hubtransfer, "MIN_RATE_BPS", 1 << 20)  # 1 MiB/s wanted, ~10 KiB/s sent
     hub.server.faults.slow_s, hub.server.faults.piece = 0.05, 512
     events = []
     start = time.monotonic()
@@ -143,9 +144,9 @@ def test_a_trickling_server_is_dropped_resumed_and_the_file_bounded_in_time(hub,
 
 
 def test_a_file_has_a_deadline_even_when_each_window_is_fast_enough(hub, monkeypatch):
-    monkeypatch.setattr(hubmod, "FILE_DEADLINE_S", 0.2)
-    monkeypatch.setattr(hubmod, "MIN_RATE_BPS", 1 << 30)  # the size term: nothing
-    monkeypatch.setattr(hubmod, "STALL_WINDOW_S", 1e9)
+    monkeypatch.setattr(hubtransfer, "FILE_DEADLINE_S", 0.2)
+    monkeypatch.setattr(hubtransfer, "MIN_RATE_BPS", 1 << 30)  # the size term: nothing
+    monkeypatch.setattr(hubtransfer, "STALL_WINDOW_S", 1e9)
     hub.server.faults.slow_s = 0.05
     with pytest.raises(NetworkError, match=r"^model-00001.*it is too slow: .* after \d+ s, the most moechat waits "
                        r"for a file this size.*kept: run moechat pull tiny-org/chat-moe again to resume"):
@@ -265,7 +266,7 @@ def test_listing_and_server_disagree_on_size_nothing_is_written(hub):
     repo = hub.server.repos[hub.repo]
     listing = hub.client.listing(hub.repo)
     bad = replace(listing, files=tuple(replace(f, size=f.size + 1) if f.path == SHARD else f for f in listing.files))
-    transfer = hubmod._Transfer(hub.client, hubmod._Ctx(hub.client, hub.repo), bad,
+    transfer = hubtransfer._Transfer(hub.client, hubhttp.Ctx(hub.client, hub.repo), bad,
                                 hub.client.plan_download(hub.repo, listing=bad), None, None)
     with pytest.raises(DownloadIntegrityError, match=r"the server says \d+ B, the Hub's listing \d+ B"):
         transfer.fetch(bad.file(SHARD))

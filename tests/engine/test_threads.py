@@ -106,7 +106,7 @@ def test_native_pool_follows_set_threads():
 def test_set_threads_default_and_environment(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
+    monkeypatch.setattr(hardware.cores, "usable_cores", lambda: 4)  # where set_threads looks it up
     torch.set_num_threads(4)
     assert hardware.set_threads(torch) == 3  # every core but one
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
