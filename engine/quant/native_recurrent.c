@@ -5,8 +5,9 @@
  * `delta_rule_step` / `ssd_step` / `conv_step` wrappers).
  *
  * Why: the torch steps are ~20 small ops each (normalise, repeat the key heads, decay, three batched GEMVs), a few
- * microseconds of dispatch apiece against ~2 MiB of fp32 state a layer that one pass of FMAs reads in ~0.2 ms; here
- * a head's state is read twice (decay + S^T k, then S += k u^T + S^T q) and nothing else is allocated.
+ * microseconds of dispatch apiece against ~2 MiB of fp32 state a layer; here the state is read from memory once and
+ * written once (the delta rule by blocks of 32 columns whose two passes, decay + S^T k then S += k u^T + S^T q, meet
+ * in L1) and nothing else is allocated.
  *
  * Exactness: fp32 throughout, the same operations as the torch step in the same roles (the decay applied before
  * S^T k, u = beta (v - S^T k), the rank-1 update, then the output), so each result is the torch step's up to the
@@ -22,6 +23,8 @@
 
 int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, int64_t units, int64_t align,
                          int64_t bytes);
+
+typedef float v8 __attribute__((vector_size(32))); /* GCC/Clang vectors: AVX registers, or scalar code */
 
 #define REC_MAX_D 1024 /* the largest head dim / state size the stack scratch takes (the models: 64-256) */
 
@@ -69,6 +72,8 @@ static void l2n(const void *x, int bf16, int64_t off, int64_t n, float scale, fl
     for (int64_t i = 0; i < n; i++) o[i] = o[i] * r * scale;
 }
 
+#define DCB 32 /* the delta rule's column block */
+
 static int delta_share(void *ctx, int64_t a, int64_t b) {
     const DeltaJob *j = ctx;
     const int64_t Dk = j->Dk, Dv = j->Dv, rep = j->HV / j->HK;
@@ -80,25 +85,56 @@ static int delta_share(void *ctx, int64_t a, int64_t b) {
         l2n(j->k, j->flags & 2, kh * Dk, Dk, 1.0f, kn);
         const float decay = expf(rec_ld(j->g, j->flags & 8, h)), beta = rec_ld(j->beta, j->flags & 16, h);
         float *S = j->state + h * Dk * Dv, *o = j->out + h * Dv;
-        for (int64_t c = 0; c < Dv; c++) mem[c] = 0.0f;
-        for (int64_t r = 0; r < Dk; r++) { /* decay, and S^T k */
-            float *row = S + r * Dv;
-            const float kr = kn[r];
-            for (int64_t c = 0; c < Dv; c++) {
-                row[c] *= decay;
-                mem[c] += row[c] * kr;
+        /* by blocks of DCB columns: a column's u needs only its own S^T k, so the block ([Dk, DCB], 16 KiB at Dk 128)
+         * is read from memory once and is in L1 for the second pass */
+        int64_t c0 = 0;
+        for (; c0 + DCB <= Dv; c0 += DCB) { /* a whole block in 4 vectors of 8 (registers, whatever the build) */
+            v8 m[4] = {{0}}, oo[4] = {{0}}, uu[4];
+            for (int64_t r = 0; r < Dk; r++) {
+                float *row = S + r * Dv + c0;
+                for (int i = 0; i < 4; i++) {
+                    v8 x;
+                    memcpy(&x, row + 8 * i, 32);
+                    x = x * decay;
+                    memcpy(row + 8 * i, &x, 32);
+                    m[i] += x * kn[r];
+                }
             }
+            for (int i = 0; i < 4; i++)
+                for (int l = 0; l < 8; l++) uu[i][l] = (rec_ld(j->v, j->flags & 4, h * Dv + c0 + 8 * i + l) - m[i][l]) * beta;
+            for (int64_t r = 0; r < Dk; r++) {
+                float *row = S + r * Dv + c0;
+                for (int i = 0; i < 4; i++) {
+                    v8 x;
+                    memcpy(&x, row + 8 * i, 32);
+                    x = x + kn[r] * uu[i];
+                    memcpy(row + 8 * i, &x, 32);
+                    oo[i] += x * qn[r];
+                }
+            }
+            memcpy(o + c0, oo, sizeof oo);
         }
-        for (int64_t c = 0; c < Dv; c++) {
-            u[c] = (rec_ld(j->v, j->flags & 4, h * Dv + c) - mem[c]) * beta;
-            o[c] = 0.0f;
-        }
-        for (int64_t r = 0; r < Dk; r++) { /* S += k u^T, and S^T q */
-            float *row = S + r * Dv;
-            const float kr = kn[r], qr = qn[r];
-            for (int64_t c = 0; c < Dv; c++) {
-                row[c] += kr * u[c];
-                o[c] += row[c] * qr;
+        if (c0 < Dv) { /* the last Dv % DCB columns, one at a time (the same operations) */
+            for (int64_t c = c0; c < Dv; c++) mem[c] = 0.0f;
+            for (int64_t r = 0; r < Dk; r++) {
+                float *row = S + r * Dv;
+                const float kr = kn[r];
+                for (int64_t c = c0; c < Dv; c++) {
+                    row[c] *= decay;
+                    mem[c] += row[c] * kr;
+                }
+            }
+            for (int64_t c = c0; c < Dv; c++) {
+                u[c] = (rec_ld(j->v, j->flags & 4, h * Dv + c) - mem[c]) * beta;
+                o[c] = 0.0f;
+            }
+            for (int64_t r = 0; r < Dk; r++) {
+                float *row = S + r * Dv;
+                const float kr = kn[r], qr = qn[r];
+                for (int64_t c = c0; c < Dv; c++) {
+                    row[c] += kr * u[c];
+                    o[c] += row[c] * qr;
+                }
             }
         }
     }
@@ -141,13 +177,17 @@ static int ssd_share(void *ctx, int64_t a, int64_t b) {
         for (int64_t p = 0; p < P; p++) {
             const float xp = rec_ld(j->x, j->flags & 1, h * P + p), xdt = dt * xp;
             float *row = j->state + (h * P + p) * N;
-            float acc[8] = {0};  /* lanes n mod 8, summed in a fixed order: the same bits on every build */
+            v8 acc = {0};  /* lanes n mod 8, summed in a fixed order: the same bits on every build */
             int64_t n = 0;
-            for (; n + 8 <= N; n += 8)
-                for (int l = 0; l < 8; l++) {
-                    row[n + l] = row[n + l] * da + xdt * Bv[n + l];
-                    acc[l] += row[n + l] * Cv[n + l];
-                }
+            for (; n + 8 <= N; n += 8) {
+                v8 r, bv, cv;
+                memcpy(&r, row + n, 32);
+                memcpy(&bv, Bv + n, 32);
+                memcpy(&cv, Cv + n, 32);
+                r = r * da + xdt * bv;
+                memcpy(row + n, &r, 32);
+                acc += r * cv;
+            }
             for (int l = 0; n < N; n++, l++) {
                 row[n] = row[n] * da + xdt * Bv[n];
                 acc[l] += row[n] * Cv[n];
@@ -177,10 +217,9 @@ typedef struct {
     int64_t C, W;
 } ConvJob;
 
-static int conv_share(void *ctx, int64_t a, int64_t b) {
-    const ConvJob *j = ctx;
+static inline __attribute__((always_inline)) void conv_rows(const ConvJob *j, int64_t a, int64_t b, const int xb,
+                                                            const int wb, const int bb, const int sb, const int ob) {
     const int64_t W = j->W;
-    const int xb = j->flags & 1, wb = j->flags & 2, bb = j->flags & 4, sb = j->flags & 8, ob = j->flags & 16;
     for (int64_t c = a; c < b; c++) {
         const float xc = rec_ld(j->x, xb, c);
         float s = 0.0f;
@@ -192,6 +231,14 @@ static int conv_share(void *ctx, int64_t a, int64_t b) {
             rec_st(j->state, sb, c * (W - 1) + i, rec_ld(j->state, sb, c * (W - 1) + i + 1));
         if (W > 1) rec_st(j->state, sb, c * (W - 1) + W - 2, xc);
     }
+}
+
+static int conv_share(void *ctx, int64_t a, int64_t b) {
+    const ConvJob *j = ctx;
+    const int f = j->flags;
+    if (f == 31 || f == 27) conv_rows(j, a, b, 1, 1, 1, 1, 1); /* the models' bf16 (27: no bias) */
+    else if (f == 0) conv_rows(j, a, b, 0, 0, 0, 0, 0);
+    else conv_rows(j, a, b, f & 1, f & 2, f & 4, f & 8, f & 16);
     return 0;
 }
 
