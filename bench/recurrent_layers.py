@@ -4,7 +4,9 @@ real widths (config.json from ../shared/model-configs or --config), in bf16 on t
     python bench/recurrent_layers.py [--context 4096] [--threads 1] [--rounds 5]
 
 Prints the median ms per step (interleaved rounds, min-max beside it) for: the delta-rule layer (projections, conv,
-recurrence, gated norm, out_proj), the recurrence alone, and the gated attention layer with `context` cached positions.
+recurrence, gated norm, out_proj) with the native one-token steps (native_recurrent.c) and with the torch steps
+(MOECHAT_RECURRENT_NATIVE=0), the recurrence and the conv alone each way, Mamba-2's SSM step at Nemotron-3-Nano's
+widths (64 heads x 64 x 128) each way, and the gated attention layer with `context` cached positions.
 The issue's aim: a recurrent layer costs no more per token than a full-attention layer at 4k context.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +23,7 @@ import torch
 
 from moechat.engine.layers.kv_cache import KVCache
 from moechat.engine.models import gated_deltanet as gd
+from moechat.engine.models import mamba2
 from moechat.engine.models.qwen3_5_moe import Qwen3_5MoeArgs
 from moechat.engine.models.qwen3_next import GatedAttention, GatedDeltaNet
 
@@ -63,20 +67,34 @@ def main() -> None:
     v = torch.randn(1, args.linear_num_value_heads, args.linear_value_head_dim)
     g1, b1 = -torch.rand(1, args.linear_num_value_heads), torch.rand(1, args.linear_num_value_heads)
 
-    cases = {
-        "Gated DeltaNet layer": lambda: delta.forward(x, kv, x),
-        "  delta rule alone": lambda: gd.delta_rule_step(q, q, v, g1, b1, st["ssm"]),
-        f"gated attention, {a.context} cached": lambda: attn.forward(x, cos, sin, kv, a.context, x),
-    }
+    qkv = torch.randn(1, delta.conv_dim, dtype=dt)
+    # Mamba-2 at Nemotron-3-Nano-30B-A3B's widths: 64 heads x 64, 8 groups x 128, conv over 4096 + 2 x 8 x 128
+    mH, mP, mG, mN = 64, 64, 8, 128
+    m_state = torch.zeros(mH, mP, mN)
+    mx, mB = torch.randn(1, mH, mP, dtype=dt), torch.randn(1, mG, mN, dtype=dt)
+    mdt, mA, mD = torch.rand(1, mH) * 0.1, -torch.rand(mH), torch.randn(mH)
+    mC = mH * mP + 2 * mG * mN
+    m_conv, m_w, m_xc = torch.zeros(mC, 3, dtype=dt), torch.randn(mC, 4, dtype=dt) * 0.1, torch.randn(1, mC, dtype=dt)
+
+    cases = {}  # name -> (fn, MOECHAT_RECURRENT_NATIVE)
+    for way, env in (("native", "1"), ("torch", "0")):
+        cases[f"Gated DeltaNet layer, {way} steps"] = (lambda: delta.forward(x, kv, x), env)
+        cases[f"  delta rule alone, {way}"] = (lambda: gd.delta_rule(q, q, v, g1, b1, st["ssm"]), env)
+        cases[f"  conv alone, {way}"] = (lambda: gd.causal_conv1d(qkv, delta.conv_w, st["conv"]), env)
+        cases[f"Mamba-2 SSM step, {way}"] = (lambda: mamba2.ssd(mx, mdt, mA, mB, mB, mD, m_state), env)
+        cases[f"  Mamba-2 conv, {way}"] = (lambda: gd.causal_conv1d(m_xc, m_w, m_conv, m_w[:, 0]), env)
+    cases[f"gated attention, {a.context} cached"] = (lambda: attn.forward(x, cos, sin, kv, a.context, x), "1")
     times = {k: [] for k in cases}
     with torch.inference_mode():
         for _ in range(a.rounds):
-            for name, fn in cases.items():  # interleaved: each round runs every case
+            for name, (fn, env) in cases.items():  # interleaved: each round runs every case
+                os.environ[gd.ENV] = env
                 fn()
                 t0 = time.perf_counter()
                 for _ in range(a.steps):
                     fn()
                 times[name].append((time.perf_counter() - t0) / a.steps * 1e3)
+        os.environ[gd.ENV] = "1"
         xp = torch.randn(a.prefill, H, dtype=dt)
         cp, sp = torch.ones(a.prefill, 1, R, dtype=dt), torch.zeros(a.prefill, 1, R, dtype=dt)
         pre = {"Gated DeltaNet layer": [], "gated attention (from 0)": []}
