@@ -17,8 +17,8 @@ of --runs with the range beside them:
    process's end (quit);
 4. threads under contention: decode tok/s of `moechat run` (128 greedy tokens) with the machine as it is
    and with a busy-loop neighbour process, for the default thread count (every core but one,
-   engine/plan/hardware.py leave_a_core) and for every core (OMP_NUM_THREADS = cores), interleaved; the ratio
-   busy / idle is what the default is chosen for (>= 0.5 is the aim).
+   engine/plan/hardware/cores.py leave_a_core) and for every core (OMP_NUM_THREADS = cores), interleaved; the
+   ratio busy / idle is what the default is chosen for (>= 0.5 is the aim).
 
 The issue's bar (18): first token under 2 s on the 2-core CI machine when it is idle, the first frame under
 1 s. The load average at the start and the end is printed: on a shared machine, read the ratios, not the

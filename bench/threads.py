@@ -18,7 +18,7 @@ interleaved round by round (a busy neighbour hits all of them alike) and the tab
 Why: torch's OpenMP workers spin after each op (libgomp's default, OMP_WAIT_POLICY unset: ~200 ms on a
 machine with fewer threads than cores) and take the core that native.c's pool wants next (issue 27); passive puts
 them to sleep at once. `moechat run`/`serve`/`chat` set passive before torch loads unless the user set a policy
-(engine/plan/hardware.py quiet_openmp), and size the pool with `--threads` (default `leave_a_core`).
+(engine/plan/hardware/cores.py quiet_openmp), and size the pool with `--threads` (default `leave_a_core`).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class GenerationCancelled(MoechatError):
     """Raised inside the engine when the caller cancels; never escapes the public API."""
 
 
-# -- the Hugging Face Hub (engine/plan/hub.py) ----------------------------------------------------------------
+# -- the Hugging Face Hub (engine/plan/hub/) -----------------------------------------------------------------
 
 class HubError(MoechatError):
     """Talking to the Hugging Face Hub, or downloading from it, failed. `repo_id` names the repo."""

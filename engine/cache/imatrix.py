@@ -39,7 +39,7 @@ MAX_NAME = 4096  # tensor names are < 100 bytes; a larger length is a damaged fi
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|gate_up|down)_exps\.weight$")
 _KIND_ORDER = ("gate", "up", "gate_up", "down")  # the router's choice is the same for all: the first one wins
 # The names llama.cpp (imatrix.gguf, imatrix.dat), unsloth (imatrix_unsloth.gguf) and others give it; the same rule
-# as engine/plan/hub.py's is_imatrix_path, so what a pull fetches beside a quant is found here.
+# as engine/plan/hub/names.py's is_imatrix_path, so what a pull fetches beside a quant is found here.
 IMATRIX_NAMES = ("imatrix*.gguf", "imatrix*.dat", "*.imatrix.gguf", "*.imatrix.dat", "*imatrix*.dat", "*.imatrix")
 
 
