@@ -10,7 +10,7 @@ experts fit), two setups:
   global     one policy over all (layer, expert) keys, capacity C x MoE layers.
 A step is one row of the trace (one token at one layer): the pool accesses its K experts, then for each
 miss evicts the policy's victim (never one of the step's own experts) and admits the miss, as
-engine/cache/provider.py does. Caches start cold; decode traces replay each generation cold, prefill
+engine/cache/provider/core.py does. Caches start cold; decode traces replay each generation cold, prefill
 traces one stream across prompts (the setup of ../shared/traces/README.md section 3, whose table is
 then recomputed under its own definitions and compared; for the DeepSeek rows that needs the whole
 trace, --max-tokens 0). `--json` prints a list of {trace, policy, pool, capacity_per_layer, hit_rate}.

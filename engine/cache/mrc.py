@@ -6,7 +6,7 @@ key's previous use) is <= C, and one pass that finds every request's distance gi
 every C at once. Replaying the trace once per candidate size instead costs a replay per slider
 position: for a 48-layer x 128-expert model that is 6,144 replays.
 
-The engine's pool works in steps (engine/cache/provider.py): a step (one decode token at one layer,
+The engine's pool works in steps (engine/cache/provider/core.py): a step (one decode token at one layer,
 or a whole prefill chunk at one layer) looks up its distinct experts, then loads its misses, evicting
 only keys outside the step. So a request's distance here is counted in the stack as it stood when its
 step began, and the curve equals the provider running `LRUPolicy` exactly at every C >= the largest

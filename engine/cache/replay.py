@@ -2,7 +2,7 @@
 
 `mrc.lru_hit_curve` gives LRU at every slot count in one pass (LRU is a stack algorithm); the other
 policies (LFU, LFRU, LRFU, ARC, the layered ones) are not, so they are replayed once per slot count, in
-Python, as the provider drives them (engine/cache/provider.py): a step (one decode token at one layer, or a
+Python, as the provider drives them (engine/cache/provider/core.py): a step (one decode token at one layer, or a
 prefill chunk at one layer) accesses its distinct experts, then admits its misses, each evicting the
 policy's victim outside the step. A step with more distinct experts than slots is loaded in groups of at
 most C, as the provider does. Cost: ~2 us a request; the latest `MAX_ROWS` rows (20,000 x top-8 = 160k

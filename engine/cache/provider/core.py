@@ -43,6 +43,9 @@ def _pairs(flat: torch.Tensor, experts: list[int]) -> torch.Tensor:
 
 
 class CachedProvider(HostCompute, SlotPrefetch, Snapshots):
+    """The ExpertProvider over a slot pool (see the module docstring). Every attribute is set here; the mixins
+    (host.py, prefetching.py, snapshot.py) only add methods over this state."""
+
     def __init__(self, pool: SlotPool, store, policy: EvictionPolicy, recorder=None, *, transfer=None, copies=None):
         self.pool = pool
         self.store = store

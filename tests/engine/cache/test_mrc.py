@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from moechat.engine.cache.mrc import _count_dominated, lru_hit_curve, stack_distances
-from moechat.engine.plan import MissRatioCurve
 from moechat.engine.cache.policy import make_policy
 from moechat.engine.cache.trace import DECODE, PREFILL, RoutingTrace, TraceRecorder
+from moechat.engine.plan import MissRatioCurve
 
 DEMO_TRACE = Path(__file__).resolve().parents[3] / "assets" / "demo-moe" / "routing_trace.npz"
 
@@ -43,7 +43,7 @@ def recorded_session(seed: int, L: int = 4, E: int = 12, K: int = 3, turns: int 
 
 
 def brute_force_lru(steps, capacity: int, decode_only: bool) -> int:
-    """Hits of engine/cache/provider.py's loop over `LRUPolicy`: access the step's keys, then load misses."""
+    """Hits of engine/cache/provider/core.py's loop over `LRUPolicy`: access the step's keys, then load misses."""
     policy = make_policy("lru", capacity=capacity)
     resident: set = set()
     hits = 0
