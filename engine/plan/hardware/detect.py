@@ -121,7 +121,6 @@ def _probe_nvml(nvml, notes: list[str]) -> list[GpuInfo] | None:
             pass
 
 
-
 # -- torch.cuda ------------------------------------------------------------------------------------------
 
 def _default_cuda(nvml_ok: bool):
@@ -266,7 +265,6 @@ def _fill_memory_from_torch(cuda, g: GpuInfo, notes: list[str]) -> GpuInfo:
     free, total = (_int_or_none(v) for v in info)
     src = g.source if "torch" in g.source else f"{g.source}+torch"
     return replace(g, free_bytes=free, total_bytes=total if total is not None else g.total_bytes, source=src)
-
 
 
 def _meminfo(path: Path) -> tuple[int | None, int | None]:

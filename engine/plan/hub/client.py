@@ -540,6 +540,7 @@ class Hub:
             os.replace(tmp, target)
         return snapshot
 
+
 # -- module-level shortcuts (the defaults of the environment) -------------------------------------------------
 
 def download(repo_id: str, revision: str | None = None, *, progress: ProgressSink | None = None,
