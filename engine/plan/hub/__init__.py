@@ -21,8 +21,9 @@ The package, by seam (each module imports only those above it):
 * `client.py`: `Hub`, the client: local snapshots, listings, config and safetensors headers, `fit`, `catalog`,
   `search`, `download`; and the module-level shortcuts with the environment's defaults.
 
-Re-exported here: every name callers took from the single module this package replaces, except the tuning knobs
-above (patching a copy here would change nothing).
+Re-exported here: every name callers took from the single module this package replaces, except its units and
+tuning knobs (transfer's above; client's DEFAULT_ENDPOINT, MAX_JSON_BYTES, DISK_MARGIN_*): read or patch them in
+the part that holds them, since patching a copy here would change nothing.
 """
 
 from __future__ import annotations
