@@ -198,3 +198,47 @@ def test_shapes_the_kernels_do_not_take_are_an_error(lib):
     with pytest.raises(RuntimeError, match="delta rule"):
         native.delta_rule_step(lib, q, q, torch.zeros(4, 8), torch.zeros(4), torch.zeros(4), torch.zeros(4, 8, 8),
                                torch.zeros(4, 8))
+
+
+@pytest.mark.parametrize("T", [1, gd.CHUNK - 1, gd.CHUNK + 1])
+@pytest.mark.parametrize("shape", [(1, 1, 5, 3), (1, 3, 13, 7)], ids=str)
+def test_delta_rule_chunked_at_odd_shapes(shape, T):
+    """The chunked prefill (and the fast dispatch) at one head / odd head dims, against the reference."""
+    q, k, v, decay, beta, s0 = _delta_inputs(shape, torch.float32, T, T + shape[3])
+    s_ref, s_chunk, s_fast = s0.clone(), s0.clone(), s0.clone()
+    o_ref = gd.delta_rule_reference(q, k, v, decay, beta, s_ref)
+    torch.testing.assert_close(gd.delta_rule_chunked(q, k, v, decay, beta, s_chunk), o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(gd.delta_rule(q, k, v, decay, beta, s_fast), o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s_chunk, s_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s_fast, s_ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, mamba2.CHUNK - 1, mamba2.CHUNK + 1])
+@pytest.mark.parametrize("shape", [(1, 1, 3, 5), (3, 1, 5, 11)], ids=str)
+def test_ssd_chunked_at_odd_shapes(shape, T):
+    x, dt, A, B, C, D, s0 = _ssd_inputs(shape, torch.float32, T, T + shape[3])
+    s_ref, s_chunk, s_fast = s0.clone(), s0.clone(), s0.clone()
+    y_ref = mamba2.ssd_reference(x, dt, A, B, C, D, s_ref)
+    torch.testing.assert_close(mamba2.ssd_chunked(x, dt, A, B, C, D, s_chunk), y_ref, atol=3e-5, rtol=5e-5)
+    torch.testing.assert_close(mamba2.ssd(x, dt, A, B, C, D, s_fast), y_ref, atol=3e-5, rtol=5e-5)
+    torch.testing.assert_close(s_chunk, s_ref, atol=3e-5, rtol=5e-5)
+    torch.testing.assert_close(s_fast, s_ref, atol=3e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("T", [1, 3, 9])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv_prefill_then_native_steps_is_the_reference(lib, T, dtype):
+    """A prefill of T through causal_conv1d (grouped conv1d; T = 1 the native step), then native steps: the window
+    continues where it left off, outputs as the reference's over the whole sequence."""
+    g = torch.Generator().manual_seed(T)
+    Cn, W = 11, 4
+    x = torch.randn(T + 4, Cn, generator=g).to(dtype)
+    w, b = torch.randn(Cn, W, generator=g).to(dtype), torch.randn(Cn, generator=g).to(dtype)
+    st0 = torch.randn(Cn, W - 1, generator=g).to(dtype)
+    ref_state, state = st0.clone(), st0.clone()
+    want = gd.causal_conv1d_reference(x, w, ref_state, b)
+    got = torch.cat([gd.causal_conv1d(x[:T], w, state, b)] + [gd.causal_conv1d(x[t : t + 1], w, state, b)
+                                                              for t in range(T, T + 4)])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(state, ref_state)
