@@ -6,6 +6,44 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if (defined(__F16C__) || defined(__AVX2__)) && !defined(MOECHAT_SCALAR)
+#include <immintrin.h>
+#endif
+static const int8_t gguf_fp4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const int8_t gguf_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#if defined(__AVX2__) && !defined(MOECHAT_SCALAR)
+#define GD_SIMD 1
+/* 16 signed byte codes q -> y[l] = dl * q[l] (- ml): the reference's two roundings, 8 lanes at a time */
+static inline void gd_put16(float *y, __m128i q, float dl, float ml, int min) {
+    __m256 s = _mm256_set1_ps(dl), m = _mm256_set1_ps(ml);
+    __m256 a = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    __m256 b = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
+    _mm256_storeu_ps(y, min ? _mm256_sub_ps(a, m) : a);
+    _mm256_storeu_ps(y + 8, min ? _mm256_sub_ps(b, m) : b);
+}
+/* 16 bytes at p, each shifted right by n, masked */
+static inline __m128i gd_bits(const uint8_t *p, int n, int mask) {
+    return _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128(n)),
+                         _mm_set1_epi8((char)mask));
+}
+/* 16 bytes of nibbles at p -> y[0..15] from the low nibbles, y[16..31] from the high ones: codes through an int8
+ * table (lut) or less `off`, times dl */
+static inline void gd_nibbles(float *y, const uint8_t *p, const int8_t *lut, int off, float dl) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    if (lut) {
+        __m128i t = _mm_loadu_si128((const __m128i *)lut);
+        lo = _mm_shuffle_epi8(t, lo), hi = _mm_shuffle_epi8(t, hi);
+    } else {
+        lo = _mm_sub_epi8(lo, _mm_set1_epi8((char)off)), hi = _mm_sub_epi8(hi, _mm_set1_epi8((char)off));
+    }
+    gd_put16(y, lo, dl, 0.0f, 0);
+    gd_put16(y + 16, hi, dl, 0.0f, 0);
+}
+#else
+#define GD_SIMD 0
+#endif
 
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
@@ -36,18 +74,21 @@ static inline void gguf_scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
     }
 }
 
-static const int8_t gguf_fp4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-static const int8_t gguf_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* type: the ggml type id; src: nblocks blocks back to back; dst: nblocks x the type's values. 0, or -1 for a type
  * decoded only by the torch path. */
-int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *dst) {
+int moechat_gguf_dequant(int type, const uint8_t *restrict src, int64_t nblocks, float *restrict dst) {
     if (type == 0) { /* F32: one value a block */
         memcpy(dst, src, (size_t)nblocks * 4);
         return 0;
     }
     if (type == 1 || type == 30) { /* F16 / BF16 (the top half of an fp32) */
-        for (int64_t i = 0; i < nblocks; i++) {
+        int64_t i = 0;
+#if defined(__F16C__) && !defined(MOECHAT_SCALAR)
+        for (; type == 1 && i + 8 <= nblocks; i += 8) /* F16C's conversion: exact, as gguf_h2f */
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+#endif
+        for (; i < nblocks; i++) {
             uint32_t bits = (uint32_t)(src[2 * i] | (src[2 * i + 1] << 8)) << 16;
             if (type == 1) dst[i] = gguf_h2f(src + 2 * i);
             else memcpy(dst + i, &bits, 4);
@@ -62,6 +103,10 @@ int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *d
         } else if (type == 2) { /* Q4_0: d, qs[16]: low nibbles values 0..15, high 16..31, minus 8 */
             const uint8_t *x = src + b * 18;
             float d = gguf_h2f(x), *y = dst + b * 32;
+#if GD_SIMD
+            gd_nibbles(y, x + 2, NULL, 8, d);
+            continue;
+#endif
             for (int i = 0; i < 16; i++) {
                 y[i] = d * (float)((x[2 + i] & 0x0f) - 8);
                 y[i + 16] = d * (float)((x[2 + i] >> 4) - 8);
@@ -93,14 +138,24 @@ int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *d
         } else if (type == 20) { /* IQ4_NL: d, qs[16]: d * codebook[q] */
             const uint8_t *x = src + b * 18;
             float d = gguf_h2f(x), *y = dst + b * 32;
+#if GD_SIMD
+            gd_nibbles(y, x + 2, gguf_iq4, 0, d);
+            continue;
+#endif
             for (int i = 0; i < 16; i++) {
                 y[i] = d * (float)gguf_iq4[x[2 + i] & 0x0f];
                 y[i + 16] = d * (float)gguf_iq4[x[2 + i] >> 4];
             }
         } else if (type == 39) { /* MXFP4: e (E8M0), qs[16]: 2^(e - 128) x the doubled E2M1 value, exact */
             const uint8_t *x = src + b * 17;
-            int e = (int)x[0] - 128;
-            float s = ldexpf(1.0f, e), *y = dst + b * 32; /* a power of two: each product below is exact */
+            /* 2^(e - 128) from its bits (ldexpf's value, without the call): a normal from e = 2, subnormals below */
+            uint32_t bits = x[0] >= 2 ? (uint32_t)(x[0] - 1) << 23 : (uint32_t)1 << (21 + x[0]);
+            float s, *y = dst + b * 32; /* a power of two: each product below is exact */
+            memcpy(&s, &bits, 4);
+#if GD_SIMD
+            gd_nibbles(y, x + 1, gguf_fp4x2, 0, s);
+            continue;
+#endif
             for (int i = 0; i < 16; i++) {
                 y[i] = (float)gguf_fp4x2[x[1 + i] & 0x0f] * s;
                 y[i + 16] = (float)gguf_fp4x2[x[1 + i] >> 4] * s;
@@ -126,40 +181,58 @@ int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *d
             float d = gguf_h2f(x + 208), *y = dst + b * 256;
             const uint8_t *ql = x, *qh = x + 128;
             const int8_t *sc = (const int8_t *)(x + 192);
-            for (int n = 0; n < 2; n++) {
-                for (int l = 0; l < 32; l++) {
-                    int is = l / 16;
-                    int q1 = ((ql[64 * n + l] & 0x0f) | (((qh[32 * n + l] >> 0) & 3) << 4)) - 32;
-                    int q2 = ((ql[64 * n + l + 32] & 0x0f) | (((qh[32 * n + l] >> 2) & 3) << 4)) - 32;
-                    int q3 = ((ql[64 * n + l] >> 4) | (((qh[32 * n + l] >> 4) & 3) << 4)) - 32;
-                    int q4 = ((ql[64 * n + l + 32] >> 4) | (((qh[32 * n + l] >> 6) & 3) << 4)) - 32;
-                    float *yy = y + 128 * n;
-                    yy[l] = d * (float)sc[8 * n + is] * (float)q1;
-                    yy[l + 32] = d * (float)sc[8 * n + is + 2] * (float)q2;
-                    yy[l + 64] = d * (float)sc[8 * n + is + 4] * (float)q3;
-                    yy[l + 96] = d * (float)sc[8 * n + is + 6] * (float)q4;
-                }
-            }
+            /* value 128n + 32k + 16h + l: the low 4 bits of ql[64n + 32(k & 1) + 16h + l] (the high nibble for k >= 2),
+             * the top 2 bits 2k of qh[32n + 16h + l]; its scale sc[8n + 2k + h] (16 values a scale) */
+            for (int n = 0; n < 2; n++)
+                for (int k = 0; k < 4; k++)
+                    for (int h = 0; h < 2; h++) {
+                        float dl = d * (float)sc[8 * n + 2 * k + h];
+                        const uint8_t *lo = ql + 64 * n + 32 * (k & 1) + 16 * h, *hi = qh + 32 * n + 16 * h;
+                        float *yy = y + 128 * n + 32 * k + 16 * h;
+                        int s4 = 4 * (k >> 1), s2 = 2 * k;
+#if GD_SIMD
+                        __m128i q = _mm_or_si128(gd_bits(lo, s4, 0x0f), _mm_slli_epi16(gd_bits(hi, s2, 3), 4));
+                        gd_put16(yy, _mm_sub_epi8(q, _mm_set1_epi8(32)), dl, 0.0f, 0);
+                        continue;
+#endif
+                        for (int l = 0; l < 16; l++)
+                            yy[l] = dl * (float)((((lo[l] >> s4) & 0x0f) | (((hi[l] >> s2) & 3) << 4)) - 32);
+                    }
         } else if (type == 10) { /* Q2_K: scales[16] (low nibble scale, high min), qs[64], d, dmin */
             const uint8_t *x = src + b * 84, *qs = x + 16;
             float d = gguf_h2f(x + 80), dmin = gguf_h2f(x + 82), *y = dst + b * 256;
-            for (int n = 0; n < 2; n++) /* value 128n + 32j + i: bits 2j of byte 32n + i; its group 8n + 2j + i / 16 */
+            /* value 128n + 32j + 16h + l: bits 2j of byte 32n + 16h + l; its group g = 8n + 2j + h */
+            for (int n = 0; n < 2; n++)
                 for (int jj = 0; jj < 4; jj++)
-                    for (int i = 0; i < 32; i++) {
-                        int g = 8 * n + 2 * jj + i / 16;
+                    for (int h = 0; h < 2; h++) {
+                        int g = 8 * n + 2 * jj + h;
                         float dl = d * (float)(x[g] & 0x0f), ml = dmin * (float)(x[g] >> 4);
-                        y[128 * n + 32 * jj + i] = dl * (float)((qs[32 * n + i] >> (2 * jj)) & 3) - ml;
+                        const uint8_t *q = qs + 32 * n + 16 * h;
+                        float *yy = y + 16 * g;
+#if GD_SIMD
+                        gd_put16(yy, gd_bits(q, 2 * jj, 3), dl, ml, 1);
+                        continue;
+#endif
+                        for (int l = 0; l < 16; l++) yy[l] = dl * (float)((q[l] >> (2 * jj)) & 3) - ml;
                     }
         } else if (type == 11) { /* Q3_K: hmask[32], qs[64], scales[12] (16 of 6 bits, less 32), d */
             const uint8_t *x = src + b * 110, *hm = x, *qs = x + 32, *s = x + 96;
             float d = gguf_h2f(x + 108), *y = dst + b * 256;
-            for (int n = 0; n < 2; n++)
+            for (int n = 0; n < 2; n++) /* as Q2_K's, the third bit (clear: less 4) bit 4n + j of hmask[16h + l] */
                 for (int jj = 0; jj < 4; jj++)
-                    for (int i = 0; i < 32; i++) {
-                        int g = 8 * n + 2 * jj + i / 16;
+                    for (int h = 0; h < 2; h++) {
+                        int g = 8 * n + 2 * jj + h, sh = 4 * n + jj;
                         int lo = g < 8 ? s[g] & 0x0f : s[g - 8] >> 4, hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
-                        int q = ((qs[32 * n + i] >> (2 * jj)) & 3) - (((hm[i] >> (4 * n + jj)) & 1) ? 0 : 4);
-                        y[128 * n + 32 * jj + i] = d * (float)((lo | (hi << 4)) - 32) * (float)q;
+                        float dl = d * (float)((lo | (hi << 4)) - 32);
+                        const uint8_t *q = qs + 32 * n + 16 * h, *m = hm + 16 * h;
+                        float *yy = y + 16 * g;
+#if GD_SIMD
+                        __m128i c = _mm_or_si128(gd_bits(q, 2 * jj, 3), _mm_slli_epi16(gd_bits(m, sh, 1), 2));
+                        gd_put16(yy, _mm_sub_epi8(c, _mm_set1_epi8(4)), dl, 0.0f, 0);
+                        continue;
+#endif
+                        for (int l = 0; l < 16; l++)
+                            yy[l] = dl * (float)((int)((q[l] >> (2 * jj)) & 3) - (int)((~m[l] >> sh) & 1) * 4);
                     }
         } else if (type == 23) { /* IQ4_XS: d, scales_h u16, scales_l[4], qs[128] */
             const uint8_t *x = src + b * 136;
@@ -169,6 +242,10 @@ int moechat_gguf_dequant(int type, const uint8_t *src, int64_t nblocks, float *d
                 int ls = ((x[4 + ib / 2] >> (4 * (ib % 2))) & 0x0f) | (((sh >> (2 * ib)) & 3) << 4);
                 float dl = d * (float)(ls - 32);
                 const uint8_t *qs = x + 8 + 16 * ib;
+#if GD_SIMD
+                gd_nibbles(y + 32 * ib, qs, gguf_iq4, 0, dl);
+                continue;
+#endif
                 for (int i = 0; i < 16; i++) {
                     y[32 * ib + i] = dl * (float)gguf_iq4[qs[i] & 0x0f];
                     y[32 * ib + i + 16] = dl * (float)gguf_iq4[qs[i] >> 4];

@@ -136,12 +136,29 @@ def builds(tmp_path_factory):
         so = d / f"{name}.so"
         subprocess.run([cc, "-O2", *flags, "-shared", "-fPIC", "-fno-math-errno", "-o", str(so), src,
                         str(d / "pool.c"), "-lm"], check=True, capture_output=True, timeout=60)
-        fn = ctypes.CDLL(str(so)).moechat_gguf_prefill
+        lib = ctypes.CDLL(str(so))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ctypes.c_int, p, i64, p, i64, i64, p, i64]
-        fn.restype = ctypes.c_int
-        out[name] = fn
+        lib.moechat_gguf_prefill.argtypes = [ctypes.c_int, p, i64, p, i64, i64, p, i64]
+        lib.moechat_gguf_dequant.argtypes = [ctypes.c_int, p, i64, p]
+        for f in (lib.moechat_gguf_prefill, lib.moechat_gguf_dequant):
+            f.restype = ctypes.c_int
+        out[name] = lib
     return out
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_every_build_decodes_bit_for_bit(builds, name):
+    """The tile decoders' SIMD forms (AVX2 here, AVX-512 where the machine's build targets it) and the scalar C: each
+    the torch reference bit for bit (itself the gguf package's: tests/engine/test_gguf_quant.py)."""
+    from moechat.engine.quant.gguf import dequantize
+
+    raw = torch.from_numpy(random_blocks(name, 5, 512, seed=13))
+    want = dequantize(raw, name, 512)
+    for build, lib in builds.items():
+        y = torch.empty(5, 512)
+        assert lib.moechat_gguf_dequant(TYPES[name].id, raw.data_ptr(), raw.numel() // TYPES[name].nbytes,
+                                        y.data_ptr()) == 0, build
+        assert torch.equal(y, want), build
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_1", "MXFP4", "BF16"])
@@ -152,7 +169,8 @@ def test_every_build_is_within_the_bound(builds, name):
     raw = torch.from_numpy(random_blocks(name, rows, cols, seed=3))
     x = torch.randn(T, cols, generator=torch.Generator().manual_seed(9))
     w = _package_w(name, raw)
-    for build, fn in builds.items():
+    for build, lib in builds.items():
         y = torch.empty(T, rows)
-        assert fn(TYPES[name].id, x.data_ptr(), T, raw.data_ptr(), rows, cols, y.data_ptr(), rows) == 0, build
+        rc = lib.moechat_gguf_prefill(TYPES[name].id, x.data_ptr(), T, raw.data_ptr(), rows, cols, y.data_ptr(), rows)
+        assert rc == 0, build
         assert _check_bound(y, x, w) < 0.01, build
