@@ -1,4 +1,4 @@
-"""Fuzzing the server's gate (app/serve/server.py `Gate`): random Host / Origin / Content-Type / method / path / body
+"""Fuzzing the server's gate (app/serve/gate.py `Gate`): random Host / Origin / Content-Type / method / path / body
 combinations sent in-process to the real Starlette app and worker over a scripted engine. Whatever is sent, the
 answer is one of the statuses the gate and the routes define, with an OpenAI-shaped JSON body, never a 500; and
 what the gate must refuse, it refuses (a foreign Host: 421; a foreign Origin: 403; a POST that is not JSON: 415).
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from moechat.app.serve.server import GateConfig
+from moechat.app.serve.gate import GateConfig
 
 _spec = importlib.util.spec_from_file_location("serveproc", Path(__file__).parent / "serveproc.py")
 serveproc = importlib.util.module_from_spec(_spec)

@@ -1,4 +1,4 @@
-"""The server's gate (app/serve/server.py `Gate`, `GateConfig`, `gated_protocol`): Host, Origin, content type, body size
+"""The server's gate (app/serve/gate.py `Gate`, `GateConfig`, `gated_protocol`): Host, Origin, content type, body size
 in-process over the real Starlette app and worker (a scripted engine); header deadline, idle timeout and the
 connection cap with real sockets against a real uvicorn on loopback, with deadlines of a fraction of a second.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from moechat.app.serve.server import GateConfig, _uvicorn_server, model_info, uvicorn_config
+from moechat.app.serve.gate import GateConfig, uvicorn_config
+from moechat.app.serve.server import _uvicorn_server, model_info
 
 _spec = importlib.util.spec_from_file_location("serveproc", Path(__file__).parents[1] / "serveproc.py")
 serveproc = importlib.util.module_from_spec(_spec)
