@@ -58,7 +58,6 @@ SUPPORTED_TYPES = _registered_types()
 
 # model_type -> what the engine lacks for it (shown next to the entry, and for Hub search results).
 MISSING_FEATURES: dict[str, str] = {
-    "nemotron_h": "needs Mamba-2 layers and non-gated relu^2 experts (an expert layout without a gate projection)",
     "phimoe": "needs SparseMixer routing",
     "granitemoe": "needs Granite's scaled residuals and routing",
     "llama4": "needs interleaved dense/MoE layers with a shared expert, chunked attention and NoPE layers",
@@ -185,10 +184,12 @@ CATALOG: tuple[CatalogEntry, ...] = (
                  (_SOFTMAX, "512 experts top-10", "Gated DeltaNet (36 of 48 layers)", "gated attention",
                   "gated shared expert", "partial rotary"),
                  note="KV 24 KiB a token + 74 MiB of recurrent state; its MTP layer is not loaded"),
-    # -- popular, not yet ---------------------------------------------------------------------------------
+    # Mamba-2 hybrid: 23 Mamba-2, 6 attention (no positional encoding) and 23 MoE layers
     CatalogEntry("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B", "nemotron_h", 31.6, 3.2, "bf16",
                  ("Mamba-2 (23 of 52 layers)", "sigmoid top-k routing + bias", "128 experts top-6", "shared expert",
-                  "relu^2 experts")),
+                  "relu^2 experts (no gate projection)", "NoPE attention"),
+                 note="KV 6 KiB a token + 46 MiB of Mamba state; a bf16 expert is 19 MiB (up + down only)"),
+    # -- popular, not yet ---------------------------------------------------------------------------------
     CatalogEntry("microsoft/Phi-3.5-MoE-instruct", "phimoe", 41.9, 6.6, "bf16", ("SparseMixer routing",)),
     CatalogEntry("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama4", 109.0, 17.0, "bf16",
                  ("shared expert", "chunked attention", "multimodal"), gated=True),

@@ -63,7 +63,10 @@ def _shape(c: dict, where: str, notes: list[str]) -> _Shape:
     if isinstance(c.get("text_config"), dict) and "num_hidden_layers" not in c:
         c = {**c, **c["text_config"]}
     check_common(c, where)  # types, ranges and size caps of the common keys (engine/io/validate.py), before any loop
-    L = _pos_int(c, where, "num_hidden_layers")
+    kinds = _hybrid_kinds(c)
+    L = len(kinds) if kinds and not c.get("num_hidden_layers") else _pos_int(c, where, "num_hidden_layers")
+    if kinds and len(kinds) != L:
+        raise ConfigError(f"{where}: num_hidden_layers = {L} but hybrid_override_pattern has {len(kinds)} layers")
     H = _pos_int(c, where, "hidden_size")
     V = _pos_int(c, where, "vocab_size")
     E = _get(c, "n_routed_experts", "num_local_experts", "num_experts")
@@ -76,7 +79,9 @@ def _shape(c: dict, where: str, notes: list[str]) -> _Shape:
     n_heads = _pos_int(c, where, "num_attention_heads")
     n_kv = _get(c, "num_key_value_heads", default=n_heads)
     head_dim = _get(c, "head_dim", default=H // n_heads)
-    if "first_k_dense_replace" in c or "moe_layer_freq" in c:  # DeepSeek, GLM-4.5
+    if kinds:  # Nemotron-H: the E layers of the pattern
+        moe = [i for i, k in enumerate(kinds) if k == "moe"]
+    elif "first_k_dense_replace" in c or "moe_layer_freq" in c:  # DeepSeek, GLM-4.5
         k, f = c.get("first_k_dense_replace") or 0, c.get("moe_layer_freq") or 1
         moe = [i for i in range(L) if i >= k and i % f == 0]
     elif "decoder_sparse_step" in c or "mlp_only_layers" in c:  # Qwen2/3-MoE
@@ -91,6 +96,23 @@ def _shape(c: dict, where: str, notes: list[str]) -> _Shape:
     return _Shape(c.get("model_type", "?"), L, H, V, E, K, I, dense_I, n_heads, n_kv, head_dim, tuple(moe),
                   bool(c.get("tie_word_embeddings", False)), dtype, FLOAT_SIZES[dtype],
                   int(_get(c, "max_position_embeddings", default=DEFAULT_CONTEXT)))
+
+
+_PATTERN_KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
+_BLOCK_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "moe": "moe", "mlp": "mlp"}
+
+
+def _hybrid_kinds(c: dict) -> list[str] | None:
+    """Nemotron-H's layer kinds (mamba, attention, moe, mlp) from `hybrid_override_pattern` (the Hub's spelling) or
+    `layers_block_type` (transformers 5's), else None."""
+    if c.get("model_type") != "nemotron_h":
+        return None
+    pattern, blocks = c.get("hybrid_override_pattern"), c.get("layers_block_type") or c.get("layer_types")
+    if isinstance(blocks, list) and all(b in _BLOCK_KINDS for b in blocks):
+        return [_BLOCK_KINDS[b] for b in blocks]
+    if isinstance(pattern, str) and pattern and set(pattern) <= set(_PATTERN_KINDS):
+        return [_PATTERN_KINDS[ch] for ch in pattern]
+    return None
 
 
 def _config_dtype(c: dict) -> str | None:
@@ -130,6 +152,11 @@ def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
                             for (D, n_kv), n in counts.items())
     window = c.get("sliding_window")
     types = c.get("layer_types")
+    kinds = _hybrid_kinds(c)
+    if kinds:  # Nemotron-H: K/V in the attention layers only (Mamba, MoE and MLP layers cache none)
+        n = kinds.count("attention")
+        detail = detail.replace(f"{s.L} layers x", f"{n} attention layers (of {s.L}) x", 1)
+        return kind, per * n, 0, None, detail
     linear = _linear_layers(c, s.L)
     if linear:  # recurrent layers keep a fixed state, no K/V (engine/layers/kv_cache.py)
         n = s.L - linear
@@ -166,10 +193,23 @@ def _recurrent(c: dict, s: _Shape) -> tuple[int, str]:
     copies the sequence state keeps, and a one-line detail."""
     if isinstance(c.get("text_config"), dict) and "num_hidden_layers" not in c:
         c = {**c, **c["text_config"]}
+    from ..layers.kv_cache import MAX_SNAPSHOTS
+
+    kinds = _hybrid_kinds(c)
+    if kinds:  # Nemotron-H's Mamba-2 layers: a [heads, head dim, state] fp32 SSM state + a conv window each
+        m = kinds.count("mamba")
+        heads, P, N = int(c.get("mamba_num_heads") or 128), int(c.get("mamba_head_dim") or 64), \
+            int(c.get("ssm_state_size") or 128)
+        conv_dim = heads * P + 2 * int(c.get("n_groups") or 8) * N
+        width = int(c.get("conv_kernel") or 4)
+        one = m * (heads * P * N * 4 + conv_dim * (width - 1) * s.float_bytes)
+        copies = 1 + MAX_SNAPSHOTS
+        return one * copies, (f"{m} Mamba-2 layers x ({heads} heads x {P} x {N} fp32 + a {width - 1}-step conv "
+                              f"window) = {one / MiB:.1f} MiB at any context, x {copies} (the state and "
+                              f"{MAX_SNAPSHOTS} prefix-reuse snapshots)")
     n = _linear_layers(c, s.L)
     if not n:
         return 0, ""
-    from ..layers.kv_cache import MAX_SNAPSHOTS
 
     hk, hv = int(c.get("linear_num_key_heads") or 16), int(c.get("linear_num_value_heads") or 32)
     dk, dv = int(c.get("linear_key_head_dim") or 128), int(c.get("linear_value_head_dim") or 128)
@@ -253,6 +293,9 @@ def _expert_tensors(s: _Shape, q: _Quant, fdtag: str, layer: int) -> list[Tensor
     """One routed expert's tensors as the checkpoint names them (config-only estimate)."""
     H, I = s.H, s.I
     module = f"model.layers.{layer}.mlp.experts"
+    if s.model_type == "nemotron_h":  # ungated relu^2 experts: up and down only
+        module = f"backbone.layers.{layer}.mixer.experts"
+        return q.tensors("up_proj", I, H, module, fdtag) + q.tensors("down_proj", H, I, module, fdtag)
     if s.model_type == "gpt_oss":  # fused gate_up [2I, H] + biases, as the Hub checkpoint stores them
         out = [t for t in q.tensors("gate_up_proj", 2 * I, H, module, fdtag)]
         out.append(TensorSpec("gate_up_proj_bias", (2 * I,), fdtag, 2 * I * s.float_bytes))
@@ -362,8 +405,40 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
             if shared_I:
                 add("shared experts", H)  # Qwen2-MoE's shared_expert_gate [1, H]
 
+    def nemotron_layer(layer: int, kind: str) -> None:
+        """One Nemotron-H layer: its norm and its one mixer (Mamba-2, attention, MoE with a relu^2 shared expert, MLP)."""
+        m = f"backbone.layers.{layer}.mixer"
+        add("norms", H)
+        if kind == "attention":
+            D = s.head_dim
+            for out, inp in ((s.n_heads * D, H), (s.n_kv * D, H), (s.n_kv * D, H), (H, s.n_heads * D)):
+                lin("attention", out, inp, m)
+        elif kind == "mamba":
+            heads, P = int(c.get("mamba_num_heads") or 128), int(c.get("mamba_head_dim") or 64)
+            inner, N = heads * P, int(c.get("ssm_state_size") or 128)
+            conv_dim = inner + 2 * int(c.get("n_groups") or 8) * N
+            lin("Mamba-2 layers", inner + conv_dim + heads, H, m)
+            add("Mamba-2 layers", conv_dim * int(c.get("conv_kernel") or 4) + conv_dim + 3 * heads + inner)
+            lin("Mamba-2 layers", H, inner, m)
+        elif kind == "mlp":
+            lin("dense MLP layers", s.dense_I, H, m)
+            lin("dense MLP layers", H, s.dense_I, m)
+        else:
+            n = s.E * H + s.E  # the router and its correction bias, kept in fp32
+            add("routers", 0, 4 * n)
+            router32[0] += n * s.float_bytes
+            router32[1] += 4 * n
+            width = int(c.get("moe_shared_expert_intermediate_size") or 0)
+            if width:
+                lin("shared experts", width, H, f"{m}.shared_experts")
+                lin("shared experts", H, width, f"{m}.shared_experts")
+
     moe_set = set(s.moe_layers)
+    kinds = _hybrid_kinds(c)
     for layer in range(L):
+        if kinds:
+            nemotron_layer(layer, kinds[layer])
+            continue
         attention(layer)
         add("norms", 2 * H)
         ffn(layer, layer in moe_set)
@@ -372,7 +447,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         shared_total = parts["shared experts"][0] * s.float_bytes + parts["shared experts"][1]
 
     expert = _expert_tensors(s, q, fdtag, s.moe_layers[0] if s.moe_layers else 0)
-    expert_params = 3 * H * s.I + (2 * s.I + H if mt == "gpt_oss" else 0)
+    expert_params = (2 if mt == "nemotron_h" else 3) * H * s.I + (2 * s.I + H if mt == "gpt_oss" else 0)
     dense_parts = tuple((k, v[0] * s.float_bytes + v[1]) for k, v in parts.items())
     dense_bytes = sum(b for _, b in dense_parts)
     stored_dense = dense_bytes + shipped[0] - shipped[1] + router32[0] - router32[1]  # in the checkpoint

@@ -11,6 +11,8 @@ fresh prefill; a missing Mamba tensor is one typed line.
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +225,99 @@ def test_damaged_mamba_tensor_is_one_typed_line(tiny, damage, tmp_path):
     with pytest.raises(CheckpointError) as e:
         Engine.load(tmp_path, dtype="float32")
     assert target in str(e.value) and "\n" not in str(e.value)
+
+
+# -- fit: the plan from config.json alone ------------------------------------------------------------------------
+
+REAL = Path(__file__).resolve().parents[2].parent / "shared" / "model-configs" / \
+    "nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B" / "config.json"
+
+
+@pytest.mark.skipif(not REAL.is_file(), reason="../shared/model-configs has no Nemotron-3-Nano config")
+def test_fit_counts_mamba_state_attention_kv_and_e_layers_only():
+    """The real config's plan: K/V for the 6 attention layers only, the 23 Mamba layers' fp32 states (+ conv windows)
+    times the copies the sequence state keeps, experts (up + down) in the 23 E layers, and dense bytes equal to the
+    model's own tensors (a meta-device build)."""
+    from moechat.engine.layers.kv_cache import MAX_SNAPSHOTS
+    from moechat.engine.models.nemotron_h import NemotronHForCausalLM
+    from moechat.engine.plan.spec_config import spec_from_config
+
+    raw = json.loads(REAL.read_text())
+    spec = spec_from_config(raw)
+    pattern = raw["hybrid_override_pattern"]
+    assert spec.moe_layers == tuple(i for i, c in enumerate(pattern) if c == "E") and len(spec.moe_layers) == 23
+    assert spec.kv_elems_full == 6 * 2 * 2 * 128 and spec.kv_elems_window == 0  # 6 KiB a token in bf16
+    one = 23 * (64 * 64 * 128 * 4 + (64 * 64 + 2 * 8 * 128) * 3 * 2)
+    assert spec.recurrent_state_bytes == one * (1 + MAX_SNAPSHOTS)
+    assert [t.name for t in spec.expert_tensors] == ["up_proj.weight", "down_proj.weight"]
+    assert spec.stored_expert_bytes == 2 * 2688 * 1856 * 2 and spec.expert_params == 2 * 2688 * 1856
+    args = NemotronHForCausalLM.args_class.from_dict(raw)
+    fp32 = NemotronHForCausalLM.fp32_weights
+    model = sum(math.prod(s) * (4 if n.endswith(fp32) else 2)
+                for n, s in NemotronHForCausalLM.dense_weight_names(args).items())
+    assert sum(b for _, b in spec.dense_parts) == model
+
+
+def test_fit_of_the_tiny_model_matches_its_sequence_state(tiny):
+    """transformers 5's own spelling (layers_block_type, no num_hidden_layers) plans the same layers, and the
+    state bytes of one copy are what the engine's sequence state allocates."""
+    from moechat.engine.layers.kv_cache import MAX_SNAPSHOTS
+    from moechat.engine.plan.spec_config import spec_from_config
+
+    path, ref = tiny
+    raw = json.loads((path / "config.json").read_text())
+    blocks = ref.config.to_dict()["layers_block_type"]
+    spelled = {k: v for k, v in raw.items() if k not in ("hybrid_override_pattern", "num_hidden_layers")}
+    spec, spec5 = spec_from_config(raw), spec_from_config({**spelled, "layers_block_type": blocks})
+    assert spec.moe_layers == spec5.moe_layers == (2, 5)
+    assert spec.recurrent_state_bytes == spec5.recurrent_state_bytes
+    kv = Engine.load(path, dtype="float32").new_sequence().kv
+    assert spec.recurrent_state_bytes == kv.state_nbytes() * (1 + MAX_SNAPSHOTS)
+    assert spec.kv_elems_full * 4 * kv.max_tokens == sum(t.numel() * 4 for t in kv.k + kv.v)
+
+
+# -- the chat template: byte-identical to transformers, its reasoning switch included ------------------------------
+
+TEMPLATE = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates" / \
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja"
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "Calling.", "reasoning_content": "Need the tool.",
+     "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                      "arguments": {"city": "Paris", "days": [1, 2]}}}]},
+    {"role": "tool", "content": "21C"},
+    {"role": "assistant", "content": "<think>hot?</think>21C."},
+    {"role": "user", "content": "Thanks ☀️"},
+]
+
+
+@pytest.mark.skipif(not TEMPLATE.is_file(), reason="../shared/chat-templates has no Nemotron template")
+@pytest.mark.parametrize("switch", [{}, {"enable_thinking": True}, {"enable_thinking": False},
+                                    {"enable_thinking": False, "truncate_history_thinking": False}])
+def test_chat_template_matches_transformers_with_its_reasoning_switch(switch):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    import transformers
+
+    from moechat.engine.text.chat_template import ChatTemplate
+    from moechat.engine.text.reasoning import THINK_TAGS, make_parser, reasoning_format
+
+    source = TEMPLATE.read_text(encoding="utf-8")
+    tokens = {"bos_token": "<s>", "eos_token": "<|im_end|>"}
+    backend = Tokenizer(WordLevel({"<unk>": 0, "<s>": 1, "<|im_end|>": 2}, unk_token="<unk>"))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=source, **tokens)
+    ours = ChatTemplate.from_string(source, tokens)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                               "parameters": {"type": "object", "required": ["city"],
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    for gen in (True, False):
+        want = hf.apply_chat_template(CHAT, tools=tools, tokenize=False, add_generation_prompt=gen, **switch)
+        assert ours.render(CHAT, tools=tools, add_generation_prompt=gen, **switch) == want
+    prompt = ours.render(CHAT, add_generation_prompt=True, **switch)
+    thinking = switch.get("enable_thinking", True)
+    assert prompt.endswith("<think>\n" if thinking else "<think></think>")
+    assert reasoning_format(source) == THINK_TAGS
+    parser = make_parser(THINK_TAGS, prompt[-30:])
+    delta, rest = parser.feed("Hmm.</think>Welcome." if thinking else "Welcome."), parser.flush()
+    assert (delta.thinking + rest.thinking, delta.answer + rest.answer) == ("Hmm." if thinking else "", "Welcome.")
