@@ -8,20 +8,25 @@ disk tier straight from the .gguf with preadv and never converted. The format na
 projection (Q4_K_M files ship gate/up in Q4_K and down in Q6_K), so `GGUFFormat("Q4_K", "Q4_K", "Q6_K")`.
 
 `dequantize` is the slow obvious reference (vectorised torch over whole blocks, checked in the tests against
-the `gguf` package's numpy decoders); `linear` decodes a tile of rows at a time into fp32 (256 rows: under
-2 MB for a 2048-wide input, in cache) and multiplies it, so one token reads only the packed bytes from RAM and
-many tokens share each decoded tile. The tile decoder is native_gguf.c for every type but Q2_K, Q3_K and the
-float ones (plain C, bit for bit the reference), else the torch reference (also wherever the kernel library is
-absent). One token through a Qwen3-30B-A3B expert's w13 (1536 x 2048) on one core of a loaded 2-core machine
-(medians of 5): bf16 F.linear 0.3 ms; Q4_K 1.0 ms, Q8_0 1.2 ms, Q5_K 1.2 ms, Q4_0 2.0 ms, MXFP4 2.7 ms, Q6_K 4.6 ms
-native (torch decoders: Q4_K 22.6 ms, Q8_0 7.7 ms).
+the `gguf` package's numpy decoders). native_gguf.c decodes every type (plain C with SSE/AVX2 forms of the inner
+loops, bit for bit the reference in every build) and computes `linear` three ways:
 
-One bf16 token of Q8_0, Q4_0, Q4_K, Q5_K and Q6_K goes through `vecdot` instead: native_gguf.c's integer dots (x
-rounded to Q8 blocks once per call, as llama.cpp's vec_dot; integer sums per row, rows over native.c's pool), which
-read only the packed bytes: 0.16-0.26 ms for every type on the same w13 (Q6_K 0.16, Q8_0 0.20, Q4_K 0.21, Q4_0 0.22,
-Q5_K 0.26 ms; 3-23x the tile path; medians of 9 interleaved rounds, bench/gguf_vecdot.py). x's rounding costs at
-most sum over blocks of (amax_b / 127) / 2 * sum_{i in b} |w_i| (`vecdot_bound`); fp32 runs keep the tile path,
-exact to the reference (MOECHAT_GGUF_VECDOT=1 sends them through the integer dots too, =0 never).
+* one token (bf16 / fp16 activations) of every quantized type: `vecdot`, llama.cpp's integer path: x rounded to Q8
+  blocks once per call (of 32 for the 32-value types, 256 for the k-quants and IQ4_XS), integer sums per (sub-)block
+  (AVX-512 VNNI / AVX2 / scalar, the same bits in each and at any thread count), one fp32 step per block. x's
+  rounding costs at most sum over blocks of (amax_b / 127) / 2 * sum_{i in b} |w_i| (`vecdot_bound`; observed
+  0.04-0.12 of it). One token through a Qwen3-30B-A3B expert's w13 (1536 x 2048), one thread of a 2-core machine
+  under a load of ~10 (medians of 5 interleaved rounds, bench/gguf_vecdot.py): 0.6-2.0 ms for every type,
+  2.5-6.9x the tile path (Q8_0 6.9x, Q5_0 6.6x, IQ4_XS 4.6x, Q6_K 4.4x, Q4_K 3.2x, Q2_K 2.8x, Q3_K 2.5x).
+* many tokens, and one fp32 token: `prefill`: each 4-row block of W decoded once into a cache-resident fp32 scratch
+  and multiplied there by every token (fp32 FMA tiles, 6 tokens x 4 rows with AVX-512): F.linear(x, dequantize(W))
+  up to the order of the fp32 sum (|error| <= cols 2^-24 sum |x w|), the same bits at any thread count and in any
+  batch. Against the tile path on the same w13 and machine: T = 4 1.2-3.3x, T = 32 0.8-2.3x, T = 128 0.9-1.8x.
+* otherwise (MOECHAT_GGUF_PREFILL=0, another device, no kernel library): 256 rows decoded at a time into fp32
+  (`decode_rows`: 2 MB at 2048 columns) and torch's GEMM on each tile, exact to the reference's order.
+
+fp32 runs keep the fp32 paths, exact to the reference up to the order of the sum (MOECHAT_GGUF_VECDOT=1 sends their
+one token through the integer dots too, =0 never).
 """
 
 from __future__ import annotations
@@ -201,7 +206,7 @@ def dequantize(raw: torch.Tensor, t: GGMLType | str, cols: int) -> torch.Tensor:
     return dequantize_blocks(blocks, t).reshape(*lead, cols)
 
 
-TILE_ROWS = 256  # rows decoded at a time by `linear`: 2 MB of fp32 at 2048 columns
+TILE_ROWS = 256  # rows decoded at a time by the tile path: 2 MB of fp32 at 2048 columns
 NATIVE_TYPES = frozenset(TYPES)  # every type decoded by native_gguf.c
 
 

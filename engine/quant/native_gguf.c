@@ -1,8 +1,9 @@
-/* GGUF (ggml) blocks decoded to fp32 rows: the fast path of quant/gguf.py's GGUFFormat.linear (a tile of rows
- * decoded here, then one torch GEMM). Plain C, no intrinsics: it compiles for any x86-64 (or other) target and the
- * compiler vectorises the inner loops. Every value is computed with the operations, in the order, of the torch
- * reference (quant/gguf.py dequantize_blocks) and the gguf package: products rounded one at a time, never fused
- * (fp-contract off), so the rows are bit for bit the reference's. */
+/* GGUF (ggml) blocks for quant/gguf.py's GGUFFormat.linear: decoded to fp32 rows (moechat_gguf_dequant: the tile
+ * path, and the many-token kernel's scratch), one token's integer dots (moechat_gguf_vecdot) and the many-token
+ * kernel (moechat_gguf_prefill). The decoders are plain C with SSE/AVX2 forms of the inner loops where the compiler
+ * would not vectorise them; every value is computed with the operations, in the order, of the torch reference
+ * (quant/gguf.py dequantize_blocks) and the gguf package: products rounded one at a time, never fused (fp-contract
+ * off), so the rows are bit for bit the reference's in every build (AVX-512, AVX2, scalar: tested). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -259,13 +260,14 @@ int moechat_gguf_dequant(int type, const uint8_t *restrict src, int64_t nblocks,
 }
 
 /* ---- One token, integer dot products (llama.cpp's vec_dot): x quantized once per call to Q8 blocks (int8 + an
- * fp32 scale per 32 values for Q8_0 / Q4_0; per 256 with per-16 sums for the k-quants, as ggml's Q8_K), then per
- * row integer sums per (sub-)block (k-quants: scaled by the sub-block scales, one fp32 multiply-add per 256 values;
- * Q8_0 / Q4_0: 8 lanes of 4 products scaled per block in fp32, the lanes added in order at the end). The integer
- * sums are exact and the float steps are the same in every build (AVX-512 VNNI, AVX2, scalar C: no fused
- * multiply-add, fp-contract off), so every build and every thread count writes the same bits (the tests build the
- * AVX2 and scalar variants and compare). One Qwen3-30B-A3B w13 (1536 x 2048), one core of a loaded 2-core
- * machine: 0.16-0.24 ms a token for every type, 3-23x the tile path (bench/gguf_vecdot.py).
+ * fp32 scale per 32 values for the 32-value types; per 256 with per-16 sums for the k-quants and IQ4_XS, as ggml's
+ * Q8_K), then per row integer sums per (sub-)block: the k-quants and IQ4_XS scaled by their integer sub-block scales,
+ * one fp32 multiply-add per 256 values (the mins' / offsets' terms from x's sums per 16); the 32-value types as 8
+ * lanes of 4 products scaled per block in fp32, the lanes added in order at the end (Q4_1 / Q5_1's min from x's
+ * block sum). The integer sums are exact and the float steps are the same in every build (AVX-512 VNNI, AVX2,
+ * scalar C: no fused multiply-add, fp-contract off), so every build and every thread count writes the same bits
+ * (the tests build the AVX2 and scalar variants and compare). One Qwen3-30B-A3B w13 (1536 x 2048), one thread of a
+ * loaded 2-core machine: 2.5-6.9x the tile path for every type (bench/gguf_vecdot.py; quant/gguf.py has figures).
  * Error against the fp32 reference (dequantize, then the dot with x):
  * x_i = dx_b * q_i + e_i with |e_i| <= dx_b / 2, dx_b = amax_b / 127, so |y - y_ref| <= sum_b dx_b / 2 *
  * sum_{i in b} |w_i| (plus fp32 rounding of the sums). */
