@@ -11,11 +11,12 @@
  *
  * Exactness: fp32 throughout, the same operations as the torch step in the same roles (the decay applied before
  * S^T k, u = beta (v - S^T k), the rank-1 update, then the output), so each result is the torch step's up to the
- * order of its sums: within ~1e-6 relative of the sum of |terms| (tested). Inputs are fp32 or bf16 (a flag bit per
+ * order of its sums: each element within 1e-6 x (its |value| + the tensor's largest |value|) of the torch step's,
+ * outputs and states (tests/engine/test_recurrent_native.py). Inputs are fp32 or bf16 (a flag bit per
  * tensor: widened exactly). Threads: the heads (value heads / Mamba heads / channel blocks) split over native.c's pool
  * (moechat_parallel_for); a head is always computed by one thread with the same code, so every thread count writes
- * the same bits. Plain C (the compiler vectorises the loops along Dv / N): the same source for the SIMD and scalar
- * builds. Return 0, -1 for a shape the kernels do not take. */
+ * the same bits. Plain C with GCC/Clang vector types (v8: 8 fp32 lanes, AVX registers or scalar code) along Dv / N:
+ * the same source, and the same order of every sum, for the SIMD and the scalar build. Return 0, -1 for a shape the kernels do not take. */
 
 #include <math.h>
 #include <stdint.h>
