@@ -3,7 +3,9 @@
 Each quantised linear is `weight` float8_e4m3fn [out, in] and `weight_scale_inv` fp32 [ceil(out/b0),
 ceil(in/b1)]; despite the name the weight is `weight * scale`, block by block, with partial blocks at the
 edges. An expert stores `w13` [2I, H] (gate rows then up rows) and `w13_scale` [2 ceil(I/b0), ceil(H/b1)]
-(gate's scale rows then up's: each half keeps its own blocking), `w2` [H, I] and `w2_scale`. Half the bytes
+(gate's scale rows then up's: each half keeps its own blocking), `w2` [H, I] and `w2_scale`; an ungated expert
+(Nemotron-H's relu^2) stores up alone, `w13` [I, H] and `w13_scale` [ceil(I/b0), ceil(H/b1)], told apart by w13
+having I rows (w2's input size) rather than 2I. Half the bytes
 of bf16: a Qwen3-30B-A3B expert is 4.7 MB + 1 KB of scales.
 
 Compute: on the CPU one token runs the native kernel (quant/native.py: the e4m3 byte as a bf16 bit pattern in

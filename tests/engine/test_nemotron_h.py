@@ -321,3 +321,52 @@ def test_chat_template_matches_transformers_with_its_reasoning_switch(switch):
     parser = make_parser(THINK_TAGS, prompt[-30:])
     delta, rest = parser.feed("Hmm.</think>Welcome." if thinking else "Welcome."), parser.flush()
     assert (delta.thinking + rest.thinking, delta.answer + rest.answer) == ("Hmm." if thinking else "", "Welcome.")
+
+
+# -- FP8 experts as a block-scaled checkpoint ships them, and converted ------------------------------------------
+
+def _fp8_pair(tiny, root, block=(24, 24)):
+    """The tiny checkpoint with its routed experts in FP8 (block 24 x 24: partial blocks on I = 32 and H = 64), and
+    the same model with those experts dequantized (the reference)."""
+    from moechat.engine.quant.fp8 import dequantize_blocks, quantize_blocks
+
+    path, _ = tiny
+    tensors = load_file(str(path / "model.safetensors"))
+    fp8, deq = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if ".mixer.experts." in name:
+            q, scale = quantize_blocks(w, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            deq[name] = dequantize_blocks(q, scale, block)
+    raw = json.loads((path / "config.json").read_text())
+    out = []
+    for what, ts, config in (("fp8", fp8, {**raw, "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}}),
+                             ("deq", deq, raw)):
+        d = root / what
+        d.mkdir()
+        save_file(ts, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(config))
+        out.append(d)
+    return out
+
+
+def test_fp8_experts_match_their_dequantized_weights_and_convert(tiny, tmp_path):
+    fp8, deq = _fp8_pair(tiny, tmp_path)
+    ours, ref = Engine.load(fp8, dtype="float32"), Engine.load(deq, dtype="float32")
+    assert ours.loaded.provider.format.name == "fp8"
+    ts = ours.loaded.provider._tensors[2]
+    assert ts["w13"].shape == (8, 32, 64) and ts["w13_scale"].shape == (8, 2, 3)  # up alone, its own 2 x 3 blocks
+    for n in (1, 9):
+        ids = _prompt(n, seed=40 + n)
+        with torch.inference_mode():
+            err = (ours._forward(ours.new_sequence(), ids) - ref._forward(ref.new_sequence(), ids)).abs().max().item()
+        assert err < 1e-4, (n, err)
+    ids = _prompt(11, seed=44)
+    assert _greedy(ours, ids, 8) == _greedy(ref, ids, 8)
+    # FP8 -> int4 (dequantized, then quantized as the repacked file is written) == int4 from the dequantized weights
+    a = Engine.load(fp8, dtype="float32", expert_format="int4")
+    b = Engine.load(deq, dtype="float32", expert_format="int4")
+    assert all(torch.equal(a.loaded.provider._tensors[2][k], b.loaded.provider._tensors[2][k])
+               for k in ("w13_q", "w13_scale", "w2_q", "w2_scale"))
+    assert _greedy(a, ids, 8) == _greedy(b, ids, 8)
