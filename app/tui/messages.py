@@ -153,7 +153,7 @@ class RetuneFailed(Message):
     error: str
 
 
-# -- the setup wizard (screens/setup.py) -----------------------------------------------------------------
+# -- the setup wizard (screens/setup/) -------------------------------------------------------------------
 # The values are the engine's frozen dataclasses (Hardware, CatalogStatus, SearchHit, FitVerdict, DownloadPlan,
 # DownloadProgress), typed loosely so that importing this module does not import the engine.
 @dataclass
