@@ -27,7 +27,7 @@ def _cost_model(store, args, device: torch.device, link_gbps: float | None) -> M
     """The auto mode's numbers: host rates timed on one expert of the RAM tier now, the link probed."""
     if not hasattr(store, "host_slot"):
         return None  # no RAM tier to compute from: every miss loads
-    flops = 2.0 * 3 * args.hidden_size * args.moe_intermediate
+    flops = 2.0 * (3 if args.gated_experts else 2) * args.hidden_size * args.moe_intermediate  # ungated: up, down
     host_gbps, host_gflops = calibrate_host(store, args)
     same = device.type == "cpu"
     if not same and link_gbps is None:
@@ -42,7 +42,7 @@ def calibrate_host(store, args, reps: int = 3) -> tuple[float, float]:
     """Effective host GB/s (packed bytes read while computing one token) and GFLOP/s (a 16-token chunk), timed on
     the first expert the RAM tier holds."""
     from ...layers.experts import _expert
-    from ...layers.moe import SWIGLU
+    from ...layers.moe import RELU2, SWIGLU
 
     layer = next(iter(getattr(store, "tensors", {0: None})))
     got = store.host_slot(layer, 0)
@@ -52,14 +52,15 @@ def calibrate_host(store, args, reps: int = 3) -> tuple[float, float]:
     buffers, idx, _, _ = got
     view = {name: t[idx] for name, t in buffers.items()}
     dtype = next((t.dtype for t in view.values() if t.is_floating_point() and t.dtype.itemsize >= 2), torch.float32)
-    flops = 2.0 * 3 * args.hidden_size * args.moe_intermediate
+    flops = 2.0 * (3 if args.gated_experts else 2) * args.hidden_size * args.moe_intermediate
+    act = SWIGLU if args.gated_experts else RELU2  # an ungated expert's w13 is up alone: timed as it runs
     best = {}
     for n in (1, 16):
         x = torch.randn(n, args.hidden_size, dtype=dtype)
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            _expert(x, store.format, view, SWIGLU)
+            _expert(x, store.format, view, act)
             times.append(time.perf_counter() - t0)
         best[n] = min(times)
     t1, t16 = best[1], best[16]
