@@ -112,13 +112,19 @@ def test_greedy_tokens_match_transformers_generate(tiny):
     assert ours == out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("slots,prefetch", [(2, "off"), (3, "both"), (8, "off")])
-def test_cached_matches_resident(tiny, slots, prefetch):
+@pytest.mark.parametrize("slots,prefetch,on_miss,host_layers", [(2, "off", "load", 0), (3, "both", "load", 0),
+                                                              (8, "off", "load", 0), (2, "off", "host", 1),
+                                                              (3, "off", "auto", 0)])
+def test_cached_matches_resident(tiny, slots, prefetch, on_miss, host_layers):
+    """The slot cache, prefetch and hybrid execution (misses computed from the RAM tier, the first MoE layer kept on
+    the host) change no token, and only the E layers ever ask for experts."""
     path, _ = tiny
     ids = _prompt(13, seed=5)
     resident = _greedy(Engine.load(path, dtype="float32"), ids, 10)
-    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=slots, ram_cache_bytes=0,
-                                                                  prefetch=prefetch))
+    ram = 0 if on_miss == "load" else None  # hybrid computes misses from a RAM tier that holds every expert
+    engine = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=slots, ram_cache_bytes=ram,
+                                                                  prefetch=prefetch, on_miss=on_miss,
+                                                                  host_layers=host_layers))
     assert _greedy(engine, ids, 10) == resident
     snap = engine.cache_snapshot()
     asked = [h + m for h, m in zip(snap.hits, snap.misses, strict=True)]
