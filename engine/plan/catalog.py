@@ -4,7 +4,7 @@ Pure data and no imports beyond the standard library, so the CLI and the setup w
 Each entry names the Hub repo, its `model_type` (the family, one file in engine/models/ when supported),
 its size in parameters (total and active per token), how its experts are stored, and the engine features
 it needs. What changes on the Hub (the commit, gated or not, file sizes) is refreshed by
-`engine/plan/hub.py` (`Hub.catalog`); the revision is pinned to the commit at download time.
+`engine/plan/hub/` (`Hub.catalog`); the revision is pinned to the commit at download time.
 
 `SUPPORTED_TYPES` is the set of `engine/models.ARCHITECTURES` keys, read from that module's source (and from each
 family module's own `ARCHITECTURES` literal, which the package merges) rather than imported: importing it imports

@@ -101,8 +101,8 @@ def _positive_int(text: str) -> int:
 
 
 def _preset(kind: str):
-    """An argparse type for --gpu/--ram/--link: the preset itself (engine/plan/hardware.py's tables, imported only when
-    the flag is given), or one usage line listing every name."""
+    """An argparse type for --gpu/--ram/--link: the preset itself (engine/plan/hardware/presets.py's tables, imported
+    only when the flag is given), or one usage line listing every name."""
     def parse(text: str):
         from moechat.engine.plan.hardware import GPU_PRESETS, LINK_PRESETS, RAM_PRESETS
 

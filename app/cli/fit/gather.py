@@ -187,7 +187,7 @@ def _load_curve(path: str | None, num_experts: int):
 
 
 def _host_rate(args, cal, what_if_cpu: bool):
-    """The CPU's read rate the plan uses, with its source (engine/plan/hardware.py `host_read_rate`)."""
+    """The CPU's read rate the plan uses, with its source (engine/plan/hardware/presets.py `host_read_rate`)."""
     from moechat.engine.plan.hardware import Rate, host_read_rate, usable_cores
 
     peak = None
