@@ -122,8 +122,8 @@ class ChatTemplate:
         special tokens of the same name. ``continue_final_message`` (True, or the field name to continue) leaves
         the last message open for the model to continue; it implies no generation prompt.
 
-        Bounded (module docstring): past ``max_chars`` characters of output (or of any string the template builds),
-        2M template lines or 10 s it stops with a ChatTemplateError; ``cancel`` set stops it with
+        Bounded (limits.py, checks.py): past ``max_chars`` characters of output (or of any string the template
+        builds), 2M template lines or 10 s it stops with a ChatTemplateError; ``cancel`` set stops it with
         GenerationCancelled within ~20 ms (the watchdog's period).
         """
         chat = _prepare_messages(messages)
