@@ -184,7 +184,9 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedGroupNorm(self.inner)
         self.out_proj = nn.Linear(self.inner, H, bias=args.use_bias)
         self.eps = args.rms_norm_eps
-        self.floor = args.time_step_min  # transformers' time_step_limit = (time_step_min, inf)
+        # transformers' time_step_limit = (time_step_min, inf), applied by its chunked scan; its one-token step skips
+        # it, so a step there differs only where softplus(dt) < time_step_min: here every token is clamped alike
+        self.floor = args.time_step_min
 
     def finalize(self) -> None:
         self.in_t = _in_out(self.in_proj.weight.detach())  # [H, Im + C + nH]

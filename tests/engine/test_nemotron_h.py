@@ -376,3 +376,36 @@ def test_fp8_experts_match_their_dequantized_weights_and_convert(tiny, tmp_path)
     assert all(torch.equal(a.loaded.provider._tensors[2][k], b.loaded.provider._tensors[2][k])
                for k in ("w13_q", "w13_scale", "w2_q", "w2_scale"))
     assert _greedy(a, ids, 8) == _greedy(b, ids, 8)
+
+
+def test_reference_mamba_path_matches_the_fast_one(tiny, monkeypatch):
+    """The token-by-token conv and scan (Mamba2Mixer.reference) == the chunked SSD prefill and the step, at 1, a
+    chunk - 1, a chunk + 1 (mamba2.CHUNK) tokens, and over decode steps after them."""
+    from moechat.engine.models import mamba2
+    from moechat.engine.models.nemotron_h import Mamba2Mixer
+
+    path, _ = tiny
+    fast = Engine.load(path, dtype="float32", prefill_chunk=512)
+    slow = Engine.load(path, dtype="float32", prefill_chunk=512)
+    for n in (1, mamba2.CHUNK - 1, mamba2.CHUNK + 1):
+        ids = _prompt(n, seed=60 + n)
+        a, b = fast.new_sequence(), slow.new_sequence()
+        with torch.inference_mode():
+            for step in range(3):
+                monkeypatch.setattr(Mamba2Mixer, "reference", False)
+                got = fast._forward(a, ids)
+                monkeypatch.setattr(Mamba2Mixer, "reference", True)
+                want = slow._forward(b, ids)
+                assert (got - want).abs().max().item() < 1e-4, (n, step)
+                ids = [int(want.argmax())]
+
+
+def test_bf16_cached_matches_resident_and_states_stay_fp32(tiny):
+    path, _ = tiny
+    ids = _prompt(23, seed=70)
+    resident = Engine.load(path, dtype="bfloat16", prefill_chunk=16)
+    cached = Engine.load(path, dtype="bfloat16", prefill_chunk=16, cache=CacheConfig(expert_slots=3, ram_cache_bytes=0))
+    assert _greedy(cached, ids, 10) == _greedy(resident, ids, 10)
+    kv = cached.new_sequence().kv
+    assert all(kv.state[i]["ssm"].dtype == torch.float32 for i in kv.recurrent_layers)
+    assert kv.state[0]["conv"].dtype == torch.bfloat16
