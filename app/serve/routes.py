@@ -16,6 +16,9 @@ from .responses import collect, first_event, stream
 
 
 class Server:
+    """The routes' handlers over one EngineWorker: health, models, metrics, and the two completion endpoints (a
+    request parsed, queued as a Job, answered as JSON or a stream); every refusal counted in the metrics."""
+
     def __init__(self, worker, metrics, *, model_name: str, api_key: str | None, info: dict,
                  gate: GateConfig | None = None, sampling: dict | None = None, max_tokens: int | None = None):
         self.worker = worker
