@@ -409,3 +409,26 @@ def test_bf16_cached_matches_resident_and_states_stay_fp32(tiny):
     kv = cached.new_sequence().kv
     assert all(kv.state[i]["ssm"].dtype == torch.float32 for i in kv.recurrent_layers)
     assert kv.state[0]["conv"].dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not REAL.is_file(), reason="../shared/model-configs has no Nemotron-3-Nano config")
+@pytest.mark.parametrize("change,error,words", [
+    ({"num_hidden_layers": 50}, "ConfigError", "hybrid_override_pattern has 52 layers"),
+    ({"hybrid_override_pattern": "MEM*X"}, "UnsupportedModelError", "'X'"),
+    ({"moe_latent_size": 1024}, "UnsupportedModelError", "moe_latent_size"),
+    ({"mlp_hidden_act": "silu"}, "UnsupportedModelError", "mlp_hidden_act"),
+    ({"hybrid_override_pattern": None}, "ConfigError", "hybrid_override_pattern"),
+])
+def test_config_problems_are_one_typed_line(change, error, words, tmp_path):
+    from moechat.engine import errors
+    from moechat.engine.load.loader import read_model_config
+
+    raw = {**json.loads(REAL.read_text()), **change}
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    with pytest.raises(getattr(errors, error)) as e:
+        read_model_config(tmp_path)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    ok = {k: v for k, v in json.loads(REAL.read_text()).items()}
+    (tmp_path / "config.json").write_text(json.dumps(ok))
+    cls, args, _ = read_model_config(tmp_path)  # the real config reads, remote-code auto_map and all
+    assert cls.__name__ == "NemotronHForCausalLM" and args.num_hidden_layers == 52
