@@ -39,15 +39,19 @@ from ..quant import native
 
 CHUNK = 64
 ENV = "MOECHAT_RECURRENT_NATIVE"  # "0": the torch decode steps (no native, no Triton kernel)
+NATIVE_MAX_D = 1024  # native_recurrent.c's REC_MAX_D: larger head dims / state sizes take the torch step on a CPU
 
 
-def fused_steps(t: torch.Tensor):
+def fused_steps(t: torch.Tensor, *dims: int):
     """The one-token kernels for tensors on t's device, as functions with native.py's wrappers' arguments less the
     library (`conv_step`, `delta_rule_step`, `ssd_step`): native_recurrent.c (CPU) or the Triton kernels (CUDA); None
-    for the torch steps (MOECHAT_RECURRENT_NATIVE=0, no native library, no triton, another device)."""
+    for the torch steps (MOECHAT_RECURRENT_NATIVE=0, no native library, no triton, another device, on a CPU a head
+    dim in `dims` past NATIVE_MAX_D)."""
     if os.environ.get(ENV, "1") == "0":
         return None
     if t.device.type == "cpu":
+        if dims and max(dims) > NATIVE_MAX_D:
+            return None
         lib = native.library()
         return None if lib is None else _native_steps(lib)
     if t.is_cuda:
@@ -79,11 +83,14 @@ class _Native:
         return native.ssd_step(self.lib, *a)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """t as the fused kernels read it: fp32 or bf16, contiguous."""
-    if t.dtype not in (torch.float32, torch.bfloat16):
-        t = t.float()
-    return t.contiguous()
+    if t.dtype in _KERNEL_DTYPES and t.is_contiguous():
+        return t
+    return (t if t.dtype in _KERNEL_DTYPES else t.float()).contiguous()
 
 
 def _fp32_state(state: torch.Tensor) -> bool:
@@ -123,7 +130,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     fused = fused_steps(x) if T == 1 and _conv_ok(x, state) else None
     if fused is not None:  # silu(conv) in fp32, one rounding to x's dtype (the reference's math)
         out = torch.empty(1, x.shape[1], dtype=x.dtype, device=x.device)  # [1, C]
-        fused.conv_step(_flat(x[0]), _flat(weight), None if bias is None else _flat(bias), state, out[0])
+        fused.conv_step(_flat(x), _flat(weight), None if bias is None else _flat(bias), state, out)
         return out
     if T == 1:
         full = torch.cat([state, x.t()], dim=1)  # [C, W]
@@ -216,14 +223,14 @@ def delta_rule_fused_step(q, k, v, g, beta, state, fused):
     """`delta_rule_step` through a fused kernel (`fused_steps`): one call for every value head."""
     HV, _, Dv = state.shape
     out = torch.empty(1, HV, Dv, dtype=torch.float32, device=state.device)  # [1, HV, Dv]
-    fused.delta_rule_step(_flat(q[0]), _flat(k[0]), _flat(v[0]), _flat(g[0]), _flat(beta[0]), state, out[0])
+    fused.delta_rule_step(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), state, out)
     return out
 
 
 def delta_rule(q, k, v, g, beta, state):
     """The fast path: the fused step (native or Triton) or the torch step for one token, chunks for more."""
     if q.shape[0] == 1:
-        fused = fused_steps(q) if _fp32_state(state) else None
+        fused = fused_steps(q, *state.shape[1:]) if _fp32_state(state) else None
         if fused is not None:
             return delta_rule_fused_step(q, k, v, g, beta, state, fused)
         return delta_rule_step(q, k, v, g, beta, state)

@@ -101,7 +101,7 @@ def ssd_fused_step(x, dt, A, B, C, D, state, fused):
     H, P, _ = state.shape
     y = torch.empty(1, H, P, dtype=torch.float32, device=state.device)  # [1, H, P]
     f = gd._flat
-    fused.ssd_step(f(x[0]), f(dt[0]), f(A), f(B[0]), f(C[0]), f(D), state, y[0])
+    fused.ssd_step(f(x), f(dt), f(A), f(B), f(C), f(D), state, y)
     return y
 
 
@@ -109,7 +109,7 @@ def ssd(x, dt, A, B, C, D, state):
     """The fast path: the fused step (native or Triton) or the torch step for one token, chunks for more."""
     if x.shape[0] != 1:
         return ssd_chunked(x, dt, A, B, C, D, state)
-    fused = gd.fused_steps(x) if gd._fp32_state(state) else None
+    fused = gd.fused_steps(x, state.shape[2]) if gd._fp32_state(state) else None
     if fused is not None:
         return ssd_fused_step(x, dt, A, B, C, D, state, fused)
     return ssd_step(x, dt, A, B, C, D, state)

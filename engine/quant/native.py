@@ -430,31 +430,35 @@ def _recurrent(lib):
 
 
 def _bits(*ts: torch.Tensor | None) -> int:
-    return sum(1 << i for i, t in enumerate(ts) if t is not None and t.dtype == torch.bfloat16)
+    bits = 0
+    for i, t in enumerate(ts):
+        if t is not None and t.dtype == torch.bfloat16:
+            bits |= 1 << i
+    return bits
 
 
 def delta_rule_step(lib, q, k, v, g, beta, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """q, k [HK, Dk], v [HV, Dv], g, beta [HV] -> out [HV, Dv] fp32; state [HV, Dk, Dv] fp32."""
+    """q, k [(1,) HK, Dk], v [(1,) HV, Dv], g, beta [(1,) HV] -> out [(1,) HV, Dv] fp32; state [HV, Dk, Dv] fp32."""
     _recurrent(lib)
     HV, Dk, Dv = state.shape
     _check(lib.moechat_delta_rule_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-                                       _bits(q, k, v, g, beta), q.shape[0], HV, Dk, Dv, state.data_ptr(),
+                                       _bits(q, k, v, g, beta), q.shape[-2], HV, Dk, Dv, state.data_ptr(),
                                        out.data_ptr()), "delta rule")
     return out
 
 
 def ssd_step(lib, x, dt, A, B, C, D, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """x [H, P], dt, A, D [H], B, C [G, N] -> out [H, P] fp32; state [H, P, N] fp32."""
+    """x [(1,) H, P], dt [(1,) H], A, D [H], B, C [(1,) G, N] -> out [(1,) H, P] fp32; state [H, P, N] fp32."""
     _recurrent(lib)
     H, P, N = state.shape
     _check(lib.moechat_ssd_step(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(),
-                                _bits(x, dt, A, B, C, D), H, B.shape[0], P, N, state.data_ptr(), out.data_ptr()),
+                                _bits(x, dt, A, B, C, D), H, B.shape[-2], P, N, state.data_ptr(), out.data_ptr()),
            "ssd")
     return out
 
 
 def conv_step(lib, x, w, bias, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """x [C], w [C, W], bias [C] or None, state [C, W-1] (shifted in place) -> out [C] = silu(conv)."""
+    """x [(1,) C], w [C, W], bias [C] or None, state [C, W-1] (shifted in place) -> out [(1,) C] = silu(conv)."""
     _recurrent(lib)
     _check(lib.moechat_conv_step(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
                                  state.data_ptr(), out.data_ptr(), _bits(x, w, bias, state, out), w.shape[0],

@@ -242,3 +242,12 @@ def test_conv_prefill_then_native_steps_is_the_reference(lib, T, dtype):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(state, ref_state)
+
+
+def test_head_dims_past_the_kernels_limit_take_the_torch_step(lib):
+    """Dk past native_recurrent.c's stack scratch: the torch step, not an error."""
+    q, k, v, decay, beta, s0 = _delta_inputs((1, 1, gd.NATIVE_MAX_D + 1, 2), torch.float32, 1, 3)
+    assert gd.fused_steps(q, *s0.shape[1:]) is None and gd.fused_steps(q, 8, 8) is not None
+    s_ref, s = s0.clone(), s0.clone()
+    torch.testing.assert_close(gd.delta_rule(q, k, v, decay, beta, s), gd.delta_rule_step(q, k, v, decay, beta, s_ref))
+    torch.testing.assert_close(s, s_ref)

@@ -97,24 +97,26 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def delta_rule_step(q, k, v, g, beta, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """q, k [HK, Dk], v [HV, Dv], g, beta [HV] (contiguous) -> out [HV, Dv] fp32; state [HV, Dk, Dv] fp32."""
+    """q, k [(1,) HK, Dk], v [(1,) HV, Dv], g, beta [(1,) HV] (contiguous) -> out [(1,) HV, Dv] fp32; state
+    [HV, Dk, Dv] fp32."""
     HV, Dk, Dv = state.shape
     BV = min(_pow2(Dv), 32)
-    _delta_rule_step[(HV, triton.cdiv(Dv, BV))](q, k, v, g, beta, state, out, HV // q.shape[0], Dk, Dv, Dk ** -0.5,
+    _delta_rule_step[(HV, triton.cdiv(Dv, BV))](q, k, v, g, beta, state, out, HV // q.shape[-2], Dk, Dv, Dk ** -0.5,
                                                 BK=_pow2(Dk), BV=BV)
     return out
 
 
 def ssd_step(x, dt, A, B, C, D, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """x [H, P], dt, A, D [H], B, C [G, N] (contiguous) -> out [H, P] fp32; state [H, P, N] fp32."""
+    """x [(1,) H, P], dt [(1,) H], A, D [H], B, C [(1,) G, N] (contiguous) -> out [(1,) H, P] fp32; state [H, P, N]
+    fp32."""
     H, P, N = state.shape
     BP = min(_pow2(P), 32)
-    _ssd_step[(H, triton.cdiv(P, BP))](x, dt, A, B, C, D, state, out, H // B.shape[0], P, N, BP=BP, BN=_pow2(N))
+    _ssd_step[(H, triton.cdiv(P, BP))](x, dt, A, B, C, D, state, out, H // B.shape[-2], P, N, BP=BP, BN=_pow2(N))
     return out
 
 
 def conv_step(x, w, bias, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """x [C], w [C, W], bias [C] or None, state [C, W-1] (shifted in place) -> out [C] = silu(conv)."""
+    """x [(1,) C], w [C, W], bias [C] or None, state [C, W-1] (shifted in place) -> out [(1,) C] = silu(conv)."""
     Cn, W = w.shape
     BC = 128
     _conv_step[(triton.cdiv(Cn, BC),)](x, w, x if bias is None else bias, state, out, Cn, W, HAS_BIAS=bias is not None,
