@@ -132,7 +132,7 @@ ENGINE_ROOMS = [
     ("quant",),
     ("text",),
     ("io",),
-    ("errors", "paths", ""),
+    ("errors", "paths", "units", ""),
 ]
 
 

@@ -32,7 +32,7 @@ The package, by seam (each module imports only those above it):
 
 from __future__ import annotations
 
-from .hardware import GB, GiB  # re-exported: callers have always taken the units from plan
+from ..units import GB, GiB  # re-exported: callers have always taken the units from plan
 from .memory_plan import (
     CONTEXT_STEP,
     CUDA_CONTEXT_BYTES,

@@ -44,8 +44,8 @@ from ..errors import (
     RepoNotFoundError,
     UnsafeHubResponseError,
 )
+from ..units import KiB, MiB
 
-KiB, MiB = 1 << 10, 1 << 20
 CONNECT_TIMEOUT_S = 10.0  # a server that never accepts (huggingface_hub's client has no timeout)
 READ_TIMEOUT_S = 30.0  # a silent connection is dropped after this (a download resumes)
 METADATA_DEADLINE_S = 60.0  # one metadata request in all, however its bytes trickle in

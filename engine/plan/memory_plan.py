@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MoechatError
-from .hardware import GiB
+from ..units import GiB, MiB
 from .rates import DecodeEstimate, MissPlacement, MissRatioCurve
-from .spec import MiB
 
 ON_MISS_MODES = ("load", "host", "auto")  # engine/cache/hybrid.py ON_MISS (a test keeps them equal)
 REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py default_repack_dir

@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GiB = 1 << 30
+from ..units import GiB
+
 UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 RESERVE = 3 * GiB  # per GPU: activations, CUDA graphs, NCCL
 GPUS_PER_NODE = 8

@@ -12,9 +12,8 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .hardware import GiB
+from ..units import GiB, MiB
 
-MiB = 1 << 20
 DEFAULT_CONTEXT = 4096  # what `moechat run` allocates when --context is not given (engine/runtime/generate.py)
 # Expert formats moechat converts a checkpoint's experts into (`--expert-format`), kept equal to
 # engine/quant/registry.py's CONVERTIBLE by a test; int4 groups along the input as engine/quant/intq.py does.

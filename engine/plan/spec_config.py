@@ -11,9 +11,9 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..io.files import read_json_object
-from .hardware import GB, GiB
+from ..units import GB, GiB, MiB
 from ..io.validate import check_common
-from .spec import DEFAULT_CONTEXT, DTAG_OF_SIZE, FLOAT_SIZES, MiB, ModelSpec, TensorSpec
+from .spec import DEFAULT_CONTEXT, DTAG_OF_SIZE, FLOAT_SIZES, ModelSpec, TensorSpec
 
 # -- config.json reading -----------------------------------------------------------------------------------
 

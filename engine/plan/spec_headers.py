@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from .hardware import GiB
+from ..units import GiB
 from ..io.validate import check_index
 from .spec import FLOAT_DTAGS, ModelSpec, TensorSpec, gib
 from .spec_config import _fp32_weights, _load_json, spec_from_config

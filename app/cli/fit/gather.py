@@ -164,7 +164,7 @@ def _calibration(hw, measure: bool):
     """Measured numbers for the decode prediction (engine/plan/calibration.py): the RAM read rate (measured here once
     and kept in the cache dir) and the CPU's seconds per layer from earlier `moechat run` decodes."""
     from moechat.engine.plan import calibration
-    from moechat.engine.plan.hardware import GiB
+    from moechat.engine.units import GiB
 
     free = hw.ram.free_now_bytes if hw.ram.free_now_bytes is not None else hw.ram.available_bytes
     if measure and (free or 0) > 2 * GiB:  # the probe reads 256 MiB

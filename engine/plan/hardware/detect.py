@@ -32,7 +32,8 @@ from pathlib import Path
 
 from .cgroups import _int_or_none, cgroup_memory
 from .machine import DiskInfo, GpuInfo, Hardware, HostMemory
-from .presets import GB, PCIE_EFFICIENCY, GiB, pcie_link_gbps
+from ...units import GB, GiB
+from .presets import PCIE_EFFICIENCY, pcie_link_gbps
 
 
 def _norm_uuid(uuid) -> str | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .presets import PCIE_EFFICIENCY, GiB, GpuPreset, LinkPreset, pcie_link_gbps
+from ...units import GiB
+from .presets import PCIE_EFFICIENCY, GpuPreset, LinkPreset, pcie_link_gbps
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 # The PCIe rates live with hybrid execution (pure Python), which assumes a link when none was probed.
 from ...cache.hybrid import ASSUMED_LINK_GBPS, PCIE_EFFICIENCY, PCIE_LANE_GBPS  # noqa: F401 - re-exported
 
-GiB = 1 << 30
-GB = 1e9
+from ...units import GB, GiB  # noqa: F401 - re-exported
 
 # Stated assumptions used when a number cannot be probed (docs/plan.md lists them all).
 ASSUMED_GPU_MEMORY_GBPS = 300.0  # a modest consumer GPU (RTX 3060: 360 GB/s)

@@ -49,6 +49,7 @@ from ..catalog import CATALOG, MISSING_FEATURES, SUPPORTED_TYPES, CatalogEntry, 
 from ..hubhttp import MAX_NAME_BYTES
 from ..hubhttp import Ctx as _Ctx
 from ..hubhttp import Tensor as _Tensor
+from ...units import MiB
 from . import transfer
 from .gguf import GGUFQuant, LocalFile, choose_quant, gguf_quants, what_to_pull
 from .names import (
@@ -56,7 +57,6 @@ from .names import (
     _REPO_ID,
     INDEX_FILE,
     MAX_GGUF_DEPTH,
-    MiB,
     RepoFile,
     RepoListing,
     _fmt,

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import HubError
+from ...units import GiB, MiB
 from ..hubhttp import MAX_NAME_BYTES, MAX_PATH_BYTES
-
-MiB = 1 << 20
-GiB = 1 << 30
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
