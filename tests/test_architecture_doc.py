@@ -68,3 +68,15 @@ def test_every_room_has_its_line():
     # a room's sub-folders (quant/kernels, tui/screens, tui/widgets) are described in the room's line
     tops = {f for f in folders if not any(f.startswith(g + "/") for g in folders)}
     assert tops == rooms, f"rooms missing: {sorted(tops - rooms)}; listed but absent: {sorted(rooms - tops)}"
+
+
+def test_the_docs_name_only_files_that_exist():
+    """A path the README or a doc names (engine/..., app/..., bench/..., tests/...) is a file or folder that exists:
+    a move or a split leaves no reader looking for a file that is gone."""
+    pattern = re.compile(r"\b(?:engine|app|bench|tests|packaging)/[A-Za-z0-9_/.-]*[A-Za-z0-9_/]")
+    gone = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for path in set(pattern.findall(doc.read_text(encoding="utf-8"))):
+            if not (ROOT / path.rstrip("/.")).exists():
+                gone.append(f"{doc.name}: {path}")
+    assert sorted(gone) == []
