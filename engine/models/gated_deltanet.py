@@ -98,8 +98,9 @@ def _fp32_state(state: torch.Tensor) -> bool:
 
 
 def _conv_ok(x: torch.Tensor, state: torch.Tensor) -> bool:
-    two = (torch.float32, torch.bfloat16)
-    return x.dtype in two and state.dtype in two and state.is_contiguous() and state.device == x.device
+    """The conv kernels write x's dtype and shift the window in its own (fp32 or bf16, contiguous)."""
+    return (x.dtype in _KERNEL_DTYPES and state.dtype in _KERNEL_DTYPES and state.is_contiguous()
+            and state.device == x.device)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

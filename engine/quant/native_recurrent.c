@@ -16,7 +16,7 @@
  * tensor: widened exactly). Threads: the heads (value heads / Mamba heads / channel blocks) split over native.c's pool
  * (moechat_parallel_for); a head is always computed by one thread with the same code, so every thread count writes
  * the same bits. Plain C with GCC/Clang vector types (v8: 8 fp32 lanes, AVX registers or scalar code) along Dv / N:
- * the same source, and the same order of every sum, for the SIMD and the scalar build. Return 0, -1 for a shape the kernels do not take. */
+ * one source for the SIMD and the scalar build (MOECHAT_SCALAR changes nothing here). Return 0, -1 for a shape the kernels do not take. */
 
 #include <math.h>
 #include <stdint.h>
