@@ -149,8 +149,9 @@ def test_format_linear_one_bf16_token_uses_the_integer_dots(types, monkeypatch):
     assert torch.equal(fmt.linear(h, tensors, "w2"), _one(h, tensors, fmt, "w2", inter))
 
 
-def test_fp32_tokens_keep_the_tile_path_unless_told(monkeypatch):
-    """An fp32 run is the reference-accuracy one: the integer dots only with MOECHAT_GGUF_VECDOT=1, never with 0."""
+def test_fp32_tokens_keep_the_fp32_path_unless_told(monkeypatch):
+    """An fp32 run is the reference-accuracy one (fp32 sums of the exact weights: the many-token kernel or the tiles):
+    the integer dots only with MOECHAT_GGUF_VECDOT=1, never with 0."""
     fmt, tensors = _format_case(("Q4_K", "Q4_K", "Q6_K"))
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
     tiles = F.linear(x, fmt.weight(tensors, "w13", torch.float32), fmt.bias(tensors, "w13"))
