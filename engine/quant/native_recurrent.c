@@ -219,8 +219,8 @@ typedef struct {
 } ConvJob;
 
 static inline __attribute__((always_inline)) void conv_rows(const ConvJob *j, int64_t a, int64_t b, const int xb,
-                                                            const int wb, const int bb, const int sb, const int ob) {
-    const int64_t W = j->W;
+                                                            const int wb, const int bb, const int sb, const int ob,
+                                                            const int64_t W) {
     for (int64_t c = a; c < b; c++) {
         const float xc = rec_ld(j->x, xb, c);
         float s = 0.0f;
@@ -237,9 +237,9 @@ static inline __attribute__((always_inline)) void conv_rows(const ConvJob *j, in
 static int conv_share(void *ctx, int64_t a, int64_t b) {
     const ConvJob *j = ctx;
     const int f = j->flags;
-    if (f == 31 || f == 27) conv_rows(j, a, b, 1, 1, 1, 1, 1); /* the models' bf16 (27: no bias) */
-    else if (f == 0) conv_rows(j, a, b, 0, 0, 0, 0, 0);
-    else conv_rows(j, a, b, f & 1, f & 2, f & 4, f & 8, f & 16);
+    if ((f == 31 || f == 27) && j->W == 4) conv_rows(j, a, b, 1, 1, 1, 1, 1, 4); /* the models' bf16 (27: no bias) */
+    else if (f == 0 && j->W == 4) conv_rows(j, a, b, 0, 0, 0, 0, 0, 4);
+    else conv_rows(j, a, b, f & 1, f & 2, f & 4, f & 8, f & 16, j->W);
     return 0;
 }
 
