@@ -20,7 +20,7 @@ call, the heads split over native.c's pool, the same bits at any thread count, w
 step); on CUDA tensors the Triton kernels of engine/quant/kernels/recurrent.py. MOECHAT_RECURRENT_NATIVE=0 turns both
 off (the torch steps above, on every device); so does a CPU without the native library (native.status() says why).
 At Qwen3.6-35B-A3B's widths (32 value heads x 128 x 128, a conv over 8192 channels), one thread, bf16 inputs, the
-native delta rule takes 0.11 ms against the torch step's 0.35 ms and the conv 0.11 ms against 0.15 ms (CPU time,
+native delta rule takes 0.10 ms against the torch step's 0.30 ms and the conv 0.07 ms against 0.14 ms (CPU time,
 medians of interleaved rounds on a loaded 2-core machine; bench/recurrent_layers.py has the wall-clock table).
 """
 

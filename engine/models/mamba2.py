@@ -11,7 +11,7 @@ y = (C B^T * decay) (dt x) + decay_in C S0, the state carried between chunks by 
 
 Decode (one token) takes gated_deltanet's fused kernels where there are (`gd.fused_steps`): native_recurrent.c's
 `moechat_ssd_step` on CPU tensors (every head's update and output in one call, the heads split over native.c's pool,
-the same bits at any thread count, within ~1e-6 relative of `ssd_step`; 0.09 ms against its 0.74 ms at
+the same bits at any thread count, within ~1e-6 relative of `ssd_step`; 0.08 ms against its 0.68 ms at
 Nemotron-3-Nano's 64 heads x 64 x 128, one thread), engine/quant/kernels/recurrent.py's Triton
 kernel on CUDA tensors; MOECHAT_RECURRENT_NATIVE=0 turns both off (`ssd_step`, the torch step). The conv in front of
 it is gated_deltanet's `causal_conv1d` (with its bias), fused the same way.
