@@ -54,6 +54,9 @@ static inline void gd_nibbles(float *y, const uint8_t *p, const int8_t *lut, int
 
 static inline float gguf_h2f(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__) && !defined(MOECHAT_SCALAR)
+    return _cvtsh_ss(h); /* exact, as the bit arithmetic (a third faster per block scale) */
+#else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
         float v = (float)man * (1.0f / 16777216.0f); /* a subnormal (or zero): man x 2^-24, exact */
@@ -63,6 +66,7 @@ static inline float gguf_h2f(const uint8_t *p) {
     float out;
     memcpy(&out, &bits, 4);
     return out;
+#endif
 }
 
 static inline void gguf_scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
