@@ -55,6 +55,8 @@ MAX_ERROR_BYTES = 64 * KiB  # an error answer's body, read for its message only
 MAX_PAGES = 100  # tree listing pages (the Hub sends 1,000 entries a page: 100,000 files)
 HEADER_PROBE_BYTES = 100_001  # the first read of a safetensors file (huggingface_hub's 100 kB; most headers fit)
 MAX_SAFETENSORS_HEADER = 100 * MiB  # the safetensors format's own limit
+GGUF_PROBE_BYTES = 4 * MiB  # the first read of a GGUF file: the header of a 150k-token vocabulary fits
+MAX_GGUF_HEADER = 256 * MiB  # past any real GGUF header (the largest vocabularies take ~20 MB)
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 MAX_NAME_BYTES = 255  # NAME_MAX on every common file system
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -579,6 +581,29 @@ def safetensors_header(url: str, ctx: Ctx, headers: dict, what: str) -> dict[str
             s.fail(f"{where}.data_offsets {str(offsets)[:60]} is not [start, end] with 0 <= start <= end")
         tensors[name] = Tensor(dtype, tuple(shape), offsets[1] - offsets[0])
     return tensors
+
+
+def gguf_header(url: str, ctx: Ctx, headers: dict, what: str, size: int) -> bytes:
+    """A GGUF file's header (metadata and tensor infos, engine/io/gguf_header.py), by ranged reads from the start
+    of the file: GGUF_PROBE_BYTES first, then four times more at a time, never past the header or `size`."""
+    from ..io.gguf_header import header_length
+
+    data = b""
+    want = min(GGUF_PROBE_BYTES, size)
+    while True:
+        got = fetch(url, ctx, what, headers={**headers, "Range": f"bytes={len(data)}-{want - 1}"},
+                    max_bytes=want - len(data), truncate=True, deadline_s=METADATA_DEADLINE_S + want / (64 * KiB))
+        if len(got.content) != want - len(data):
+            _Shape(ctx, what, got.url).fail(f"the server sent {len(got.content)} B for bytes {len(data)}-{want - 1}")
+        data += got.content
+        n = header_length(data, f"{ctx.repo_id}: {what}")
+        if n is not None:
+            return data[:n]
+        if want >= size:
+            _Shape(ctx, what, got.url).fail(f"the file ends ({size} B) inside its GGUF header: it is truncated")
+        if want >= MAX_GGUF_HEADER:
+            _Shape(ctx, what, got.url).fail(f"its GGUF header goes on past {MAX_GGUF_HEADER // MiB} MiB")
+        want = min(4 * want, size, MAX_GGUF_HEADER)
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:

@@ -35,8 +35,10 @@ def add_fit_parser(subparsers) -> argparse.ArgumentParser:
         description="Plan a model on this machine (or a what-if machine): dense weights, KV cache, expert slots, "
                     "RAM and disk tiers, predicted decode tok/s and its bound, each with its reason. The first line "
                     "says runs, runs with ... or cannot run: why (exit 3). Memory sizes are GiB, bandwidths GB/s.")
-    fit.add_argument("model", metavar="MODEL", help="model directory (config.json alone is enough) or a Hub repo id "
-                     "(org/name: read from the Hub's metadata, without downloading the weights)")
+    fit.add_argument("model", metavar="MODEL", help="model directory (config.json alone is enough), a .gguf file, or "
+                     "a Hub repo id (org/name: read from the Hub's metadata, without downloading the weights; "
+                     "org/name:Q4_K_M: one GGUF quant, from its header alone)")
+    fit.add_argument("--quant", metavar="QUANT", help="the GGUF quant of a Hub repo to plan (as MODEL:QUANT)")
     fit.add_argument("--json", action="store_true", help="print the plan, model spec and hardware as one JSON object")
     fit.add_argument("--context", type=context_length, metavar="N", help="tokens of KV cache to plan for (default: "
                      "4096, lowered if needed; with --prefer context, the model's maximum; a value past the model's "
@@ -123,6 +125,13 @@ def run_fit(args: argparse.Namespace) -> int:
     from moechat.engine.plan.hardware import probe
     from moechat.engine.plan.hub import default_cache_dir
 
+    if args.quant:
+        from moechat.engine.plan.hub import split_quant
+
+        repo, named = split_quant(args.model)
+        if named is not None and named.upper() != args.quant.upper():
+            raise ConfigError(f"{args.model} names quant {named} and --quant says {args.quant}: give one of them")
+        args.model = f"{repo}:{args.quant}"
     spec, refused = checked_fit_spec(args.model, args.dtype)
     if spec is None:  # the loader refuses it, and there is nothing to plan
         return _refused_only(args, refused)

@@ -81,12 +81,27 @@ def hub_refusal(repo_id: str, config: dict, headers: dict, dtype: str | None = N
     return None
 
 
+def gguf_quant_spec(repo: str, quant: str):
+    """`moechat fit org/name:QUANT`: (the quant's ModelSpec from its cached files or its GGUF header(s) on the Hub,
+    None) or, when the loader would refuse the file (an architecture or a ggml type moechat lacks, a hostile
+    header), (None, why in its words). A quant the repo does not have is an error listing those it has."""
+    from moechat.engine.errors import CheckpointError, ConfigError, UnsupportedModelError
+    from moechat.engine.plan.hub import Hub
+
+    from ..guard import one_line
+
+    try:
+        return Hub().gguf_quant_spec(repo, quant)[0], None
+    except (CheckpointError, UnsupportedModelError, ConfigError) as e:
+        return None, one_line(e)
+
+
 def checked_fit_spec(model: str, dtype: str | None = None):
     """(the ModelSpec fit plans, or None when it cannot be read; why `run` refuses the model, or None):
     app/cli/pull.py's `fit_spec` beside the loader's checks over the same files (a folder, a downloaded snapshot)
     or the same headers (a Hub repo: the loader's checks over the headers fetched here)."""
     from moechat.engine.io.validate import check_index
-    from moechat.engine.plan.hub import INDEX_FILE, Hub, is_offline, looks_like_repo_id
+    from moechat.engine.plan.hub import INDEX_FILE, Hub, is_offline, looks_like_repo_id, split_quant
 
     from ..pull import fit_spec
 
@@ -99,6 +114,9 @@ def checked_fit_spec(model: str, dtype: str | None = None):
             return None, refused
 
     path = Path(model).expanduser()
+    repo, quant = split_quant(model)
+    if quant is not None and not path.exists() and looks_like_repo_id(repo):  # org/name:Q4_K_M, one GGUF quant
+        return gguf_quant_spec(repo, quant)
     if path.exists() or not looks_like_repo_id(model):
         return spec_or_none(lambda: fit_spec(model), loader_refusal(path, dtype))
     hub = Hub()

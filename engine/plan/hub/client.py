@@ -44,12 +44,12 @@ from ...errors import (
     UnsupportedModelError,
 )
 from ...paths import default_cache_dir
+from ...units import MiB
 from .. import hubhttp
 from ..catalog import CATALOG, MISSING_FEATURES, SUPPORTED_TYPES, CatalogEntry, why_not_runnable
 from ..hubhttp import MAX_NAME_BYTES
 from ..hubhttp import Ctx as _Ctx
 from ..hubhttp import Tensor as _Tensor
-from ...units import MiB
 from . import transfer
 from .gguf import GGUFQuant, LocalFile, choose_quant, gguf_quants, what_to_pull
 from .names import (
@@ -310,8 +310,55 @@ class Hub:
         spec = spec_from_config(config, name=repo_id, index=index, present_bytes=present, where=where)
         return replace(spec, checkpoint_bytes=max(spec.checkpoint_bytes, listing.download_bytes))
 
+    def remote_gguf_spec(self, repo_id: str, quant: str | None, revision: str | None = None, *,
+                         listing: RepoListing | None = None):
+        """The ModelSpec of one GGUF quant of a repo from its header(s) on the Hub: a ranged read from the start of
+        each file of the quant (metadata and tensor infos, a few MB), never its tensor data. The headers go into
+        sparse files of the files' full sizes in a temporary folder, so the local reader plans them as it plans a
+        downloaded file (the same numbers, tested). `quant` None: QuantChoiceError listing what the repo offers."""
+        import tempfile
+        from pathlib import PurePosixPath
+
+        from huggingface_hub import hf_hub_url
+
+        from ..spec_headers import gguf_spec
+
+        listing = listing or self.listing(repo_id, revision, want=_wanted_any)
+        chosen = choose_quant(repo_id, gguf_quants(listing.files), quant)
+        ctx, headers = _Ctx(self, repo_id, listing.sha), self._auth_headers()
+        with tempfile.TemporaryDirectory(prefix="moechat-gguf-") as tmp:
+            for f in chosen.files:
+                url = hf_hub_url(repo_id, f.path, revision=listing.sha, endpoint=self.endpoint_url)
+                head = hubhttp.gguf_header(url, ctx, headers, f"GGUF header of {f.path}", f.size)
+                with open(Path(tmp) / PurePosixPath(f.path).name, "wb") as out:
+                    out.write(head)
+                    out.truncate(f.size)  # sparse past the header: no disk, and nothing reads it
+            spec = gguf_spec(Path(tmp) / PurePosixPath(chosen.first).name)
+        cached = self.cached_bytes(repo_id, replace(listing, files=tuple(chosen.files)))
+        return replace(spec, name=f"{repo_id}:{chosen.name}", source="GGUF headers (Hub)", weights_present=False,
+                       present_bytes=cached, checkpoint_bytes=chosen.size, path=None,
+                       notes=(f"sizes read from the GGUF header of {chosen.first} on the Hub",) + spec.notes[1:])
+
+    def gguf_quant_spec(self, repo_id: str, quant: str, revision: str | None = None, *,
+                        listing: RepoListing | None = None):
+        """(the ModelSpec of one GGUF quant, the commit): from its files when a snapshot holds them, else from its
+        header(s) on the Hub (`remote_gguf_spec`)."""
+        from .. import gguf_spec
+
+        local = self.local_snapshot(repo_id, revision) if listing is None else None
+        if local is not None and self._has_quant(repo_id, local, quant):
+            first = choose_quant(repo_id, gguf_quants(self.local_listing(repo_id, local)), quant).first
+            spec = gguf_spec(local / first)
+            return replace(spec, name=f"{repo_id}:{quant}", source="local snapshot",
+                           present_bytes=spec.checkpoint_bytes), local.name
+        if is_offline():
+            raise HubOfflineError(f"{repo_id}:{quant} is not downloaded and HF_HUB_OFFLINE is set: unset "
+                                  "HF_HUB_OFFLINE to read its header from the Hub", repo_id=repo_id)
+        listing = listing or self.listing(repo_id, revision, want=_wanted_any)
+        return self.remote_gguf_spec(repo_id, quant, listing=listing), listing.sha
+
     def fit(self, repo_id: str, hardware=None, prefs=None, *, revision: str | None = None, exact: bool = True,
-            listing: RepoListing | None = None) -> FitVerdict:
+            listing: RepoListing | None = None, quant: str | None = None) -> FitVerdict:
         """Verdict, predicted speed and download size for this machine (or `hardware`), before any weight byte.
 
         A complete local snapshot is planned from its own files; else config.json and the safetensors headers
@@ -322,7 +369,10 @@ class Hub:
         from ..hardware import probe
 
         local = self.local_snapshot(repo_id, revision) if listing is None else None
-        if local is not None:
+        if quant is not None:  # one GGUF quant: its own files when cached, else its header(s) from the Hub
+            spec, sha = self.gguf_quant_spec(repo_id, quant, revision, listing=listing)
+            download, cached, source = spec.checkpoint_bytes, spec.present_bytes, spec.source
+        elif local is not None:
             spec = replace(read_model_spec(local), name=repo_id)
             sha, download, cached, source = local.name, spec.checkpoint_bytes, spec.checkpoint_bytes, "local snapshot"
         else:
