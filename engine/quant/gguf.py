@@ -16,14 +16,15 @@ loops, bit for bit the reference in every build) and computes `linear` three way
   (AVX-512 VNNI / AVX2 / scalar, the same bits in each and at any thread count), one fp32 step per block. x's
   rounding costs at most sum over blocks of (amax_b / 127) / 2 * sum_{i in b} |w_i| (`vecdot_bound`; observed
   0.04-0.12 of it). One token through a Qwen3-30B-A3B expert's w13 (1536 x 2048), one thread of a 2-core machine
-  under a load of ~9 (minima of 7 interleaved calls): 0.17-0.37 ms for every type (Q6_K 0.17, Q4_K 0.19, Q8_0
-  0.20, IQ4_NL 0.21, Q5_K 0.25, Q2_K 0.31, Q4_1 0.34, Q5_1 0.37, Q3_K 0.37), 2.2-5.2x the tile path (medians of
-  5 rounds in bench/gguf_vecdot.py: 2.5-6.9x).
+  under a load of ~8 (minima of 7 interleaved calls): 0.12-0.38 ms for every type (Q8_0 0.12, Q4_0 / Q6_K / Q4_K
+  0.17, MXFP4 / IQ4_NL 0.18, IQ4_XS 0.19, Q5_0 / Q4_1 0.22, Q5_K 0.23, Q5_1 0.29, Q2_K 0.33, Q3_K 0.38), 2-6x the
+  tile path's 0.52-1.54 ms (medians of 5 rounds in bench/gguf_vecdot.py: 2.5-6.9x).
 * many tokens, and one fp32 token: `prefill`: each 4-row block of W decoded once into a cache-resident fp32 scratch
   and multiplied there by every token (fp32 FMA tiles, 6 tokens x 4 rows with AVX-512): F.linear(x, dequantize(W))
   up to the order of the fp32 sum (|error| <= cols 2^-24 sum |x w|), the same bits at any thread count and in any
-  batch. Against the tile path on the same w13 and machine (minima): T = 4 1.2-1.8x for every type, T = 32
-  mostly 1.2-4x (the load's noise is large there), T = 128 0.7-1.4x (torch's GEMM on a decoded tile is as fast).
+  batch. Against the tile path on the same w13 and machine (minima): T = 4 1.4-1.7x for every type (0.8-1.0 ms
+  against 1.3-1.5), T = 32 1.2-1.3x where neither run was preempted (2.7-2.9 ms against 3.3-3.5), T = 128 about
+  even (18-28 ms both: torch's GEMM on a decoded tile is as fast there).
 * otherwise (MOECHAT_GGUF_PREFILL=0, another device, no kernel library): 256 rows decoded at a time into fp32
   (`decode_rows`: 2 MB at 2048 columns) and torch's GEMM on each tile, exact to the reference's order.
 
