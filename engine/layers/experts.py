@@ -96,7 +96,23 @@ def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
 
 def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) -> torch.Tensor:
     """One expert on x [n, H] from its stored tensors -> [n, H]."""
+    if not act.gated and x.shape[0] == 1 and (lib := _bf16_dense_lib(x, fmt, tensors)) is not None:
+        # one bf16 CPU token through ungated full-width experts: native.c's GEMV per projection, each rounded to bf16
+        # once as F.linear's; torch's one-row bf16 GEMM streamed a 19 MiB Nemotron-3 expert at ~5 GB/s from RAM, the
+        # GEMV ~4x that (loaded 2-core machine). Gated experts keep their own fast path (`expert_compute`).
+        h = act(native.bf16_gemv(lib, x, tensors["w13"], x.dtype))  # [1, I]
+        return native.bf16_gemv(lib, h, tensors["w2"], x.dtype)  # [1, H]
     return fmt.linear(act(fmt.linear(x, tensors, "w13")), tensors, "w2")
+
+
+def _bf16_dense_lib(x: torch.Tensor, fmt: ExpertFormat, tensors):
+    """native.c's library where one expert's projections are plain contiguous bf16 matrices on the CPU, else None."""
+    if fmt.packed or x.dtype != torch.bfloat16 or x.device.type != "cpu" or "w13_bias" in tensors:
+        return None
+    w13, w2 = tensors["w13"], tensors["w2"]
+    if not (w13.dtype == w2.dtype == torch.bfloat16 and w13.is_contiguous() and w2.is_contiguous()):
+        return None
+    return native.library()
 
 
 # -- one token on the CPU: the layer's experts in one native call (quant/native.py moe_decode) ------------------------

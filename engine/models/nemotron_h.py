@@ -27,9 +27,10 @@ from torch import nn
 from ..errors import ConfigError, UnsupportedModelError
 from ..layers.kv_cache import KVCache
 from ..layers.moe import RELU2, ExpertProvider, grouped_topk
+from ..quant import native
 from . import gated_deltanet as gd
 from . import mamba2
-from .base import (Attention, BaseModelArgs, ExpertNaming, MoEForCausalLM, RMSNorm, Router, _in_out,
+from .base import (Attention, BaseModelArgs, ExpertNaming, MoEForCausalLM, RMSNorm, Router, _bf16_gemv_lib, _in_out,
                    rms_norm_fp32_weight, run_experts)
 from .qwen3_next import _project, _project_add
 
@@ -236,6 +237,11 @@ class ReluSquaredMLP(nn.Module):
         self.down_b = None if self.down_proj.bias is None else self.down_proj.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.up_b is None and self.down_b is None and \
+                (lib := _bf16_gemv_lib(x, self.up_w.t())) is not None:
+            # one bf16 CPU token: native.c's GEMV, each product rounded to bf16 as F.linear's (~1.7x its speed)
+            h = torch.relu(native.bf16_gemv(lib, x, self.up_w, x.dtype)).square()  # [1, I]
+            return native.bf16_gemv(lib, h, self.down_w, x.dtype)  # [1, H]
         return F.linear(torch.relu(F.linear(x, self.up_w, self.up_b)).square(), self.down_w, self.down_b)
 
 

@@ -432,3 +432,22 @@ def test_config_problems_are_one_typed_line(change, error, words, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(ok))
     cls, args, _ = read_model_config(tmp_path)  # the real config reads, remote-code auto_map and all
     assert cls.__name__ == "NemotronHForCausalLM" and args.num_hidden_layers == 52
+
+
+def test_bf16_one_token_ungated_expert_matches_the_reference():
+    """One bf16 CPU token through ungated dense experts (native.c's GEMV per projection) == the slow reference in
+    fp32 over the same bf16 weights, to bf16's rounding; a chunk (torch's GEMMs) the same."""
+    g = torch.Generator().manual_seed(8)
+    E, H, I = 4, 64, 48
+    w13 = (torch.randn(E, I, H, generator=g) * 0.2).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.2).to(torch.bfloat16)
+    batch_tensors = {"w13": w13, "w2": w2}
+    for T in (1, 5):
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+        w = torch.rand(T, 2, generator=g)
+        contrib = torch.zeros(T * 2, H)
+        experts.expert_compute(x, w, ExpertBatch(batch_tensors, ids, ids), act=RELU2, contrib=contrib)
+        got = contrib.view(T, 2, H).sum(1)
+        want = moe_reference(x.float(), w, ids, w13.float(), w2.float(), act=RELU2)
+        assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item(), T
