@@ -85,9 +85,21 @@ def test_cli_start_up_does_not_import_torch(tmp_path):
 
 
 def test_model_files_never_import_the_cache():
+    """Boundary 2 of docs/architecture.md: a model asks the provider contract (engine/layers/moe.py) for experts;
+    the import walk of tests/test_import_graph.py sees every import, lazy ones too."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("_import_graph", ROOT / "tests" / "test_import_graph.py")
+    walk = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("_import_graph", walk)
+    spec.loader.exec_module(walk)
+    graph = walk.import_graph()
+    into_cache = sorted((m, d) for m, deps in graph.items() if m.startswith("moechat.engine.models") for d in deps
+                        if d.startswith("moechat.engine.cache"))
+    assert into_cache == []
     for path in (ROOT / "engine" / "models").glob("*.py"):
-        text = path.read_text()
-        assert ".cache" not in text and "CachedProvider" not in text, path.name
+        assert "CachedProvider" not in path.read_text(), path.name
 
 
 # -- the wheel ------------------------------------------------------------------------------------------------
