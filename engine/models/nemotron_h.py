@@ -30,11 +30,21 @@ from ..layers.moe import RELU2, ExpertProvider, grouped_topk
 from ..quant import native
 from . import gated_deltanet as gd
 from . import mamba2
-from .base import (Attention, BaseModelArgs, ExpertNaming, MoEForCausalLM, RMSNorm, Router, _bf16_gemv_lib, _in_out,
-                   rms_norm_fp32_weight, run_experts)
+from .base import (
+    Attention,
+    BaseModelArgs,
+    ExpertNaming,
+    MoEForCausalLM,
+    RMSNorm,
+    Router,
+    _bf16_gemv_lib,
+    _in_out,
+    rms_norm_fp32_weight,
+    run_experts,
+)
 from .qwen3_next import _project, _project_add
 
-# T = tokens, H = hidden, nH = Mamba heads, P = Mamba head dim, G = groups, N = state size, Im = nH x P, C = conv channels
+# T = tokens, H = hidden, nH = Mamba heads, P = head dim, G = groups, N = state size, Im = nH x P, C = conv channels
 
 KINDS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 # transformers 5's layers_block_type spelling of the same kinds

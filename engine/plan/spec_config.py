@@ -406,7 +406,7 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
                 add("shared experts", H)  # Qwen2-MoE's shared_expert_gate [1, H]
 
     def nemotron_layer(layer: int, kind: str) -> None:
-        """One Nemotron-H layer: its norm and its one mixer (Mamba-2, attention, MoE with a relu^2 shared expert, MLP)."""
+        """One Nemotron-H layer: its norm and its one mixer (Mamba-2, attention, MoE + relu^2 shared expert, MLP)."""
         m = f"backbone.layers.{layer}.mixer"
         add("norms", H)
         if kind == "attention":

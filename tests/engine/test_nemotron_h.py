@@ -302,9 +302,9 @@ CHAT = [
 @pytest.mark.parametrize("switch", [{}, {"enable_thinking": True}, {"enable_thinking": False},
                                     {"enable_thinking": False, "truncate_history_thinking": False}])
 def test_chat_template_matches_transformers_with_its_reasoning_switch(switch):
+    import transformers
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
-    import transformers
 
     from moechat.engine.text.chat_template import ChatTemplate
     from moechat.engine.text.reasoning import THINK_TAGS, make_parser, reasoning_format
