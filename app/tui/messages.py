@@ -188,6 +188,15 @@ class PlanReady(Message):
 
 
 @dataclass
+class QuantsChecked(Message):
+    """A GGUF repo's quants for the wizard, each with its verdict once its header is read; `done` after the last."""
+
+    repo_id: str
+    quants: tuple  # engine.plan.hub.gguf.QuantFit, smallest first
+    done: bool
+
+
+@dataclass
 class DownloadProgressed(Message):
     progress: object  # engine.hub.DownloadProgress
 
