@@ -20,6 +20,16 @@ turn's shared prefix ends even when the template re-renders this turn's opening)
 back to the latest snapshot at or before n (the fresh state at 0 if there is none) and returns where it landed:
 the caller prefills from there, so a reused prefix is never a wrong continuation. Qwen3.6-35B-A3B: 61.4 MiB of
 state (30 linear layers), 61.4 MiB more per snapshot, against 20 KiB of KV per token for its 10 attention layers.
+
+Sliding-window layers of a model that reads them as rings (`args.kv_ring_windows()`: Gemma 4) hold only their
+window: a ring of `window` positions, position p in slot p % window (`ring[layer]`; None for a layer that keeps the
+whole context, and for every layer when the context is no longer than the window, where the ring would be the plain
+buffer). K is cached after RoPE, so a slot needs no position of its own: decode reads the whole ring (every slot is
+in the window once it has wrapped) and prefill reads the window's past in position order beside the new chunk.
+A rewind cannot bring back positions the ring has overwritten: `truncate(n)` keeps n only where every ring still
+holds the window before n (n >= length - 1 once a ring has wrapped) and otherwise goes back to 0 (the caller
+recomputes the prompt): never a wrong continuation. Gemma-4-26B-A4B in bf16 at 128k: 25 sliding layers x 1024
+positions x 8 KiB = 200 MiB instead of 25 GiB, 5.2 GiB of KV in all (the 5 full layers' 40 KiB a token).
 """
 
 from __future__ import annotations
@@ -35,13 +45,17 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", v_head_dim: int | None = None,
                  recurrent: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] | None = None,
-                 layouts: list[tuple[int, int, int]] | None = None):
+                 layouts: list[tuple[int, int, int]] | None = None, windows: list[int | None] | None = None):
         """v_head_dim: the value dim when it is not head_dim; 0 for no V buffers (MLA's latent cache).
-        recurrent: layer -> {state name: (shape, dtype)} for the layers that keep a recurrent state (no K/V)."""
+        recurrent: layer -> {state name: (shape, dtype)} for the layers that keep a recurrent state (no K/V).
+        windows: per layer, the sliding window its attention reads as a ring of that many positions (None: all)."""
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         recurrent = recurrent or {}
         self.max_tokens = max_tokens
-        positions = [0 if i in recurrent else max_tokens for i in range(num_layers)]
+        # ring[i]: the ring's size (= the window) where layer i holds only its window, else None
+        self.ring: list[int | None] = [w if w and w < max_tokens and i not in recurrent else None
+                                       for i, w in enumerate(windows or [None] * num_layers)]
+        positions = [0 if i in recurrent else (self.ring[i] or max_tokens) for i in range(num_layers)]
         # layouts: (KV heads, k dim, v dim) per layer where layers differ (Gemma 4: sliding 8 x 256, full 2 x 512)
         layouts = layouts or [(num_kv_heads, head_dim, v_head_dim)] * num_layers
         self.k = [torch.zeros(h, s, d, dtype=dtype, device=device)  # [KVH, S, D]
@@ -66,8 +80,10 @@ class KVCache:
         layout = getattr(args, "recurrent_layout", None)
         recurrent = layout(dtype) if layout is not None else None
         per_layer = getattr(args, "kv_layer_layouts", None)  # layers of different widths: each its own
+        rings = getattr(args, "kv_ring_windows", None)  # sliding layers whose attention reads a ring
         return cls(args.num_hidden_layers, heads, k_dim, max_tokens, dtype, device, v_head_dim=v_dim,
-                   recurrent=recurrent, layouts=per_layer() if per_layer is not None else None)
+                   recurrent=recurrent, layouts=per_layer() if per_layer is not None else None,
+                   windows=rings() if rings is not None else None)
 
     @property
     def free(self) -> int:
@@ -99,10 +115,20 @@ class KVCache:
             copies = [t.clone() for t in self._states()]
         self.snapshots.append((self.length, copies))
 
+    def ring_holds(self, n: int) -> bool:
+        """Whether every ring still holds the keys a query at position n reads (n - window + 1 .. n - 1), so that
+        the cache can go back to n; always where no ring has wrapped."""
+        if not self.consistent:  # a failed pass may have written past `length` into slots still in use
+            return not any(self.ring)
+        return all(max(0, n - w + 1) >= self.length - w for w in self.ring if w)
+
     def truncate(self, n: int) -> int:
         """Forget every position from n on and return how many are kept: n for attention (the buffers are reused as
-        they are); with recurrent layers, the latest snapshot at or before n (0, a fresh state, if none)."""
+        they are); with recurrent layers, the latest snapshot at or before n (0, a fresh state, if none); with
+        rings, 0 where a ring has already overwritten the window before n (`ring_holds`)."""
         n = max(0, min(n, self.length))
+        if not self.ring_holds(n):
+            n = 0  # recomputed from the start: a ring cannot give back what it overwrote
         if self.recurrent_layers and (n < self.length or not self.consistent):
             best = max((s for s in self.snapshots if s[0] <= n), key=lambda s: s[0], default=None)
             if best is None:
@@ -114,7 +140,11 @@ class KVCache:
                     t.copy_(c)
                 n = best[0]
             self.snapshots = [s for s in self.snapshots if s[0] <= n]
-            self.consistent = True
+            if n and not self.ring_holds(n):  # the snapshot lies before what the rings hold: from the start
+                for t in self._states():
+                    t.zero_()
+                n, self.snapshots = 0, []
+        self.consistent = True
         self.length = n
         return n
 

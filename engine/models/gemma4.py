@@ -16,8 +16,8 @@ tower's tensors are in the checkpoint and never read (the model runs text-only).
 
 KV cache: one [KVH, S, D] buffer pair per layer at that layer's own width (`kv_layer_layouts`; sliding 8 x 256,
 full 2 x 512, K as V stored normed in V's buffer): 2 B x 2 x (25 x 2048 + 5 x 1024) = 220 KiB a token in bf16, 8%
-under the 240 KiB of one width for all. Sliding layers keep the whole context, not a ring of the 1024-token window
-(a ring of 1024 positions would hold 24.8 GiB less at 128k; not done).
+under the 240 KiB of one width for all. Sliding layers hold a ring of their 1024-token window only (`kv_ring_windows`,
+engine/layers/kv_cache.py): 200 MiB for the 25 of them at any context, 24.8 GiB less than the whole context at 128k.
 Gemma-4-26B-A4B: 30 MoE layers x 128 experts, top-8, I = 704: one routed expert is 3 x 704 x 2816 x 2 B = 11.3 MiB
 in bf16, and the 3840 of them are 42.5 GiB of its ~47 GiB of weights.
 """
@@ -151,6 +151,10 @@ class Gemma4TextArgs(BaseModelArgs):
         """Each layer's own [KVH, S, D] buffers (sliding 8 x 256, full 2 x 512): the exact 220 KiB a token."""
         return [(nKV, D, D) for D, nKV in self.layer_heads]
 
+    def kv_ring_windows(self) -> list[int | None]:
+        """The sliding layers hold a ring of their window (Gemma4Attention reads it), the full layers everything."""
+        return [self.layer_window(i) for i in range(self.num_hidden_layers)]
+
 
 @dataclass
 class Gemma4Args(Gemma4TextArgs):
@@ -239,8 +243,11 @@ class Gemma4Attention(nn.Module):
         k = k * cos + k.roll(D // 2, dims=-1) * sin  # [T, nKV, D]
         end = start + T
         kc, vc = kv.k[self.layer], kv.v[self.layer]  # [nKV, S_max, D]: this layer's own width (kv_layer_layouts)
-        kc[:, start:end], vc[:, start:end] = k.transpose(0, 1), v.transpose(0, 1)
+        ring = kv.ring[self.layer]  # a sliding layer's ring of `window` slots (position p in slot p % window), or None
         first = 0 if self.window is None else max(0, start - self.window + 1)  # the oldest key any query sees
+        if ring is not None and end > ring:  # the ring wraps: read the window's past in order, then write the chunk
+            return self._ring_forward(q, k.transpose(0, 1), v.transpose(0, 1), kc, vc, ring, start)
+        kc[:, start:end], vc[:, start:end] = k.transpose(0, 1), v.transpose(0, 1)
         keys, values = kc[:, first:end], vc[:, first:end]  # [nKV, S, D]
         G = nH // nKV
         if T == 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu" and (lib := native.library()) is not None:
@@ -273,6 +280,40 @@ class Gemma4Attention(nn.Module):
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [nKV, G, T, S]
         out = torch.matmul(probs.view(nKV, G * T, -1), values).view(nKV, G, T, D)  # [nKV, G, T, D]
         return self._out(out.permute(2, 0, 1, 3).reshape(T, nH * D))  # [T, nH*D] in
+
+    def _ring_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                      ring: int, start: int) -> torch.Tensor:
+        """Attention of q [T, nH, D] at positions start.. over a sliding layer's ring kc / vc [nKV, W, D] (W = the
+        window) once it wraps, with this chunk's k / v [nKV, T, D]; writes the chunk's last W positions into it.
+        One token: written at slot start % W, then the whole ring is its window (softmax reads keys in any order).
+        A chunk: the window's past (start - W + 1 .. start - 1) gathered in position order, the chunk after it and
+        the causal window mask over both, as the buffer of the whole context would give; the ring is written after."""
+        T, nH, D = q.shape
+        nKV, G, end = self.n_kv, nH // self.n_kv, start + T
+        if T == 1:
+            slot = start % ring
+            kc[:, slot], vc[:, slot] = k[:, 0], v[:, 0]
+            if q.dtype == torch.bfloat16 and q.device.type == "cpu" and (lib := native.library()) is not None:
+                out = native.attn_decode(lib, q.view(nKV, G, D), kc, vc, 0, ring, 1.0).to(q.dtype)
+                return self._out(out.view(1, nH * D))
+            scores = torch.matmul(q.view(nKV, G, D), kc.transpose(1, 2))  # [nKV, G, W], scale 1.0
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            return self._out(torch.matmul(probs, vc).view(1, nH * D))  # [nKV, G, D] -> [1, nH*D]
+        first = max(0, start - self.window + 1)
+        past = torch.arange(first, start, device=q.device) % ring  # the slots of the window's past, oldest first
+        keys = torch.cat([kc[:, past], k], dim=1)  # [nKV, S, D], positions first..end-1
+        values = torch.cat([vc[:, past], v], dim=1)
+        qpos = torch.arange(start, end, device=q.device)[:, None]  # [T, 1]
+        kpos = torch.arange(first, end, device=q.device)[None, :]  # [1, S]
+        mask = (kpos <= qpos) & (kpos > qpos - self.window)
+        S = keys.shape[1]
+        kx = keys[:, None].expand(nKV, G, S, D).reshape(nH, S, D)  # [nH, S, D]
+        vx = values[:, None].expand(nKV, G, S, D).reshape(nH, S, D)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kx[None], vx[None], attn_mask=mask,
+                                             scale=1.0)[0]  # [nH, T, D]
+        keep = torch.arange(max(start, end - ring), end, device=q.device)  # the chunk's last W positions
+        kc[:, keep % ring], vc[:, keep % ring] = k[:, keep - start], v[:, keep - start]
+        return self._out(out.transpose(0, 1).reshape(T, nH * D))
 
     def _out(self, out: torch.Tensor) -> torch.Tensor:
         """o_proj(out) [T, H]."""
@@ -464,9 +505,11 @@ class Gemma4TextForCausalLM(MoEForCausalLM):
         kv.reserve(T)
         x = F.embedding(input_ids, self.embed_weight) * self.embed_scale  # [T, H]
         tables = {kind: (cos[start : start + T], sin[start : start + T]) for kind, (cos, sin) in self.rope.items()}
+        kv.consistent = False  # until the last layer: an error between leaves rings written past kv.length
         for layer in self.layer_list:
             x = layer.forward(x, *tables[layer.kind], kv, start, provider)
         kv.length = start + T
+        kv.consistent = True
         return rms_norm_fp32_weight(x, self.norm_weight, self.args.rms_norm_eps)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -247,6 +247,73 @@ def test_a_multi_turn_reuses_the_cache_like_a_fresh_prefill(models):
     assert again == _greedy(engine, first + reply + second, 6)
 
 
+def _whole_context(engine):
+    """A sequence whose sliding layers keep the whole context (no ring): the layout before the rings, a reference."""
+    from moechat.engine.layers.kv_cache import KVCache
+    from moechat.engine.runtime.generate import SequenceState
+
+    a = engine.args
+    heads, k_dim, v_dim = a.kv_cache_layout()
+    return SequenceState(KVCache(a.num_hidden_layers, heads, k_dim, engine.context, engine.loaded.dtype,
+                                 layouts=a.kv_layer_layouts()))
+
+
+def test_sliding_layers_hold_a_ring_of_their_window(models):
+    """Sliding layers allocate `sliding_window` positions, full ones the context; a context under the window needs
+    no ring."""
+    from moechat.engine.layers.kv_cache import KVCache
+
+    path, _ = models("text")
+    engine = Engine.load(path, dtype="float32")
+    kv = engine.new_sequence().kv
+    assert kv.ring == [5, 5, None]
+    assert [tuple(t.shape) for t in kv.k] == [(2, 5, 16), (2, 5, 16), (1, engine.context, 32)]
+    assert [tuple(t.shape) for t in kv.v] == [(2, 5, 16), (2, 5, 16), (1, engine.context, 32)]
+    short = KVCache.for_model(engine.args, 5, torch.float32, device="meta")
+    assert short.ring == [None, None, None] and [t.shape[1] for t in short.k] == [5, 5, 5]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 7, 64])
+def test_the_ring_gives_the_whole_context_logits_at_every_chunk(models, chunk):
+    """Prompts longer than the window, prefilled in chunks that cross the ring's wrap at every offset, then decoded
+    past it: the ring's logits are transformers' (1e-4) and those of a cache of the whole context (1e-5)."""
+    path, ref = models("text")
+    engine = Engine.load(path, dtype="float32", prefill_chunk=chunk)
+    ids = _prompt(17, seed=50 + chunk)
+    with torch.inference_mode():
+        seq, whole = engine.new_sequence(), _whole_context(engine)
+        assert seq.kv.ring[0] == 5 and whole.kv.ring == [None] * 3
+        ours, before = engine._forward(seq, ids), engine._forward(whole, ids)
+        assert (ours - _reference_logits(ref, ids)).abs().max().item() < 1e-4
+        assert (ours - before).abs().max().item() < 1e-5
+        for step in range(7):
+            token = [int(ours.argmax())]
+            ours, before = engine._forward(seq, token), engine._forward(whole, token)
+            assert (ours - before).abs().max().item() < 1e-5, step
+        assert (ours - _reference_logits(ref, seq.tokens)).abs().max().item() < 1e-4
+
+
+def test_a_rewind_past_the_ring_recomputes_and_never_continues_wrong(models):
+    """truncate keeps n only where every ring still holds the window before n (one token back once it has
+    wrapped; anything before it has wrapped); otherwise it goes back to 0 and the caller prefills the prompt."""
+    path, _ = models("text")
+    engine = Engine.load(path, dtype="float32", prefill_chunk=4)
+    ids = _prompt(13, seed=60)
+    with torch.inference_mode():
+        fresh = {n: engine._forward(engine.new_sequence(), ids[:n]) for n in (1, 5, 11, 12, 13)}
+        for n, kept in ((12, 12), (11, 11), (10, 0), (4, 0), (0, 0)):
+            seq = engine.new_sequence()
+            engine._forward(seq, ids[:12])
+            assert seq.truncate(n) == kept, n
+            logits = engine._forward(seq, ids[kept : n + 1])  # the prompt from where the cache landed
+            assert (logits - fresh[n + 1]).abs().max().item() < 1e-5, n
+        seq = engine.new_sequence()
+        engine._forward(seq, ids[:4])  # the ring not wrapped yet: any rewind is kept
+        assert seq.truncate(1) == 1
+        seq.kv.consistent = False  # as a pass that failed midway leaves it: the rings may hold its keys
+        assert seq.truncate(1) == 0
+
+
 def test_unsupported_gemma4_variants_are_one_typed_line(tmp_path):
     from moechat.engine.errors import MoechatError
     from moechat.engine.load.loader import read_model_config
@@ -351,6 +418,11 @@ def test_fit_counts_what_the_model_allocates(real):
     kv = KVCache.for_model(args, context, torch.bfloat16, device="meta")
     assert [tuple(t.shape) for t in kv.k[4:6]] == [(8, context, 256), (2, context, 512)]
     assert spec.kv_bytes(context) == sum(t.numel() * t.element_size() for t in kv.k + kv.v) == context * 220 * 1024
+    context = 131072  # past it: the 25 sliding layers a ring of 1024 positions each, as the windowed plan counts
+    kv = KVCache.for_model(args, context, torch.bfloat16, device="meta")
+    assert [tuple(t.shape) for t in kv.k[4:6]] == [(8, 1024, 256), (2, context, 512)]
+    held = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
+    assert spec.kv_bytes(context, windowed=True) == held == 25 * 1024 * 8 * 1024 + context * 5 * 2 * 2 * 512 * 2
     assert "5 layers x 2 (K, V) x 2 KV heads x 512" in spec.kv_detail
 
 
