@@ -274,7 +274,8 @@ def format_info(engine, moe_layers: int | None) -> tuple[str, str, dict[str, int
         elem = FLOAT_SIZES[str(loaded.dtype).removeprefix("torch.")]
         bias = bool(getattr(args, "expert_bias", False))
         for name in ("int8", "int4"):
-            tensors = packed_expert_tensors(name, int(args.hidden_size), int(args.moe_intermediate), elem, bias)
+            tensors = packed_expert_tensors(name, int(args.hidden_size), int(args.moe_intermediate), elem, bias,
+                                            gated=bool(getattr(args, "gated_experts", True)))
             sizes[name] = n * sum(t.nbytes for t in tensors)
     except Exception:  # noqa: BLE001 - no sizes for a model whose widths the format cannot take (or a fake)
         pass

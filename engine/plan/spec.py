@@ -60,14 +60,20 @@ def int4_group(cols: int) -> int:
     raise ConfigError(f"int4 experts need an input size divisible by 8 (got {cols}): use --expert-format int8")
 
 
-def packed_expert_tensors(name: str, hidden: int, inter: int, float_bytes: int, bias: bool) -> tuple[TensorSpec, ...]:
+UNGATED_EXPERTS = ("nemotron_h",)  # relu^2 over the up projection alone: w13 is [I, H] (models/base.py gated_experts)
+
+
+def packed_expert_tensors(name: str, hidden: int, inter: int, float_bytes: int, bias: bool,
+                          gated: bool = True) -> tuple[TensorSpec, ...]:
     """One expert as `--expert-format int8|int4` stores it (engine/quant/intq.py's layout, byte for byte):
     int8: q [out, in] + fp32 scale [out] per projection; int4: q [out, in/2] (two codes a byte) + fp16 scale
-    [out, in/group] (4.5 bits a weight in groups of 32); biases, when the model has them, in the compute dtype. w13 is [2I, H], w2 [H, I]."""
+    [out, in/group] (4.5 bits a weight in groups of 32); biases, when the model has them, in the compute dtype.
+    w13 is [2I, H] (gate and up), or [I, H] for ungated experts (`gated=False`); w2 [H, I]."""
     if name not in CONVERTIBLE_FORMATS:
         raise ConfigError(f"--expert-format {name!r}: use native or one of {', '.join(CONVERTIBLE_FORMATS)}")
+    up = (2 if gated else 1) * inter
     out: list[TensorSpec] = []
-    for which, (rows, cols) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+    for which, (rows, cols) in (("w13", (up, hidden)), ("w2", (hidden, inter))):
         if name == "int8":
             out += [TensorSpec(f"{which}_q", (rows, cols), "I8", rows * cols),
                     TensorSpec(f"{which}_scale", (rows,), "F32", 4 * rows)]
@@ -77,7 +83,7 @@ def packed_expert_tensors(name: str, hidden: int, inter: int, float_bytes: int, 
                     TensorSpec(f"{which}_scale", (rows, groups), "F16", 2 * rows * groups)]
     if bias:
         tag = DTAG_OF_SIZE.get(float_bytes, "BF16")
-        out += [TensorSpec("w13_bias", (2 * inter,), tag, 2 * inter * float_bytes),
+        out += [TensorSpec("w13_bias", (up,), tag, up * float_bytes),
                 TensorSpec("w2_bias", (hidden,), tag, hidden * float_bytes)]
     return tuple(out)
 
@@ -223,7 +229,7 @@ class ModelSpec:
         if self.converted_from is not None:
             raise ConfigError(f"{self.name}: experts already planned as {self.format_key}")
         tensors = packed_expert_tensors(name, self.hidden_size, self.expert_intermediate, self.float_bytes,
-                                        self.has_expert_bias)
+                                        self.has_expert_bias, gated=self.model_type not in UNGATED_EXPERTS)
         label = ("int8 (per output channel, fp32 scales)" if name == "int8" else
                  f"int4 (groups of {int4_group(self.hidden_size)}, fp16 scales)")
         return replace(self, expert_tensors=tensors, expert_format=label, converted_from=self.expert_format_name,

@@ -16,9 +16,12 @@ from ..io.validate import check_index
 from .spec import FLOAT_DTAGS, ModelSpec, TensorSpec, gib
 from .spec_config import _fp32_weights, _load_json, spec_from_config
 
-_PER_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:.*\.)?experts\.(\d+)\.(.+)$")
-_FUSED = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:.*\.)?experts\.([A-Za-z_][\w.]*)$")
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+# The decoder stack's prefix as checkpoints spell it: model. (most), model.language_model. (a multimodal wrapper's
+# text model), backbone. (Nemotron-H); mtp.layers.N (a next-token-prediction head) is none of them.
+_STACK = r"^(?:model\.language_model\.|model\.|backbone\.)?layers\.(\d+)\."
+_PER_EXPERT = re.compile(_STACK + r"(?:.*\.)?experts\.(\d+)\.(.+)$")
+_FUSED = re.compile(_STACK + r"(?:.*\.)?experts\.([A-Za-z_][\w.]*)$")
+_LAYER = re.compile(_STACK)
 
 
 def _numel(shape) -> int:
@@ -52,7 +55,7 @@ def spec_from_headers(config: dict, tensors: dict, *, name: str = "", where: str
                 per_expert.setdefault((int(m.group(1)), e), {})[m.group(2)] = TensorSpec(
                     m.group(2), shape[1:], dtag, nbytes // E)
             continue
-        if "embed_tokens" in tname or tname.endswith("wte.weight"):
+        if "embed_tokens" in tname or tname.endswith(("wte.weight", "backbone.embeddings.weight")):
             what = "embeddings"
             embedding += nbytes
         elif tname.startswith("lm_head"):

@@ -451,3 +451,15 @@ def test_bf16_one_token_ungated_expert_matches_the_reference():
         got = contrib.view(T, 2, H).sum(1)
         want = moe_reference(x.float(), w, ids, w13.float(), w2.float(), act=RELU2)
         assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item(), T
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fit_plans_converted_ungated_experts_at_their_loaded_size(tiny, fmt):
+    """`fit --expert-format int8|int4` counts w13 as the up projection alone, as the loaded format holds it."""
+    from moechat.engine.plan import read_model_spec
+
+    path, _ = tiny
+    planned = read_model_spec(path).in_format(fmt).expert_bytes
+    engine = Engine.load(path, dtype="float32", expert_format=fmt)
+    held = sum(t[0].numel() * t.element_size() for t in engine.loaded.provider._tensors[5].values())
+    assert planned == held
