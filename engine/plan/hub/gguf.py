@@ -2,7 +2,9 @@
 
 A quant is one file or a split set (`-00001-of-00003.gguf`), often one folder per quant: `gguf_quants` groups a
 listing into them (sizes summed, parts ordered, a set missing a part flagged), and `choose_quant` picks the one the
-user named, or says what the repo offers (QuantChoiceError).
+user named, or says what the repo offers (QuantChoiceError). The wizard lists them: `QuantFit` is one quant with
+its verdict on this machine, `recommend_quant` the one to take (the largest that runs with every expert on the fastest
+tier).
 """
 
 from __future__ import annotations
@@ -144,3 +146,55 @@ def what_to_pull(listing: RepoListing, quant: str | None) -> RepoListing:
     keep = chosen.files + tuple(imatrix[:1])
     return replace(listing, files=keep, skipped=listing.skipped + tuple(
         f.path for f in listing.files if f not in keep))
+
+
+@dataclass(frozen=True)
+class QuantFit:
+    """One quant of a GGUF repo as the wizard lists it: its name and size, and once its header is read, the verdict's
+    parts the recommendation needs (`of` takes them from a FitVerdict). Not yet read: `checked` False."""
+
+    name: str
+    size: int
+    word: str  # "runs", "runs with ...", "does not fit", "unsupported", "checking…", or why it has no verdict
+    fits: bool = False  # supported and planned (the memory plan was not refused)
+    full: bool = False  # fits with every expert on the compute device: VRAM with a GPU, RAM without (no cache)
+    tok_s: tuple[float, float] | None = None  # predicted decode tok/s (low, high)
+    checked: bool = False
+    verdict: object | None = None  # the FitVerdict, for the screen (its plan, its expert format)
+    error: str | None = None
+
+    @classmethod
+    def of(cls, quant: GGUFQuant, verdict=None, error: str | None = None) -> QuantFit:
+        """`quant` with its FitVerdict (engine/plan/hub/reports.py), or the error that stopped it, or neither yet."""
+        if verdict is None:
+            word = "checking…" if error is None else error
+            return cls(quant.name, quant.size, word, checked=error is not None, error=error)
+        plan = verdict.best_plan  # the plan in the recommended expert format
+        fits = bool(verdict.supported and plan.ok)
+        full = fits and plan.resident
+        how = "" if verdict.expert_format == "native" else f" as {verdict.expert_format}"
+        if not verdict.supported:
+            word = "unsupported"
+        elif not plan.ok:
+            word = "does not fit"
+        elif full:
+            word = "runs" + how
+        else:
+            on = "VRAM" if plan.device != "cpu" else "RAM"
+            word = f"runs with {plan.expert_slots}/{plan.total_experts} experts in {on} ({plan.host_tier}){how}"
+        return cls(quant.name, quant.size, word, fits, full, verdict.decode_tok_s, True, verdict)
+
+
+def recommend_quant(fits: Sequence[QuantFit]) -> QuantFit | None:
+    """The quant to recommend for this machine, as LM Studio does: the largest that runs fully on the machine's
+    fastest tier (supported, planned, and every expert on the compute device: in VRAM with a GPU, in RAM without,
+    so no token waits on a cache miss), since a larger quant is closer to the original weights at the same speed
+    class. When none runs fully, the one that fits with the fastest predicted decode (the low end of its range; the
+    larger on a tie); none fits, or none is read yet: None. Unread quants (`checked` False) never count."""
+    full = [f for f in fits if f.checked and f.full]
+    if full:
+        return max(full, key=lambda f: (f.size, f.name))
+    partial = [f for f in fits if f.checked and f.fits]
+    if partial:
+        return max(partial, key=lambda f: (f.tok_s[0] if f.tok_s else 0.0, f.size, f.name))
+    return None

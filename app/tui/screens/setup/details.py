@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moechat.engine.plan.catalog import MISSING_FEATURES
 
-from .listing import PICK_HINT, _params, _Row, _size, catalog_estimate, format_lines, strip_repo
+from .listing import PICK_HINT, _params, _rate, _Row, _size, catalog_estimate, format_lines, strip_repo
 
 
 def brief_text(r: _Row, offline: str | None, hardware) -> str:
@@ -70,3 +70,50 @@ def plan_texts(verdict, download, local: str | None) -> tuple[str, str, str]:
     else:
         tail = []
     return summary, decisions, "\n".join(tail)
+
+
+QUANT_KEYS_HINT = "[ and ] choose another quant; D downloads the marked one (▶) and opens the chat."
+
+
+def _quant_speed(fit) -> str:
+    if fit.tok_s is None:
+        return ""
+    low, high = (_rate(x) for x in fit.tok_s)
+    return f"{low} tok/s" if low == high else f"{low}-{high} tok/s"
+
+
+def quant_texts(repo_id: str, fits, chosen, recommended, done: bool) -> tuple[str, str, str]:
+    """(summary, the chosen quant's plan, its download) for a GGUF repo: one line per quant (name, size, verdict,
+    predicted decode tok/s), ▶ on the one D fetches, ★ on the recommended one (engine/plan/hub/gguf.py
+    `recommend_quant`: the largest that runs with every expert on this machine's fastest tier)."""
+    n = len(fits)
+    lines = [f"{repo_id}: GGUF, {n} quant{'s' if n != 1 else ''}" + ("" if done else " (reading their headers…)")]
+    name_w = max([len(f.name) for f in fits] + [4])
+    size_w = max([len(_size(f.size)) for f in fits] + [4])
+    word_w = max([len(f.word) for f in fits if f.checked and f.verdict is not None] + [len("does not fit")])
+    for f in fits:
+        mark = "▶" if chosen is not None and f.name == chosen.name else " "
+        star = "  ★ recommended" if recommended is not None and f.name == recommended.name else ""
+        speed = _quant_speed(f)
+        lines.append(f"{mark} {f.name:<{name_w}}  {_size(f.size):>{size_w}}  {f.word:<{word_w}}  {speed:<15}{star}"
+                     .rstrip())
+    if done:
+        lines.append("")
+        if recommended is None:
+            lines.append("none of them runs on this machine: no quant recommended")
+        elif recommended.full:
+            where = "VRAM" if recommended.verdict.best_plan.device != "cpu" else "RAM"
+            lines.append(f"★ {recommended.name}: the largest quant that runs with every expert in {where}")
+        else:
+            lines.append(f"★ {recommended.name}: none runs with every expert on the fastest tier; this one is "
+                         "predicted fastest")
+        lines.append(QUANT_KEYS_HINT)
+    summary = "\n".join(lines)
+    if chosen is None or chosen.verdict is None:
+        return summary, "", ""
+    plan_summary, decisions, _ = plan_texts(chosen.verdict, None, None)
+    verdict = chosen.verdict
+    left = verdict.download_bytes - verdict.cached_bytes
+    download = (f"{chosen.name}: downloaded; D opens the chat on it" if left <= 0 else
+                f"D downloads {chosen.name} only: {_size(left)} (resumed where a partial file is kept)")
+    return summary, f"{plan_summary}\n{decisions}", download

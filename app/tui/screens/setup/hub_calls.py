@@ -1,7 +1,8 @@
 """The wizard's Hub calls, each run on a thread worker of the screen (app/tui/screens/setup/screen.py) and
 answering with the messages in app/tui/messages.py: the rows' verdicts (config.json and the index alone, 4 rows at
 a time), a Hub search, a picked model's exact plan (a ranged read of each shard's first 100 kB, never a weight
-body: a verdict for a 60 GB model reads about 2 MB), and the download (a progress sink and a cancel Event).
+body: a verdict for a 60 GB model reads about 2 MB), a GGUF repo's quants (each quant's verdict from its header), and
+the download (a progress sink and a cancel Event; a GGUF repo: the chosen quant's files only).
 
 The engine (huggingface_hub, the planner) is imported inside these calls, so opening the app stays torch-free.
 Offline (HF_HUB_OFFLINE, or the endpoint not answering a TCP connect within HUB_PROBE_TIMEOUT_S) the Hub is not
@@ -21,8 +22,16 @@ from textual.worker import get_current_worker
 
 from moechat.engine.plan.catalog import CatalogEntry
 
-from ...messages import CatalogRowChecked, DownloadFinished, DownloadProgressed, PlanReady, SearchFinished, SetupFailed
-from .listing import entry_for_hit, error_title, offline_search_text
+from ...messages import (
+    CatalogRowChecked,
+    DownloadFinished,
+    DownloadProgressed,
+    PlanReady,
+    QuantsChecked,
+    SearchFinished,
+    SetupFailed,
+)
+from .listing import entry_for_hit, error_title, offline_search_text, strip_repo
 
 HUB_PROBE_TIMEOUT_S = 2.0  # a TCP connect to the endpoint: no answer in this long and the wizard works offline
 CHECK_WORKERS = 4  # rows checked at once: each is 2-3 small requests (listing, config.json, index)
@@ -116,6 +125,11 @@ def read_plan(screen, repo_id: str) -> None:
                                         "downloaded; the row shows the catalog's estimate"))
         return
     try:
+        if offline is None and not is_offline():
+            listing, quants = hub.quants(repo_id)  # one listing: a GGUF repo is planned quant by quant
+            if quants and not any(f.path.endswith(".safetensors") for f in listing.files):
+                check_quants(screen, repo_id, hub, listing, quants)
+                return
         verdict = hub.fit(repo_id, hw, screen.options.prefs)  # the local snapshot, else the Hub's headers
         local = hub.local_snapshot(repo_id)
         download = None if local is not None and is_offline() else hub.plan_download(repo_id)
@@ -128,15 +142,60 @@ def read_plan(screen, repo_id: str) -> None:
     screen.post_message(PlanReady(repo_id, verdict, download, None if local is None else str(local)))
 
 
-def download(screen, repo_id: str, cancel: threading.Event) -> None:
-    """Download `repo_id`, its progress posted as it comes; `cancel` set stops it within one chunk."""
+def check_quants(screen, repo_id: str, hub, listing, quants) -> None:
+    """A GGUF repo's quants with their verdicts: the list at once (each "checking…"), then each complete quant's
+    verdict from its header (a ranged read of a few MB at most, CHECK_WORKERS at a time), posted as they come; the
+    last message has `done`. A quant whose header fails keeps its error as its line."""
+    from moechat.engine.errors import MoechatError
+    from moechat.engine.plan.hub.gguf import QuantFit
+
+    from ...bridge import describe_error
+
+    worker = get_current_worker()
+    hw = screen.machine()
+    fits = [QuantFit.of(q) if q.complete else
+            QuantFit.of(q, error=f"only {len(q.files)} of {q.expected_parts} parts listed") for q in quants]
+    screen.post_message(QuantsChecked(repo_id, tuple(fits), done=False))
+    # A snapshot may hold some quants: those are planned from their files (fit without the listing looks there).
+    shared = None if hub.local_snapshot(repo_id) is not None else listing
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        if worker.is_cancelled:
+            return
+        q = quants[i]
+        try:
+            fit = QuantFit.of(q, hub.fit(repo_id, hw, screen.options.prefs, quant=q.name, listing=shared))
+        except MoechatError as e:
+            fit = QuantFit.of(q, error=strip_repo(str(e), f"{repo_id}:{q.name}"))
+        except Exception as e:  # noqa: BLE001 - a line in the pane, never a traceback in the TUI
+            fit = QuantFit.of(q, error=describe_error(e))
+        with lock:
+            fits[i] = fit
+            screen.post_message(QuantsChecked(repo_id, tuple(fits), done=False))
+
+    with ThreadPoolExecutor(max_workers=CHECK_WORKERS, thread_name_prefix="moechat-quants") as pool:
+        list(pool.map(one, [i for i, q in enumerate(quants) if q.complete]))
+    if not worker.is_cancelled:
+        screen.post_message(QuantsChecked(repo_id, tuple(fits), done=True))
+
+
+def download(screen, repo_id: str, cancel: threading.Event, quant: str | None = None) -> None:
+    """Download `repo_id` (`quant`: that GGUF quant's files only), its progress posted as it comes; `cancel` set
+    stops it within one chunk. Finishes with the snapshot's path, or the quant's first file."""
     from moechat.engine.errors import DownloadCancelled, MoechatError
 
     from ...bridge import describe_error
 
+    def sink(p) -> None:
+        screen.post_message(DownloadProgressed(p))
+
     try:
-        path = screen.options.client().download(repo_id, progress=lambda p: screen.post_message(DownloadProgressed(p)),
-                                                cancel=cancel)
+        hub = screen.options.client()
+        if quant is None:
+            path = hub.download(repo_id, progress=sink, cancel=cancel)
+        else:
+            path = hub.download_quant(repo_id, quant, progress=sink, cancel=cancel)
     except MoechatError as e:
         screen.post_message(SetupFailed("download", repo_id, error_title(e, "Download failed"), str(e),
                                         cancelled=isinstance(e, DownloadCancelled)))

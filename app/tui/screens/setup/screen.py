@@ -22,11 +22,12 @@ from ...messages import (
     DownloadProgressed,
     HardwareProbed,
     PlanReady,
+    QuantsChecked,
     SearchFinished,
     SetupFailed,
 )
 from . import hub_calls
-from .details import brief_text, plan_texts
+from .details import brief_text, plan_texts, quant_texts
 from .listing import (
     COLUMNS,
     FIRST_COLUMNS,
@@ -57,6 +58,8 @@ class SetupScreen(Screen[str | None]):
         Binding("slash", "focus_search", "Search"),
         Binding("d", "download", "Download"),
         Binding("r", "refresh", "Refresh"),
+        Binding("left_square_bracket", "quant(-1)", "Prev quant"),  # a GGUF repo's quants (the table has Up/Down)
+        Binding("right_square_bracket", "quant(1)", "Next quant"),
     ]
 
     def __init__(self, options: HubOptions | None = None):
@@ -76,6 +79,9 @@ class SetupScreen(Screen[str | None]):
         self.offline: str | None = None  # why the Hub is not asked (set by the first check of the rows)
         self.plan_errors: dict[str, str] = {}  # repo -> why its plan failed (D says it)
         self.download_when_planned: str | None = None  # D pressed while that repo's plan was being read
+        self.quants: tuple = ()  # a picked GGUF repo's quants (engine.plan.hub.gguf.QuantFit), smallest first
+        self.quants_done = False  # every quant's header read
+        self.quant_pick: str | None = None  # the quant the user chose with [ and ]; None: the recommended one
         self.columns: tuple[str, ...] = ()  # the column keys the table shows now (those that fit whole)
         self.narrow = False  # the short forms of the first columns (owner-less names, speed without its unit)
 
@@ -236,8 +242,8 @@ class SetupScreen(Screen[str | None]):
         hub_calls.read_plan(self, repo_id)
 
     @work(thread=True, exclusive=True, group="setup-download", exit_on_error=False)
-    def _download(self, repo_id: str, cancel: threading.Event) -> None:
-        hub_calls.download(self, repo_id, cancel)
+    def _download(self, repo_id: str, cancel: threading.Event, quant: str | None = None) -> None:
+        hub_calls.download(self, repo_id, cancel, quant)
 
     # -- messages from the workers ----------------------------------------------------------------------
     def _show_hardware(self, hw) -> None:
@@ -288,6 +294,61 @@ class SetupScreen(Screen[str | None]):
         if self.download_when_planned == message.repo_id:  # D was pressed while the plan was read
             self.download_when_planned = None
             self.action_download()
+
+    def on_quants_checked(self, message: QuantsChecked) -> None:
+        if message.repo_id != self.chosen:
+            return
+        self.quants, self.quants_done = message.quants, message.done
+        self._show_quants()
+        if not message.done:
+            return
+        button = self.query_one("#setup-download", Button)
+        button.label = "Download and chat"
+        button.disabled = self.verdict is None or not self.verdict.supported or self.downloading is not None
+        self.plan_errors.pop(message.repo_id, None)
+        r = self.rows.get(message.repo_id)
+        if r is not None and r.status is not None and self.verdict is not None:  # the row shows the marked quant
+            from dataclasses import replace
+
+            r.status = replace(r.status, verdict=self.verdict)
+            self._update_row(message.repo_id)
+        if self.download_when_planned == message.repo_id:  # D was pressed while the headers were read
+            self.download_when_planned = None
+            self.action_download()
+
+    def chosen_quant(self):
+        """The quant D fetches: the one chosen with [ and ], else the recommended one (None: no quant to take)."""
+        from moechat.engine.plan.hub.gguf import recommend_quant
+
+        picked = next((f for f in self.quants if f.name == self.quant_pick), None)
+        return picked or recommend_quant(self.quants)
+
+    def _show_quants(self) -> None:
+        """The quant lines, the chosen quant's plan; `verdict` becomes the chosen quant's once all are read."""
+        from moechat.engine.plan.hub.gguf import recommend_quant
+
+        recommended, chosen = recommend_quant(self.quants), self.chosen_quant()
+        self.verdict = chosen.verdict if self.quants_done and chosen is not None else None
+        summary, decisions, download_plan = quant_texts(self.chosen or "", self.quants, chosen, recommended,
+                                                        self.quants_done)
+        self.query_one("#setup-summary", Static).update(summary)
+        self.query_one("#setup-decisions", Static).update(decisions)
+        self.query_one("#setup-download-plan", Static).update(download_plan)
+
+    def action_quant(self, step: int) -> None:
+        """Mark the previous or next quant (of those with a verdict) as the one D fetches."""
+        if self.downloading is not None or not self.quants_done:
+            return
+        read = [f for f in self.quants if f.verdict is not None]
+        if not read:
+            return
+        current = self.chosen_quant()
+        names = [f.name for f in read]
+        i = names.index(current.name) if current is not None and current.name in names else -step
+        self.quant_pick = names[(i + step) % len(names)]
+        self._show_quants()
+        button = self.query_one("#setup-download", Button)
+        button.disabled = self.verdict is None or not self.verdict.supported
 
     def on_download_progressed(self, message: DownloadProgressed) -> None:
         p = message.progress
@@ -354,6 +415,7 @@ class SetupScreen(Screen[str | None]):
 
     def _clear_plan(self) -> None:
         self.chosen = self.verdict = self.local = None
+        self.quants, self.quants_done, self.quant_pick = (), False, None
         self.query_one("#setup-decisions", Static).update("")
         self.query_one("#setup-download-plan", Static).update("")
         if self.downloading is None:
@@ -420,6 +482,12 @@ class SetupScreen(Screen[str | None]):
         if self.downloading is not None:
             return
         repo_id, verdict = self.chosen, self.verdict
+        if repo_id is not None and verdict is None and self.quants_done:  # a GGUF repo none of whose quants runs
+            read = any(f.verdict is not None for f in self.quants)
+            self.notify(f"No quant of {repo_id} runs on this machine: " + (
+                "[ and ] mark one to download anyway" if read else "no quant's header could be read"),
+                title="No quant", severity="warning")
+            return
         if repo_id is not None and verdict is None:
             if repo_id in self.plan_errors:  # its plan failed: say why, not "pick a model"
                 self.notify(f"Cannot download {repo_id}: {self.plan_errors[repo_id]}", title="No plan",
@@ -442,6 +510,7 @@ class SetupScreen(Screen[str | None]):
         if self.local is not None:
             self._finish(self.local)
             return
+        quant = self.chosen_quant() if self.quants else None
         self.downloading = repo_id
         self.last_progress = None
         self.cancel_event = threading.Event()
@@ -449,11 +518,12 @@ class SetupScreen(Screen[str | None]):
         self.query_one("#setup-cancel", Button).display = True
         self.query_one("#setup-progress-box").display = True
         self.query_one("#setup-progress", ProgressBar).update(total=None, progress=0)
-        self.query_one("#setup-progress-label", Label).update(f"starting the download of {repo_id}…")
+        self.query_one("#setup-progress-label", Label).update(
+            f"starting the download of {repo_id}" + (f":{quant.name}" if quant is not None else "") + "…")
         self.table.disabled = True
         self.query_one("#setup-search", Input).disabled = True
         self.query_one("#setup-cancel", Button).focus()
-        self._download(repo_id, self.cancel_event)
+        self._download(repo_id, self.cancel_event, None if quant is None else quant.name)
 
     def _download_ended(self) -> None:
         self.downloading = None
