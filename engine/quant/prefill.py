@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import torch
 
@@ -152,19 +153,58 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double().abs() @ w.double().abs().t() * (cols * 2.0**-24)).float() + torch.finfo(torch.float32).tiny
 
 
-def chunk_size(hidden: int, cache_bytes: int = 32 << 20) -> int:
-    """Tokens per prefill chunk for a model of width `hidden` on a CPU whose last-level cache holds `cache_bytes`.
+def chunk_size(hidden: int, cache_bytes: int = 32 << 20, intermediate: int = 0) -> int:
+    """Tokens per prefill chunk for a model of width `hidden` (experts `intermediate` wide) on a CPU whose last-level
+    cache holds `cache_bytes`.
 
     Measured (bench/format_compute.py --prefill --prefill-chunks 64,128,256,512, Qwen3-30B-A3B-shaped, 2 layers,
     int4 experts resident, a 512-token prompt, one thread, 2-core Zen 4 with 1 MB L2 a core and 32 MB L3, machine
     loaded to ~7-11): 65 / 85 / 98 / 113 tok/s at 64 / 128 / 256 / 512. Bigger chunks give each expert more tokens
     (512 x top-8 / 128 experts = 32 an expert), so its decode is shared more widely and its packed bytes are read
     fewer times; the prefill kernels stream x in 6-token blocks, so the chunk's activations need not fit L2. They
-    should stay in the last-level cache: the largest of CHUNK_CHOICES whose ~4 fp32 [T, hidden] live buffers fit
-    `cache_bytes` (512 at hidden 2048 or 2880; 256 at 7168), never under 64."""
-    per_token = 4 * hidden * 4  # bytes: ~4 fp32 rows of the width live per token
+    should stay in the last-level cache: the largest of CHUNK_CHOICES whose live fp32 rows fit `cache_bytes`, ~4
+    [T, hidden] (residual, normed input, attention and MoE outputs) and 3 [T, intermediate] (gate, up, their
+    product), never under 64: 512 at hidden 2048 or 2880 in 32 MB; 256 at 7168."""
+    per_token = 4 * (4 * hidden + 3 * intermediate)  # bytes of fp32 activations live per token
     best = CHUNK_CHOICES[0]
     for c in CHUNK_CHOICES:
         if c * per_token <= cache_bytes:
             best = c
     return best
+
+
+SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
+DEFAULT_CACHE_BYTES = 32 << 20  # where sysfs does not say (not Linux, a container hiding it): a desktop CPU's L3
+
+
+def _size(text: str) -> int:
+    """sysfs's cache size ("32768K", "1M", or bytes) -> bytes."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if scale != 1 else text) * scale
+
+
+def last_level_cache_bytes(root: Path = SYSFS_CACHE) -> int | None:
+    """The size of the highest-level data or unified cache cpu0 sees (its L3 on most x86-64, shared by its cores),
+    read from sysfs; None where it cannot be read."""
+    best: tuple[int, int] | None = None
+    try:
+        entries = sorted(root.glob("index*"))
+    except OSError:
+        return None
+    for index in entries:
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level, size = int((index / "level").read_text()), _size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if size > 0 and (best is None or level > best[0]):
+            best = (level, size)
+    return best[1] if best is not None else None
+
+
+def machine_chunk_size(hidden: int, intermediate: int = 0, root: Path = SYSFS_CACHE) -> int:
+    """`chunk_size` for this machine: its last-level cache read from sysfs (DEFAULT_CACHE_BYTES where unreadable)."""
+    llc = last_level_cache_bytes(root)
+    return chunk_size(hidden, llc if llc is not None else DEFAULT_CACHE_BYTES, intermediate)

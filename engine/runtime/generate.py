@@ -53,7 +53,7 @@ from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from ..io.validate import check_generation_config
 
 DEFAULT_CONTEXT = 4096
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_CHUNK = 512  # on a GPU (the memory plan's activations are sized for it); a CPU's is measured
 # Prompt tokens decoded to tell where a reasoning parser starts: "<|start|>assistant" or "<think>\n" is 2-3.
 _PROMPT_TAIL_TOKENS = 8
 _SNAPSHOT_BACK = 8  # recurrent state: a snapshot this many tokens before a prompt's end (see Engine._forward)
@@ -100,11 +100,25 @@ def _ids(value) -> list[int]:
     return [value] if isinstance(value, int) else [int(v) for v in value]
 
 
+def default_prefill_chunk(loaded: LoadedModel) -> int:
+    """Tokens per prefill chunk when none is given: on a CPU, the most whose fp32 activations stay in its
+    last-level cache (quant/prefill.machine_chunk_size, read from sysfs); on a GPU, DEFAULT_PREFILL_CHUNK. Chunking
+    never changes the tokens (tests/engine/test_prefill_chunk.py)."""
+    if loaded.device.type != "cpu":
+        return DEFAULT_PREFILL_CHUNK
+    from ..quant.prefill import machine_chunk_size
+
+    a = loaded.args
+    hidden = int(getattr(a, "hidden_size", 0) or 0)
+    inter = int(getattr(a, "moe_intermediate_size", None) or getattr(a, "intermediate_size", 0) or 0)
+    return machine_chunk_size(hidden, inter) if hidden > 0 else DEFAULT_PREFILL_CHUNK
+
+
 class Engine:
     """A loaded model with its tokenizer, chat template and generation defaults."""
 
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
-                 generation_config: dict, context: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 generation_config: dict, context: int, prefill_chunk: int | None = None,
                  provider: ExpertProvider | None = None):
         self.loaded = loaded
         self.model = loaded.model
@@ -114,7 +128,7 @@ class Engine:
         self.chat_template = chat_template
         self.generation_config = generation_config
         self.context = context
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(loaded)  # tokens per forward pass in prefill
         self.profile_path: Path | None = None  # where this model's routing profile is saved (cached only)
         self.notices: list[str] = []  # what a user should know about this model, a line each (CLI and app show them)
         eos = _ids(generation_config.get("eos_token_id")) + _ids(loaded.args.eos_token_id)
@@ -125,7 +139,7 @@ class Engine:
     @classmethod
     @typed_errors("loading the model")
     def load(cls, model_dir: str | os.PathLike, *, dtype: str | None = None, device: str = "cpu",
-             context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+             context: int | None = None, prefill_chunk: int | None = None,
              cache: CacheConfig | None = None, expert_format: str | None = None,
              dense_format: str | None = None) -> Engine:
         """Load a model directory. With `cache`, experts go to a slot pool over RAM/disk tiers; `expert_format`
