@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from moechat.engine.cache.provider import CacheConfig
-from moechat.engine.runtime.generate import Engine
 from moechat.engine.layers.kv_cache import KVCache
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

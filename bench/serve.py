@@ -165,8 +165,8 @@ def main() -> int:
     import openai
     import torch
 
-    from moechat.app.cli.main import build_parser
     from moechat.app.cli.engine_args import load_engine_from_args
+    from moechat.app.cli.main import build_parser
 
     serveproc = _serveproc()
     load0 = os.getloadavg()

@@ -182,8 +182,8 @@ class ScriptedEngine:
 @contextlib.contextmanager
 def scripted_app(gate=None, *, api_key: str | None = None, engine: ScriptedEngine | None = None):
     """(the ASGI app, its engine) for `moechat serve` over a ScriptedEngine; the worker thread stops at exit."""
-    from moechat.app.serve.server import Server, build_app
     from moechat.app.serve.metrics import ServerMetrics
+    from moechat.app.serve.server import Server, build_app
     from moechat.app.serve.worker import EngineWorker
 
     engine = engine or ScriptedEngine()

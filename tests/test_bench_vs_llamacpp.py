@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 _spec = importlib.util.spec_from_file_location("vs_llamacpp", Path(__file__).parents[1] / "bench" / "vs_llamacpp.py")
 vs = importlib.util.module_from_spec(_spec)

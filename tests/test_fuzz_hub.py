@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from moechat.engine.plan import hubhttp
 from moechat.engine.errors import MoechatError
+from moechat.engine.plan import hubhttp
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

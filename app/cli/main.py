@@ -65,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     add_load_args(run)  # --dtype --context --device and the expert cache: the same flags as `moechat serve`
     from moechat.app.cli.fit import add_fit_parser  # no torch, no engine
-    from moechat.app.tui.launch import add_chat_parser
     from moechat.app.cli.pull import add_pull_parser
-    from moechat.app.tui.remote import add_remote_args
     from moechat.app.serve.server import add_serve_parser
+    from moechat.app.tui.launch import add_chat_parser
+    from moechat.app.tui.remote import add_remote_args
 
     add_fit_parser(sub)
     add_remote_args(add_chat_parser(sub))  # chat --remote URL: the app on any OpenAI-compatible server

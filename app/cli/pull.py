@@ -249,8 +249,8 @@ def fit_spec(model: str):
     config.json + safetensors headers from the Hub (no weight bytes), else (offline) the cached config.json."""
     from dataclasses import replace
 
-    from moechat.engine.plan.hub import Hub, is_offline, looks_like_repo_id
     from moechat.engine.plan import read_model_spec
+    from moechat.engine.plan.hub import Hub, is_offline, looks_like_repo_id
 
     if Path(model).expanduser().exists() or not looks_like_repo_id(model):
         return read_model_spec(model)

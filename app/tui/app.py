@@ -19,8 +19,8 @@ from pathlib import Path
 from textual.app import App
 from textual.binding import Binding
 
-from .bridge import EngineFactory, LoadOptions, load_engine
 from ..cli.pull import DEMO_MODEL
+from .bridge import EngineFactory, LoadOptions, load_engine
 from .screens.chat import ChatScreen
 from .screens.setup import HubOptions, SetupScreen
 from .screens.welcome import NO_MODEL, WelcomeScreen

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..io.checkpoint import Checkpoint, TensorInfo, check_finite
 from ..errors import CheckpointError
+from ..io.checkpoint import Checkpoint, TensorInfo, check_finite
 from ..io.files import UnwritableFileError, atomic_write
 from ..quant.base import ExpertFormat, TensorSpec
 from ..quant.dense import DENSE

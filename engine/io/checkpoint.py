@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import validate
 from ..errors import CheckpointError
+from . import validate
 from .files import open_regular, parse_json, read_json_file, read_json_object
 
 # safetensors dtype tags -> torch dtypes. FP8/FP4-style tags are readable as raw bytes by the quant

@@ -37,9 +37,9 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from .moe import SWIGLU, ExpertActivation, ExpertBatch
 from ..quant import native
 from ..quant.base import ExpertFormat
+from .moe import SWIGLU, ExpertActivation, ExpertBatch
 
 FUSED_KINDS = ("swiglu", "clamped_swiglu")  # the activations the Triton MoE kernels fuse; others take the general path
 

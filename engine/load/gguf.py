@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io.checkpoint import Checkpoint, TensorInfo
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
+from ..io.checkpoint import Checkpoint, TensorInfo
 from ..quant.gguf import TYPES, GGUFFormat, decode_rows, ggml_type
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -462,8 +462,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 def gguf_text(path: str | os.PathLike):
     """(generation_config, tokenizer or None, ChatTemplate or None) from a GGUF model's tokenizer.* metadata
     (engine/text/gguf_tokenizer.py); a file without a vocabulary runs on token ids alone."""
-    from ..text.chat_template import ChatTemplate
     from ..errors import TokenizerError
+    from ..text.chat_template import ChatTemplate
     from ..text.gguf_tokenizer import tokenizer_from_gguf
 
     files = gguf_files(path)

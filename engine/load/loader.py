@@ -18,15 +18,15 @@ import torch
 
 from ..cache import hostmem
 from ..cache.store import expert_tensor_names
-from ..io.checkpoint import Checkpoint, check_finite, read_json
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
+from ..io.checkpoint import Checkpoint, check_finite, read_json
+from ..io.validate import check_layers, show
+from ..layers.moe import ResidentProvider
 from ..models import ARCHITECTURES, DENSE, PLANNED_MOE, MoEForCausalLM
 from ..models.base import BaseModelArgs
-from ..layers.moe import ResidentProvider
 from ..quant import ExpertFormat, native_format
 from ..quant.dense import DENSE as DENSE_FORMAT
 from ..quant.registry import target_format
-from ..io.validate import check_layers, show
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

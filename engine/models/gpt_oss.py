@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..layers.moe import ExpertActivation
 from ..io.validate import Rule, cfg
+from ..layers.moe import ExpertActivation
 from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM, SparseMoeBlock
 
 _EXPERTS = "model.layers.{layer}.mlp.experts."

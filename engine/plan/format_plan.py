@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .hardware import Hardware
 from . import CONVERTIBLE_FORMATS, MemoryPlan, ModelSpec, Preferences, gib, make_plan, rate, rate_range
+from .hardware import Hardware
 
 FORMATS = ("native", *CONVERTIBLE_FORMATS)  # most precise first
 SPEEDUP = 1.1  # a less precise format must be predicted this much faster to be advised

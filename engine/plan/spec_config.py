@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..io.files import read_json_object
-from ..units import GB, GiB, MiB
 from ..io.validate import check_common
+from ..units import GB, GiB, MiB
 from .spec import DEFAULT_CONTEXT, DTAG_OF_SIZE, FLOAT_SIZES, ModelSpec, TensorSpec
 
 # -- config.json reading -----------------------------------------------------------------------------------

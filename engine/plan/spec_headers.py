@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..units import GiB
 from ..io.validate import check_index
+from ..units import GiB
 from .spec import FLOAT_DTAGS, ModelSpec, TensorSpec, gib
 from .spec_config import _fp32_weights, _load_json, spec_from_config
 

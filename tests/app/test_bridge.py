@@ -65,8 +65,8 @@ def test_describe_says_the_expert_format_and_its_sizes(fakes):
 def test_load_engine_converts_the_experts_and_describes_them(tiny_models, monkeypatch, tmp_path):
     import torch
 
-    from moechat.app.tui.bridge import LoadOptions, load_engine
     from moechat.app.cli.fit import repack_dir
+    from moechat.app.tui.bridge import LoadOptions, load_engine
     from moechat.engine.quant import get_format
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -73,8 +73,8 @@ async def test_without_flags_the_saved_settings_apply(build_app, fakes, app_env)
 
 
 def test_run_chat_hands_the_flags_to_the_app(monkeypatch, tmp_path):
-    from moechat.app.tui import app as app_module
     from moechat.app.cli import main as cli
+    from moechat.app.tui import app as app_module
     from moechat.app.tui import launch
 
     (tmp_path / "config.json").write_text("{}")

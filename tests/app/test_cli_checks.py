@@ -37,8 +37,8 @@ COMMANDS = {"run": ["run", "--prompt-ids", "1"], "chat": ["chat"], "serve": ["se
 @pytest.fixture
 def no_load(monkeypatch):
     """Fail the test if anything past parsing runs: a model load, the app, the server."""
-    from moechat.app.tui import launch
     from moechat.app.serve import server as serve
+    from moechat.app.tui import launch
     from moechat.engine.runtime.generate import Engine
 
     monkeypatch.setattr(Engine, "load", classmethod(lambda *a, **k: pytest.fail("the model was loaded")))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from moechat.app.cli.main import main
 from moechat.app.cli.fit import EXIT_REFUSED, plan_for_run
+from moechat.app.cli.main import main
 from moechat.engine.plan.hardware import GiB, Hardware, HostMemory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,8 +125,8 @@ def test_gpt_oss_plans_with_packed_experts_and_is_runnable(capsys):
 
 @pytest.mark.skipif(not (OSS20 / "config.json").exists(), reason="../shared/model-configs not found (gpt-oss-20b)")
 def test_run_plans_in_the_dtype_the_loader_picks(monkeypatch):
-    from moechat.engine.plan.hardware import GpuInfo
     from moechat.engine.load.loader import read_model_config, resolve_dtype
+    from moechat.engine.plan.hardware import GpuInfo
 
     box = Hardware((GpuInfo(0, 0, "test GPU", "GPU-0", 8 * GiB, 8 * GiB, 4, 16, link_gbps=25.0),),
                    HostMemory(32 * GiB, 32 * GiB), None)

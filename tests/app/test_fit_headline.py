@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from moechat.app.cli.main import main
 from moechat.app.cli.fit import EXIT_REFUSED, headline, least_free_ram
-from moechat.engine.plan import calibration
+from moechat.app.cli.main import main
+from moechat.engine.plan import Preferences, calibration, make_plan, rate_range, read_model_spec
 from moechat.engine.plan.hardware import DiskInfo, GiB, Hardware, HostMemory
-from moechat.engine.plan import Preferences, make_plan, rate_range, read_model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "assets" / "demo-moe"

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from moechat.app.cli.main import main
-from moechat.engine.plan import calibration
+from moechat.engine.plan import (
+    GB,
+    GPU_EFFICIENCY,
+    OVERHEAD_PER_LAYER_S,
+    Preferences,
+    calibration,
+    make_plan,
+    spec_from_config,
+)
 from moechat.engine.plan.hardware import (
     ASSUMED_RAM_GBPS,
     GPU_PRESETS,
@@ -32,7 +40,6 @@ from moechat.engine.plan.hardware import (
     host_read_rate,
     pcie_link_gbps,
 )
-from moechat.engine.plan import GB, GPU_EFFICIENCY, OVERHEAD_PER_LAYER_S, Preferences, make_plan, spec_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "assets" / "demo-moe"

@@ -168,7 +168,7 @@ async def test_the_wizard_at_80x24_shows_whole_columns_and_a_whole_title(app_env
 
     from moechat.app.tui.app import make_app
     from moechat.app.tui.bridge import LoadOptions
-    from moechat.app.tui.screens.setup import SetupScreen, HubOptions
+    from moechat.app.tui.screens.setup import HubOptions, SetupScreen
     from moechat.app.tui.settings import Settings
     from moechat.app.tui.store import ChatStore
     from moechat.engine.plan.hardware import probe

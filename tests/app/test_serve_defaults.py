@@ -35,8 +35,8 @@ class RecordingEngine(serveproc.ScriptedEngine):
 def _served(argv):
     from moechat.app.cli import main as cli
     from moechat.app.cli.engine_args import sampling_overrides
-    from moechat.app.serve.server import Server, build_app, model_info
     from moechat.app.serve.metrics import ServerMetrics
+    from moechat.app.serve.server import Server, build_app, model_info
     from moechat.app.serve.worker import EngineWorker
 
     args = cli.build_parser().parse_args(["serve", *argv])  # the flags as the command parses them

@@ -15,8 +15,8 @@ from moechat.app.tui.screens.setup import HubOptions, SetupScreen
 from moechat.app.tui.screens.welcome import WelcomeScreen
 from moechat.app.tui.settings import Settings
 from moechat.app.tui.store import ChatStore
-from moechat.engine.plan.catalog import CatalogEntry, find
 from moechat.engine.errors import NotDownloadedError
+from moechat.engine.plan.catalog import CatalogEntry, find
 from moechat.engine.plan.hardware import probe
 from moechat.engine.plan.hub import INDEX_FILE, wanted_file
 

@@ -16,9 +16,8 @@ from pathlib import Path
 import jinja2.exceptions
 import pytest
 
-from moechat.engine.text.chat_template import sandbox
-from moechat.engine.text.chat_template import ChatTemplate
 from moechat.engine.errors import ChatTemplateError, ConfigError
+from moechat.engine.text.chat_template import ChatTemplate, sandbox
 
 # ---------------------------------------------------------------------------------------------------------------
 # Published templates, reproduced as they appear in the models' tokenizer_config.json / chat_template.jinja.

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moechat.engine.io.checkpoint import Checkpoint, read_safetensors_header
 from moechat.engine.errors import CheckpointError, ConfigError, UnsupportedModelError
-from moechat.engine.runtime.generate import Engine
+from moechat.engine.io.checkpoint import Checkpoint, read_safetensors_header
 from moechat.engine.load.loader import load_model
+from moechat.engine.runtime.generate import Engine
 
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
 

@@ -11,8 +11,6 @@ import pytest
 import torch
 
 from moechat.engine.errors import ConfigError
-from moechat.engine.plan.format_plan import QUALITY, SPEEDUP, plan_formats
-from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
 from moechat.engine.plan import (
     CONVERTIBLE_FORMATS,
     EXPERT_COMPUTE_EFFICIENCY,
@@ -24,9 +22,11 @@ from moechat.engine.plan import (
     packed_expert_tensors,
     spec_from_config,
 )
+from moechat.engine.plan.format_plan import QUALITY, SPEEDUP, plan_formats
+from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
 from moechat.engine.quant import get_format
-from moechat.engine.quant.registry import CONVERTIBLE
 from moechat.engine.quant.intq import int4_group as quant_int4_group
+from moechat.engine.quant.registry import CONVERTIBLE
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT.parent / "shared" / "model-configs"

@@ -11,10 +11,10 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from moechat.engine.errors import CheckpointError, UnsupportedModelError  # noqa: E402
-from moechat.engine.runtime.generate import Engine  # noqa: E402
 from moechat.engine.load.gguf import open_gguf, unpermute  # noqa: E402
 from moechat.engine.load.loader import load_model  # noqa: E402
 from moechat.engine.quant.gguf import TYPES, dequantize  # noqa: E402
+from moechat.engine.runtime.generate import Engine  # noqa: E402
 from moechat.engine.runtime.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)

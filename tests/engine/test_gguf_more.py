@@ -12,9 +12,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from moechat.engine.runtime.generate import Engine  # noqa: E402
 from moechat.engine.load.loader import load_model  # noqa: E402
 from moechat.engine.quant.gguf import TYPES, dequantize  # noqa: E402
+from moechat.engine.runtime.generate import Engine  # noqa: E402
 
 from .test_gguf_load import GREEDY, _encode, _prompt  # noqa: E402
 

@@ -15,9 +15,9 @@ import torch
 
 from moechat.engine.cache import slots as slots_mod
 from moechat.engine.errors import CheckpointError, ConfigError, MoechatError, UnsupportedModelError
-from moechat.engine.runtime.generate import Engine
 from moechat.engine.quant import mxfp4
 from moechat.engine.quant.writer import gpt_oss_expert_tensors, save_checkpoint
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine.plan import hub as hubmod
-from moechat.engine.plan import hubhttp
-from moechat.engine.plan.hub import transfer as hubtransfer  # the download loop's knobs are read there
 from moechat.engine.errors import (
     DiskSpaceError,
     DownloadBusyError,
@@ -30,6 +27,9 @@ from moechat.engine.errors import (
     RepoGatedError,
     RepoNotFoundError,
 )
+from moechat.engine.plan import hub as hubmod
+from moechat.engine.plan import hubhttp
+from moechat.engine.plan.hub import transfer as hubtransfer  # the download loop's knobs are read there
 
 SHARD = "model-00001-of-00004.safetensors"
 WEIGHT_TIMEOUT = 30
@@ -461,8 +461,8 @@ def test_search_keeps_supported_model_types(hub, monkeypatch):
 
 
 def test_the_catalog_is_consistent_with_the_engine():
-    from moechat.engine.plan.catalog import CATALOG, SUPPORTED_TYPES, find
     from moechat.engine.models import ARCHITECTURES, PLANNED_MOE
+    from moechat.engine.plan.catalog import CATALOG, SUPPORTED_TYPES, find
 
     assert SUPPORTED_TYPES == set(ARCHITECTURES)
     assert len({e.repo_id for e in CATALOG}) == len(CATALOG)

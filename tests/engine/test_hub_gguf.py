@@ -10,8 +10,8 @@ import json
 import pytest
 
 from moechat.app.cli.main import main
-from moechat.engine.plan import hub as hubmod
 from moechat.engine.errors import DownloadIntegrityError, QuantChoiceError, UnsafeHubResponseError
+from moechat.engine.plan import hub as hubmod
 
 REPO = "gguf-org/tiny-moe-GGUF"
 SPLIT1 = "UD-Q4_K_XL/tiny-moe-UD-Q4_K_XL-00001-of-00002.gguf"

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine.plan import hub as hubmod
-from moechat.engine.plan import hubhttp
 from moechat.engine.errors import (
     DownloadIntegrityError,
     HubError,
@@ -26,6 +24,8 @@ from moechat.engine.errors import (
     NotDownloadedError,
     UnsafeHubResponseError,
 )
+from moechat.engine.plan import hub as hubmod
+from moechat.engine.plan import hubhttp
 
 SHARD = "model-00001-of-00004.safetensors"
 

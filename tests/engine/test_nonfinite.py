@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moechat.engine.cache.provider import CacheConfig
-from moechat.engine.io.checkpoint import check_finite
 from moechat.engine.errors import CheckpointError, NonFiniteLogitsError
-from moechat.engine.runtime.generate import Engine
+from moechat.engine.io.checkpoint import check_finite
 from moechat.engine.load.loader import load_model
+from moechat.engine.runtime.generate import Engine
 
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"
 

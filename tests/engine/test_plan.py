@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from moechat.engine.errors import ConfigError
-from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
 from moechat.engine.plan import (
     OVERHEAD_PER_LAYER_S,
     OVERHEAD_PER_MISS_S,
@@ -25,6 +24,7 @@ from moechat.engine.plan import (
     read_model_spec,
     spec_from_config,
 )
+from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT.parent / "shared" / "model-configs"

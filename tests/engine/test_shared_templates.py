@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine.text.chat_template import sandbox
-from moechat.engine.text.chat_template import ChatTemplate
 from moechat.engine.errors import ChatTemplateError
+from moechat.engine.text.chat_template import ChatTemplate, sandbox
 from moechat.engine.text.reasoning import HARMONY, THINK_TAGS, make_parser, reasoning_format
 
 transformers = pytest.importorskip("transformers")

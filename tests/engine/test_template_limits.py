@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from moechat.engine.text.chat_template import ChatTemplate
 from moechat.engine.errors import ChatTemplateError, GenerationCancelled, PromptTooLongError
+from moechat.engine.text.chat_template import ChatTemplate
 
 HI = [{"role": "user", "content": "hi"}]
 NESTED = ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{{ k }}{% endfor %}"

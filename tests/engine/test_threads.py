@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moechat.engine.plan import hardware
 from moechat.engine.errors import ConfigError
-from moechat.engine.runtime.generate import Engine
+from moechat.engine.plan import hardware
 from moechat.engine.quant import native
+from moechat.engine.runtime.generate import Engine
 
 DEMO = Path(__file__).resolve().parents[2] / "assets" / "demo-moe"
 THREADS = (1, 2, 3)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from moechat.engine.errors import CheckpointError, ConfigError, MoechatError, TokenizerError
 from moechat.engine.io import validate
 from moechat.engine.io.checkpoint import Checkpoint, read_safetensors_header
-from moechat.engine.errors import CheckpointError, ConfigError, MoechatError, TokenizerError
 from moechat.engine.io.files import atomic_write, read_json_object
 from moechat.engine.load.loader import load_model, read_model_config
 

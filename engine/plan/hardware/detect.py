@@ -30,9 +30,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from ...units import GB, GiB
 from .cgroups import _int_or_none, cgroup_memory
 from .machine import DiskInfo, GpuInfo, Hardware, HostMemory
-from ...units import GB, GiB
 from .presets import PCIE_EFFICIENCY, pcie_link_gbps
 
 

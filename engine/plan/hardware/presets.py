@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 # The PCIe rates live with hybrid execution (pure Python), which assumes a link when none was probed.
 from ...cache.hybrid import ASSUMED_LINK_GBPS, PCIE_EFFICIENCY, PCIE_LANE_GBPS  # noqa: F401 - re-exported
-
 from ...units import GB, GiB  # noqa: F401 - re-exported
 
 # Stated assumptions used when a number cannot be probed (docs/plan.md lists them all).

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from ...errors import DiskSpaceError, DownloadCancelled, DownloadIntegrityError, NetworkError
+from ...units import MiB
 from .. import hubhttp
 from ..hubhttp import MAX_REDIRECTS
 from ..hubhttp import Ctx as _Ctx
 from ..hubhttp import redirect_loop as _redirect_loop
 from ..hubhttp import transport_errors as _transport_errors
-from ...units import MiB
 from .names import RepoFile, RepoListing, _fmt
 from .reports import DownloadPlan, DownloadProgress, ProgressSink
 from .snapshot import _blob_ok, _repo_folder

@@ -10,9 +10,9 @@ import torch
 
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import ConfigError
-from moechat.engine.runtime.generate import Engine
-from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
 from moechat.engine.plan import Preferences, make_plan, spec_from_config
+from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.runtime.sampling import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parents[3].parent / "shared" / "model-configs"

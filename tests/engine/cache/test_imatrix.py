@@ -11,8 +11,13 @@ import gguf
 import numpy as np
 import pytest
 
-from moechat.engine.cache.imatrix import (find_imatrix, parse_warm_start, read_imatrix, warm_start_counts,
-                                          write_gguf_imatrix)
+from moechat.engine.cache.imatrix import (
+    find_imatrix,
+    parse_warm_start,
+    read_imatrix,
+    warm_start_counts,
+    write_gguf_imatrix,
+)
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import ConfigError
 from moechat.engine.runtime.generate import Engine

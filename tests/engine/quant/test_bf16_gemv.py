@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moechat.engine.runtime.generate import Engine
 from moechat.engine.layers.kv_cache import KVCache
 from moechat.engine.quant import native
+from moechat.engine.runtime.generate import Engine
 
 
 @pytest.fixture(scope="module")

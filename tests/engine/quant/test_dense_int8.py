@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from moechat.engine.errors import ConfigError
-from moechat.engine.runtime.generate import Engine
 from moechat.engine.layers.kv_cache import KVCache
 from moechat.engine.models.base import Attention
 from moechat.engine.quant import native
 from moechat.engine.quant.dense_int8 import Int8Linear, check_dense_format
+from moechat.engine.runtime.generate import Engine
 
 
 def _case(rows, cols, seed, bias=False):

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moechat.engine.errors import CheckpointError, ConfigError, UnsupportedModelError
-from moechat.engine.runtime.generate import Engine
 from moechat.engine.quant.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)

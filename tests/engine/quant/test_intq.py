@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from moechat.engine.cache import slots as slots_mod
 from moechat.engine.cache.provider import CacheConfig
 from moechat.engine.errors import CheckpointError, ConfigError
-from moechat.engine.runtime.generate import Engine
 from moechat.engine.quant import get_format
 from moechat.engine.quant.intq import INT4, INT8, int4_group
+from moechat.engine.runtime.generate import Engine
 from moechat.engine.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, do_sample=False)

@@ -11,7 +11,6 @@ from moechat.engine.layers.moe import ExpertActivation, ExpertBatch, moe_referen
 from moechat.engine.quant import mxfp4
 
 
-
 @pytest.fixture(autouse=True)
 def _decode_then_gemm(monkeypatch):
     """These tests pin the decode-then-GEMM path for many tokens (bit for bit F.linear); the many-token kernels
