@@ -168,6 +168,7 @@ class CatalogRowChecked(Message):
     listing_id: int  # which fill of the table it belongs to (a newer search makes it stale)
     status: object  # engine.hub.CatalogStatus
     offline: str | None = None  # why the Hub was not asked (HF_HUB_OFFLINE, unreachable): the row is an estimate
+    quants: tuple = ()  # a GGUF repo without safetensors: its quants (engine.plan.hub.GGUFQuant), smallest first
 
 
 @dataclass
