@@ -122,6 +122,13 @@ class BaseModelArgs:
         """The attention window of one layer (models that alternate sliding and full layers override it)."""
         return self.attention_window
 
+    def kv_ring_windows(self) -> list[int | None] | None:
+        """Per layer, the window `Attention` reads as a ring of that many positions (engine/layers/kv_cache.py); None
+        for MLA's latent cache (no V buffers), whose attention reads every position."""
+        if not self.kv_cache_layout()[2]:
+            return None
+        return [self.layer_window(i) for i in range(self.num_hidden_layers)]
+
     attention_sinks: ClassVar[bool] = False  # a learned per-head logit joined to the softmax (GPT-OSS)
     norm_in_fp32: ClassVar[bool] = False  # RMSNorm weights kept and applied in fp32 (GPT-OSS), one rounding
     expert_bias: ClassVar[bool] = False  # biases on both expert projections (GPT-OSS)
@@ -353,6 +360,10 @@ class Attention(nn.Module):
         end = start + T
         kc, vc = kv.k[self.layer], kv.v[self.layer]  # [nKV, S, D]
         first = 0 if self.window is None else max(0, start - self.window + 1)  # oldest key any query sees
+        ring = kv.ring[self.layer]  # a sliding layer's ring of `window` slots (position p in slot p % window), or None
+        if ring is not None and end > ring:  # the ring wraps: read the window's past in order, then write the chunk
+            return self._ring_forward(qk[:, :nH], qk[:, nH:].transpose(0, 1), v.reshape(T, nKV, D).transpose(0, 1),
+                                      kc, vc, ring, start, residual)
         if T == 1:
             kc.select(1, start).copy_(qk[0, nH:])
             vc.select(1, start).copy_(v.view(nKV, D))
@@ -407,6 +418,47 @@ class Attention(nn.Module):
                 mask &= kpos > qpos - self.window
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)[0]
         return self._out(out.transpose(0, 1).reshape(T, nH * D), residual)  # [T, H]
+
+    def _ring_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                      ring: int, start: int, residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention of q [T, nH, D] at positions start.. over a sliding layer's ring kc / vc [nKV, W, D]
+        (W = the window) once it wraps, with this chunk's k / v [nKV, T, D]; writes the chunk's last W positions.
+        One token: written at slot start % W, then the whole ring is its window (softmax reads keys in any order).
+        A chunk: the window's past (start - W + 1 .. start - 1) gathered in position order, the chunk after it and
+        the causal window mask over both, as the buffer of the whole context gives; the ring is written after."""
+        T, nH, D = q.shape
+        nKV, end = self.n_kv, start + T
+        if T == 1:
+            kc[:, start % ring], vc[:, start % ring] = k[:, 0], v[:, 0]
+            qh = q[0].reshape(nKV, nH // nKV, D)  # [nKV, G, D]
+            lib = native.library() if q.dtype == torch.bfloat16 and q.device.type == "cpu" else None
+            if self.sinks is None and lib is not None:
+                out = native.attn_decode(lib, qh.contiguous(), kc, vc, 0, ring, self.scale).to(torch.bfloat16)
+                return self._out(out.view(1, nH * D), residual)
+            scores = torch.matmul(qh, kc.transpose(1, 2)) * self.scale  # [nKV, G, W]
+            if self.sinks is None:
+                probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            else:  # the sink joins the softmax as one more logit per head and is dropped after it
+                probs = torch.softmax(torch.cat([scores, self.sink_logits], dim=-1).float(), -1)[..., :-1].to(q.dtype)
+            return self._out(torch.matmul(probs, vc).view(1, nH * D), residual)
+        first = max(0, start - self.window + 1)
+        past = torch.arange(first, start, device=q.device) % ring  # the slots of the window's past, oldest first
+        keys, values = torch.cat([kc[:, past], k], dim=1), torch.cat([vc[:, past], v], dim=1)  # [nKV, S, D]
+        G, S = nH // nKV, keys.shape[1]
+        keys = keys[:, None].expand(nKV, G, S, D).reshape(nH, S, D)  # [nH, S, D]
+        values = values[:, None].expand(nKV, G, S, D).reshape(nH, S, D)
+        qh = q.transpose(0, 1)  # [nH, T, D]
+        if self.sinks is not None:
+            out = self._prefill_with_sinks(qh, keys, values, start, first, end)  # [T, nH*D]
+        else:
+            qpos = torch.arange(start, end, device=q.device)[:, None]  # [T, 1]
+            kpos = torch.arange(first, end, device=q.device)[None, :]  # [1, S]
+            mask = (kpos <= qpos) & (kpos > qpos - self.window)
+            out = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask)[0]
+            out = out.transpose(0, 1).reshape(T, nH * D)
+        keep = torch.arange(max(start, end - ring), end, device=q.device)  # the chunk's last W positions
+        kc[:, keep % ring], vc[:, keep % ring] = k[:, keep - start], v[:, keep - start]
+        return self._out(out, residual)
 
     def _prefill_with_sinks(self, q, keys, values, start: int, first: int, end: int) -> torch.Tensor:
         """Attention with a sink logit per head through SDPA: the sink is one more key that every query sees,
@@ -654,9 +706,11 @@ class MoEForCausalLM(nn.Module):
         kv.reserve(T)
         x = self.embed(input_ids)  # [T, H]
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, R]
+        kv.consistent = False  # until the last layer: an error between leaves rings written past kv.length
         for layer in self.layer_list:
             x = layer.forward(x, cos, sin, kv, start, provider)
         kv.length = start + T
+        kv.consistent = True
         return self.final_norm(x, self.norm_weight, self.args.rms_norm_eps)
 
     embeds_by_embed: ClassVar[bool] = False  # a model with its own forward that still looks rows up by `embed`
