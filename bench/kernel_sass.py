@@ -4,7 +4,8 @@ Method. Each decode kernel (`_w13_decode_kernel` / `_w2_decode_kernel` of kernel
 kernels/quant_moe.py, the first of `_decode_configs`, slot ids without a map, the residual added in w2) is
 compiled with `triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", cap, 32))`:
 Triton lowers to PTX and runs its bundled ptxas for the target, so no device or driver is needed. The signature
-is the one a bf16 model passes (x, biases, residual and output bf16, codes uint8, fp32 scales (int4: fp16));
+is the one a bf16 model passes (x, biases, residual and output bf16, codes uint8, fp32 scales (int4: fp16); `--x
+fp32`: an fp32 model's, whose MXFP4 and int4 GEMVs keep fp32 sums);
 pointers and the integer strides / widths are marked 16-divisible, as the JIT specializes them at GPT-OSS-20B and
 Qwen3-30B-A3B widths. The cubin is disassembled with the bundled `cuobjdump -sass`; a loop is a predicated
 backward branch (target below it, not the self-branch after EXIT), its instructions those from the target to the
@@ -22,7 +23,7 @@ branch, and a K loop is an inner one (w2's loop over a token's K pairs holds one
 `--json` prints the rows as JSON. The bundled ptxas decides which targets exist (sm_120 needs CUDA >= 12.8);
 a target it refuses is reported and skipped. Compiles run in two worker processes; Triton's cache
 (~/.triton/cache) makes a second run a few seconds. Usage: python bench/kernel_sass.py [--arch 90]
-[--kernel mxfp4:w2] [--json]
+[--kernel mxfp4:w2] [--x bf16] [--x fp32] [--json]
 """
 
 from __future__ import annotations
@@ -46,12 +47,14 @@ _POINTER_TYPES = {"x_ptr": "*bf16", "act_ptr": "*bf16", "bias_ptr": "*bf16", "we
 _FLOATS = ("limit", "alpha")
 _DIVISIBLE = ("stride_x", "stride_act", "stride_y", "N", "KB", "stride_bc", "stride_sc", "stride_wc",
               "stride_biasc", "stride_res", "stride_out")
+_X_POINTERS = ("x_ptr", "act_ptr", "bias_ptr", "res_ptr", "out_ptr")  # the model's dtype
 AIM = 4.0  # SASS instructions per packed byte of the inner loop: the issue's aim for a memory-bound decode
 
 
 @dataclass
 class Row:
     kernel: str  # "<format>:<w13|w2>"
+    x: str  # the activations' dtype the kernel was compiled for
     arch: int
     loop_instructions: float  # one iteration of a K loop (the mean over the kernel's K loops)
     loops: int
@@ -70,8 +73,9 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def kernel_spec(fmt: str, which: str, arch: int = 90):
-    """(jit function, signature, constexprs, attrs, num_warps, num_stages, BLOCK_N, BLOCK_KB) of a decode kernel."""
+def kernel_spec(fmt: str, which: str, arch: int = 90, x: str = "bf16"):
+    """(jit function, signature, constexprs, attrs, num_warps, num_stages, BLOCK_N, BLOCK_KB) of a decode kernel;
+    `x` the activations' dtype (bf16: a bf16 model, MXFP4 and int4 then in fp16x2 from sm_89; fp32: fp32 sums)."""
     os.environ.pop("TRITON_INTERPRET", None)  # the compiled kernels, not the interpreter's
     # the decode launches as expert_compute makes them today: slot ids (no map), the residual added in w2; e4m3
     # (FP8, and MXFP4 and int4 codes through it) converted by the hardware from sm_89 (mxfp4_moe.hardware_fp8)
@@ -102,6 +106,8 @@ def kernel_spec(fmt: str, which: str, arch: int = 90):
             sig[name] = "constexpr"
         elif name.endswith("_ptr") or name.endswith("_ptr0"):
             sig[name] = _POINTER_TYPES.get(name, scales)
+            if x == "fp32" and name in _X_POINTERS:
+                sig[name] = "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in _FLOATS:
             sig[name] = "fp32"
@@ -139,14 +145,14 @@ def parse_sass(sass: str) -> tuple[list[int], dict]:
     return loops, {"spills": spills, "widest_load_bits": max(widths, default=0)}
 
 
-def compile_one(job: tuple[str, str, int]) -> Row | str:
-    """One kernel for one arch -> its Row, or a line saying why not."""
-    fmt, which, arch = job
+def compile_one(job: tuple) -> Row | str:
+    """One kernel for one arch (job: format, w13|w2, arch[, x dtype]) -> its Row, or a line saying why not."""
+    fmt, which, arch, x = (*job, "bf16")[:4]
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, consts, attrs, warps, stages, bn, bkb = kernel_spec(fmt, which, arch)
+    fn, sig, consts, attrs, warps, stages, bn, bkb = kernel_spec(fmt, which, arch, x)
     try:
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                            options=dict(num_warps=warps, num_stages=stages))
@@ -168,12 +174,13 @@ def compile_one(job: tuple[str, str, int]) -> Row | str:
     per_thread = bn * bkb // (32 * warps)
     mean = sum(loops) / len(loops)
     per_byte = round(mean / per_thread, 2)
-    return Row(f"{fmt}:{which}", arch, mean, len(loops), per_thread, per_byte, regs, info["spills"],
+    return Row(f"{fmt}:{which}", x, arch, mean, len(loops), per_thread, per_byte, regs, info["spills"],
                info["widest_load_bits"], f"BLOCK_N={bn} BLOCK_KB={bkb} warps={warps} stages={stages}", per_byte <= AIM)
 
 
-def report(kernels: list[str], archs: list[int], workers: int = 2) -> tuple[list[Row], list[str]]:
-    jobs = [(*k.split(":"), a) for k in kernels for a in archs]
+def report(kernels: list[str], archs: list[int], workers: int = 2,
+           xs: tuple[str, ...] = ("bf16",)) -> tuple[list[Row], list[str]]:
+    jobs = [(*k.split(":"), a, x) for k in kernels for x in xs for a in archs]
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
             out = list(pool.map(compile_one, jobs))
@@ -188,16 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", action="append", help="format:w13|w2 (default: all)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--x", action="append", choices=("bf16", "fp32"),
+                   help="activation dtype to compile for (default: bf16; fp32 counts the fp32-sum paths)")
     a = p.parse_args(argv)
     kernels = a.kernel or [f"{f}:{w}" for f in FORMATS for w in WHICH]
-    rows, skipped = report(kernels, a.arch or list(ARCHS), a.workers)
+    rows, skipped = report(kernels, a.arch or list(ARCHS), a.workers, tuple(a.x or ["bf16"]))
     if a.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "skipped": skipped}, indent=1))
         return 0 if rows else 1
-    print(f"{'kernel':<10} {'arch':>6} {'loop':>6} {'B/thr':>6} {'i/B':>6} {'aim':>4} {'regs':>5} {'spill':>5} "
+    print(f"{'kernel':<10} {'x':>4} {'arch':>6} {'loop':>6} {'B/thr':>6} {'i/B':>6} {'aim':>4} {'regs':>5} {'spill':>5} "
           f"{'LDG':>4}  config")
     for r in rows:
-        print(f"{r.kernel:<10} sm_{r.arch:<3} {r.loop_instructions:>6.0f} {r.bytes_per_thread:>6} "
+        print(f"{r.kernel:<10} {r.x:>4} sm_{r.arch:<3} {r.loop_instructions:>6.0f} {r.bytes_per_thread:>6} "
               f"{r.instructions_per_byte:>6.2f} {'yes' if r.meets_aim else 'no':>4} {r.registers:>5} {r.spills:>5} "
               f"{r.widest_load_bits:>4}  {r.config}")
     for s in skipped:

@@ -9,8 +9,13 @@ bias, x its routing weight, summed in fp32, + the residual, rounded once to the 
 the CPU's order, k-sum then residual).
 
 The decode GEMV gives a thread whole 16-byte scale blocks of several rows and loads x in the codes' shape (no
-layout change through shared memory); E2M1 codes become fp16 bits in place (sm_80/86), or from sm_89 e4m3 bytes
-for the hardware's cvt.rn.f16x2.e4m3x2 (`hardware_fp8`); a block's 32 products are one FMA chain, scaled once.
+layout change through shared memory); whole tiles load unmasked, the last partial one masked. For a 16-bit x from
+sm_89 (`hardware_fp8`) the E2M1 codes become e4m3 bytes (7 integer ops a word of 8), the hardware's
+cvt.rn.f16x2.e4m3x2 makes two fp16 weights an instruction, and fma.rn.f16x2 two products (exact: 2 bits of code
+times bf16's 8 fit fp16's 11); each block's two 16-term lane sums round in fp16 (2^-11 of the sum, against the
+bf16 tolerance's 2^-6) and are widened and scaled in fp32: 4.9 SASS instructions a packed byte on sm_90, from 8.7
+(bench/kernel_sass.py; the floor of this decode is 3.75: 7 + 4 + 4 a word). An fp32 x (and sm_80/86) keeps the
+fp32 FMA chain, E2M1 as fp16 bits in place or e4m3 bytes, exact to fp32 rounding.
 
 Prefill (more tokens per expert): pairs sorted by slot on the device and padded to BLOCK_M rows per slot (no host
 sync: the grid is the upper bound, groups past the end hold slot -1 and return at once); tl.dot on tensor cores,
@@ -135,6 +140,100 @@ def _e2m1_as_e4m3(w):
     return lows, highs
 
 
+_ASM: tl.constexpr = tl.constexpr(not INTERPRET)  # inline PTX compiles; the interpreter takes the pure-Triton twins
+
+
+@triton.jit
+def _f16_bits(v):
+    """fp32 -> the bits of its fp16 rounding, in a uint32's low half."""
+    return v.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _f16x2(lo, hi):
+    """Two fp32 tensors -> uint32 words of fp16x2 (lo in the low half), each rounded to fp16."""
+    return _f16_bits(lo) | (_f16_bits(hi) << 16)
+
+
+@triton.jit
+def _cvt_e4m3x2(words):
+    """uint32 words of four e4m3 bytes -> two uint32 words of fp16x2 (bytes 0, 1 and bytes 2, 3; every e4m3 value is
+    exact in fp16): cvt.rn.f16x2.e4m3x2 (sm_89 on), one instruction per two bytes; under the interpreter the same
+    bits from integer ops (the byte's bits under fp16's lowest exponent bits are the value x 2^-8, exact)."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 l, h;
+            mov.b32 {l, h}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, l;
+            cvt.rn.f16x2.e4m3x2 $1, h;
+            }""",
+            constraints="=r,=r,r", args=[words], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        u = words.to(tl.uint32, bitcast=True)
+        # byte b -> the fp16 bits of its value x 2^-8: e and m under fp16's lowest exponent bits, the sign at 15
+        e0 = ((u & 0x7F) << 7) | ((u & 0x80) << 8)
+        e1 = (((u >> 8) & 0x7F) << 7) | (((u >> 8) & 0x80) << 8)
+        e2 = (((u >> 16) & 0x7F) << 7) | (((u >> 16) & 0x80) << 8)
+        e3 = (((u >> 24) & 0x7F) << 7) | (((u >> 24) & 0x80) << 8)
+        v0, v2 = _f16_pair(e0 | (e2 << 16))
+        v1, v3 = _f16_pair(e1 | (e3 << 16))
+        return _f16x2(v0 * 256.0, v1 * 256.0), _f16x2(v2 * 256.0, v3 * 256.0)
+
+
+@triton.jit
+def _hfma2(a, b, c):
+    """a * b + c on uint32 words of fp16x2, lane by lane, rounded once (fma.rn.f16x2: two products an instruction);
+    the interpreter computes each lane in fp64 and rounds it to fp16."""
+    a = tl.broadcast_to(a, c.shape)
+    b = tl.broadcast_to(b, c.shape)
+    if _ASM:
+        return tl.inline_asm_elementwise(asm="fma.rn.f16x2 $0, $1, $2, $3;", constraints="=r,r,r,r",
+                                         args=[a, b, c], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        a0, a1 = _f16_pair(a)
+        b0, b1 = _f16_pair(b)
+        c0, c1 = _f16_pair(c)
+        # in fp64 the fp16 product is exact, and so is the sum unless the terms lie over 2^30 apart: one rounding
+        r0 = a0.to(tl.float64) * b0.to(tl.float64) + c0.to(tl.float64)
+        r1 = a1.to(tl.float64) * b1.to(tl.float64) + c1.to(tl.float64)
+        return _f16_bits(r0) | (_f16_bits(r1) << 16)
+
+
+@triton.jit
+def _cvt_f16x2(lo, hi):
+    """Two fp32 tensors -> uint32 words of fp16x2 (lo in the low half), each rounded to fp16: cvt.rn.f16x2.f32, one
+    instruction a pair (the interpreter: _f16x2)."""
+    if _ASM:
+        return tl.inline_asm_elementwise(asm="cvt.rn.f16x2.f32 $0, $2, $1;", constraints="=r,r,r", args=[lo, hi],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        return _f16x2(lo, hi)
+
+
+@triton.jit
+def _x_pairs16(xs):
+    """The 32 fp32 x of a 16-byte block (element 8w + t: nibble t of word w) -> 16 uint32 words of fp16x2 in the
+    order the e4m3 decode yields a word's weights: (0, 2), (4, 6), (1, 3), (5, 7) of each word w."""
+    ps = ()
+    for w in tl.static_range(4):
+        ps = ps + (_cvt_f16x2(xs[8 * w], xs[8 * w + 2]), _cvt_f16x2(xs[8 * w + 4], xs[8 * w + 6]),
+                   _cvt_f16x2(xs[8 * w + 1], xs[8 * w + 3]), _cvt_f16x2(xs[8 * w + 5], xs[8 * w + 7]))
+    return ps
+
+
+@triton.jit
+def _fma_e4m3_word(h, lows, highs, xp, w: tl.constexpr):
+    """h += the products of word w's weights given as e4m3 bytes (lows: its elements 0, 2, 4, 6; highs: 1, 3, 5, 7)
+    and their x pairs, in fp16x2: four conversions and four packed FMAs for eight weights."""
+    a0, a1 = _cvt_e4m3x2(lows)
+    b0, b1 = _cvt_e4m3x2(highs)
+    h = _hfma2(a0, xp[4 * w][None, :], h)
+    h = _hfma2(a1, xp[4 * w + 1][None, :], h)
+    h = _hfma2(b0, xp[4 * w + 2][None, :], h)
+    return _hfma2(b1, xp[4 * w + 3][None, :], h)
+
+
 @cache
 def hardware_fp8(device: torch.device) -> bool:
     """The device converts e4m3 in hardware (sm_89 and later); never under the interpreter."""
@@ -142,10 +241,13 @@ def hardware_fp8(device: torch.device) -> bool:
 
 
 @triton.jit
-def _x_words(x_at, ok, X32: tl.constexpr, XF16: tl.constexpr):
+def _x_words(x_at, ok, X32: tl.constexpr, XF16: tl.constexpr, MASKED: tl.constexpr = True):
     """x at [BG, 4] word pointers (16 bytes a thread) -> its elements in fp32, [BG] each: 4 for an fp32 x, 8 for a
     16-bit x (a word holds elements 2i, low half, and 2i + 1). Loaded in the codes' shape, so no layout change."""
-    v = tl.load(x_at, mask=ok, other=0)
+    if MASKED:
+        v = tl.load(x_at, mask=ok, other=0)
+    else:  # a whole tile: no predicates, no zeroing
+        v = tl.load(x_at)
     a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
     v0, v2 = tl.split(a)
     v1, v3 = tl.split(b)
@@ -162,13 +264,14 @@ def _x_words(x_at, ok, X32: tl.constexpr, XF16: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(x_at, off, limit, N_ELEM: tl.constexpr, X32: tl.constexpr, XF16: tl.constexpr):
+def _x_chunk(x_at, off, limit, N_ELEM: tl.constexpr, X32: tl.constexpr, XF16: tl.constexpr,
+             MASKED: tl.constexpr = True):
     """The N_ELEM (16 or 32) x elements of each 16-byte code chunk, fp32 [BG] each: x_at [BG, 4] points at the
     chunk's first x words, `off` [BG, 4] their offsets from the tile's first, `limit` the words left in the row."""
     WORDS: tl.constexpr = 4 if X32 else 8  # elements in one [BG, 4] word load
-    xs = _x_words(x_at, off < limit, X32, XF16)
+    xs = _x_words(x_at, off < limit, X32, XF16, MASKED)
     for i in tl.static_range(1, N_ELEM // WORDS):
-        xs = xs + _x_words(x_at + 4 * i, off + 4 * i < limit, X32, XF16)
+        xs = xs + _x_words(x_at + 4 * i, off + 4 * i < limit, X32, XF16, MASKED)
     return xs
 
 
@@ -186,6 +289,39 @@ def _x_split8(xv):
 
 
 @triton.jit
+def _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BG: tl.constexpr, X32: tl.constexpr, XF16: tl.constexpr, XPW: tl.constexpr, HW_CVT: tl.constexpr,
+                  PACKED: tl.constexpr):
+    """acc [BN, BG] += one tile of _packed_gemv's scale blocks (blocks k0 .. k0 + BG of each row), masked or whole."""
+    g = tl.arange(0, BG)
+    g_ok = g < G - k0
+    if MASKED:
+        words = tl.load(words_at + 4 * k0, mask=w_ok[:, None, None] & g_ok[None, :, None], other=0)  # [BN, BG, 4]
+        scale = tl.load(s_at + k0, mask=w_ok[:, None] & g_ok[None, :], other=127).to(tl.int32)  # [BN, BG]
+    else:
+        words = tl.load(words_at + 4 * k0)
+        scale = tl.load(s_at + k0).to(tl.int32)
+    a, b = tl.split(tl.reshape(words, (BLOCK_N, BG, 2, 2)))
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    # element 8w + t of a block is nibble t of its word w
+    xs = _x_chunk(x_at + k0 * (32 // XPW), x_off, (G - k0) * (32 // XPW), 32, X32, XF16, MASKED)
+    if PACKED:  # fp16x2: a block's 32 products in two lanes of 16 packed FMAs, widened to fp32 once
+        xp = _x_pairs16(xs)
+        h = tl.zeros((BLOCK_N, BG), dtype=tl.uint32)
+        for w in tl.static_range(4):
+            cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+            lows, highs = _e2m1_as_e4m3(cw.to(tl.uint32, bitcast=True))
+            h = _fma_e4m3_word(h, lows, highs, xp, w)
+        h0, h1 = _f16_pair(h)
+        part = h0 + h1
+    else:
+        part = _e2m1_block(c0, c1, c2, c3, xs, BLOCK_N, BG, HW_CVT)
+    # 2^(s - 126), twice the scale, one instruction (s = 0 stays normal; s = 254 overflows, as its weights do)
+    return acc + part * ((scale + 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
                  BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, HW_CVT: tl.constexpr):
     """x[x_row] [2 KB] . W[w_rows] -> [BLOCK_N] fp32 for one pair (decode): W one slot's packed rows as in
@@ -196,47 +332,56 @@ def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
     X32: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     XF16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     XPW: tl.constexpr = 1 if X32 else 2  # x elements in a word
+    # a 16-bit x: products in fp16x2 (exact: 2 bits of code x bf16's 8 fit fp16's 11; each 16-term lane sum rounds
+    # in fp16, 2^-11), from sm_89 and under the interpreter (its twin of the conversion); |x| < 43000 keeps a lane
+    # sum (<= 16 x 6 x 2^-6 max|x|) and x itself inside fp16
+    PACKED: tl.constexpr = (not X32) and (HW_CVT or not _ASM)
     KW = KB // 4  # words per packed row
     G = KB // 16
     g = tl.arange(0, BG)  # [BG]
     i4 = tl.arange(0, 4)
-    words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (w_rows[:, None, None] * KW + 4 * g[None, :, None]
+    rows = tl.where(w_ok, w_rows, 0)  # rows past N read row 0 (never stored): whole tiles load unmasked
+    words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (rows[:, None, None] * KW + 4 * g[None, :, None]
                                                          + i4[None, None, :]))  # [BN, BG, 4]
-    s_at = s_ptr + (w_rows[:, None] * G + g[None, :])  # [BN, BG]
+    s_at = s_ptr + (rows[:, None] * G + g[None, :])  # [BN, BG]
     x_off = (32 // XPW) * g[:, None] + i4[None, :]  # [BG, 4] the first x words of each block
     x_at = x_ptr.to(tl.pointer_type(tl.uint32)) + x_row.to(tl.int64) * (stride_x // XPW) + x_off
     acc = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-    for k0 in range(0, G, BG):  # in scale blocks
-        g_ok = g < G - k0
-        words = tl.load(words_at + 4 * k0, mask=w_ok[:, None, None] & g_ok[None, :, None], other=0)  # [BN, BG, 4]
-        a, b = tl.split(tl.reshape(words, (BLOCK_N, BG, 2, 2)))
-        c0, c2 = tl.split(a)
-        c1, c3 = tl.split(b)
-        # element 8w + t of a block is nibble t of its word w
-        xs = _x_chunk(x_at + k0 * (32 // XPW), x_off, (G - k0) * (32 // XPW), 32, X32, XF16)
-        part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-        for w in tl.static_range(4):
-            cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
-            if HW_CVT:  # through e4m3 bytes and the hardware's conversion: values x 2^-6
-                lows, highs = _e2m1_as_e4m3(cw.to(tl.uint32, bitcast=True))
-                v0, v2, v4, v6 = _e4m3x4(lows)
-                v1, v3, v5, v7 = _e4m3x4(highs)
-            else:  # through fp16 bits: values x 2^-14
-                v0, v4 = _e2m1_pair(cw, 9, 12)
-                v1, v5 = _e2m1_pair(cw, 5, 8)
-                v2, v6 = _e2m1_pair(cw, 1, 4)
-                v3, v7 = _e2m1_pair(cw, -3, 0)
-            part += v0 * xs[8 * w][None, :]
-            part += v1 * xs[8 * w + 1][None, :]
-            part += v2 * xs[8 * w + 2][None, :]
-            part += v3 * xs[8 * w + 3][None, :]
-            part += v4 * xs[8 * w + 4][None, :]
-            part += v5 * xs[8 * w + 5][None, :]
-            part += v6 * xs[8 * w + 6][None, :]
-            part += v7 * xs[8 * w + 7][None, :]
-        scale = tl.load(s_at + k0, mask=w_ok[:, None] & g_ok[None, :], other=127).to(tl.int32)  # [BN, BG]
-        acc += part * _e8m0(scale)
-    return tl.sum(acc, axis=1) * (64.0 if HW_CVT else 16384.0)  # the codes' 2^-6 or 2^-14
+    G_FULL = (G // BG) * BG  # whole tiles unmasked, the last partial one masked
+    for k0 in range(0, G_FULL, BG):  # in scale blocks
+        acc = _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, False, BLOCK_N, BG, X32, XF16, XPW,
+                            HW_CVT, PACKED)
+    if G_FULL < G:
+        acc = _packed_block(acc, words_at, s_at, x_at, x_off, G_FULL, G, w_ok, True, BLOCK_N, BG, X32, XF16, XPW,
+                            HW_CVT, PACKED)
+    return tl.sum(acc, axis=1) * (32.0 if HW_CVT or PACKED else 8192.0)  # the codes' 2^-6 or 2^-14, the 2 above
+
+
+@triton.jit
+def _e2m1_block(c0, c1, c2, c3, xs, BLOCK_N: tl.constexpr, BG: tl.constexpr, HW_CVT: tl.constexpr):
+    """A block's 32 products in fp32 from its four code words: one FMA chain, the values x 2^-6 (HW_CVT) or
+    x 2^-14."""
+    part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+    for w in tl.static_range(4):
+        cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+        if HW_CVT:  # through e4m3 bytes and the hardware's conversion: values x 2^-6
+            lows, highs = _e2m1_as_e4m3(cw.to(tl.uint32, bitcast=True))
+            v0, v2, v4, v6 = _e4m3x4(lows)
+            v1, v3, v5, v7 = _e4m3x4(highs)
+        else:  # through fp16 bits: values x 2^-14
+            v0, v4 = _e2m1_pair(cw, 9, 12)
+            v1, v5 = _e2m1_pair(cw, 5, 8)
+            v2, v6 = _e2m1_pair(cw, 1, 4)
+            v3, v7 = _e2m1_pair(cw, -3, 0)
+        part += v0 * xs[8 * w][None, :]
+        part += v1 * xs[8 * w + 1][None, :]
+        part += v2 * xs[8 * w + 2][None, :]
+        part += v3 * xs[8 * w + 3][None, :]
+        part += v4 * xs[8 * w + 4][None, :]
+        part += v5 * xs[8 * w + 5][None, :]
+        part += v6 * xs[8 * w + 6][None, :]
+        part += v7 * xs[8 * w + 7][None, :]
+    return part
 
 
 @triton.jit
@@ -420,12 +565,14 @@ def _configs(use_dot: bool) -> list[triton.Config]:
 
 def _decode_configs(which: str) -> list[triton.Config]:
     """The decode kernels' tiles: w13 has T K pairs x I / BLOCK_N programs, w2 only T x H / BLOCK_N (each loops
-    over its K pairs), so w2 offers narrower tiles to fill the SMs at T = 1 (GPT-OSS-20B: 2880 / 16 = 180 CTAs)."""
+    over its K pairs), so w2 offers narrower tiles to fill the SMs at T = 1 (GPT-OSS-20B: 2880 / 16 = 180 CTAs).
+    The first, one warp over 512 bytes of 8 rows, gives a thread 8 rows of one 16-byte block (x decoded once for
+    8 rows, and x's layout is the codes' own: no pass through shared memory); bench/kernel_sass.py counts it."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
-    tiles = [(64, 256, 4, 2), (64, 256, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2)]
+    tiles = [(8, 512, 1, 2), (32, 512, 4, 2), (64, 256, 4, 2), (32, 256, 4, 2)]
     if which == "w2":
-        tiles = [(32, 256, 4, 2), (16, 256, 4, 2), (16, 512, 8, 2), (64, 256, 8, 2)]
+        tiles = [(8, 512, 1, 2), (32, 512, 4, 2), (32, 256, 4, 2), (16, 256, 4, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
 
 

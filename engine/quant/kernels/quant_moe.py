@@ -15,7 +15,10 @@ runs tl.dot per group. One kernel source, the format a compile-time constant:
 * int8: int8 [rows, in] and an fp32 scale per output row, applied once to the row's sum.
 * int4: bytes [rows, in/2] (low nibble the even element, code = q + 8) and fp16 group scales [rows, in/group],
   widened to fp32 after the load (exact: the product is weight()'s). The decode sums code x x and takes 8 sum(x)
-  (shared by a thread's rows) off; from sm_89 a nibble byte goes through the e4m3 conversion (byte n is n x 2^-9).
+  (shared by a thread's rows) off; from sm_89 a nibble byte goes through the e4m3 conversion (byte n is n x 2^-9),
+  and for a 16-bit x with groups of 32 the products run in fp16x2 (mxfp4_moe's packed decode: 3 integer ops, 4
+  conversions and 4 packed FMAs a word of 8 codes; each chunk's lane sums round in fp16, then - 8 sum(x) and the
+  scale in fp32): 4.4 SASS instructions a packed byte on sm_90, from 7.9 (bench/kernel_sass.py).
 
 Bytes per Qwen3-30B-A3B decode step and layer (8 experts): bf16 75.5 MB, fp8 37.8, int8 37.9, int4 21.2 (codes
 + fp16 scales; 23.6 with fp32 scales); `bench/gpu_check.sh` runs the `gpu` tests and the rates
@@ -29,13 +32,16 @@ import triton
 import triton.language as tl
 
 from .mxfp4_moe import (
+    _ASM,
     INTERPRET,
     _e4m3x4,
     _f16_pair,
+    _fma_e4m3_word,
     _gate_up_rows,
     _gated_act,
     _pair_slot,
     _x_chunk,
+    _x_pairs16,
     decode_io,
     hardware_fp8,
     is_decode,
@@ -127,6 +133,98 @@ def _e4m3_pair(u):
 
 
 @triton.jit
+def _load_masked(at, MASKED: tl.constexpr, ok):
+    """A load, masked (0 where not ok) only in a partial tile."""
+    if MASKED:
+        return tl.load(at, mask=ok, other=0.0)
+    else:
+        return tl.load(at)
+
+
+@triton.jit
+def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, GB: tl.constexpr, FMT: tl.constexpr,
+               BLOCK_N: tl.constexpr, BG: tl.constexpr, HW_CVT: tl.constexpr, PACKED: tl.constexpr,
+               MASKED: tl.constexpr):
+    """acc [BN, BG] += one tile of _gemv: the code words c [BN, BG, 4] (words k0 .. k0 + 4 BG of each row) with
+    their x (xs, fp32 [BG] each), scaled per chunk or per word."""
+    a, b = tl.split(tl.reshape(c, (BLOCK_N, BG, 2, 2)))
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    if FMT == 1:  # int8: element 4w + b is byte b of word w, sign-extended
+        for w in tl.static_range(4):
+            cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+            for bb in tl.static_range(4):
+                acc += ((cw << (24 - 8 * bb)) >> 24).to(tl.float32) * xs[4 * w + bb][None, :]
+    else:
+        if FMT == 0:  # fp8: bytes 0, 2 and 1, 3 of a word decoded in pairs
+            part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+            for w in tl.static_range(4):
+                cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+                if HW_CVT:  # the hardware's conversion (sm_89+): the values themselves
+                    v0, v1, v2, v3 = _e4m3x4(cw)
+                else:  # integer ops: the values x 2^-8
+                    v0, v2 = _e4m3_pair(cw)
+                    v1, v3 = _e4m3_pair(cw >> 8)
+                part += v0 * xs[4 * w][None, :]
+                part += v1 * xs[4 * w + 1][None, :]
+                part += v2 * xs[4 * w + 2][None, :]
+                part += v3 * xs[4 * w + 3][None, :]
+                if GB % 16 != 0:  # the scale of each word's block
+                    col = (4 * (k0 + 4 * g) + 4 * w) // GB  # [BG]
+                    sc = _load_masked(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
+                                      MASKED, w_ok[:, None] & (4 * g[None, :] + w < KW - k0))
+                    acc += part * sc
+                    part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+        elif PACKED:  # int4 in fp16x2: a nibble byte is the e4m3 of code x 2^-9, converted two bytes an
+            # instruction, two packed FMAs a byte; the block's lane sums widened once, - 8 sum(x) in fp32
+            xp = _x_pairs16(xs)
+            h = tl.zeros((BLOCK_N, BG), dtype=tl.uint32)
+            for w in tl.static_range(4):
+                cw = (c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3).to(tl.uint32, bitcast=True)
+                h = _fma_e4m3_word(h, cw & 0x0F0F0F0F, (cw >> 4) & 0x0F0F0F0F, xp, w)
+            xsum = xs[0]
+            for i in tl.static_range(1, 32):
+                xsum += xs[i]
+            h0, h1 = _f16_pair(h)
+            part = (h0 + h1) - (8.0 / 512.0) * xsum[None, :]
+        else:  # int4: element 8w + 2b (+ 1) is byte b's low (high) nibble of word w; code - 8 summed as
+            # sum(code x) - 8 sum(x), the second shared by the thread's rows
+            part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+            xsum = tl.zeros((BG,), dtype=tl.float32)
+            for w in tl.static_range(4):
+                cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
+                if HW_CVT:  # a byte 0..15 is the e4m3 of code x 2^-9 (subnormal below 8): the hardware's
+                    # conversion, 4 codes a word of low (high) nibbles
+                    n_lo = _e4m3x4(cw & 0x0F0F0F0F)
+                    n_hi = _e4m3x4((cw >> 4) & 0x0F0F0F0F)
+                for bb in tl.static_range(4):
+                    x_lo = xs[8 * w + 2 * bb]
+                    x_hi = xs[8 * w + 2 * bb + 1]
+                    if HW_CVT:
+                        part += n_lo[bb] * x_lo[None, :]
+                        part += n_hi[bb] * x_hi[None, :]
+                    else:
+                        part += ((cw >> (8 * bb)) & 15).to(tl.float32) * x_lo[None, :]
+                        part += ((cw >> (8 * bb + 4)) & 15).to(tl.float32) * x_hi[None, :]
+                    xsum += x_lo + x_hi
+                if GB % 16 != 0:
+                    col = (4 * (k0 + 4 * g) + 4 * w) // GB  # [BG]
+                    sc = _load_masked(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
+                                      MASKED, w_ok[:, None] & (4 * g[None, :] + w < KW - k0)).to(tl.float32)
+                    acc += (part - (8.0 / 512.0 if HW_CVT else 8.0) * xsum[None, :]) * sc
+                    part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
+                    xsum = tl.zeros((BG,), dtype=tl.float32)
+            if GB % 16 == 0:
+                part -= (8.0 / 512.0 if HW_CVT else 8.0) * xsum[None, :]
+        if GB % 16 == 0:  # one scale a chunk
+            col = (16 * (k0 // 4 + g)) // GB  # [BG]
+            sc = _load_masked(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
+                              MASKED, w_ok[:, None] & (4 * g[None, :] < KW - k0)).to(tl.float32)
+            acc += part * sc
+    return acc
+
+
+@triton.jit
 def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS, GB: tl.constexpr,
           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, HW_CVT: tl.constexpr):
     """Decode: x[x_row] . W[w_rows] -> [BLOCK_N] fp32 for one pair (int8: before the row scale).
@@ -143,85 +241,39 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
     KW = KB // 4  # code words in a row
     g = tl.arange(0, BG)  # [BG]
     i4 = tl.arange(0, 4)
-    words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (w_rows[:, None, None] * KW + 4 * g[None, :, None]
+    rows = tl.where(w_ok, w_rows, 0)  # rows past N read row 0 (never stored): whole tiles load unmasked
+    s_rows = tl.where(w_ok, s_rows, 0)
+    words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (rows[:, None, None] * KW + 4 * g[None, :, None]
                                                          + i4[None, None, :]))  # [BN, BG, 4]
     XPW: tl.constexpr = 1 if X32 else 2  # x elements in a word
+    # int4 with a 16-bit x and a scale a chunk: products in fp16x2 (each 16-term lane sum rounds in fp16, 2^-11;
+    # a lane sum stays below 16 x 15 x 2^-9 max|x|), from sm_89 and under the interpreter (its twin of the conversion)
+    PACKED: tl.constexpr = FMT == 2 and (not X32) and GB % 16 == 0 and (HW_CVT or not _ASM)
     x_base = x_ptr.to(tl.pointer_type(tl.uint32)) + x_row.to(tl.int64) * (stride_x // XPW)
     x_off = (N_ELEM // XPW) * g[:, None] + i4[None, :]  # [BG, 4] the first x words of each chunk
     x_at = x_base + x_off
     acc = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-    for k0 in range(0, KW, 4 * BG):  # in words
-        w_ok3 = w_ok[:, None, None] & (4 * g[None, :, None] + i4[None, None, :] < KW - k0)
-        c = tl.load(words_at + k0, mask=w_ok3, other=0x88888888 if FMT == 2 else 0).to(tl.int32)  # [BN, BG, 4]
-        a, b = tl.split(tl.reshape(c, (BLOCK_N, BG, 2, 2)))
-        c0, c2 = tl.split(a)
-        c1, c3 = tl.split(b)
-        xs = _x_chunk(x_at + k0 * (N_ELEM // 4) // XPW, x_off, (KW - k0) * (N_ELEM // 4) // XPW, N_ELEM, X32, XF16)
-        if FMT == 1:  # int8: element 4w + b is byte b of word w, sign-extended
-            for w in tl.static_range(4):
-                cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
-                for bb in tl.static_range(4):
-                    acc += ((cw << (24 - 8 * bb)) >> 24).to(tl.float32) * xs[4 * w + bb][None, :]
-        else:
-            if FMT == 0:  # fp8: bytes 0, 2 and 1, 3 of a word decoded in pairs
-                part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-                for w in tl.static_range(4):
-                    cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
-                    if HW_CVT:  # the hardware's conversion (sm_89+): the values themselves
-                        v0, v1, v2, v3 = _e4m3x4(cw)
-                    else:  # integer ops: the values x 2^-8
-                        v0, v2 = _e4m3_pair(cw)
-                        v1, v3 = _e4m3_pair(cw >> 8)
-                    part += v0 * xs[4 * w][None, :]
-                    part += v1 * xs[4 * w + 1][None, :]
-                    part += v2 * xs[4 * w + 2][None, :]
-                    part += v3 * xs[4 * w + 3][None, :]
-                    if GB % 16 != 0:  # the scale of each word's block
-                        col = (4 * (k0 + 4 * g) + 4 * w) // GB  # [BG]
-                        sc = tl.load(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
-                                     mask=w_ok[:, None] & (4 * g[None, :] + w < KW - k0), other=0.0)
-                        acc += part * sc
-                        part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-            else:  # int4: element 8w + 2b (+ 1) is byte b's low (high) nibble of word w; code - 8 summed as
-                # sum(code x) - 8 sum(x), the second shared by the thread's rows
-                part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-                xsum = tl.zeros((BG,), dtype=tl.float32)
-                for w in tl.static_range(4):
-                    cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
-                    if HW_CVT:  # a byte 0..15 is the e4m3 of code x 2^-9 (subnormal below 8): the hardware's
-                        # conversion, 4 codes a word of low (high) nibbles
-                        n_lo = _e4m3x4(cw & 0x0F0F0F0F)
-                        n_hi = _e4m3x4((cw >> 4) & 0x0F0F0F0F)
-                    for bb in tl.static_range(4):
-                        x_lo = xs[8 * w + 2 * bb]
-                        x_hi = xs[8 * w + 2 * bb + 1]
-                        if HW_CVT:
-                            part += n_lo[bb] * x_lo[None, :]
-                            part += n_hi[bb] * x_hi[None, :]
-                        else:
-                            part += ((cw >> (8 * bb)) & 15).to(tl.float32) * x_lo[None, :]
-                            part += ((cw >> (8 * bb + 4)) & 15).to(tl.float32) * x_hi[None, :]
-                        xsum += x_lo + x_hi
-                    if GB % 16 != 0:
-                        col = (4 * (k0 + 4 * g) + 4 * w) // GB  # [BG]
-                        sc = tl.load(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
-                                     mask=w_ok[:, None] & (4 * g[None, :] + w < KW - k0), other=0.0).to(tl.float32)
-                        acc += (part - (8.0 / 512.0 if HW_CVT else 8.0) * xsum[None, :]) * sc
-                        part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-                        xsum = tl.zeros((BG,), dtype=tl.float32)
-                if GB % 16 == 0:
-                    part -= (8.0 / 512.0 if HW_CVT else 8.0) * xsum[None, :]
-            if GB % 16 == 0:  # one scale a chunk
-                col = (16 * (k0 // 4 + g)) // GB  # [BG]
-                sc = tl.load(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
-                             mask=w_ok[:, None] & (4 * g[None, :] < KW - k0), other=0.0).to(tl.float32)
-                acc += part * sc
+    KW_FULL = (KW // (4 * BG)) * (4 * BG)  # whole tiles unmasked (rows past N read row 0, never stored)
+    for k0 in range(0, KW_FULL, 4 * BG):  # in words
+        c = tl.load(words_at + k0).to(tl.int32)  # [BN, BG, 4]
+        xs = _x_chunk(x_at + k0 * (N_ELEM // 4) // XPW, x_off, (KW - k0) * (N_ELEM // 4) // XPW, N_ELEM, X32, XF16,
+                      False)
+        acc = _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, GB, FMT, BLOCK_N, BG, HW_CVT, PACKED,
+                         False)
+    if KW_FULL < KW:  # the last partial tile, masked per word
+        w_ok3 = w_ok[:, None, None] & (4 * g[None, :, None] + i4[None, None, :] < KW - KW_FULL)
+        # int4 pads with code 8 (zero), but the packed path with 0: its x pads are zero and a zero clears faster
+        c = tl.load(words_at + KW_FULL, mask=w_ok3, other=0x88888888 if FMT == 2 and not PACKED else 0).to(tl.int32)
+        xs = _x_chunk(x_at + KW_FULL * (N_ELEM // 4) // XPW, x_off, (KW - KW_FULL) * (N_ELEM // 4) // XPW, N_ELEM,
+                      X32, XF16, True)
+        acc = _gemv_tile(acc, c, xs, KW_FULL, KW, g, s_ptr, s_rows, w_ok, S_COLS, GB, FMT, BLOCK_N, BG, HW_CVT,
+                         PACKED, True)
     out = tl.sum(acc, axis=1)  # [BN]
     if FMT == 1:
         out = out * tl.load(s_ptr + s_rows, mask=w_ok, other=0.0)
     if FMT == 0 and not HW_CVT:
         out = out * 256.0  # the codes' 2^-8
-    if FMT == 2 and HW_CVT:
+    if FMT == 2 and (HW_CVT or PACKED):
         out = out * 512.0  # the codes' 2^-9
     return out
 
@@ -355,12 +407,14 @@ def _configs(use_dot: bool) -> list[triton.Config]:
 
 def _decode_configs(which: str) -> list[triton.Config]:
     """Decode tiles: a warp spans 32 chunks of 16 bytes of a row (512 bytes), the warps more rows, and a thread
-    holds BLOCK_N / num_warps rows of its chunk (x decoded once for them); w2 has only T x H / BLOCK_N programs."""
+    holds BLOCK_N / num_warps rows of its chunk (x decoded once for them); w2 has only T x H / BLOCK_N programs.
+    The first (one warp, 8 rows a thread) keeps x in the codes' layout (no shared-memory pass): the one
+    bench/kernel_sass.py counts."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_KB": 32}, num_warps=4)]
-    tiles = [(32, 512, 4, 2), (16, 512, 4, 2), (32, 512, 8, 2), (8, 512, 4, 2)]
+    tiles = [(8, 512, 1, 2), (32, 512, 4, 2), (16, 512, 4, 2), (32, 512, 8, 2)]
     if which == "w2":
-        tiles = [(16, 512, 2, 2), (16, 512, 4, 2), (8, 512, 4, 2), (32, 512, 4, 2)]
+        tiles = [(8, 512, 1, 2), (16, 512, 2, 2), (16, 512, 4, 2), (8, 512, 4, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
 
 

@@ -166,6 +166,35 @@ def _e2m1_as_e4m3_error() -> float:
     return float((got.float().flatten() - want.flatten()).abs().max())
 
 
+def _packed_twins_error() -> float:
+    """The interpreter's twins of the packed decode's PTX against torch, on every input they meet: cvt.rn.f16x2.e4m3x2
+    (every e4m3 byte but the NaN pattern, to fp16 bits) and fma.rn.f16x2 (fp16 a * b + c rounded once, on random
+    fp16 lanes and the e2m1 / int4 products the kernels form). Returns the count of differing fp16 lanes. Script
+    only: the kernels are defined in the __main__ block."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    words = codes.view(torch.int32)  # [64]: bytes 4i .. 4i + 3
+    lo, hi = torch.empty_like(words), torch.empty_like(words)
+    _cvt_kernel[(1,)](words, lo, hi)  # noqa: F821 - defined when run as a script
+    # lo holds bytes 0, 1 of each word, hi bytes 2, 3
+    got = torch.stack([lo.view(torch.int16).view(-1, 2), hi.view(torch.int16).view(-1, 2)], dim=1).flatten()
+    want = codes.view(torch.float8_e4m3fn).half().view(torch.int16)  # [256]
+    finite = codes.view(torch.float8_e4m3fn).float().isfinite()
+    bad = int((got != want)[finite].sum())
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    a = torch.cat([torch.randn(n, generator=g), codes.view(torch.float8_e4m3fn).float()[finite][:64].repeat(16)])
+    b = torch.cat([torch.randn(n, generator=g) * 8, torch.randn(1024, generator=g)])
+    c = torch.cat([torch.randn(n, generator=g) * 4, torch.randn(1024, generator=g)])
+    a, b, c = (v[: (len(v) // 2) * 2].half() for v in (a, b, c))
+    out = torch.empty(len(a) // 2, dtype=torch.int32)
+    _fma_kernel[(1,)](a.view(torch.int32), b.view(torch.int32), c.view(torch.int32), out,  # noqa: F821
+                      N=triton.next_power_of_2(len(out)), LEN=len(out))
+    # fp16 x fp16 + fp16 is exact in fp64 here, then one rounding, as fma.rn: numpy's, since torch's double -> half
+    # goes through float (two roundings)
+    exact = torch.from_numpy((a.double() * b.double() + c.double()).numpy().astype("float16"))
+    return float(bad + int((out.view(torch.float16) != exact).sum()))
+
+
 def _interpreted_main() -> None:
     """Run as a script under TRITON_INTERPRET=1: one line per case, its name and its error's `excess`."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -177,13 +206,14 @@ def _interpreted_main() -> None:
         moved, _ = run_case(case, moved=1)
         print(f"moved-{case.name}", float(not torch.equal(got, moved)), flush=True)
     print("e2m1-as-e4m3", _e2m1_as_e4m3_error(), flush=True)
+    print("packed-twins", _packed_twins_error(), flush=True)
 
 
 if __name__ == "__main__":
     import triton
     import triton.language as tl
 
-    from moechat.engine.quant.kernels.mxfp4_moe import _e2m1_as_e4m3
+    from moechat.engine.quant.kernels.mxfp4_moe import _cvt_e4m3x2, _e2m1_as_e4m3, _hfma2
 
     @triton.jit
     def _e2m1_as_e4m3_kernel(w_ptr, lo_ptr, hi_ptr):
@@ -192,6 +222,20 @@ if __name__ == "__main__":
         tl.store(lo_ptr + i, lows.to(tl.int32, bitcast=True))
         tl.store(hi_ptr + i, highs.to(tl.int32, bitcast=True))
 
+    @triton.jit
+    def _cvt_kernel(w_ptr, lo_ptr, hi_ptr):
+        i = tl.arange(0, 64)
+        lo, hi = _cvt_e4m3x2(tl.load(w_ptr + i).to(tl.uint32, bitcast=True))
+        tl.store(lo_ptr + i, lo.to(tl.int32, bitcast=True))
+        tl.store(hi_ptr + i, hi.to(tl.int32, bitcast=True))
+
+    @triton.jit
+    def _fma_kernel(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr, LEN):
+        i = tl.arange(0, N)
+        ok = i < LEN
+        a, b, c = (tl.load(p + i, mask=ok, other=0).to(tl.uint32, bitcast=True) for p in (a_ptr, b_ptr, c_ptr))
+        tl.store(out_ptr + i, _hfma2(a, b, c).to(tl.int32, bitcast=True), mask=ok)
+
     _interpreted_main()
 
 
@@ -199,7 +243,7 @@ if __name__ == "__main__":
 def interpreted() -> dict[str, float]:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     errors = {}
     for line in result.stdout.splitlines():
@@ -220,6 +264,12 @@ def test_moving_experts_between_slots_changes_no_bit(interpreted, case):
 
 def test_e2m1_codes_map_to_e4m3_bytes_of_the_same_value(interpreted):
     assert interpreted["e2m1-as-e4m3"] == 0.0
+
+
+def test_packed_decode_twins_match_the_hardware_formulas(interpreted):
+    """The fp16x2 decode's interpreter twins (the compiled kernels run cvt.rn.f16x2.e4m3x2 and fma.rn.f16x2 as PTX)
+    give the bits those instructions are defined to give: each e4m3 byte's fp16, fp16 a * b + c rounded once."""
+    assert interpreted["packed-twins"] == 0.0
 
 
 def test_case_names_are_unique():

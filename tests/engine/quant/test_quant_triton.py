@@ -179,6 +179,8 @@ INTERPRETED += [Case("fp8", "swiglu", 3, "gemv", "some-absent", True, torch.bflo
                 Case("int8", "swiglu", 8, None, "all", True, torch.bfloat16, E=6, K=4),
                 Case("fp8", "swiglu", 1, None, "all", True, H=64, I=48, block=(16, 8)),
                 Case("int4", "swiglu", 2, "gemv", "all", True, H=48, I=80)]
+# int4 in fp16x2 (a bf16 x, groups of 32 on both sides: the packed decode in w13 and w2), a partial last tile
+INTERPRETED += [Case("int4", "clamped_swiglu", 3, "gemv", "some", True, torch.bfloat16, bias=True, H=64, I=96)]
 # the same bits whatever slots hold the experts (the k-sum in the kernel, in k order, no atomics)
 MOVED = [Case("int8", "swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
          Case("int4", "clamped_swiglu", 2, "gemv", "some-absent", True, bias=True, lookup=True)]
