@@ -35,11 +35,18 @@ def _max_threads() -> int:
     return MAX_THREADS
 
 
+def _threads_help() -> str:
+    from moechat.engine.plan.hardware.cores import default_threads_help  # no torch
+
+    return ("CPU threads that compute (torch's and the native kernels' pools, set once at load; the greedy tokens "
+            f"are the same at any N). Default: {default_threads_help()}; a second thread on the 2-core machine "
+            "measured slower (bench/threads.py); OMP_NUM_THREADS when set")
+
+
 threads = _at_most(_max_threads(), "threads", "more than any machine moechat runs on has cores")
-# run, serve and chat (app/tui/launch.py): one help, so the three say the same default.
-THREADS_HELP = ("CPU threads that compute (torch's and the native kernels' pools, set once at load; the greedy "
-                "tokens are the same at any N). Default: every core but one (1 on a 2-core machine, where a second "
-                "thread measured slower: bench/threads.py), or OMP_NUM_THREADS when set")
+# run, serve and chat (app/tui/launch.py): one help, so the three say the same default. fit plans for --cores (all
+# but one compute, the same rule) and pull downloads: neither runs the compute pools.
+THREADS_HELP = _threads_help()
 
 
 # The positional of run, chat and serve (fit's also takes a Hub repo id it has not downloaded): one name, one help.

@@ -36,6 +36,14 @@ def default_threads(cores: int | None = None) -> int:
     return max(1, cores - 1)
 
 
+def default_threads_help(cores: int | None = None) -> str:
+    """The default of `--threads`, as --help states it: the rule per core count and what it is on this machine
+    (from `usable_cores`, no torch: the parsers are built at start-up)."""
+    cores = usable_cores() if cores is None else cores
+    return (f"every core but one (1 on 1 or 2 cores, C-1 on C; here {default_threads(cores)} of {cores} usable "
+            f"core{'s' if cores != 1 else ''})")
+
+
 def quiet_openmp(environ=os.environ) -> None:
     """OMP_WAIT_POLICY=passive unless the user set a policy: torch's OpenMP workers then sleep after each op
     instead of spinning (libgomp's default), so they do not take the core native.c's pool wants next (issue 27:
