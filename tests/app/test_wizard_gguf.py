@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from moechat.app.tui.screens.chat import ChatScreen
+from moechat.app.tui.screens.setup.listing import _size
 from moechat.engine.plan.catalog import CatalogEntry
 from moechat.engine.plan.hub.gguf import GGUFQuant, LocalFile, QuantFit, recommend_quant
 
@@ -84,6 +86,12 @@ async def test_the_wizard_lists_a_gguf_repos_quants_recommends_one_and_downloads
     app, _ = _app(hub, app_env, fakes, entries=entries)
     async with app.run_test(size=SIZE) as pilot:
         setup = await _open_wizard(pilot, fakes)
+        # the row, before Enter: no config.json to plan from, but what the repo offers (from its listing alone)
+        assert setup.cell(REPO, "verdict") == "GGUF" and setup.cell(REPO, "note").startswith("2 GGUF quants: Enter")
+        small, large = (_size(gguf_files[q].stat().st_size) for q in ("Q4_K_M", "Q8_0"))
+        assert setup.cell(REPO, "download") == f"{small}-{large}"
+        assert f"GGUF: 2 quants (Q4_K_M {small}, Q8_0 {large})" in _text(setup, "#setup-summary")
+        assert not [r for r in hub.server.requests if r.file and r.file.endswith(".gguf")]  # no header read yet
         await _pick_gguf(pilot, fakes, setup, REPO)
         assert [f.name for f in setup.quants] == ["Q4_K_M", "Q8_0"]  # smallest first
         assert all(f.verdict is not None and f.full and f.tok_s for f in setup.quants)
@@ -91,7 +99,7 @@ async def test_the_wizard_lists_a_gguf_repos_quants_recommends_one_and_downloads
         assert summary[0] == f"{REPO}: GGUF, 2 quants"
         lines = {line[2:].split()[0]: line for line in summary[1:3]}
         for f in setup.quants:  # name, size, verdict and predicted tok/s on each line
-            size = f"{gguf_files[f.name].stat().st_size / (1 << 20):.1f} MiB"
+            size = _size(gguf_files[f.name].stat().st_size)
             speed = re.search(r"  ([0-9.]+)(?:-([0-9.]+))? tok/s", lines[f.name])
             assert f"  {size}  runs  " in lines[f.name] and speed, lines[f.name]
             assert float(speed[1]) == pytest.approx(f.tok_s[0], rel=0.05, abs=0.1)
@@ -116,5 +124,30 @@ async def test_the_wizard_lists_a_gguf_repos_quants_recommends_one_and_downloads
         assert ("Downloaded", f"{REPO} is ready: opening the chat on it.") in _notices(app)
         whole = {r.file for r in hub.server.requests if r.file and r.method == "GET" and r.range is None}
         assert gguf_files["Q4_K_M"].name in whole and gguf_files["Q8_0"].name not in whole
-        local = hub.client.local_snapshot(REPO)
-        assert (local / gguf_files["Q4_K_M"].name).read_bytes() == gguf_files["Q4_K_M"].read_bytes()
+        first = hub.client.local_snapshot(REPO) / gguf_files["Q4_K_M"].name
+        assert first.read_bytes() == gguf_files["Q4_K_M"].read_bytes()
+        # the chat opens on the quant's first file and loads it
+        await fakes.wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), timeout=30, what="the chat")
+        chat = app.screen
+        await fakes.wait_for(pilot, lambda: chat.info is not None, timeout=60, what="the quant loaded")
+        assert chat.info.path == str(first) and chat.info.model_type == "qwen3_moe"
+
+
+@pytest.mark.anyio
+async def test_no_quant_runs_here_none_is_recommended_and_d_says_how_to_take_one_anyway(hub, gguf_repo, app_env,
+                                                                                        fakes):
+    entries = (CatalogEntry(REPO, "qwen3_moe", 0.001, 0.0005, "GGUF"),)
+    app, _ = _app(hub, app_env, fakes, entries=entries, ram_gb=0.5)  # under the planner's working room
+    async with app.run_test(size=SIZE) as pilot:
+        setup = await _open_wizard(pilot, fakes)
+        await _pick_gguf(pilot, fakes, setup, REPO)
+        assert [f.word for f in setup.quants] == ["does not fit", "does not fit"]
+        summary = _text(setup, "#setup-summary")
+        assert "★" not in summary and "none of them runs on this machine: no quant recommended" in summary
+        assert setup.chosen_quant() is None and setup.verdict is None
+        await pilot.press("d")
+        assert ("No quant", f"No quant of {REPO} runs on this machine: [ and ] mark one to download anyway") in \
+            _notices(app)
+        assert setup.downloading is None
+        await pilot.press("right_square_bracket")  # the first quant with a verdict, marked by hand
+        assert setup.chosen_quant().name == "Q4_K_M" and "▶ Q4_K_M" in _text(setup, "#setup-summary")

@@ -8,6 +8,11 @@ download it with progress and cancel, and land in the chat on it.
     plan           Enter on a row: the exact verdict from the safetensors headers (a ranged read of each shard's
                    first 100 kB, never a weight body), the memory plan's decisions with their reasons, and what
                    the download will do (cached files, partial files resumed, bytes to fetch)
+    GGUF repo      a repo of GGUF quants and no safetensors: its row says what it offers (no config.json to plan
+                   from); Enter lists each quant with its size, verdict and predicted tok/s, each from that quant's
+                   header alone (ranged reads), the recommended one starred (engine/plan/hub/gguf.py
+                   `recommend_quant`: the largest that runs with every expert in VRAM, or RAM without a GPU); [ and ]
+                   mark another; D fetches the marked quant's files only and the chat opens on its first file
     download       Hub.download with a progress sink and a cancel Event: the bar, the rate, the file; Escape or
                    the Cancel button stop it within one chunk (what arrived is kept and resumed next time)
     done           the screen dismisses with the snapshot's path; the app opens the chat on it

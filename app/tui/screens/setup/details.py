@@ -1,6 +1,7 @@
 """The wizard's detail pane: what a highlighted row knows without another request (`brief_text`), and a picked
 model's exact plan (`plan_texts`): the verdict from the safetensors headers, the memory plan's decisions with their
 reasons, the expert formats, and what the download will do (cached files, partial files resumed, bytes to fetch).
+A GGUF repo's quants (`quant_texts`): one line per quant, the marked one's plan beneath.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def brief_text(r: _Row, offline: str | None, hardware) -> str:
         lines.append("checking the Hub…" if r.search_note is None else "")
     elif s.verdict is not None:
         lines.append(f"on this machine: {s.verdict.summary()} (estimate from config.json)")
+    elif r.quants:
+        offer = ", ".join(f"{q.name} {_size(q.size)}" for q in r.quants[:8]) + (", …" if len(r.quants) > 8 else "")
+        lines.append(f"GGUF: {len(r.quants)} quant{'s' if len(r.quants) != 1 else ''} ({offer}). Enter reads each "
+                     "one's header (no weights): its verdict and predicted speed here, and the one to take")
     elif offline and e.supported and r.search_note is None:
         word, note, _ = catalog_estimate(e, hardware)
         lines.append(f"{offline}. {word}: {note}; the predicted speed needs config.json from the Hub")

@@ -84,10 +84,24 @@ def check_entries(screen, listing_id: int, entries: list[CatalogEntry]) -> None:
         if worker.is_cancelled:
             return
         (status,) = hub.catalog(hw, screen.options.prefs, entries=[entry], workers=1)  # never raises
-        screen.post_message(CatalogRowChecked(listing_id, status))
+        screen.post_message(CatalogRowChecked(listing_id, status, quants=gguf_only(hub, status)))
 
     with ThreadPoolExecutor(max_workers=CHECK_WORKERS, thread_name_prefix="moechat-catalog") as pool:
         list(pool.map(one, entries))
+
+
+def gguf_only(hub, status) -> tuple:
+    """A row without a verdict whose repo holds GGUF quants and no safetensors (so no config.json): its quants
+    (one more listing, for such rows only; each quant's verdict waits for Enter, a header read per quant)."""
+    from moechat.engine.errors import MoechatError
+
+    if status.verdict is not None or status.error is None or status.sha is None:  # a verdict, gated, unreachable
+        return ()
+    try:
+        listing, quants = hub.quants(status.entry.repo_id)
+    except MoechatError:
+        return ()
+    return () if any(f.path.endswith(".safetensors") for f in listing.files) else tuple(quants)
 
 
 def search(screen, listing_id: int, query: str) -> None:

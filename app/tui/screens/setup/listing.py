@@ -214,6 +214,7 @@ class _Row:
     entry: CatalogEntry
     status: object | None = None  # CatalogStatus once checked
     search_note: str | None = None  # why a search hit is not checked (an unsupported family)
+    quants: tuple = ()  # a GGUF-only repo's quants (engine.plan.hub.GGUFQuant): Enter lists each with its verdict
 
 
 def entry_for_hit(hit) -> CatalogEntry:
@@ -237,6 +238,8 @@ def cell_texts(r: _Row, narrow: bool, offline: str | None, hardware) -> dict[str
                 and e.supported and r.search_note is None else None)
     if verdict is not None:
         word = verdict.verdict
+    elif r.quants:
+        word = "GGUF"
     elif r.search_note is not None or (s is not None and not e.supported):
         word = "unsupported"
     elif s is None:
@@ -251,6 +254,9 @@ def cell_texts(r: _Row, narrow: bool, offline: str | None, hardware) -> dict[str
         download = "downloaded"
     elif verdict is not None:
         download = _size(verdict.download_bytes - verdict.cached_bytes)
+    elif r.quants:
+        sizes = [q.size for q in r.quants]
+        download = _size(min(sizes)) if len(sizes) == 1 else f"{_size(min(sizes))}-{_size(max(sizes))}"
     elif s is not None and s.download_bytes:
         download = _size(s.download_bytes)
     elif estimate is not None and estimate[2]:
@@ -261,6 +267,8 @@ def cell_texts(r: _Row, narrow: bool, offline: str | None, hardware) -> dict[str
         note = _short(e.why_unsupported or r.search_note or "")
     elif estimate is not None:
         note = estimate[1]
+    elif r.quants and verdict is None:
+        note = f"{len(r.quants)} GGUF quant{'s' if len(r.quants) != 1 else ''}: Enter lists each with its verdict"
     elif s is not None and s.error and verdict is None:
         note = _short(s.error, e.repo_id)
     else:

@@ -261,7 +261,7 @@ class SetupScreen(Screen[str | None]):
             self.offline = message.offline
             # the reason is in the detail pane and the notices; the header keeps one word (it cut the URL mid-way)
             self.sub_title = "model setup" + (" · offline" if message.offline else "")
-        r.status = status
+        r.status, r.quants = status, message.quants
         self._update_row(status.entry.repo_id)
         if self.chosen is None and self._highlighted() == status.entry.repo_id:
             self._show_brief(r)
@@ -344,7 +344,8 @@ class SetupScreen(Screen[str | None]):
             return
         current = self.chosen_quant()
         names = [f.name for f in read]
-        i = names.index(current.name) if current is not None and current.name in names else -step
+        # none marked yet: ] marks the first, [ the last
+        i = names.index(current.name) if current is not None and current.name in names else (-1 if step > 0 else 0)
         self.quant_pick = names[(i + step) % len(names)]
         self._show_quants()
         button = self.query_one("#setup-download", Button)
