@@ -92,7 +92,9 @@ async def test_the_wizard_lists_a_gguf_repos_quants_recommends_one_and_downloads
         assert setup.cell(REPO, "download") == f"{small}-{large}"
         assert f"GGUF: 2 quants (Q4_K_M {small}, Q8_0 {large})" in _text(setup, "#setup-summary")
         assert not [r for r in hub.server.requests if r.file and r.file.endswith(".gguf")]  # no header read yet
+        assert not setup.check_action("quant", (1,))  # [ and ] are not in the footer before the quants are listed
         await _pick_gguf(pilot, fakes, setup, REPO)
+        assert setup.check_action("quant", (1,))
         assert [f.name for f in setup.quants] == ["Q4_K_M", "Q8_0"]  # smallest first
         assert all(f.verdict is not None and f.full and f.tok_s for f in setup.quants)
         summary = _text(setup, "#setup-summary").splitlines()
@@ -116,6 +118,7 @@ async def test_the_wizard_lists_a_gguf_repos_quants_recommends_one_and_downloads
 
         await pilot.press("left_square_bracket")  # mark the other quant: D now fetches it
         assert setup.chosen_quant().name == "Q4_K_M" and setup.verdict.spec.name == f"{REPO}:Q4_K_M"
+        assert setup.cell(REPO, "download") == small  # the row follows the marked quant
         summary = _text(setup, "#setup-summary")
         assert "▶ Q4_K_M" in summary and "★ recommended" in summary.split("Q8_0")[1]
         assert _text(setup, "#setup-download-plan").startswith("D downloads Q4_K_M only: ")

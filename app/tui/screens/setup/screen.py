@@ -302,19 +302,29 @@ class SetupScreen(Screen[str | None]):
         self._show_quants()
         if not message.done:
             return
-        button = self.query_one("#setup-download", Button)
-        button.label = "Download and chat"
-        button.disabled = self.verdict is None or not self.verdict.supported or self.downloading is not None
+        self.refresh_bindings()  # [ and ] in the footer
+        self.query_one("#setup-download", Button).label = "Download and chat"
         self.plan_errors.pop(message.repo_id, None)
-        r = self.rows.get(message.repo_id)
-        if r is not None and r.status is not None and self.verdict is not None:  # the row shows the marked quant
-            from dataclasses import replace
-
-            r.status = replace(r.status, verdict=self.verdict)
-            self._update_row(message.repo_id)
+        self._quant_marked()
         if self.download_when_planned == message.repo_id:  # D was pressed while the headers were read
             self.download_when_planned = None
             self.action_download()
+
+    def _quant_marked(self) -> None:
+        """The button and the row follow the marked quant (its verdict, speed and download)."""
+        self.query_one("#setup-download", Button).disabled = (self.verdict is None or not self.verdict.supported
+                                                              or self.downloading is not None)
+        r = self.rows.get(self.chosen or "")
+        if r is not None and r.status is not None and self.verdict is not None:
+            from dataclasses import replace
+
+            r.status = replace(r.status, verdict=self.verdict)
+            self._update_row(self.chosen)
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "quant":  # [ and ]: only while a GGUF repo's quants are listed
+            return bool(self.quants_done and self.quants)
+        return True
 
     def chosen_quant(self):
         """The quant D fetches: the one chosen with [ and ], else the recommended one (None: no quant to take)."""
@@ -348,8 +358,7 @@ class SetupScreen(Screen[str | None]):
         i = names.index(current.name) if current is not None and current.name in names else (-1 if step > 0 else 0)
         self.quant_pick = names[(i + step) % len(names)]
         self._show_quants()
-        button = self.query_one("#setup-download", Button)
-        button.disabled = self.verdict is None or not self.verdict.supported
+        self._quant_marked()
 
     def on_download_progressed(self, message: DownloadProgressed) -> None:
         p = message.progress
@@ -416,7 +425,10 @@ class SetupScreen(Screen[str | None]):
 
     def _clear_plan(self) -> None:
         self.chosen = self.verdict = self.local = None
+        listed = bool(self.quants)
         self.quants, self.quants_done, self.quant_pick = (), False, None
+        if listed:
+            self.refresh_bindings()  # [ and ] leave the footer
         self.query_one("#setup-decisions", Static).update("")
         self.query_one("#setup-download-plan", Static).update("")
         if self.downloading is None:
