@@ -154,3 +154,30 @@ async def test_no_quant_runs_here_none_is_recommended_and_d_says_how_to_take_one
         assert setup.downloading is None
         await pilot.press("right_square_bracket")  # the first quant with a verdict, marked by hand
         assert setup.chosen_quant().name == "Q4_K_M" and "▶ Q4_K_M" in _text(setup, "#setup-summary")
+
+
+@pytest.mark.anyio
+async def test_on_a_gpu_that_holds_only_the_smaller_quant_whole_the_smaller_one_is_recommended(hub, gguf_repo, app_env,
+                                                                                              fakes):
+    from moechat.engine.plan.hardware import probe
+
+    def plan(vram_gb, quant):
+        hw = probe(app_env, nvml=None, cuda=None).with_overrides(vram_gb=vram_gb, ram_gb=16, disk_gb=100)
+        return hub.client.fit(REPO, hw, quant=quant).best_plan
+
+    # the VRAM whose budget lies half-way between what each quant needs with every expert resident (the budget is
+    # linear in the what-if's VRAM: two points give it)
+    need = {q: plan(8, q).device_used_bytes for q in ("Q4_K_M", "Q8_0")}
+    b8, b4 = plan(8, "Q8_0").device_budget_bytes, plan(4, "Q8_0").device_budget_bytes
+    vram_gb = 4 + ((need["Q4_K_M"] + need["Q8_0"]) / 2 - b4) * 4 / (b8 - b4)
+    entries = (CatalogEntry(REPO, "qwen3_moe", 0.001, 0.0005, "GGUF"),)
+    app, _ = _app(hub, app_env, fakes, entries=entries, vram_gb=vram_gb)
+    async with app.run_test(size=SIZE) as pilot:
+        setup = await _open_wizard(pilot, fakes)
+        await _pick_gguf(pilot, fakes, setup, REPO)
+        small, large = setup.quants
+        assert small.full and small.word == "runs"
+        assert large.fits and not large.full and re.fullmatch(r"runs with \d/8 experts in VRAM \(.+\)", large.word)
+        summary = _text(setup, "#setup-summary")
+        assert "★ Q4_K_M: the largest quant that runs with every expert in VRAM" in summary
+        assert setup.chosen_quant().name == "Q4_K_M" and setup.verdict.best_plan.resident
