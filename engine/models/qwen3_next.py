@@ -70,6 +70,10 @@ class Qwen3NextArgs(Qwen3MoeArgs):
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
 
+    def kv_ring_windows(self) -> None:
+        """No rings: GatedAttention reads every cached position (it has no window)."""
+        return None
+
     @property
     def conv_dim(self) -> int:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \

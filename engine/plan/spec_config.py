@@ -164,9 +164,11 @@ def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
         return kind, per * n, 0, None, detail
     if isinstance(types, list) and len(types) == s.L:
         sliding = [t == "sliding_attention" for t in types]
-    elif "use_sliding_window" in c:  # Qwen2/3: layers from max_window_layers on, and only when enabled
-        first = c.get("max_window_layers") or 0
-        sliding = [bool(c["use_sliding_window"]) and i >= first for i in range(s.L)]
+    elif "use_sliding_window" in c and s.model_type == "qwen2_moe":  # transformers' rule: odd layers under
+        first = c.get("max_window_layers") or 0  # max_window_layers, and only when enabled
+        sliding = [bool(c["use_sliding_window"]) and bool((i + 1) % 2) and i < first for i in range(s.L)]
+    elif "use_sliding_window" in c:  # Qwen3: every layer, and only when enabled
+        sliding = [bool(c["use_sliding_window"])] * s.L
     else:
         sliding = [s.model_type != "olmoe"] * s.L  # Mixtral-style: every layer, when a window is set
     if not window:

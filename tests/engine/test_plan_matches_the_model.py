@@ -38,6 +38,6 @@ def test_fit_counts_what_the_model_allocates(name):
     held = sum(math.prod(shape) * (4 if n.endswith(cls.fp32_weights) else spec.float_bytes)
                for n, shape in cls.dense_weight_names(args).items())
     assert spec.dense_bytes == held
-    context = 16  # under every sliding window: each attention layer holds all of it
-    kv = KVCache.for_model(args, context, torch.bfloat16, device="meta")
-    assert spec.kv_bytes(context) == sum(t.numel() * t.element_size() for t in kv.k + kv.v)
+    for context in (16, 32768):  # under every sliding window, and past it: a window layer holds a ring of its window
+        kv = KVCache.for_model(args, context, torch.bfloat16, device="meta")
+        assert spec.kv_bytes(context) == sum(t.numel() * t.element_size() for t in kv.k + kv.v), context
