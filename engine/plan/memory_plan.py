@@ -16,9 +16,9 @@ REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py de
 MIN_CONTEXT = 512  # below this a chat is not worth planning for
 CONTEXT_STEP = 256  # a lowered context is a multiple of this
 PREFILL_CHUNK = 512
-# engine/layers/kv_cache.py allocates every layer for the whole context, sliding-window layers included, so the plan
-# counts that by default; attention still reads only a window layer's last `window` keys.
-KV_WINDOWED_ALLOCATION = False
+# engine/layers/kv_cache.py allocates a sliding-window layer a ring of `window` positions (the others the whole
+# context), so the plan counts that by default.
+KV_WINDOWED_ALLOCATION = True
 
 # Stated assumptions of the plan (docs/plan.md explains each).
 CUDA_CONTEXT_BYTES = 512 * MiB  # CUDA context + cuBLAS workspace + allocator slack on the GPU
@@ -48,8 +48,8 @@ class Preferences:
     host_read_source: str = ""  # where host_read_gbps comes from, for the plan's lines ("measured on this machine")
     cpu_layer_s: float | None = None  # measured seconds per layer on the CPU beyond the reads (engine/plan/calibration.py)
     override: bool = False  # load anyway: a refused plan is still made, best effort, and check() passes
-    # True: sliding-window layers are allocated `window` tokens, as a ring would need; False: every layer the
-    # whole context, as engine/layers/kv_cache.py allocates today (the plan then names the saving a ring would bring)
+    # True: sliding-window layers are allocated `window` tokens, the ring engine/layers/kv_cache.py allocates;
+    # False: every layer the whole context (the plan then names the saving the ring brings)
     windowed_kv: bool = KV_WINDOWED_ALLOCATION
     prefill_chunk: int = PREFILL_CHUNK
     repacked: frozenset[str] = frozenset()  # converted formats whose repacked file is already written (reused)

@@ -155,23 +155,23 @@ def test_gpt_oss_20b_on_8_gib_vram_and_32_gib_ram_by_hand():
     s = read_model_spec(CONFIGS / "openai--gpt-oss-20b")
     plan = make_plan(s, machine(8, 32, link=25.2, membw=500))
     budget = int(8 * GiB - 0.05 * 8 * GiB)  # 7.6 GiB
-    kv = 24 * 2048 * 4096  # every layer at full length, as engine/layers/kv_cache.py allocates (192 MiB)
+    kv = 12 * 2048 * 4096 + 12 * 2048 * 128  # full layers the context, window layers their 128-token ring (99 MiB)
     workspace = 512 * 2**20 + 4 * 512 * (8 * 2880 + 4 * 4 * 2880)
     assert (plan.device_budget_bytes, plan.kv_bytes, plan.workspace_bytes) == (budget, kv, workspace)
     room = budget - 3_595_648_128 - kv - workspace
-    assert plan.ok and plan.expert_slots == room // 13_236_480 == 278 >= 200  # bf16 experts: room // 49.8 MB = 74
+    assert plan.ok and plan.expert_slots == room // 13_236_480 == 285 >= 200  # bf16 experts: room // 49.8 MB = 75
     assert plan.host_tier == "all experts in RAM" and plan.ram_cache_bytes is None  # 9.5 GiB in pinned RAM
     decisions = {d.item.split(" =")[0].split(",")[0]: d.reason for d in plan.decisions}
-    assert decisions["expert slots C"].startswith("experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB: 74 slots); ")
-    assert "a 128-token ring on the window layers would need 99.0 MiB, 93.0 MiB less" in decisions["KV cache"]
+    assert decisions["expert slots C"].startswith("experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB: 75 slots); ")
+    assert "window layers allocated 128 tokens each (93.0 MiB less than full length)" in decisions["KV cache"]
     # decode: dense reads (no embedding table) + 24 x 4 MXFP4 experts + KV read (window layers: 128 keys)
-    c = 278 / 768
+    c = 285 / 768
     device = (3_595_648_128 - 201088 * 2880 * 2) + 24 * 4 * 13_236_480 + 2048 * (12 * 2048 + 12 * 128)
     active = 24 * 4 * 13_236_480
     h_high = 1 - 0.6 * (1 - c)
     d = plan.decode
     assert d.device_bytes == device and d.hit_rate_low == pytest.approx(c)
-    assert d.bound_by == "link" and d.bound == pytest.approx(25.2e9 / (active * (1 - h_high)))  # 51.8 tok/s
+    assert d.bound_by == "link" and d.bound == pytest.approx(25.2e9 / (active * (1 - h_high)))  # 52.6 tok/s
     assert 15 < d.low <= d.high < d.bound
     assert d.on_miss == "auto" and plan.best_placement.mode == "auto"  # auto predicts the better of load and host
     assert (f"{d.low:.1f}-{d.high:.1f} tok/s predicted with --on-miss auto; bound {d.bound:.1f} tok/s (link)"
@@ -190,8 +190,8 @@ def test_gpt_oss_120b_verdicts():
     plan = make_plan(s, machine(24, 64))
     # 56.8 GiB of MXFP4 experts fit a 64 GiB machine's RAM budget (64 - 5% - 1.5 GiB process = 59.3 GiB)
     assert plan.ok and plan.host_tier == "all experts in RAM" and plan.decode.disk_bytes_low == 0
-    room = int(24 * GiB * 0.95) - s.dense_bytes - 36 * 2048 * 4096 - plan.workspace_bytes
-    assert plan.expert_slots == room // 13_236_480 == 1453 and plan.decode.bound_by == "link"
+    room = int(24 * GiB * 0.95) - s.dense_bytes - 18 * 2048 * (4096 + 128) - plan.workspace_bytes
+    assert plan.expert_slots == room // 13_236_480 == 1465 and plan.decode.bound_by == "link"
     assert 5 < plan.decode.low <= plan.decode.high < plan.decode.bound
     slots = next(d.reason for d in plan.decisions if d.item.startswith("expert slots"))
     assert slots.startswith(f"experts: MXFP4, 12.6 MiB each (bf16 would be 47.5 MiB: {room // 49_783_680} slots)")

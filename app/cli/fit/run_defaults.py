@@ -11,8 +11,8 @@ def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | No
                  expert_format: str | None = None, embeddings: str = "device"):
     """The plan `moechat run` takes its cache defaults from, for the device and dtype it will use.
 
-    Planned as `run` allocates: the context it will allocate (never lowered), every KV layer at full
-    length (the KV cache has no sliding-window ring yet), sizes in the dtype the loader picks (--dtype, else
+    Planned as `run` allocates: the context it will allocate (never lowered), full KV layers at that length and
+    sliding-window layers a ring of their window, sizes in the dtype the loader picks (--dtype, else
     config.json's, else float32: a config that names none, like gpt-oss's, loads its bf16 tensors as float32),
     and experts in `expert_format` (int8/int4: the repacked form every tier holds).
     """
@@ -39,7 +39,7 @@ def plan_for_run(model_dir, *, device: str, dtype: str | None, context: int | No
     hw = probe(model_dir, nvml=None, cuda=None) if dev == "cpu" else probe(model_dir)
     if dev != "cpu" and hw.gpu(int(dev.partition(":")[2] or 0)) is None:
         return None  # a GPU the probe cannot see: keep today's defaults
-    return make_plan(spec, hw, Preferences(context=ctx, device=dev, windowed_kv=False, override=True,
+    return make_plan(spec, hw, Preferences(context=ctx, device=dev, override=True,
                                            repacked=repacked_formats(model_dir), embeddings=embeddings))
 
 
