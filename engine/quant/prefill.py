@@ -27,7 +27,7 @@ ENV = "MOECHAT_PREFILL_KERNEL"
 _TYPED = "moechat_prefill_typed"
 
 # Prefill chunk sizes measured (tokens per forward pass); chunk_size's docstring has the figures.
-CHUNK_CHOICES = (64, 128, 256, 512)
+CHUNK_CHOICES = (64, 128, 256, 512, 1024)
 
 
 def available(lib) -> bool:
@@ -159,16 +159,18 @@ def chunk_size(hidden: int, cache_bytes: int = 32 << 20, intermediate: int = 0) 
 
     Measured (bench/format_compute.py --prefill --prefill-chunks 64,128,256,512, Qwen3-30B-A3B-shaped, 2 layers,
     int4 experts resident, a 512-token prompt, one thread, 2-core Zen 4 with 1 MB L2 a core and 32 MB L3, machine
-    loaded to ~7-11): 65 / 85 / 98 / 113 tok/s at 64 / 128 / 256 / 512. Bigger chunks give each expert more tokens
-    (512 x top-8 / 128 experts = 32 an expert), so its decode is shared more widely and its packed bytes are read
-    fewer times; the prefill kernels stream x in 6-token blocks, so the chunk's activations need not fit L2. They
-    should stay in the last-level cache: the largest of CHUNK_CHOICES whose live fp32 rows fit `cache_bytes`, ~4
-    [T, hidden] (residual, normed input, attention and MoE outputs) and 3 [T, intermediate] (gate, up, their
-    product), never under 64: 512 at hidden 2048 or 2880 in 32 MB; 256 at 7168."""
-    per_token = 4 * (4 * hidden + 3 * intermediate)  # bytes of fp32 activations live per token
+    loaded to ~7-11): 65 / 85 / 98 / 113 tok/s at 64 / 128 / 256 / 512; and 1024 at least as fast as 512 in all six
+    of bench/prefill_chunk.py's tables (1024-token prompt, bf16 and int4 experts, 1 and 2 threads, load 4-9: medians
+    1.05-1.93x 512's, spreads wide). Bigger chunks give each expert more tokens (512 x top-8 / 128 experts = 32 an
+    expert), so its decode is shared more widely and its packed bytes are read fewer times; the prefill kernels
+    stream x in 6-token blocks, so the chunk's activations need not fit L2. They should stay in the last-level
+    cache: the largest of CHUNK_CHOICES whose fp32 rows [T, hidden] and [T, intermediate] fit half of `cache_bytes`
+    (the other half for the weights streaming through), never under 64: 1024 at hidden 2048 and intermediate 768 in
+    32 MB; 256 at 7168 and 2048."""
+    per_token = 4 * (hidden + intermediate)  # bytes: one fp32 row of each width per token
     best = CHUNK_CHOICES[0]
     for c in CHUNK_CHOICES:
-        if c * per_token <= cache_bytes:
+        if c * per_token <= cache_bytes // 2:
             best = c
     return best
 

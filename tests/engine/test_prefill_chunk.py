@@ -76,12 +76,12 @@ def test_last_level_cache_is_read_from_sysfs(tmp_path):
     zen4 = _cache_dir(tmp_path / "zen4", [(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
                                           (3, "Unified", "32768K")])
     assert prefill.last_level_cache_bytes(zen4) == 32 << 20
-    assert prefill.machine_chunk_size(2048, 768, zen4) == 512
+    assert prefill.machine_chunk_size(2048, 768, zen4) == 1024
     no_l3 = _cache_dir(tmp_path / "no_l3", [(1, "Data", "48K"), (2, "Unified", "2M"), (3, "Instruction", "64M")])
     assert prefill.last_level_cache_bytes(no_l3) == 2 << 20  # an instruction cache is not where activations live
-    assert prefill.machine_chunk_size(2048, 768, no_l3) == 64  # 2 MB holds 48 tokens: the floor
+    assert prefill.machine_chunk_size(2048, 768, no_l3) == 64  # half of 2 MB holds 93 tokens: the floor
     big = _cache_dir(tmp_path / "big", [(3, "Unified", "8M")])
-    assert prefill.machine_chunk_size(2048, 768, big) == 128  # 42 KB a token: 8 MB holds 199
+    assert prefill.machine_chunk_size(2048, 768, big) == 256  # 11 KB a token: half of 8 MB holds 372
     missing = tmp_path / "absent"
     assert prefill.last_level_cache_bytes(missing) is None
     assert prefill.machine_chunk_size(2048, 768, missing) == prefill.chunk_size(2048, prefill.DEFAULT_CACHE_BYTES, 768)
@@ -93,9 +93,9 @@ def test_last_level_cache_is_read_from_sysfs(tmp_path):
 @given(hidden=st.integers(1, 1 << 14), inter=st.integers(0, 1 << 14), cache=st.integers(0, 1 << 30))
 def test_chunk_is_the_largest_choice_that_fits(hidden, inter, cache):
     c = prefill.chunk_size(hidden, cache, inter)
-    per_token = 4 * (4 * hidden + 3 * inter)
+    per_token = 4 * (hidden + inter)
     assert c in prefill.CHUNK_CHOICES
-    fits = [k for k in prefill.CHUNK_CHOICES if k * per_token <= cache]
+    fits = [k for k in prefill.CHUNK_CHOICES if k * per_token <= cache // 2]
     assert c == (max(fits) if fits else min(prefill.CHUNK_CHOICES))
     assert prefill.chunk_size(hidden, cache * 2, inter) >= c  # a bigger cache never gives a smaller chunk
 
