@@ -169,7 +169,8 @@ def test_bad_shapes_are_refused(lib):
 
 
 def test_chunk_size():
-    assert prefill.chunk_size(2048) == 512 and prefill.chunk_size(2880) == 512  # measured best at 2048
-    assert prefill.chunk_size(7168) == 256
-    assert prefill.chunk_size(2048, cache_bytes=8 << 20) == 256
+    assert prefill.chunk_size(2048, intermediate=768) == 1024  # Qwen3-30B-A3B in 32 MB: measured best
+    assert prefill.chunk_size(2880, intermediate=2880) == 512  # GPT-OSS
+    assert prefill.chunk_size(7168, intermediate=2048) == 256  # DeepSeek-V3
+    assert prefill.chunk_size(2048, cache_bytes=8 << 20, intermediate=768) == 256
     assert prefill.chunk_size(1 << 20) == min(prefill.CHUNK_CHOICES)
