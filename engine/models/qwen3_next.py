@@ -150,11 +150,23 @@ class GatedAttention(nn.Module):
         del self.o_proj
         self.qk_norm_weight = torch.cat([(1 + self.q_norm.weight.float()).expand(nH, -1),
                                          (1 + self.k_norm.weight.float()).expand(self.n_kv, -1)])  # [nH+nKV, D]
+        self.in_q = self.o_q = None  # int8 / int4 projections (`quantize_dense`)
+
+    def quantize_dense(self, name: str) -> None:
+        """[q | gate | k | v] and o in `name` (int8 or int4, quant/dense_quant.py); the full-precision copies freed."""
+        from ..quant.dense_quant import QuantLinear
+
+        self.in_q = QuantLinear(self.in_t.t(), self.in_bias, name)
+        self.o_q = QuantLinear(self.o_weight_t.t(), self.o_bias, name)
+        self.in_t = self.o_weight_t = None
 
     def forward(self, x, cos, sin, kv: KVCache, start: int, residual: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         nH, nKV, D = self.n_heads, self.n_kv, self.head_dim
-        proj = _project(x, self.in_t) if self.in_bias is None else torch.addmm(self.in_bias, x, self.in_t)  # [T, out]
+        if self.in_q is not None:
+            proj = self.in_q(x)  # [T, out]
+        else:
+            proj = _project(x, self.in_t) if self.in_bias is None else torch.addmm(self.in_bias, x, self.in_t)
         q, gate, k, v = proj.split([nH * D, nH * D, nKV * D, nKV * D], dim=-1)
         qk = torch.cat([q, k], dim=-1).view(T, nH + nKV, D)  # [T, nH+nKV, D]
         qk = offset_norm(qk, self.qk_norm_weight, self.eps)
@@ -176,6 +188,8 @@ class GatedAttention(nn.Module):
                                                  scale=self.scale)[0]  # [nH, T, D]
             out = out.transpose(0, 1)
         attn = out.reshape(T, nH * D) * torch.sigmoid(gate)  # [T, nH D]
+        if self.o_q is not None:
+            return self.o_q(attn, residual)  # [T, H]
         if self.o_bias is not None:
             return torch.addmm(residual, attn, self.o_weight_t) + self.o_bias
         return _project_add(residual, attn, self.o_weight_t)
@@ -238,11 +252,21 @@ class GatedDeltaNet(nn.Module):
         self.norm_w = self.norm.weight.detach()
         self.out_t = _in_out(self.out_proj.weight.detach())  # [Vd, H]
         del self.out_proj
+        self.in_q = self.out_q = None  # int8 / int4 projections (`quantize_dense`)
+
+    def quantize_dense(self, name: str) -> None:
+        """The fused in-projection [qkv | z | b | a] and out_proj in `name` (int8 or int4); the conv, the decay
+        parameters and the norm stay as they are (small, and read in fp32)."""
+        from ..quant.dense_quant import QuantLinear
+
+        self.in_q = QuantLinear(self.in_t.t(), None, name)
+        self.out_q = QuantLinear(self.out_t.t(), None, name)
+        self.in_t = self.out_t = None
 
     def forward(self, x: torch.Tensor, kv: KVCache, residual: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         state = kv.state[self.layer]
-        proj = _project(x, self.in_t)  # [T, C + Vd + 2 HV]
+        proj = self.in_q(x) if self.in_q is not None else _project(x, self.in_t)  # [T, C + Vd + 2 HV]
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.HV, self.HV], dim=-1)
         conv = gd.causal_conv1d_reference if self.reference else gd.causal_conv1d
         qkv = conv(qkv, self.conv_w, state["conv"])  # [T, C]
@@ -256,6 +280,8 @@ class GatedDeltaNet(nn.Module):
         of = o.float()
         o = self.norm_w * (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         o = (o * F.silu(z.view(T, self.HV, self.Dv).float())).to(x.dtype)
+        if self.out_q is not None:
+            return self.out_q(o.reshape(T, self.value_dim), residual)  # [T, H]
         return _project_add(residual, o.reshape(T, self.value_dim), self.out_t)  # [T, H]
 
 
@@ -326,9 +352,19 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         self.final_norm = offset_norm
 
     def quantize_dense(self, name: str) -> None:
-        if name != "native":
-            raise UnsupportedModelError(f"--dense-format {name} is not available for {self.args.model_type} yet (its "
-                                        "linear-attention layers): use --dense-format native")
+        """`--dense-format int8|int4`: the gated attention's and the Gated DeltaNet layers' projections in `name`,
+        the LM head in int8 under either (quant/dense_quant.py); the tied table stays for lookups."""
+        if name == "native":
+            return
+        from ..quant.dense_quant import LM_HEAD_FORMAT, QuantLinear
+
+        for layer in self.layer_list:
+            layer.attn.quantize_dense(name)
+        self.lm_q = QuantLinear(self.lm_weight_t.t(), None, LM_HEAD_FORMAT)
+        self.lm_weight_t = None
+        if not self.args.tie_word_embeddings:
+            del self.lm_head
+        self.dense_format = name
 
     def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:
         """input_ids [T] at positions kv.length.. -> final-normed hidden states [T, H]; advances kv.length and the
