@@ -176,7 +176,7 @@ def _kv(c: dict, s: _Shape) -> tuple[str, int, int, int | None, str]:
     n_win = sum(sliding)
     if n_win:
         detail += f"; {n_win} of {s.L} layers attend to the last {window} tokens only"
-    full = sum(p for p, w in zip(per_layer, sliding) if not w)
+    full = sum(p for p, w in zip(per_layer, sliding, strict=True) if not w)
     return kind, full, sum(per_layer) - full, (int(window) if n_win else None), detail
 
 
