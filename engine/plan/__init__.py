@@ -18,7 +18,7 @@ with C slots out of N experts and hit rate h, a token moves L_moe x K x (1 - h) 
 the link. Qwen3-30B-A3B in bf16 on a 12 GiB GPU: 862 slots of 9.4 MB (14% of 6,144 experts), so at
 the conservative uniform-routing hit rate a token moves 3.1 GB over PCIe: at 25 GB/s, <= 8 tok/s from
 the link alone. Packed experts are planned as packed: GPT-OSS-20B's MXFP4 expert is 13.2 MB (bf16:
-49.8 MB), so an 8 GiB GPU holds 278 slots where bf16 would hold 74.
+49.8 MB), so an 8 GiB GPU holds 285 slots where bf16 would hold 76.
 
 The package, by seam (each module imports only those above it):
 

@@ -3,7 +3,7 @@
 Dense weights, KV cache and a workspace reserve go on the compute device (a GPU, or RAM on a CPU-only box); the rest
 of its budget becomes C expert slots; every expert then lives in pinned RAM if all fit, else in a RAM cache over the
 disk tier (the shards). Packed experts are planned as packed: GPT-OSS-20B's MXFP4 expert is 13.2 MB (bf16: 49.8 MB),
-so an 8 GiB GPU holds 278 slots where bf16 would hold 74. Pure: same inputs, same plan.
+so an 8 GiB GPU holds 285 slots where bf16 would hold 76. Pure: same inputs, same plan.
 """
 
 from __future__ import annotations
