@@ -159,9 +159,10 @@ def chunk_size(hidden: int, cache_bytes: int = 32 << 20, intermediate: int = 0) 
 
     Measured (bench/format_compute.py --prefill --prefill-chunks 64,128,256,512, Qwen3-30B-A3B-shaped, 2 layers,
     int4 experts resident, a 512-token prompt, one thread, 2-core Zen 4 with 1 MB L2 a core and 32 MB L3, machine
-    loaded to ~7-11): 65 / 85 / 98 / 113 tok/s at 64 / 128 / 256 / 512; and 1024 at least as fast as 512 in all six
-    of bench/prefill_chunk.py's tables (1024-token prompt, bf16 and int4 experts, 1 and 2 threads, load 4-9: medians
-    1.05-1.93x 512's, spreads wide). Bigger chunks give each expert more tokens (512 x top-8 / 128 experts = 32 an
+    loaded to ~7-11): 65 / 85 / 98 / 113 tok/s at 64 / 128 / 256 / 512. 1024 against 512 (bench/prefill_chunk.py,
+    1024-token prompt, bf16 / int4 experts, 4 interleaved rounds, load 2.6, tight spreads): 419 / 276 vs 423 / 272
+    tok/s on 1 thread (0.99x / 1.02x), 578 / 373 vs 575 / 338 on 2 (1.00x / 1.10x); at load 4-9 its medians were
+    1.05-1.93x 512's in all six tables, spreads wide. Bigger chunks give each expert more tokens (512 x top-8 / 128 experts = 32 an
     expert), so its decode is shared more widely and its packed bytes are read fewer times; the prefill kernels
     stream x in 6-token blocks, so the chunk's activations need not fit L2. They should stay in the last-level
     cache: the largest of CHUNK_CHOICES whose fp32 rows [T, hidden] and [T, intermediate] fit half of `cache_bytes`
