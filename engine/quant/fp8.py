@@ -96,8 +96,10 @@ class Fp8Format(ExpertFormat):
 
 def _gate_up(tensors: Mapping[str, torch.Tensor], which: str) -> bool:
     """Whether projection `which` is gate and up stacked (each blocked on its own): w13 of 2I rows, I being w2's
-    input size; an ungated expert's w13 (Nemotron-H's relu^2: up alone, I rows) is one projection."""
-    return which == "w13" and tensors["w13"].shape[0] == 2 * tensors["w2"].shape[1]
+    input size; an ungated expert's w13 (Nemotron-H's relu^2: up alone, I rows) is one projection. Without w2 to
+    compare (a projection passed alone) w13 is taken as gate and up, as every gated model stores it."""
+    w2 = tensors.get("w2")
+    return which == "w13" and (w2 is None or tensors["w13"].shape[0] == 2 * w2.shape[1])
 
 
 @cache
