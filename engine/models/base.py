@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..io import validate
 from ..errors import UnsupportedModelError
+from ..io import validate
 from ..layers.experts import HostJob, combine, expert_compute
 from ..layers.kv_cache import KVCache
 from ..layers.moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
