@@ -523,12 +523,10 @@ class MoEForCausalLM(nn.Module):
         kv.consistent = True
         return self.final_norm(x, self.norm_weight, self.args.rms_norm_eps)
 
-    embeds_by_embed: ClassVar[bool] = False  # a model with its own forward that still looks rows up by `embed`
-
     def embed_on_host(self) -> None:
         """`--embeddings host`: the input table moves to RAM (pinned under CUDA) and its VRAM is free for slots;
         each token's row is gathered there and copied in (H x 2 bytes in bf16). A tied table is the LM head too."""
-        if self.args.tie_word_embeddings or not (type(self).forward is MoEForCausalLM.forward or self.embeds_by_embed):
+        if self.args.tie_word_embeddings or type(self).forward is not MoEForCausalLM.forward:
             return  # tied, or a model whose own forward looks rows up itself: the table stays on the device
         table = self.embed_weight
         host = table.cpu()

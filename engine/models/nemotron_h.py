@@ -373,20 +373,5 @@ class NemotronHForCausalLM(MoEForCausalLM):
     def embed_on_host(self) -> None:
         return  # --embeddings host: the table stays where it is (this model's forward reads it on the device)
 
-    def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:
-        """input_ids [T] at positions kv.length.. -> final-normed hidden states [T, H]; advances kv.length and the
-        Mamba states."""
-        start = kv.length
-        T = input_ids.shape[0]
-        kv.reserve(T)
-        x = self.embed(input_ids)  # [T, H]
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, 0]
-        kv.consistent = False  # until the last layer: an error between leaves states ahead of kv.length
-        for layer in self.layer_list:
-            x = layer.forward(x, cos, sin, kv, start, provider)
-        kv.length = start + T
-        kv.consistent = True
-        return self.final_norm(x, self.norm_weight, self.args.rms_norm_eps)
-
 
 ARCHITECTURES = {"nemotron_h": NemotronHForCausalLM}

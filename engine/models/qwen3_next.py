@@ -330,7 +330,6 @@ class HybridBody(nn.Module):
 class Qwen3NextForCausalLM(MoEForCausalLM):
     args_class = Qwen3NextArgs
     delta_layout: ClassVar[str] = "qkvz"
-    embeds_by_embed: ClassVar[bool] = True  # --embeddings host applies
     expert_naming = ExpertNaming(
         gate="model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
         up="model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
@@ -365,21 +364,6 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
         if not self.args.tie_word_embeddings:
             del self.lm_head
         self.dense_format = name
-
-    def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:
-        """input_ids [T] at positions kv.length.. -> final-normed hidden states [T, H]; advances kv.length and the
-        recurrent states."""
-        start = kv.length
-        T = input_ids.shape[0]
-        kv.reserve(T)
-        x = self.embed(input_ids)  # [T, H]
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # [T, 1, R]
-        kv.consistent = False  # until the last layer: an error between leaves states ahead of kv.length
-        for layer in self.layer_list:
-            x = layer.forward(x, cos, sin, kv, start, provider)
-        kv.length = start + T
-        kv.consistent = True
-        return self.final_norm(x, self.norm_weight, self.args.rms_norm_eps)
 
 
 ARCHITECTURES = {"qwen3_next": Qwen3NextForCausalLM}
