@@ -21,7 +21,7 @@ from textual import on
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Header, Label
+from textual.widgets import Label
 
 from ..bridge import EngineBridge, policy_names, prefetch_modes
 from ..livestats import RefreshGovernor, fmt_pct, fmt_rate
@@ -42,6 +42,7 @@ from ..messages import (
 from ..session import ChatSession
 from ..store import export_file
 from ..widgets.dashboard import Dashboard
+from ..widgets.header import ScreenHeader
 from ..widgets.keyfooter import KeyFooter
 from ..widgets.loading import LoadingPanel
 from ..widgets.prompt import PromptInput
@@ -126,7 +127,7 @@ class ChatScreen(Screen):
 
     # -- layout ---------------------------------------------------------------------------------------
     def compose(self):
-        yield Header(icon="◆")
+        yield ScreenHeader(icon="◆")
         with Horizontal(id="main"):
             with Vertical(id="chat"):
                 yield LoadingPanel(id="loading")

@@ -6,8 +6,9 @@ from textual import on
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Header, Input, OptionList
+from textual.widgets import Button, Footer, Input, OptionList
 
+from ..widgets.header import ScreenHeader
 from .dialogs import ModelPicker
 
 WELCOME = """\
@@ -45,7 +46,7 @@ class WelcomeScreen(Screen):
         self.reason = reason
 
     def compose(self):
-        yield Header(icon="◆")
+        yield ScreenHeader(icon="◆")
         with VerticalScroll(id="welcome-scroll"):
             with Vertical(id="welcome"):
                 from textual.widgets import Markdown  # here: markdown-it is ~0.1 s the chat's first frame skips

@@ -12,7 +12,7 @@ from textual import on, work
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Button, DataTable, Footer, Header, Input, Label, ProgressBar, Static
+from textual.widgets import Button, DataTable, Footer, Input, Label, ProgressBar, Static
 
 from moechat.engine.plan.catalog import CatalogEntry
 
@@ -26,6 +26,7 @@ from ...messages import (
     SearchFinished,
     SetupFailed,
 )
+from ...widgets.header import ScreenHeader
 from . import hub_calls
 from .details import brief_text, plan_texts, quant_texts
 from .listing import (
@@ -87,7 +88,7 @@ class SetupScreen(Screen[str | None]):
 
     # -- layout ---------------------------------------------------------------------------------------
     def compose(self):
-        yield Header(icon="◆")
+        yield ScreenHeader(icon="◆")
         with Vertical(id="setup"):
             yield Static("Probing this machine…", id="setup-hardware", markup=False)
             yield Input(placeholder="Search the Hub for MoE models (Enter); empty: the catalog", id="setup-search")
