@@ -46,12 +46,13 @@ class Preferences:
     disk_read_gbps: float | None = None
     host_read_gbps: float | None = None  # the CPU's read rate over packed experts (None: ASSUMED_RAM_GBPS)
     host_read_source: str = ""  # where host_read_gbps comes from, for the plan's lines ("measured on this machine")
-    cpu_layer_s: float | None = None  # measured seconds per layer on the CPU beyond the reads (engine/plan/calibration.py)
+    # measured seconds per layer on the CPU beyond the reads (engine/plan/calibration.py)
+    cpu_layer_s: float | None = None
     override: bool = False  # load anyway: a refused plan is still made, best effort, and check() passes
     # True: sliding-window layers are allocated `window` tokens, the ring engine/layers/kv_cache.py allocates;
     # False: every layer the whole context (the plan then names the saving the ring brings)
     windowed_kv: bool = KV_WINDOWED_ALLOCATION
-    prefill_chunk: int = PREFILL_CHUNK
+    prefill_chunk: int | None = None  # None: what the engine picks (planner.prefill_chunk_for)
     repacked: frozenset[str] = frozenset()  # converted formats whose repacked file is already written (reused)
     # where misses run (`moechat run --on-miss`, default auto): the mode `decode` predicts; the others are in
     # `MemoryPlan.placements`

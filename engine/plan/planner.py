@@ -28,6 +28,7 @@ from .memory_plan import (
     CUDA_CONTEXT_BYTES,
     MIN_CONTEXT,
     ON_MISS_MODES,
+    PREFILL_CHUNK,
     PROCESS_RAM_CPU,
     PROCESS_RAM_GPU,
     REPACK_DIR_HINT,
@@ -47,13 +48,28 @@ def _workspace(spec: ModelSpec, context: int, chunk: int, on_gpu: bool) -> tuple
     # fp32 upper bound: ~8 [T, H] tensors (hidden, residual, norm, q/k/v, attention out) + the K experts' [T, 2I]
     # gate/up intermediates, twice for the SwiGLU product
     act = 4 * T * (8 * H + 4 * K * I)
-    scores = 0 if on_gpu else 4 * T * context * spec.num_heads  # CPU SDPA with a mask builds [heads, T, S]
+    # CPU prefill: SDPA's flash kernel tiles the scores (a [32, 1024, 8192] fp32 score tensor would be 1 GiB; the
+    # call grows the process by 44 MiB), but the keys and values it reads are expanded to every query head, one
+    # layer at a time, for the whole context (engine/models/base.py, mla.py)
+    expanded = 0 if on_gpu else spec.prefill_kv_expanded_elems * context * max(2, spec.float_bytes)
     base = CUDA_CONTEXT_BYTES if on_gpu else 0
     parts = [f"CUDA context {gib(base)}"] if base else []
     parts.append(f"{T}-token prefill activations {gib(act)}")
-    if scores:
-        parts.append(f"attention scores {gib(scores)}")
-    return base + act + scores, " + ".join(parts)
+    if expanded:
+        parts.append(f"K/V expanded per head {gib(expanded)}")
+    return base + act + expanded, " + ".join(parts)
+
+
+def prefill_chunk_for(spec: ModelSpec, on_gpu: bool, asked: int | None) -> int:
+    """The prefill chunk the engine will run with (engine/runtime/generate.py default_prefill_chunk): as asked, else
+    512 on a GPU and, on a CPU, the most whose fp32 activations stay in this machine's last-level cache."""
+    if asked:
+        return asked
+    if on_gpu:
+        return PREFILL_CHUNK
+    from ..quant.prefill import machine_chunk_size
+
+    return machine_chunk_size(spec.hidden_size, spec.expert_intermediate)
 
 
 def _pick_device(hw: Hardware, prefs: Preferences) -> tuple[GpuInfo | None, str]:
@@ -139,7 +155,7 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     diskbw = prefs.disk_read_gbps or ASSUMED_DISK_GBPS
 
     dense = spec.dense_bytes - host_embed  # on the device
-    chunk = prefs.prefill_chunk
+    chunk = prefill_chunk_for(spec, bool(gpu), prefs.prefill_chunk)
 
     def fixed(ctx: int) -> int:
         return (dense + spec.kv_bytes(ctx, windowed=prefs.windowed_kv) + spec.recurrent_state_bytes
@@ -216,8 +232,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     elif prefs.windowed_kv:
         alloc = f"; window layers allocated {spec.window} tokens each ({gib(kv_full - kv_ring)} less than full length)"
     else:
-        alloc = (f"; every layer allocated full length, as engine/layers/kv_cache.py does (a {spec.window}-token ring on the "
-                 f"window layers would need {gib(kv_ring)}, {gib(kv_full - kv_ring)} less)")
+        alloc = (f"; every layer allocated full length, as engine/layers/kv_cache.py does (a {spec.window}-token "
+                 f"ring on the window layers would need {gib(kv_ring)}, {gib(kv_full - kv_ring)} less)")
     decisions.append(Decision(f"KV cache, {context:,} tokens", kv, dev_label,
                               f"{gib(kvpt)}/token ({spec.kv_kind}: {spec.kv_detail}, {elem} B); context "
                               f"{ctx_reason or 'as far as it fits'}{alloc}"))

@@ -135,6 +135,10 @@ class ModelSpec:
     # snapshots engine/layers/kv_cache.py keeps for prefix reuse (1 + MAX_SNAPSHOTS copies)
     recurrent_state_bytes: int = 0
     recurrent_detail: str = ""
+    # K/V elements per context position that one attention layer's CPU prefill holds expanded to every query head
+    # (engine/models/base.py repeats GQA's K/V for SDPA's flash kernel; MLA expands its latents into per-head keys
+    # and values): 0 where the cached K/V are used as they are
+    prefill_kv_expanded_elems: int = 0
 
     @property
     def expert_bytes(self) -> int:

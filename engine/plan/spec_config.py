@@ -512,7 +512,18 @@ def spec_from_config(config: dict, *, name: str = "", index: dict | None = None,
         float_dtype=s.float_dtype, max_context=s.max_context, checkpoint_bytes=checkpoint,
         stored_expert_bytes=sum(t.nbytes for t in expert), weights_present=False,
         present_bytes=present_bytes, unused_bytes=int(unused), notes=tuple(notes), config_dtype=_config_dtype(c),
-        quant_method=_quant_method(c), remote_code=bool(c.get("auto_map")))
+        quant_method=_quant_method(c), remote_code=bool(c.get("auto_map")),
+        prefill_kv_expanded_elems=_prefill_kv_expanded(c, s))
+
+
+def _prefill_kv_expanded(c: dict, s: _Shape) -> int:
+    """K/V elements per context position of one layer as the CPU prefill expands them for SDPA (the largest
+    layer): every query head's own keys and values."""
+    if c.get("kv_lora_rank"):  # MLA: latents -> [nH, S, nope + rope] keys and [nH, S, v] values
+        nope, rope, vd = c.get("qk_nope_head_dim") or 0, c.get("qk_rope_head_dim") or 0, c.get("v_head_dim") or 0
+        return s.n_heads * (nope + rope + vd)
+    heads = _layer_heads(c, s)
+    return max((2 * s.n_heads * D for D, n_kv, _ in heads if n_kv < s.n_heads), default=0)
 
 
 def _quant_method(config: dict) -> str | None:
