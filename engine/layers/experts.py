@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ..quant import native
 from ..quant.base import ExpertFormat
 from .moe import SWIGLU, ExpertActivation, ExpertBatch
+from .moe_device import MapBatch, map_expert_compute
 
 FUSED_KINDS = ("swiglu", "clamped_swiglu")  # the activations the Triton MoE kernels fuse; others take the general path
 
@@ -256,6 +257,8 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
     result does not depend on which slots hold the experts, how a chunk was split into groups, or where a
     group ran (the CPU paths; CUDA's fused kernels accumulate onto the residual).
     """
+    if isinstance(batch, MapBatch):  # the device-resident step: ids never read on the host (moe_device.py)
+        return map_expert_compute(hidden_states, topk_weights, batch, residual, act, contrib)
     if batch.format.packed or act.kind != "swiglu" or "w13_bias" in batch.tensors:
         fused = getattr(batch.format, "fused_moe", None)
         # the Triton kernels fuse gated activations only (w13 = [gate; up]); ungated (relu2) experts never reach them
