@@ -742,15 +742,21 @@ int moechat_gguf_vecdot(int type, const float *x, const uint8_t *w, int64_t rows
     if (gguf_block(type, &blk, &nb) || blk == 1) return -1;
     if (cols <= 0 || cols % blk || rows < 0) return -1;
     size_t bytes = (size_t)cols + sizeof(float) * (size_t)(cols / blk) + sizeof(int32_t) * (size_t)(cols / 16);
-    int8_t *q = (int8_t *)malloc(bytes);
-    if (!q) return -2;
+    /* x's Q8 blocks in a per-thread buffer that only grows: no allocation per call on the decode path */
+    static __thread int8_t *held = NULL;
+    static __thread size_t held_bytes = 0;
+    if (bytes > held_bytes) {
+        int8_t *grown = (int8_t *)realloc(held, bytes);
+        if (!grown) return -2;
+        held = grown;
+        held_bytes = bytes;
+    }
+    int8_t *q = held;
     float *d = (float *)(void *)(q + cols); /* cols a multiple of 32: aligned */
     int32_t *bs = (int32_t *)(void *)(d + cols / blk);
     moechat_gguf_quantize_x(x, cols, blk, q, d, bs);
     GVJob j = {.type = type, .cols = cols, .row_bytes = cols / blk * nb, .w = w, .q = q, .d = d, .bs = bs, .y = y};
-    int rc = moechat_parallel_for(gv_share, &j, rows, 1, rows * j.row_bytes);
-    free(q);
-    return rc;
+    return moechat_parallel_for(gv_share, &j, rows, 1, rows * j.row_bytes);
 }
 
 /* ---- Many tokens (prefill): y [T, rows] = x [T, cols] @ W^T, each weight decoded once for all T tokens (the pattern
