@@ -183,6 +183,11 @@ class Engine:
                 loaded.model.embed_on_host()
             provider = build_cached_provider(loaded.cls, loaded.args, loaded.checkpoint, loaded.dtype,
                                              loaded.device, cache, loaded.expert_format, loaded.native_format)
+            if os.environ.get("MOECHAT_DEVICE_STEP") == "1":  # the device-resident MoE step (issue 32), opt-in
+                from ..cache.provider.device import device_step_or_reason
+
+                provider, step_notice = device_step_or_reason(provider)
+                notice = "; ".join(n for n in (notice, step_notice) if n) or None
         engine = cls(loaded, tokenizer, template, generation_config, context, prefill_chunk, provider)
         engine.notices.extend(n for n in (notice,) if n)
         if (skipped := getattr(loaded.cls, "load_notice", None)) is not None:  # e.g. a vision tower not loaded
@@ -315,7 +320,10 @@ class Engine:
                 hidden = self.model(torch.tensor(chunk, dtype=torch.long, device=self.loaded.device), seq.kv,
                                     self.provider)  # [T, H]
                 seq.tokens.extend(chunk)
-        return self.model.logits(hidden[-1:])[0]  # [V]
+        logits = self.model.logits(hidden[-1:])[0]  # [V]
+        if (settle := getattr(self.provider, "finish_step", None)) is not None:
+            settle()  # the device-resident step's admission and eviction, between tokens (after lm_head is enqueued)
+        return logits
 
     @typed_errors("generating")
     def generate(self, prompt_ids: Sequence[int], *, sampling: SamplingParams | None = None,
