@@ -211,11 +211,24 @@ class Mamba2Mixer(nn.Module):
         self.dt = self.dt_bias.detach().float()
         self.Dskip = self.D.detach().float()
         self.norm_w = self.norm.weight.detach()
+        self.in_q = self.out_q = None  # int8 / int4 projections (`quantize_dense`)
+
+    def quantize_dense(self, name: str) -> None:
+        """in_proj [z | x B C | dt] and out_proj in `name` (int8 or int4, quant/dense_quant.py), their biases kept
+        beside; the conv, A, D, dt_bias and the norm stay as they are (small, read in fp32)."""
+        from ..quant.dense_quant import QuantLinear
+
+        self.in_q = QuantLinear(self.in_t.t(), self.in_bias, name)
+        self.out_q = QuantLinear(self.out_t.t(), self.out_bias, name)
+        self.in_t = self.out_t = None
 
     def forward(self, x: torch.Tensor, kv: KVCache, residual: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         state = kv.state[self.layer]
-        proj = _project(x, self.in_t) if self.in_bias is None else torch.addmm(self.in_bias, x, self.in_t)
+        if self.in_q is not None:
+            proj = self.in_q(x)  # [T, Im + C + nH]
+        else:
+            proj = _project(x, self.in_t) if self.in_bias is None else torch.addmm(self.in_bias, x, self.in_t)
         z, xbc, dt_raw = proj.split([self.inner, self.conv_dim, self.nH], dim=-1)  # [T, Im], [T, C], [T, nH]
         conv = gd.causal_conv1d_reference if self.reference else gd.causal_conv1d
         xbc = conv(xbc, self.conv_w, state["conv"], self.conv_b)  # [T, C], silu(conv) as transformers
@@ -228,6 +241,8 @@ class Mamba2Mixer(nn.Module):
         g = (y.reshape(T, self.inner) * F.silu(z.float())).view(T, self.G, -1)  # [T, G, Im/G]
         g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(T, self.inner)
         y = (self.norm_w * g).to(x.dtype)  # [T, Im]
+        if self.out_q is not None:
+            return self.out_q(y, residual)  # [T, H]
         if self.out_bias is not None:
             return torch.addmm(residual, y, self.out_t) + self.out_bias
         return _project_add(residual, y, self.out_t)  # [T, H]
@@ -366,9 +381,21 @@ class NemotronHForCausalLM(MoEForCausalLM):
         self.dense_format = "native"
 
     def quantize_dense(self, name: str) -> None:
-        if name != "native":
-            raise UnsupportedModelError(f"--dense-format {name} is not available for nemotron_h yet (its Mamba-2 "
-                                        "layers): use --dense-format native")
+        """`--dense-format int8|int4`: the attention layers' q/k/v and o and the Mamba-2 layers' in_proj and out_proj
+        in `name`, the LM head in int8 under either (quant/dense_quant.py); the relu^2 MLPs (the '-' layers and the
+        shared experts) stay native, as every family's dense MLPs do, and a tied table stays for lookups."""
+        if name == "native":
+            return
+        from ..quant.dense_quant import LM_HEAD_FORMAT, QuantLinear
+
+        for layer in self.layer_list:
+            if layer.kind in ("mamba", "attention"):
+                layer.mixer.quantize_dense(name)
+        self.lm_q = QuantLinear(self.lm_weight_t.t(), None, LM_HEAD_FORMAT)
+        self.lm_weight_t = None
+        if not self.args.tie_word_embeddings:
+            del self.lm_head
+        self.dense_format = name
 
     def embed_on_host(self) -> None:
         return  # --embeddings host: the table stays where it is (this model's forward reads it on the device)

@@ -35,10 +35,10 @@ TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value
             initializer_range=0.2, max_position_embeddings=512)
 
 
-def build(path, seed: int = 0):
+def build(path, seed: int = 0, **overrides):
     import transformers
 
-    config = transformers.NemotronHConfig(hybrid_override_pattern=PATTERN, **TINY)
+    config = transformers.NemotronHConfig(hybrid_override_pattern=PATTERN, **{**TINY, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # norms at 1, D at 1, the correction bias at 0: random, so every weight counts
