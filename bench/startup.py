@@ -119,8 +119,8 @@ def _warm_up(model: str, cwd: Path, env: dict) -> None:
     after the first."""
     subprocess.run([*_moechat(), "run", model, "--prompt", "hi", "--max-tokens", "1"], cwd=cwd, env=env,
                    capture_output=True, timeout=300)
-    subprocess.run([sys.executable, "-c", "import moechat.app.tui.app, moechat.app.tui.bridge, moechat.app.serve.server"], cwd=cwd,
-                   env=env, capture_output=True, timeout=300)
+    warm = "import moechat.app.tui.app, moechat.app.tui.bridge, moechat.app.serve.server"
+    subprocess.run([sys.executable, "-c", warm], cwd=cwd, env=env, capture_output=True, timeout=300)
 
 
 def _med(xs: list[float]) -> str:

@@ -159,7 +159,8 @@ class Inspection:
 
 
 def inspect(path: str | Path) -> Inspection:
-    """Check a chat file without writing it: integrity (integrity_check: b-trees, key order, indexes against tables), then its marker or schema and version."""
+    """Check a chat file without writing it: integrity (integrity_check: b-trees, key order, indexes against
+    tables), then its marker or schema and version."""
     try:
         st = os.stat(path)
     except FileNotFoundError:

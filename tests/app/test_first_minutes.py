@@ -100,8 +100,8 @@ def _python(code: str) -> str:
 def test_run_start_up_imports_neither_textual_nor_torch_dynamo():
     # The parser `moechat run` builds (chat's included) without Textual (0.3 s); loading the demo without
     # torch._dynamo (2.4 s: nn.Embedding's init on the meta device went through torch._refs).
-    assert _python("import sys; from moechat.app.cli import main as cli; cli.build_parser(); print('textual' in sys.modules)") \
-        == "False"
+    code = "import sys; from moechat.app.cli import main as cli; cli.build_parser(); print('textual' in sys.modules)"
+    assert _python(code) == "False"
     assert _python(f"import sys; from moechat.engine.runtime.generate import Engine; Engine.load({str(DEMO)!r}); "
                    "print('torch._dynamo' in sys.modules)") == "False"
 

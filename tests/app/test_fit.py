@@ -272,7 +272,8 @@ def test_run_plans_its_slots_in_the_expert_format(tiny_models, monkeypatch):
     roomy = plan_for_run(path, device="cpu", dtype=None, context=None)
     fixed = roomy.device_used_bytes - roomy.total_experts * roomy.expert_bytes
     avail = math.ceil((fixed + 5.5 * roomy.expert_bytes + GiB) / 0.95)  # 5 bf16 experts' room beyond the rest
-    monkeypatch.setattr("moechat.engine.plan.hardware.probe", lambda *a, **k: Hardware((), HostMemory(avail, avail), None))
+    monkeypatch.setattr("moechat.engine.plan.hardware.probe",
+                        lambda *a, **k: Hardware((), HostMemory(avail, avail), None))
     native = plan_for_run(path, device="cpu", dtype=None, context=None)
     int8 = plan_for_run(path, device="cpu", dtype=None, context=None, expert_format="int8")
     assert native.expert_slots == 5 and int8.expert_slots > native.expert_slots

@@ -1,6 +1,7 @@
 """`moechat fit`'s first line (issue 18): exactly one of "runs", "runs with ..." and "cannot run: <why>", the exit
 status following it; planned on total RAM with what is free now as a condition; never "runs" for what the engine
-cannot load; ranges that never read "5.2-5.2"; the decode prediction from measured numbers (engine/plan/calibration.py)."""
+cannot load; ranges that never read "5.2-5.2"; the decode prediction from measured numbers
+(engine/plan/calibration.py)."""
 
 from __future__ import annotations
 

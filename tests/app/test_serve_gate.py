@@ -207,7 +207,8 @@ def _response(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in got:
         got += sock.recv(65536)
     head, _, body = got.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
