@@ -488,3 +488,33 @@ def conv_step(lib, x, w, bias, state: torch.Tensor, out: torch.Tensor) -> torch.
                                  state.data_ptr(), out.data_ptr(), _bits(x, w, bias, state, out), w.shape[0],
                                  w.shape[1]), "conv")
     return out
+
+
+# -- NaN/Inf checks of weights as they are read (native_check.c; engine/cache/store.py, engine/load/loader.py) ------
+CHECK_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3, torch.float8_e4m3fn: 4,
+               torch.float8_e5m2: 5}  # native_check.c's kinds; any other dtype (packed codes) is not checked
+
+
+def _check_lib(lib):
+    if lib.moechat_read_checked.argtypes is None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.moechat_first_nonfinite.argtypes = [p, i64, ctypes.c_int]
+        lib.moechat_read_checked.argtypes = [ctypes.c_int, p, i64, i64, ctypes.c_int, ctypes.POINTER(i64)]
+        lib.moechat_first_nonfinite.restype = lib.moechat_read_checked.restype = i64
+    return lib
+
+
+def first_nonfinite(lib, t: torch.Tensor) -> int:
+    """The flat index of t's first NaN/Inf (t contiguous, on the CPU, a dtype of CHECK_KINDS), -1 when none."""
+    return _check_lib(lib).moechat_first_nonfinite(t.data_ptr(), t.numel() * t.element_size(), CHECK_KINDS[t.dtype])
+
+
+def read_checked(lib, fd: int, out: torch.Tensor, offset: int, check: bool) -> tuple[int, int]:
+    """Fill the contiguous CPU tensor `out` from byte `offset` of fd, each chunk checked for NaN/Inf as it lands
+    (when `check` and out's dtype is a float): (bytes read, less at the file's end, or -errno; first bad element
+    or -1)."""
+    bad = ctypes.c_int64(-1)
+    kind = CHECK_KINDS.get(out.dtype, -1) if check else -1
+    n = _check_lib(lib).moechat_read_checked(fd, out.data_ptr(), out.numel() * out.element_size(), offset, kind,
+                                             ctypes.byref(bad))
+    return n, bad.value
