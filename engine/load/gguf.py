@@ -39,6 +39,7 @@ import torch
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 from ..io.checkpoint import Checkpoint, TensorInfo
 from ..quant.gguf import TYPES, GGUFFormat, decode_rows, ggml_type
+from .gguf_arches import ARCHES_2026, config_2026, tensor_2026, undo
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -129,7 +130,8 @@ def _value(reader, key: str, default=None):
 # llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
 ARCHES = {"qwen3moe": ("qwen3_moe", False), "qwen2moe": ("qwen2_moe", False), "olmoe": ("olmoe", False),
           "llama": ("mixtral", True), "glm4moe": ("glm4_moe", False), "gpt-oss": ("gpt_oss", False),
-          "deepseek2": ("deepseek_v2", False)}  # deepseek_v3 where its gating is sigmoid (V3, R1, Kimi K2)
+          "deepseek2": ("deepseek_v2", False),  # deepseek_v3 where its gating is sigmoid (V3, R1, Kimi K2)
+          **ARCHES_2026}  # the hybrids and the rest of 2026: their tables in gguf_arches.py
 DENSE_ARCHES = {"qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi2", "phi3", "gpt2", "olmo", "olmo2", "falcon",
                 "starcoder2", "command-r", "granite", "mistral3", "smollm3"}
 
@@ -157,6 +159,9 @@ class GGUFCheckpoint(Checkpoint):
         if info.transform == "kv_b":  # k_b [nH, C, N] (transposed by the converter), v_b [nH, V, C]
             k, v = self._decode(info.gguf_name), self._decode(info.other)
             return torch.cat([k.transpose(1, 2), v], dim=1).reshape(info.shape)  # [nH * (N + V), C]
+        if info.transform and not info.transform.startswith("permute"):  # a convention of gguf_arches.py's
+            other = self._decode(info.other) if info.other else None
+            return undo(info.transform, self._decode(info.gguf_name), self.config, other).reshape(info.shape)
         w = self._decode(info.gguf_name).reshape(info.shape)
         if info.transform:
             n_head = self.config["num_attention_heads" if info.transform == "permute_q" else "num_key_value_heads"]
@@ -265,6 +270,8 @@ def _config(reader, arch: str, tensors: dict, where: str) -> dict:
     }
     if (clamp := key("attention.clamp_kqv")) is not None:
         cfg["clip_qkv"] = float(clamp)
+    if arch in ARCHES_2026:
+        return config_2026(arch, cfg, key, need, tensors, where)
     experts = int(need("expert_count"))
     ff = key("feed_forward_length", 0)
     ff = int(ff[0] if isinstance(ff, list) else ff)
@@ -376,7 +383,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     if arch == "llama" and _value(first, "llama.expert_count", 0) in (0, None):
         arch = "llama-dense"
     if arch not in ARCHES:
-        runs = "qwen3moe, qwen2moe, olmoe, glm4moe, gpt-oss, deepseek2, llama (Mixtral)"
+        runs = "qwen3moe, qwen2moe, olmoe, glm4moe, gpt-oss, deepseek2, llama (Mixtral), " + ", ".join(ARCHES_2026)
         if arch in DENSE_ARCHES or arch == "llama-dense":
             raise UnsupportedModelError(f"{where}: architecture {arch.replace('-dense', '')!r} is a dense model, not "
                                         f"a Mixture-of-Experts; moechat runs GGUF files of {runs}")
@@ -410,6 +417,12 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
                 raise CheckpointError(f"{f}: tensor {name!r} is {typ.name} {list(reversed(ne))}; expert biases "
                                       "need F32, F16 or BF16 [experts, rows]", path=str(f), tensor=name)
             tensors[name] = GGUFTensorInfo(name, f, typ.name, (ne[1], ne[0]), start, end, typ.name, name, ne[0])
+            continue
+        if arch in ARCHES_2026:  # names, shapes and conventions from gguf_arches.py's tables
+            spec = tensor_2026(arch, cfg, name, shape, raw, str(f))
+            if spec is not None:
+                hf, shape, transform, other = spec
+                tensors[hf] = GGUFTensorInfo(hf, f, "F32", shape, start, end, typ.name, name, ne[0], transform, other)
             continue
         if m and arch == "deepseek2" and m.group(2) in ("attn_k_b.weight", "attn_v_b.weight"):
             if m.group(2) == "attn_v_b.weight":

@@ -1,0 +1,171 @@
+"""The 2026 architectures' GGUF files: llama.cpp's metadata as the engine's config, its tensor names as the engine's,
+and its converter's conventions undone (engine/load/gguf.py reads the container and calls these).
+
+Each convention below is what llama.cpp's convert_hf_to_gguf.py applies to that family, undone on read (`undo`, after
+the tensor is dequantized to fp32), so the model classes load a GGUF file with the checks and the code they load a
+safetensors folder with:
+
+* Qwen3-Next (`qwen3next`) and Qwen3.5/3.6-MoE (`qwen35moe`): A_log stored as -exp(A_log) (`ssm_a`), dt_bias as
+  `ssm_dt.bias`, the conv1d weight squeezed to [C, W], every zero-centred RMSNorm weight stored as 1 + w (the gated
+  delta-rule norm `ssm_norm` excepted). Qwen3-Next's in_proj_qkvz (per key head [q | k | v | z]) is split into
+  `attn_qkv` ([q all heads | k | v]) and `attn_gate` (z), joined again here; Qwen3.5 keeps the split projections but
+  reorders the value heads from grouped by key head to tiled (v0 of every group, then v1, ...) in qkv's v rows, z,
+  b, a, A_log, dt_bias, the conv's v channels and out_proj's columns, where there are more value than key heads.
+  Layer kinds come from the tensors each layer holds (`ssm_a`: Gated DeltaNet), the MTP layers past the last
+  (`nextn_predict_layers`) are not read.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..errors import CheckpointError
+
+# llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
+ARCHES_2026 = {"qwen3next": ("qwen3_next", False), "qwen35moe": ("qwen3_5_moe_text", False)}
+
+_ATTN = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+         "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+         "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+         "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias"}
+_SHARED = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+           "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+           "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+           "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+           "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+           "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+
+
+def _qwen_hybrid_map(arch: str) -> dict[str, tuple[str, str]]:
+    """blk.N.X -> (model.layers.N.Y, the transform undoing the converter's convention)."""
+    out = {k: (v, "") for k, v in {**_ATTN, **_SHARED}.items()}
+    tiled = "untile_v" if arch == "qwen35moe" else ""
+    out.update({
+        "attn_norm.weight": ("input_layernorm.weight", "minus_one"),
+        "post_attention_norm.weight": ("post_attention_layernorm.weight", "minus_one"),
+        "attn_q_norm.weight": ("self_attn.q_norm.weight", "minus_one"),
+        "attn_k_norm.weight": ("self_attn.k_norm.weight", "minus_one"),
+        "ssm_a": ("linear_attn.A_log", _steps(tiled + "_heads", "log_neg")),
+        "ssm_dt.bias": ("linear_attn.dt_bias", _steps(tiled + "_heads")),
+        "ssm_conv1d.weight": ("linear_attn.conv1d.weight", _steps(tiled + "_conv")),
+        "ssm_norm.weight": ("linear_attn.norm.weight", ""),
+        "ssm_out.weight": ("linear_attn.out_proj.weight", _steps(tiled + "_cols")),
+    })
+    if arch == "qwen3next":
+        out.update({"attn_qkv.weight": ("linear_attn.in_proj_qkvz.weight", "qkvz"),
+                    "ssm_ba.weight": ("linear_attn.in_proj_ba.weight", "")})
+    else:
+        out.update({"attn_qkv.weight": ("linear_attn.in_proj_qkv.weight", _steps(tiled + "_qkv")),
+                    "attn_gate.weight": ("linear_attn.in_proj_z.weight", _steps(tiled + "_rows")),
+                    "ssm_beta.weight": ("linear_attn.in_proj_b.weight", _steps(tiled + "_heads")),
+                    "ssm_alpha.weight": ("linear_attn.in_proj_a.weight", _steps(tiled + "_heads"))})
+    return out
+
+
+def _steps(*steps: str) -> str:
+    return "+".join(s for s in steps if s and not s.startswith("_"))
+
+
+_TOP = {"token_embd.weight": ("model.embed_tokens.weight", ""), "output.weight": ("lm_head.weight", "")}
+
+
+def tensor_2026(arch: str, cfg: dict, name: str, shape: tuple, raw: dict, where: str):
+    """The engine's (name, shape, transform, other tensor) for the GGUF tensor `name`, or None where the engine does not
+    read it (an MTP layer, a rope table) or reads it joined into another (Qwen3-Next's attn_gate into in_proj_qkvz)."""
+    m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+    if m is None:
+        if name == "output_norm.weight":
+            return "model.norm.weight", shape, "minus_one", ""
+        hf = _TOP.get(name)
+        return None if hf is None else (hf[0], shape, hf[1], "")
+    layer, part = int(m.group(1)), m.group(2)
+    if layer >= cfg["num_hidden_layers"]:
+        return None  # a multi-token-prediction layer
+    spec = _qwen_hybrid_map(arch).get(part)
+    if spec is None:
+        return None
+    hf, transform = spec
+    hf = f"model.layers.{layer}.{hf}"
+    other = ""
+    if part == "ssm_conv1d.weight" and len(shape) == 2:
+        shape = (shape[0], 1, shape[1])  # the converter squeezed HF's [C, 1, W]
+    if part == "ffn_gate_inp_shexp.weight" and len(shape) == 1:
+        shape = (1, shape[0])
+    if transform == "qkvz":
+        other = f"blk.{layer}.attn_gate.weight"
+        gate = raw.get(other)
+        if gate is None:
+            raise CheckpointError(f"{where}: tensor {name!r} needs its pair {other!r} (a damaged conversion? convert "
+                                  "or download it again)", path=where, tensor=name)
+        z_rows = int(gate[0].shape[1]) if len(gate[0].shape) == 2 else 0
+        shape = (shape[0] + z_rows, shape[1])
+    if arch == "qwen3next" and part == "attn_gate.weight":
+        return None  # joined into in_proj_qkvz
+    return hf, shape, transform, other
+
+
+def _untile(w: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor:
+    """Undo _LinearAttentionVReorderBase._reorder_v_heads along `dim`: value heads tiled [r, HK, d] -> grouped by key
+    head [HK, r, d]."""
+    shape = list(w.shape)
+    w = w.reshape(*shape[:dim], r, hk, d, *shape[dim + 1:])
+    return w.transpose(dim, dim + 1).reshape(shape)
+
+
+def undo(transform: str, w: torch.Tensor, cfg: dict, other: torch.Tensor | None = None) -> torch.Tensor:
+    """The HF checkpoint's tensor from the GGUF one (fp32, in its file shape; `other` the tensor joined to it):
+    `transform`'s steps, joined by '+', applied in order."""
+    hk, hv = cfg.get("linear_num_key_heads", 1), cfg.get("linear_num_value_heads", 1)
+    dk, dv = cfg.get("linear_key_head_dim", 0), cfg.get("linear_value_head_dim", 0)
+    r = hv // hk if hk else 1
+    for step in transform.split("+"):
+        if step == "minus_one":
+            w = w - 1
+        elif step == "log_neg":
+            w = torch.log(-w)
+        elif step == "untile_v_heads":  # [HV] or [HV, H]
+            w = _untile(w, 0, hk, r, 1)
+        elif step == "untile_v_rows":  # [HV Dv, H]
+            w = _untile(w, 0, hk, r, dv)
+        elif step == "untile_v_cols":  # [H, HV Dv]
+            w = _untile(w, 1, hk, r, dv)
+        elif step == "untile_v_qkv":  # [2 HK Dk + HV Dv, H]: the v rows only
+            qk, v = w[:2 * hk * dk], w[2 * hk * dk:]
+            w = torch.cat([qk, _untile(v, 0, hk, r, dv)])
+        elif step == "untile_v_conv":  # [2 HK Dk + HV Dv, 1, W]: the v channels only
+            qk, v = w[:2 * hk * dk], w[2 * hk * dk:]
+            w = torch.cat([qk, _untile(v, 0, hk, r, dv)])
+        elif step == "qkvz":  # attn_qkv [q all | k all | v all] and attn_gate z -> per key head [q | k | v | z]
+            z, H = other, w.shape[1]
+            q, k, v = w.split([hk * dk, hk * dk, hv * dv])
+            parts = [q.reshape(hk, dk, H), k.reshape(hk, dk, H), v.reshape(hk, r * dv, H), z.reshape(hk, r * dv, H)]
+            w = torch.cat(parts, dim=1).reshape(-1, H)
+        elif step:
+            raise AssertionError(step)
+    return w
+
+
+def config_2026(arch: str, cfg: dict, key, need, tensors: dict, where: str) -> dict:
+    """The rest of the config.json for the 2026 architectures (gguf.py's `_config` has filled the common keys)."""
+    experts = int(need("expert_count"))
+    layers = int(cfg["num_hidden_layers"]) - int(key("nextn_predict_layers", 0))
+    moe_ff = int(need("expert_feed_forward_length"))
+    ff = key("feed_forward_length", 0)
+    ff = int(ff[0] if isinstance(ff, list) else ff)
+    hk, hv = int(need("ssm.group_count")), int(need("ssm.time_step_rank"))
+    head_dim = cfg["head_dim"]
+    rope_dim = int(key("rope.dimension_count", head_dim // 4))
+    kinds = ["linear_attention" if f"blk.{i}.ssm_a" in tensors else "full_attention" for i in range(layers)]
+    cfg.update(num_hidden_layers=layers, num_experts=experts, moe_intermediate_size=moe_ff,
+               intermediate_size=ff or moe_ff, norm_topk_prob=True,
+               shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
+               linear_conv_kernel_dim=int(need("ssm.conv_kernel")), linear_key_head_dim=int(need("ssm.state_size")),
+               linear_num_key_heads=hk, linear_num_value_heads=hv,
+               linear_value_head_dim=int(need("ssm.inner_size")) // hv, layer_types=kinds,
+               partial_rotary_factor=rope_dim / head_dim,
+               attention_bias=any(f"blk.{i}.attn_q.bias" in tensors for i in range(layers)))
+    if arch == "qwen3next":  # the layers without a router are dense (mlp_only_layers)
+        cfg["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    return cfg

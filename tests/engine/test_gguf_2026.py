@@ -1,0 +1,264 @@
+"""GGUF files of the 2026 architectures end to end: a tiny transformers model written as llama.cpp's
+convert_hf_to_gguf.py writes that family (its names, its metadata keys, its conventions: Qwen3-Next's -exp(A_log),
+squeezed conv, 1 + w norms, split qkvz; Qwen3.5's value heads reordered to tiled), loaded by moechat: fp32 logits
+and greedy tokens == transformers on the same (dequantized) weights, resident and cached at a small slot count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from moechat.engine.cache.provider import CacheConfig  # noqa: E402
+from moechat.engine.errors import CheckpointError  # noqa: E402
+from moechat.engine.load.loader import load_model  # noqa: E402
+from moechat.engine.quant.gguf import TYPES, dequantize  # noqa: E402
+from moechat.engine.runtime.generate import Engine  # noqa: E402
+
+from .test_gguf_load import GREEDY, _encode, _prompt  # noqa: E402
+
+LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+QWEN_HYBRID = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, initializer_range=0.2, max_position_embeddings=512, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32, layer_types=LAYERS, partial_rotary_factor=0.5,
+                   rms_norm_eps=1e-6)
+MODELS = {"qwen3_next": ("qwen3next", dict(intermediate_size=64, norm_topk_prob=True)),
+          "qwen3_5_moe_text": ("qwen35moe", {})}
+
+
+def tiny(model_type: str, seed: int = 0):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **{**QWEN_HYBRID, **MODELS[model_type][1]})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers starts the norms at 0 (1 + w) and dt_bias at 1: make every weight count
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p) * 0.3)
+            elif n.endswith("A_log"):
+                p.copy_(torch.rand_like(p) * 2 - 1)
+    return model
+
+
+# --- what convert_hf_to_gguf.py's Qwen3NextModel / _LinearAttentionVReorderBase do, written from its source ---
+
+def _tile_v(t: np.ndarray, dim: int, hk: int, r: int, d: int) -> np.ndarray:
+    """_reorder_v_heads: value heads grouped by key head [HK, r, d] -> tiled [r, HK, d] along `dim`."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], hk, r, d, *shape[dim + 1:])
+    return np.ascontiguousarray(np.swapaxes(t, dim, dim + 1)).reshape(shape)
+
+
+def _qwen_hybrid_tensors(cfg, sd: dict, arch: str):
+    """(gguf name, HF name, array, quantizable) in the converter's order and conventions."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    reorder = arch == "qwen35moe" and hk != hv
+    names = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+             "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+             "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+             "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+             "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+             "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias",
+             "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.norm.weight": "ssm_norm.weight",
+             "linear_attn.out_proj.weight": "ssm_out.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+             "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+             "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight"}
+    out = [("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"], True),
+           ("output_norm.weight", "model.norm.weight", sd["model.norm.weight"] + 1, False)]
+    if "lm_head.weight" in sd:
+        out.append(("output.weight", "lm_head.weight", sd["lm_head.weight"], True))
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, g in names.items():
+            if p + hf not in sd:
+                continue
+            t, quant = sd[p + hf], True
+            if reorder and hf.startswith("linear_attn."):
+                if hf.endswith("in_proj_qkv.weight"):
+                    t = np.concatenate([t[:2 * hk * dk], _tile_v(t[2 * hk * dk:], 0, hk, r, dv)])
+                elif hf.endswith("in_proj_z.weight"):
+                    t = _tile_v(t, 0, hk, r, dv)
+                elif hf.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+                    t = _tile_v(t, 0, hk, r, 1)
+                elif hf.endswith("conv1d.weight"):
+                    t = np.concatenate([t[:2 * hk * dk], _tile_v(t[2 * hk * dk:], 0, hk, r, dv)])
+                elif hf.endswith("out_proj.weight"):
+                    t = _tile_v(t, 1, hk, r, dv)
+                quant = False  # the reference keeps the HF weights: these stay exact (F32)
+            if hf.endswith("A_log"):
+                t, quant = -np.exp(t), False
+            elif "conv1d" in hf:
+                t, quant = t.squeeze(), False
+            elif hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+                t, quant = t + 1, False
+            out.append((f"blk.{i}.{g}", p + hf, t, quant))
+        if p + "linear_attn.in_proj_qkvz.weight" in sd:  # [q, k, v, z] per key head -> attn_qkv [q | k | v], z
+            w = sd[p + "linear_attn.in_proj_qkvz.weight"]
+            H = w.shape[1]
+            per = w.reshape(hk, 2 * dk + 2 * r * dv, H)
+            q, k, v, z = np.split(per, np.cumsum([dk, dk, r * dv])[:3], axis=1)
+            qkv = np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)])
+            out.append((f"blk.{i}.attn_qkv.weight", None, qkv, False))
+            out.append((f"blk.{i}.attn_gate.weight", None, z.reshape(-1, H), False))
+        if p + "mlp.experts.gate_up_proj" in sd:
+            gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]
+            I = gate_up.shape[1] // 2
+            out.append((f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), "expert"))
+            out.append((f"blk.{i}.ffn_up_exps.weight", p + "up", np.ascontiguousarray(gate_up[:, I:]), "expert"))
+            out.append((f"blk.{i}.ffn_down_exps.weight", p + "mlp.experts.down_proj", sd[p + "mlp.experts.down_proj"],
+                        "down"))
+    return out
+
+
+def _qwen_hybrid_meta(w, cfg, arch, blocks):
+    w.add_block_count(blocks)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    if getattr(cfg, "intermediate_size", None):  # Qwen3.5 has no dense width
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
+    if arch == "qwen35moe":
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+
+
+CONVERTERS = {"qwen3next": (_qwen_hybrid_tensors, _qwen_hybrid_meta),
+              "qwen35moe": (_qwen_hybrid_tensors, _qwen_hybrid_meta)}
+
+
+def write_2026(path, model, arch: str, experts=("Q8_0", "Q8_0", "Q8_0"), dense="F32", seed=0, mtp: int = 0,
+               drop=()):
+    """`model` as llama.cpp's converter writes `arch`; returns the state dict the reference loads (HF names, what the
+    file holds dequantized where a tensor is stored quantized, the HF weights where a convention was applied)."""
+    rng = np.random.default_rng(seed)
+    cfg = model.config
+    tensors_of, meta = CONVERTERS[arch]
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    held = {k: torch.from_numpy(v.copy()) for k, v in sd.items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    meta(w, cfg, arch, cfg.num_hidden_layers + mtp)  # an MTP layer counts in block_count, as the converter writes
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
+    parts = {}
+    tensors = tensors_of(cfg, sd, arch)
+    if mtp:
+        L = cfg.num_hidden_layers
+        tensors += [(f"blk.{L}.nextn.eh_proj.weight", None, rng.standard_normal((64, 128)).astype(np.float32), False),
+                    (f"blk.{L}.attn_norm.weight", None, np.ones(64, np.float32), False)]
+    for gname, hfname, arr, quant in tensors:
+        if gname in drop:
+            continue
+        typ = "F32"
+        if quant == "expert" or quant == "down":
+            typ = experts[2] if quant == "down" else experts[0 if "gate" in gname else 1]
+        elif quant and arr.ndim == 2 and arr.shape[-1] % 32 == 0 and "gate_inp" not in gname:
+            typ = dense
+        data = _encode(np.ascontiguousarray(arr, dtype=np.float32), typ, rng)
+        w.add_tensor(gname, data, raw_dtype=None if typ in ("F32", "F16") else Q[typ])
+        if hfname is None or typ == "F32":
+            continue
+        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
+        back = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], typ, arr.shape[-1])
+        back = back.reshape(arr.shape)
+        if hfname.endswith(("gate", "up")):
+            parts[hfname] = back
+        else:
+            held[hfname] = back
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        if p + "gate" in parts:
+            held[p + "mlp.experts.gate_up_proj"] = torch.cat([parts[p + "gate"], parts[p + "up"]], dim=1)
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert all(t in TYPES for t in (*experts, dense))
+    return held
+
+
+def _reference(model, held):
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(held, strict=True)
+    return ref
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _check(path, ref, model_type, slots=3):
+    """fp32 logits after a prefill and greedy tokens, resident == transformers; cached at `slots` slots == resident."""
+    loaded = load_model(path, dtype="float32")
+    assert loaded.args.model_type == model_type
+    engine = Engine(loaded, None, None, {}, 512, 16)
+    for n in (1, 19):
+        ids = _prompt(n, seed=n + 3)
+        with torch.inference_mode():
+            ours = engine._forward(engine.new_sequence(), ids)
+            theirs = ref(torch.tensor([ids])).logits[0, -1].float()
+        err = (ours - theirs).abs().max().item()
+        assert err < 1e-4, f"{model_type}, {n} tokens: max |logit diff| {err:.2e}"
+    ids = _prompt(7, seed=70)
+    got = [t for c in engine.generate(ids, sampling=GREEDY, max_tokens=12) for t in c.token_ids]
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, min_new_tokens=0, pad_token_id=0)
+    assert got == out[0, 7:].tolist() and len(got) == 12
+    cached = Engine.load(path, dtype="float32", cache=CacheConfig(expert_slots=slots, ram_cache_bytes=0))
+    assert [t for c in cached.generate(ids, sampling=GREEDY, max_tokens=12) for t in c.token_ids] == got
+    assert sum(cached.cache_snapshot().misses) > 0
+    cached.close()
+
+
+@pytest.mark.parametrize("model_type,experts,dense", [("qwen3_5_moe_text", ("F32", "F32", "F32"), "F32"),
+                                                      ("qwen3_5_moe_text", ("Q8_0", "Q8_0", "Q4_0"), "Q8_0"),
+                                                      ("qwen3_next", ("F32", "F32", "F32"), "F32"),
+                                                      ("qwen3_next", ("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
+def test_qwen_hybrids_match_transformers(tmp_path, model_type, experts, dense):
+    """Qwen3.5/3.6-MoE (`qwen35moe`: value heads tiled by the converter, 4 value heads over 2 key heads) and
+    Qwen3-Next (`qwen3next`: qkvz split into attn_qkv + attn_gate, a dense layer), with an MTP layer in the file."""
+    arch = MODELS[model_type][0]
+    model = tiny(model_type, seed=len(arch))
+    path = tmp_path / f"{arch}.gguf"
+    ref = _reference(model, write_2026(path, model, arch, experts, dense, mtp=1))
+    _check(path, ref, model_type)
+
+
+def test_qwen3next_without_its_attn_gate_is_one_typed_line(tmp_path):
+    path = tmp_path / "cut.gguf"
+    write_2026(path, tiny("qwen3_next"), "qwen3next", drop=("blk.0.attn_gate.weight",))
+    with pytest.raises(CheckpointError, match="attn_gate.weight") as e:
+        load_model(path, dtype="float32")
+    assert "\n" not in str(e.value)
