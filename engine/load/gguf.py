@@ -38,10 +38,13 @@ import torch
 
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 from ..io.checkpoint import Checkpoint, TensorInfo
-from ..quant.gguf import TYPES, GGUFFormat, decode_rows, ggml_type
+from ..quant.gguf import TYPES, VECDOT_TYPES, GGUFFormat, decode_rows, ggml_type
 from .gguf_arches import ARCHES_2026, config_2026, tensor_2026, undo
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# the dense matrices a GGUF model may keep packed (`GGUFCheckpoint.packed_dense`); "0" in PACKED_ENV: none of them
+PACKED_DENSE = ("lm_head.weight", "model.embed_tokens.weight")
+PACKED_ENV = "MOECHAT_GGUF_PACKED"
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -188,6 +191,34 @@ class GGUFCheckpoint(Checkpoint):
 
     def files(self) -> list[Path]:
         return list(self.files_)
+
+    def packed_dense(self, cls, device: torch.device, dtype: torch.dtype) -> dict:
+        """The dense matrices kept in their quant type instead of dequantized at load: `lm_head.weight` (the file's
+        output.weight) and `model.embed_tokens.weight` (token_embd; a tied model's LM head too), engine name ->
+        `GGUFMatrix` (quant/gguf_dense.py) over the file's memory map. Where that saves bytes per token and the
+        GGUF kernels run: a quantized type (F32/F16/BF16 are dequantized to the compute dtype as before), on a CPU,
+        in a model whose `finalize` takes them (MoEForCausalLM's); MOECHAT_GGUF_PACKED=0 dequantizes them all."""
+        from ..models.base import MoEForCausalLM
+        from ..quant.gguf_dense import GGUFMatrix
+
+        if (device.type != "cpu" or os.environ.get(PACKED_ENV) == "0"
+                or getattr(cls, "finalize", None) is not MoEForCausalLM.finalize):
+            return {}
+        out = {}
+        for name in PACKED_DENSE:
+            info = self.tensors.get(name)
+            if not isinstance(info, GGUFTensorInfo) or info.ggml not in VECDOT_TYPES or info.transform:
+                continue
+            typ = TYPES[info.ggml]
+            raw = self._raw(info.gguf_name)  # a view of the memory map: pages read as the rows are used
+            rows = info.shape[0]
+            if len(info.shape) != 2 or raw.numel() != rows * typ.row_bytes(info.cols):
+                raise CheckpointError(f"{info.file}: tensor {info.gguf_name!r} holds {raw.numel()} bytes; a "
+                                      f"{info.ggml} matrix of {list(info.shape)} needs "
+                                      f"{rows * typ.row_bytes(info.cols)}",
+                                      path=str(info.file), tensor=info.gguf_name)
+            out[name] = GGUFMatrix(raw.reshape(rows, typ.row_bytes(info.cols)), typ, info.cols, dtype)
+        return out
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -343,12 +343,14 @@ def decode_rows(raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor:
 
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, cols] -> x @ W^T (+ bias) [n, rows] in x's dtype: one token by `vecdot` where the type has it and
-    `use_vecdot` says so, else `prefill` (W's 4-row blocks decoded once for all n tokens), else W decoded from `raw`
-    [rows, row_bytes] a tile of rows at a time and torch's GEMM (fp32 sums, all three)."""
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [n, cols] -> x @ W^T (+ bias) [n, rows] in x's dtype (or `out_dtype`: fp32 for the LM head's logits): one
+    token by `vecdot` where the type has it and `use_vecdot` says so, else `prefill` (W's 4-row blocks decoded once
+    for all n tokens), else W decoded from `raw` [rows, row_bytes] a tile of rows at a time and torch's GEMM (fp32
+    sums, all three)."""
+    out_dtype = out_dtype or x.dtype
     if x.shape[0] == 1 and use_vecdot(x) and (y1 := vecdot(x, raw, t, cols)) is not None:
-        return (y1 + bias.float() if bias is not None else y1).to(x.dtype)
+        return (y1 + bias.float() if bias is not None else y1).to(out_dtype)
     y = prefill(x, raw, t, cols)
     if y is None:
         rows = raw.shape[0]
@@ -359,7 +361,7 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int,
             torch.matmul(xf, w.t(), out=y[:, r:r + w.shape[0]])
     if bias is not None:
         y += bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype)
 
 
 class GGUFFormat(ExpertFormat):

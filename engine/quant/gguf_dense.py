@@ -1,0 +1,74 @@
+"""A GGUF file's output and embedding matrices kept in their quant type: the LM head and the token lookup.
+
+Why: llama.cpp ships `output.weight` at 6-8 bits (Q6_K under Q4_K_M and most k-quant mixes, Q8_0 in a Q8_0 file) and
+often `token_embd.weight` too. Dequantized at load to bf16, a 151,936 x 2048 Q6_K head (Qwen3-30B-A3B) grows from
+255 MB to 622 MB, 2.4x the bytes every decode token reads through it; in fp32 4.9x. Kept packed, the head is read as
+the file stores it by the GGUF kernels (quant/gguf.py over native_gguf.c), and the table costs nothing but the T rows
+a forward looks up.
+
+`GGUFMatrix` holds one such matrix ([rows, row_bytes] uint8, usually a view of the file's memory map):
+- as the LM head (`__call__`, QuantLinear's call, so `MoEForCausalLM.logits` takes it as `lm_q`): one token by the
+  integer vec_dot (`gguf.vecdot`, x rounded to Q8 blocks once: within `vecdot_bound` of x @ W^T) for bf16 / fp16
+  activations, else the many-token kernel (`gguf.prefill`: F.linear(x, dequantize(W)) up to the order of the fp32
+  sum), else W decoded a tile of rows at a time (another device, or no kernel library). Logits come back in fp32.
+- as the embedding table (`rows`, llama.cpp's get_rows): only the rows of the input ids decoded, by native_gguf.c's
+  row decoder or the torch reference, bit for bit `dequantize`, then cast to the compute dtype as a dequantized-at-load
+  table would have been (so the hidden states are the same bits either way).
+A tied model (no output.weight) uses the one packed token_embd for both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gguf import GGMLType, decode_rows, dequantize, gguf_linear
+
+# T = tokens, R = rows (vocabulary), C = cols (hidden), RB = bytes per row
+
+
+class GGUFMatrix:
+    """W [rows, cols] as a GGUF file stores it: `raw` [rows, row_bytes] uint8 in ggml type `type`."""
+
+    __slots__ = ("raw", "type", "cols", "dtype")
+
+    def __init__(self, raw: torch.Tensor, t: GGMLType, cols: int, dtype: torch.dtype = torch.float32):
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != t.row_bytes(cols) or cols % t.block:
+            raise ValueError(f"a {t.name} matrix of {cols} columns is [rows, {t.row_bytes(cols)}] uint8, got "
+                             f"{list(raw.shape)} {raw.dtype}")
+        self.raw = raw  # [R, RB]
+        self.type = t
+        self.cols = cols
+        self.dtype = dtype  # the compute dtype: what `rows` gives (the logits are fp32 whatever it is)
+
+    @property
+    def format(self) -> str:
+        return self.type.name
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.cols
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a token reads through it as the LM head: the packed rows, as stored."""
+        return self.raw.numel()
+
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized W [rows, cols]: the slow reference (quant/gguf.py `dequantize`)."""
+        return dequantize(self.raw, self.type, self.cols).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> W[ids] [T, cols] in the compute dtype: those rows alone decoded (get_rows), bit for bit
+        `dequantize` of the whole matrix indexed by ids."""
+        picked = self.raw.index_select(0, ids.to(self.raw.device))  # [T, RB], contiguous
+        return decode_rows(picked, self.type, self.cols).to(self.dtype)  # [T, C]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [T, cols] -> x @ W^T [T, rows] in x's dtype, or fp32 for out_dtype=float32 (the logits), plus residual
+        when given: QuantLinear's call (quant/dense_quant.py), so the model holds either as its LM head."""
+        y = gguf_linear(x, self.raw, self.type, self.cols, out_dtype=out_dtype)  # [T, R]
+        return y if residual is None else residual + y
+
+    def __repr__(self) -> str:
+        return f"GGUFMatrix({self.type.name}, {self.raw.shape[0]} x {self.cols})"
