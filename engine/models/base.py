@@ -449,6 +449,7 @@ class MoEForCausalLM(nn.Module):
     # Dense tensors loaded in fp32 whatever the model's dtype (name suffixes): transformers keeps DeepSeek's
     # router and its correction bias in fp32, and the bias steers the choice by differences below bf16's step.
     fp32_weights: ClassVar[tuple[str, ...]] = ()
+    embed_q = None  # the embedding table kept packed (`keep_packed`); None: embed_weight is the table
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()
@@ -478,7 +479,7 @@ class MoEForCausalLM(nn.Module):
         if not self.args.tie_word_embeddings:  # the embedding table must stay [V, H] for lookups
             self.lm_head.weight.data = self.lm_weight_t.t()
         R = self.args.rotary_dim  # RoPE dims of a head (all of them unless partial rotary)
-        device = self.model.embed_tokens.weight.device
+        device = self.norm_weight.device  # (a table kept packed is left on the meta device: `keep_packed`)
         dtype = self.model.embed_tokens.weight.dtype
         inv_freq, attention_factor = rope_frequencies(self.args.rope, R)  # [R/2]
         pos = torch.arange(max_positions, dtype=torch.int64).float()  # [S]
@@ -489,8 +490,17 @@ class MoEForCausalLM(nn.Module):
         self.rope_cos = cos.to(dtype).to(device)[:, None, :]  # [S, 1, R]
         self.rope_sin = (sin.to(dtype) * sign.to(dtype)).to(device)[:, None, :]  # [S, 1, R]
         self.max_positions = max_positions
-        self.lm_q = None  # the LM head in int8 (`quantize_dense`)
+        self.lm_q = None  # the LM head in int8 (`quantize_dense`), or kept packed (`keep_packed`)
         self.dense_format = "native"
+
+    def keep_packed(self, embed=None, lm_head=None) -> None:
+        """A GGUF's token_embd / output matrices kept in their quant type (quant/gguf_dense.py `GGUFMatrix`, loaded as
+        meta here): `embed` gives the rows of the ids, `lm_head` (or a tied `embed`) is the LM head as `lm_q` is."""
+        if embed is not None:
+            self.embed_q, self.embed_weight = embed, None
+        head = lm_head if lm_head is not None else embed if self.args.tie_word_embeddings else None
+        if head is not None:
+            self.lm_q, self.lm_weight_t = head, None
 
     def quantize_dense(self, name: str) -> None:
         """`--dense-format int8|int4`: attention's projections in `name`, the LM head in int8 under either
@@ -503,10 +513,11 @@ class MoEForCausalLM(nn.Module):
         for layer in self.layer_list:
             if isinstance(layer.self_attn, Attention):
                 layer.self_attn.quantize_dense(name)
-        self.lm_q = QuantLinear(self.lm_weight_t.t(), None, LM_HEAD_FORMAT)
-        self.lm_weight_t = None
-        if not self.args.tie_word_embeddings:
-            del self.lm_head  # the int8 copy is the LM head now; a tied table stays for the embedding lookups
+        if self.lm_weight_t is not None:  # a GGUF head kept packed (6-8 bits as its file ships it) stays so
+            self.lm_q = QuantLinear(self.lm_weight_t.t(), None, LM_HEAD_FORMAT)
+            self.lm_weight_t = None
+            if not self.args.tie_word_embeddings:
+                del self.lm_head  # the int8 copy is the LM head now; a tied table stays for the embedding lookups
         self.dense_format = name
 
     def forward(self, input_ids: torch.Tensor, kv: KVCache, provider: ExpertProvider) -> torch.Tensor:
@@ -526,8 +537,9 @@ class MoEForCausalLM(nn.Module):
     def embed_on_host(self) -> None:
         """`--embeddings host`: the input table moves to RAM (pinned under CUDA) and its VRAM is free for slots;
         each token's row is gathered there and copied in (H x 2 bytes in bf16). A tied table is the LM head too."""
-        if self.args.tie_word_embeddings or type(self).forward is not MoEForCausalLM.forward:
-            return  # tied, or a model whose own forward looks rows up itself: the table stays on the device
+        if (self.args.tie_word_embeddings or type(self).forward is not MoEForCausalLM.forward
+                or self.embed_q is not None):
+            return  # tied, a model whose own forward looks rows up itself, or packed (on a CPU): the table stays
         table = self.embed_weight
         host = table.cpu()
         self.embed_host = host.pin_memory() if table.is_cuda else host  # [V, H]
@@ -538,6 +550,8 @@ class MoEForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> their embedding rows [T, H] on the compute device."""
         device = self.norm_weight.device
+        if self.embed_q is not None:
+            return self.embed_q.rows(input_ids)  # [T, H]: only these rows decoded
         if self.embed_host is None or device.type == "cpu":
             return F.embedding(input_ids, self.embed_weight)  # [T, H]
         T = input_ids.shape[0]
