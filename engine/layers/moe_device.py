@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..quant.base import ExpertFormat
 from .moe import SWIGLU, ExpertActivation, ExpertBatch
 
 # T = tokens, K = top-k, P = T*K pairs, C = slots, N = host experts of the layer, H = hidden size,
@@ -42,41 +43,43 @@ class MapBatch(ExpertBatch):
     residency: torch.Tensor | None = field(default=None)  # [E] int32 the layer's row of the map
 
 
-def gather_experts(batch: MapBatch, loc: torch.Tensor) -> dict[str, torch.Tensor]:
-    """loc [P] virtual slots -> each stored tensor of those P experts [P, ...], from the slots or the host tier.
+def gather_experts(slot_ids: torch.Tensor, num_slots: int, tensors, host_tensors) -> dict[str, torch.Tensor]:
+    """slot_ids [P] virtual slots -> each stored tensor of those P experts [P, ...], from the slots [C, ...] or the
+    host tier [N, ...].
 
     Gathered as bytes (uint8 views of the same memory) so that every dtype, fp8 included, takes one index_select
     per side and one where."""
-    C = batch.num_slots
-    loc = loc.long()
+    C = num_slots
+    loc = slot_ids.long()
     in_slot = loc < C  # [P]
     slot_idx = torch.where(in_slot, loc, 0).clamp(max=C - 1)  # [P]
     host_idx = torch.where(in_slot, 0, loc - C)  # [P]
     out = {}
-    for name, slots in batch.tensors.items():
+    for name, slots in tensors.items():
         dtype = slots.dtype
         a = slots.view(torch.uint8).index_select(0, slot_idx)  # [P, ..., bytes]
-        if batch.host_tensors is not None:
-            host = batch.host_tensors[name].view(torch.uint8)  # [N, ..., bytes]
+        if host_tensors is not None:
+            host = host_tensors[name].view(torch.uint8)  # [N, ..., bytes]
             b = host.index_select(0, host_idx.to(host.device))  # [P, ..., bytes]
             a = torch.where(in_slot.view(-1, *([1] * (a.dim() - 1))), a, b.to(a.device))
         out[name] = a.view(dtype)  # [P, ...]
     return out
 
 
-def map_expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: MapBatch,
-                       residual: torch.Tensor | None = None, act: ExpertActivation = SWIGLU,
-                       contrib: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`expert_compute`'s contract for a MapBatch: [residual +] sum_k w[t, k] * Expert(x[t]) -> [T, H], or with
-    `contrib` (fp32 [T*K, H]) each pair's weighted output in its own row (the caller sums them in k order).
+def map_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor, num_slots: int,
+            tensors, host_tensors, fmt: ExpertFormat, act: ExpertActivation = SWIGLU,
+            residual: torch.Tensor | None = None, contrib: torch.Tensor | None = None) -> torch.Tensor | None:
+    """[residual +] sum_k w[t, k] * Expert_{slot_ids[t, k]}(x[t]) -> [T, H] in x's dtype; with `contrib` (fp32
+    [T*K, H]) each pair's weighted output in its own row instead (the caller sums them in k order).
 
-    Each expert's projections are its format's `weight()` (the slow obvious dense matrix, dequantized with torch
-    ops) of the gathered tensors, computed in the input dtype as the format's `linear` is."""
-    T, K = batch.slot_ids.shape
+    hidden_states [T, H], topk_weights [T, K], slot_ids [T, K] virtual slots (< num_slots: `tensors` [C, ...] by
+    name; else `host_tensors` [N, ...] at id - C). Each expert's projections are its format's `weight()` (the slow
+    obvious dense matrix, dequantized with torch ops) of the gathered tensors, computed in the input dtype as the
+    format's `linear` is; biases added as there."""
+    T, K = slot_ids.shape
     P = T * K
     dtype = hidden_states.dtype
-    fmt = batch.format
-    experts = gather_experts(batch, batch.slot_ids.reshape(P))  # name -> [P, ...]
+    experts = gather_experts(slot_ids.reshape(P), num_slots, tensors, host_tensors)  # name -> [P, ...]
     x = hidden_states.repeat_interleave(K, dim=0) if T > 1 else hidden_states.expand(K, -1)  # [P, H]
     ys = []
     for p in range(P):  # P is static (T x top-k): unrolled by a tracer, no data-dependent control flow
@@ -90,3 +93,11 @@ def map_expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, 
     summed = y.view(T, K, -1).sum(1)  # [T, H] fp32, k in order
     base = residual.float() if residual is not None else torch.zeros_like(summed)
     return (base + summed).to(dtype)
+
+
+def map_expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: MapBatch,
+                       residual: torch.Tensor | None = None, act: ExpertActivation = SWIGLU,
+                       contrib: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`expert_compute`'s contract for a MapBatch (see `map_moe`)."""
+    return map_moe(hidden_states, topk_weights, batch.slot_ids, batch.num_slots, batch.tensors, batch.host_tensors,
+                   batch.format, act, residual, contrib)
