@@ -174,8 +174,9 @@ def _pack(fmt, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("act,bias", [(SWIGLU, False), (CLAMPED, True)], ids=["swiglu", "clamped+bias"])
-@pytest.mark.parametrize("fmt_name,dtype", [("dense", torch.float32), ("dense", torch.bfloat16), ("mxfp4", torch.float32),
-                                            ("fp8", torch.float32), ("int8", torch.float32), ("int4", torch.float32)])
+@pytest.mark.parametrize("fmt_name,dtype", [("dense", torch.float32), ("dense", torch.bfloat16),
+                                            ("mxfp4", torch.float32), ("fp8", torch.float32), ("int8", torch.float32),
+                                            ("int4", torch.float32)])
 def test_every_format_from_slots_and_host_matches_todays_path(fmt_name, dtype, act, bias):
     fmt = fp8_format((16, 16)) if fmt_name == "fp8" else get_format(fmt_name)
     g = torch.Generator().manual_seed(7)
