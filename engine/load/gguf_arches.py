@@ -21,10 +21,11 @@ import re
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedModelError
 
 # llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
-ARCHES_2026 = {"qwen3next": ("qwen3_next", False), "qwen35moe": ("qwen3_5_moe_text", False)}
+ARCHES_2026 = {"qwen3next": ("qwen3_next", False), "qwen35moe": ("qwen3_5_moe_text", False),
+               "minimax-m2": ("minimax_m2", False)}
 
 _ATTN = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
          "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
@@ -64,6 +65,22 @@ def _qwen_hybrid_map(arch: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _minimax_map(arch: str) -> dict[str, tuple[str, str]]:
+    """MiniMax-M2: Mixtral's names (block_sparse_moe) with full-width q/k norms and the router's correction bias."""
+    out = {k: (v, "") for k, v in _ATTN.items()}
+    out.update({"attn_q_norm.weight": ("self_attn.q_norm.weight", ""),
+                "attn_k_norm.weight": ("self_attn.k_norm.weight", ""),
+                "attn_norm.weight": ("input_layernorm.weight", ""),
+                "ffn_norm.weight": ("post_attention_layernorm.weight", ""),
+                "ffn_gate_inp.weight": ("block_sparse_moe.gate.weight", ""),
+                "exp_probs_b.bias": ("block_sparse_moe.e_score_correction_bias", "")})
+    return out
+
+
+_MAPS = {"qwen3next": _qwen_hybrid_map, "qwen35moe": _qwen_hybrid_map, "minimax-m2": _minimax_map}
+_OFFSET_NORM = {"qwen3next", "qwen35moe"}  # model.norm stored as 1 + w
+
+
 def _steps(*steps: str) -> str:
     return "+".join(s for s in steps if s and not s.startswith("_"))
 
@@ -77,13 +94,13 @@ def tensor_2026(arch: str, cfg: dict, name: str, shape: tuple, raw: dict, where:
     m = re.match(r"^blk\.(\d+)\.(.+)$", name)
     if m is None:
         if name == "output_norm.weight":
-            return "model.norm.weight", shape, "minus_one", ""
+            return "model.norm.weight", shape, "minus_one" if arch in _OFFSET_NORM else "", ""
         hf = _TOP.get(name)
         return None if hf is None else (hf[0], shape, hf[1], "")
     layer, part = int(m.group(1)), m.group(2)
     if layer >= cfg["num_hidden_layers"]:
         return None  # a multi-token-prediction layer
-    spec = _qwen_hybrid_map(arch).get(part)
+    spec = _MAPS[arch](arch).get(part)
     if spec is None:
         return None
     hf, transform = spec
@@ -150,6 +167,15 @@ def undo(transform: str, w: torch.Tensor, cfg: dict, other: torch.Tensor | None 
 def config_2026(arch: str, cfg: dict, key, need, tensors: dict, where: str) -> dict:
     """The rest of the config.json for the 2026 architectures (gguf.py's `_config` has filled the common keys)."""
     experts = int(need("expert_count"))
+    if arch == "minimax-m2":  # what MiniMaxM2Model.set_gguf_parameters writes
+        gating = int(key("expert_gating_func", 2))
+        if gating != 2:
+            raise UnsupportedModelError(f"{where}: minimax-m2.expert_gating_func {gating} is not the sigmoid "
+                                        "MiniMax-M2 routes with; convert the model again with a current llama.cpp")
+        cfg.update(num_local_experts=experts, intermediate_size=int(need("expert_feed_forward_length")),
+                   rotary_dim=int(key("rope.dimension_count", cfg["head_dim"])), scoring_func="sigmoid",
+                   use_routing_bias=True, use_qk_norm=True, qk_norm_type="per_layer")
+        return cfg
     layers = int(cfg["num_hidden_layers"]) - int(key("nextn_predict_layers", 0))
     moe_ff = int(need("expert_feed_forward_length"))
     ff = key("feed_forward_length", 0)

@@ -113,29 +113,13 @@ def _qwen_hybrid_tensors(cfg, sd: dict, arch: str):
             out.append((f"blk.{i}.attn_qkv.weight", None, qkv, False))
             out.append((f"blk.{i}.attn_gate.weight", None, z.reshape(-1, H), False))
         if p + "mlp.experts.gate_up_proj" in sd:
-            gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]
-            I = gate_up.shape[1] // 2
-            out.append((f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), "expert"))
-            out.append((f"blk.{i}.ffn_up_exps.weight", p + "up", np.ascontiguousarray(gate_up[:, I:]), "expert"))
-            out.append((f"blk.{i}.ffn_down_exps.weight", p + "mlp.experts.down_proj", sd[p + "mlp.experts.down_proj"],
-                        "down"))
+            _experts(out, p, i, sd)
     return out
 
 
 def _qwen_hybrid_meta(w, cfg, arch, blocks):
-    w.add_block_count(blocks)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    if getattr(cfg, "intermediate_size", None):  # Qwen3.5 has no dense width
-        w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _common_meta(w, cfg, blocks)
     w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
@@ -149,8 +133,59 @@ def _qwen_hybrid_meta(w, cfg, arch, blocks):
         w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
+def _experts(out, p, i, sd):
+    """Stacked experts as the converters write them: gate_up [E, 2I, H] split into ffn_gate_exps / ffn_up_exps."""
+    gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, H]
+    I = gate_up.shape[1] // 2
+    out.append((f"blk.{i}.ffn_gate_exps.weight", p + "gate", np.ascontiguousarray(gate_up[:, :I]), "expert"))
+    out.append((f"blk.{i}.ffn_up_exps.weight", p + "up", np.ascontiguousarray(gate_up[:, I:]), "expert"))
+    out.append((f"blk.{i}.ffn_down_exps.weight", p + "mlp.experts.down_proj", sd[p + "mlp.experts.down_proj"], "down"))
+
+
+def _common_meta(w, cfg, blocks):
+    """TextModel.set_gguf_parameters' keys."""
+    w.add_block_count(blocks)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    if getattr(cfg, "intermediate_size", None):
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+
+
+def _minimax_tensors(cfg, sd: dict, arch: str):
+    """MiniMaxM2Model: the checkpoint's block_sparse_moe names mapped, experts stacked; nothing transformed."""
+    names = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.e_score_correction_bias": "exp_probs_b.bias"}
+    out = [("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"], True),
+           ("output_norm.weight", "model.norm.weight", sd["model.norm.weight"], False),
+           ("output.weight", "lm_head.weight", sd["lm_head.weight"], True)]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out += [(f"blk.{i}.{g}", p + hf, sd[p + hf], True) for hf, g in names.items()]
+        _experts(out, p, i, sd)
+    return out
+
+
+def _minimax_meta(w, cfg, arch, blocks):
+    _common_meta(w, cfg, blocks)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # the Hub config's scoring_func
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_dimension_count(cfg.rotary_dim)
+
+
 CONVERTERS = {"qwen3next": (_qwen_hybrid_tensors, _qwen_hybrid_meta),
-              "qwen35moe": (_qwen_hybrid_tensors, _qwen_hybrid_meta)}
+              "qwen35moe": (_qwen_hybrid_tensors, _qwen_hybrid_meta),
+              "minimax-m2": (_minimax_tensors, _minimax_meta)}
 
 
 def write_2026(path, model, arch: str, experts=("Q8_0", "Q8_0", "Q8_0"), dense="F32", seed=0, mtp: int = 0,
@@ -262,3 +297,29 @@ def test_qwen3next_without_its_attn_gate_is_one_typed_line(tmp_path):
     with pytest.raises(CheckpointError, match="attn_gate.weight") as e:
         load_model(path, dtype="float32")
     assert "\n" not in str(e.value)
+
+
+MINIMAX = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=32, rotary_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+               initializer_range=0.2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None)
+
+
+@pytest.mark.parametrize("experts,dense", [(("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
+def test_minimax_m2_matches_transformers(tmp_path, experts, dense):
+    """MiniMax-M2 (`minimax-m2`): full-width q/k norms, partial rotary from rope.dimension_count, sigmoid routing
+    with the correction bias (exp_probs_b.bias)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("minimax_m2", **MINIMAX)
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape) * 0.3)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + torch.randn_like(p) * 0.3)
+    path = tmp_path / "minimax-m2.gguf"
+    ref = _reference(model, write_2026(path, model, "minimax-m2", experts, dense))
+    _check(path, ref, "minimax_m2")
