@@ -35,6 +35,8 @@ from ..errors import MoechatError
 from ..io.files import atomic_write, read_regular
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 # No torch at import: the CLI reads PREFETCH_MODES at start-up (torch is imported where a prediction runs).
@@ -80,6 +82,9 @@ class RouterWeights:
     gate: torch.Tensor  # [E, H]
     eps: float
     bias: torch.Tensor | None = None  # [E] (GPT-OSS's router has one)
+    # the router's own choice scores [T, E] from its fp32 logits, where a top-k of the logits is not its choice
+    # (sigmoid + correction bias, grouped top-k: the MoE block's `choice_scores`; groups left out at -inf)
+    choice: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class Predictor:
@@ -99,7 +104,8 @@ class Predictor:
         routers = {}
         for i, layer in enumerate(model.layer_list):
             if layer.is_moe:
-                routers[i] = RouterWeights(layer.w_post, layer.ffn.gate_weight, layer.eps, layer.ffn.gate_bias)
+                routers[i] = RouterWeights(layer.w_post, layer.ffn.gate_weight, layer.eps, layer.ffn.gate_bias,
+                                           getattr(layer.ffn, "choice_scores", None))
         return cls(routers, model.args.top_k, model.args.num_hidden_layers)
 
     def targets(self, layer: int, depth: int) -> list[int]:
@@ -126,12 +132,14 @@ class Predictor:
                 folded = (r.gate * r.norm[None, :]).t().to(hidden_states.dtype).contiguous()  # [H, E]
                 self._folded[target] = folded
             logits = hidden_states @ folded  # [T, E], each row a positive multiple of layer target's logits
-            if r.bias is not None:  # a router bias does not scale with 1/rms(x): apply the norm's factor first
+            if r.bias is not None or r.choice is not None:  # a bias, a sigmoid: neither scales with 1/rms(x)
                 xf = hidden_states.float()
                 inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + r.eps)  # [T, 1]
-                logits = logits.float() * inv_rms + r.bias.float()  # [T, E] layer target's logits
+                logits = logits.float() * inv_rms  # [T, E] layer target's logits
+                logits = logits if r.bias is None else logits + r.bias.float()
+                logits = logits if r.choice is None else r.choice(logits)  # [T, E] what its router ranks
             if logits.shape[0] == 1:  # a decode step: its top-k, then the runners-up if the budget allows more
-                n = min(logits.shape[-1], max(budget, self.top_k))
+                n = min(int(torch.isfinite(logits[0]).sum()), max(budget, self.top_k))  # never a masked group's
                 ranked = torch.topk(logits[0].float(), n).indices.tolist()
                 out, runners_up = ranked[: self.top_k], ranked[self.top_k :]
             else:
