@@ -295,6 +295,19 @@ class NemotronHMoE(nn.Module):
                             correction_bias=self.correction_bias, renormalize=self.renormalize,
                             routed_scaling_factor=self.scaling)
 
+    def choice_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 logits [T, E] -> what its top-k picks from [T, E]: sigmoid + correction bias, the experts
+        outside the `topk_group` best groups at -inf (`grouped_topk`'s choice); the prefetcher ranks these, so a
+        prediction from the layer's own input is the layer's own choice."""
+        choice = logits.float().sigmoid() + self.correction_bias.float()  # [T, E]
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            T, E = choice.shape
+            grouped = choice.view(T, self.n_group, E // self.n_group)  # [T, G, E/G]
+            best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(self.topk_group, dim=-1, sorted=False)[1]  # [T, g]
+            keep = torch.zeros(T, self.n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep[..., None].expand_as(grouped).reshape(T, E), float("-inf"))
+        return choice
+
     def forward(self, x: torch.Tensor, provider: ExpertProvider, residual: torch.Tensor) -> torch.Tensor:
         """residual + routed(x) + shared(x) [T, H]; x is the normed input."""
         topk_weights, topk_ids = self.route(x)  # [T, K], [T, K]
