@@ -13,6 +13,13 @@ Three stores:
 * `RamStore`: every expert in RAM (pinned when CUDA is present, so copies to the device are DMA).
 * `RamCache`: a fixed slab of N experts (N = budget // expert bytes, allocated once, so the tier can
   never exceed its budget) managed by an eviction policy, over a `DiskStore`.
+
+Every float expert byte is checked for NaN/Inf the first time it is read, in the read itself: native_check.c preads
+512 KB at a time into the destination and scans each chunk's exponent bits while it is in the cache, so the check
+costs ~nothing beside the read (it was ~40% of a bf16 load as a separate `aminmax` pass). Filling a whole tier
+(`fill`: the resident experts, `RamStore`) reads several experts at once, one thread each (the reads release
+the GIL): on this 2-core VM most of a fill is the kernel faulting in and zeroing fresh pages, which two threads
+share (bench/load_time.py).
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import CheckpointError
-from ..io.checkpoint import Checkpoint, TensorInfo, check_finite
+from ..io.checkpoint import Checkpoint, TensorInfo, check_finite, nonfinite_error
 from ..io.files import UnwritableFileError, atomic_write
 from ..quant.base import ExpertFormat, TensorSpec
 from ..quant.dense import DENSE
@@ -40,6 +49,79 @@ if TYPE_CHECKING:  # a type only: the cache never imports the model files
     from ..models.base import MoEForCausalLM
 
 RAM, DISK = "ram", "disk"
+
+
+# -- NaN/Inf checks and parallel fills ----------------------------------------------------------------------------
+def _native():
+    """The kernel library when it is built (its NaN/Inf scan and checked pread), else None: torch's check."""
+    from ..quant import native
+
+    return native.library()
+
+
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def read_threads() -> int:
+    """Threads a fill or a big scan uses: torch's intra-op count (--threads), at most 8."""
+    return max(1, min(torch.get_num_threads(), 8))
+
+
+def _pool() -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(8, thread_name_prefix="moechat-read"))
+        return _POOL[0]
+
+
+SCAN_SPLIT = 64 << 20  # bytes: a tensor past this is scanned by read_threads() threads at once
+
+
+def scan_finite(t: torch.Tensor, name: str, file, what: str = "") -> None:
+    """`check_finite` (the same typed error naming the tensor, the file and `what`) through the native exponent-bit
+    scan when the library is built and t is a contiguous CPU float tensor: one pass at memory speed, split over
+    threads for a big tensor (a memory-mapped embedding table); otherwise check_finite itself."""
+    from ..quant.native import CHECK_KINDS, first_nonfinite
+
+    lib = _native()
+    if lib is None or t.dtype not in CHECK_KINDS or t.device.type != "cpu" or not t.is_contiguous():
+        return check_finite(t, name, file, what)
+    flat = t.reshape(-1)
+    parts = min(read_threads(), -(-flat.numel() * flat.element_size() // SCAN_SPLIT))
+    if parts <= 1:
+        bad = first_nonfinite(lib, flat) >= 0
+    else:
+        step = -(-flat.numel() // parts)
+        bad = any(i >= 0 for i in _pool().map(lambda a: first_nonfinite(lib, flat[a : a + step]),
+                                               range(0, flat.numel(), step)))
+    if bad:
+        raise nonfinite_error(t, name, file, what)
+
+
+def fill(store, jobs: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]]) -> None:
+    """`store.read_into(layer, expert, dst)` for every job, `read_threads()` at a time where the store can read
+    these destinations at once (`parallel_reads`: plain CPU tensors, no shared staging buffer), else in turn. The
+    first failing job in order raises its own error, whatever the threads' timing."""
+    threads = read_threads()
+    can = getattr(store, "parallel_reads", None)
+    if threads <= 1 or len(jobs) < 2 or can is None or not can(jobs):
+        for layer, expert, dst in jobs:
+            store.read_into(layer, expert, dst)
+        return
+    futures = [_pool().submit(store.read_into, *job) for job in jobs[:threads]]
+    try:  # at most `threads` reads in flight (the pool's 8 threads serve every caller): each done one starts the next
+        for i in range(len(jobs)):
+            futures[i].result()
+            if i + threads < len(jobs):
+                futures.append(_pool().submit(store.read_into, *jobs[i + threads]))
+    finally:
+        for f in futures:  # none left running past a failure (they write into the caller's buffers)
+            f.cancel() or f.exception()
+
+
+def _direct(dst: Mapping[str, torch.Tensor]) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in dst.values())
 
 
 @dataclass(frozen=True)
@@ -203,33 +285,61 @@ class DiskStore:
 
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        if fd is None:  # two reading threads may both open it: one fd is kept
+            fd = os.open(path, os.O_RDONLY)
+            if self._fds.setdefault(path, fd) != fd:
+                os.close(fd)
+                fd = self._fds[path]
         return fd
 
     def _pread(self, seg: Segment, out: torch.Tensor) -> None:
         _read_exact(self._fd(seg.file), seg.file, out, seg.offset)
+
+    def _read(self, seg: Segment, out: torch.Tensor, check: bool, layer: int, expert: int) -> None:
+        """The segment's bytes into `out` (contiguous, CPU), checked for NaN/Inf as they land when `check`. A
+        `_pread` set on the instance (bench/prefetch.py's cold reads) is used as it is, then scanned."""
+        lib = _native()
+        if lib is None or "_pread" in self.__dict__:
+            self._pread(seg, out)
+            if check:
+                self._check_finite(seg, out, layer, expert)
+            return
+        from ..quant.native import read_checked
+
+        n, bad = read_checked(lib, self._fd(seg.file), out, seg.offset, check)
+        if n < 0:
+            raise CheckpointError(f"{seg.file}: cannot read expert {expert} of layer {layer} at byte {seg.offset}: "
+                                  f"{os.strerror(-n)}", path=str(seg.file), tensor=seg.tensor or None)
+        if n < seg.nbytes:
+            raise CheckpointError(f"{seg.file}: ended while reading an expert at byte {seg.offset + n} "
+                                  "(was the file truncated or replaced while moechat ran?)", path=str(seg.file))
+        if bad >= 0:
+            raise nonfinite_error(out, seg.tensor or seg.name, seg.file, f" (expert {expert} of layer {layer})")
+
+    def parallel_reads(self, jobs) -> bool:
+        """Whether `fill` may run these reads at once: each segment lands in its destination as stored (no shared
+        staging buffer between them)."""
+        for layer, expert, dst in jobs:
+            if not _direct(dst) or any(seg.stored != dst[seg.name].dtype for seg in self._segments[(layer, expert)]):
+                return False
+        return True
 
     def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
         first = (layer, expert) not in self._finite  # every tier fills from here: one NaN/Inf check per expert
         for seg in self._segments[(layer, expert)]:
             target = dst[seg.name][seg.row_start : seg.row_end]
             if seg.stored == target.dtype and target.device.type == "cpu" and target.is_contiguous():
-                self._pread(seg, target)
-                if first:
-                    self._check_finite(seg, target, layer, expert)
+                self._read(seg, target, first, layer, expert)
             else:  # convert dtype and/or cross to the device through a host staging buffer
                 staging = self._staging_for(seg.name, seg.stored)[: seg.row_end - seg.row_start]
-                self._pread(seg, staging)
-                if first:
-                    self._check_finite(seg, staging, layer, expert)  # on the host copy: no device sync
+                self._read(seg, staging, first, layer, expert)  # checked on the host copy: no device sync
                 target.copy_(staging)
         self._finite.add((layer, expert))
         return DISK, self.expert_bytes
 
     @staticmethod
     def _check_finite(seg: Segment, data: torch.Tensor, layer: int, expert: int) -> None:
-        check_finite(data, seg.tensor or seg.name, seg.file, f" (expert {expert} of layer {layer})")
+        scan_finite(data, seg.tensor or seg.name, seg.file, f" (expert {expert} of layer {layer})")
 
     def source_fingerprint(self) -> list:
         """The shards the experts come from (name, size, mtime): a repacked copy is valid while these hold."""
@@ -384,20 +494,25 @@ class RepackedStore:
             raise self._unwritable(e, need) from None
         self.crc = crc
 
+    def parallel_reads(self, jobs) -> bool:
+        """Whether `fill` may run these reads at once: every destination a plain CPU tensor (no staging buffer)."""
+        return all(_direct(dst) for _, _, dst in jobs)
+
     def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
         i = self.index[(layer, expert)]
         offset = i * self.expert_bytes
-        staged = not self._checked[i] or any(out.device.type != "cpu" or not out.is_contiguous()
-                                             for out in dst.values())
+        staged = not _direct(dst)
         import zlib
 
         c = 0
         for name, (shape, dtype) in self.shapes.items():
             out = dst[name]
             nbytes = torch.Size(shape).numel() * dtype.itemsize
-            if not staged:
+            if not staged:  # straight into the destination; the first read's CRC over it (zlib frees the GIL)
                 _read_exact(self._fd, self.path, out, offset)
-            else:  # through a host buffer: to the device, and for the first read's check
+                if not self._checked[i]:
+                    c = zlib.crc32(memoryview(out.view(torch.uint8).reshape(-1).numpy()), c)
+            else:  # through a host buffer: to the device
                 staging = self._staging.get(name)
                 if staging is None:
                     staging = self._staging[name] = torch.empty(shape, dtype=dtype,
@@ -469,8 +584,8 @@ class RamStore:
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         for layer in layers:
             self.raw[layer], self.tensors[layer] = self.layout.empty(num_experts, pin=pin)  # [E, ...] views
-            for e in range(num_experts):
-                disk.read_into(layer, e, {name: t[e] for name, t in self.tensors[layer].items()})
+            fill(disk, [(layer, e, {name: t[e] for name, t in self.tensors[layer].items()})
+                        for e in range(num_experts)])  # one read per segment into its row, experts side by side
 
     def read_into(self, layer: int, expert: int, dst: Mapping[str, torch.Tensor]) -> tuple[str, int]:
         src = self.tensors[layer]
