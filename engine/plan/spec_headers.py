@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -150,19 +150,53 @@ def _resolve_model_dir(model: str | os.PathLike) -> Path:
     raise ConfigError(f"{model}: no such model directory")
 
 
+@dataclass(frozen=True)
+class GGUFModelSpec(ModelSpec):
+    """A GGUF model's spec: `packed_parts` the dense parts counted as the file packs them ("lm_head", "embeddings"):
+    --dense-format leaves a packed head as it is (MoEForCausalLM.quantize_dense; a tied one is the table) and --dtype
+    converts only the parts dequantized at load."""
+
+    packed_parts: tuple[str, ...] = ()
+
+    def in_dense_format(self, name: str | None) -> ModelSpec:
+        out = super().in_dense_format(name)
+        before = dict(self.dense_parts)
+        if out is self or not ("lm_head" in self.packed_parts or ("lm_head" not in before
+                                                                  and "embeddings" in self.packed_parts)):
+            return out
+        if "lm_head" in before:  # its packed bytes, not an int8 copy's
+            return replace(out, dense_parts=tuple((w, before[w] if w == "lm_head" else b) for w, b in out.dense_parts))
+        # tied: no int8 copy beside the table, which stays the head and is read whole each token
+        return replace(out, dense_parts=tuple((w, b) for w, b in out.dense_parts if w != "lm_head"),
+                       embedding_bytes=self.embedding_bytes)
+
+    def in_dtype(self, elem_bytes: int, name: str) -> ModelSpec:
+        out = super().in_dtype(elem_bytes, name)
+        if out is self or not self.packed_parts:
+            return out
+        ratio = elem_bytes / self.float_bytes  # every other dense tensor of a GGUF is held in the compute dtype
+        parts = tuple((w, b if w in self.packed_parts else int(b * ratio)) for w, b in self.dense_parts)
+        embedding = self.embedding_bytes if "embeddings" in self.packed_parts else int(self.embedding_bytes * ratio)
+        return replace(out, dense_parts=parts, embedding_bytes=embedding)
+
+
 def gguf_spec(path: str | os.PathLike) -> ModelSpec:
     """`moechat fit FILE.gguf`: the plan's ModelSpec from the header(s) alone. The routed experts count as the file
-    packs them (their ggml types' bytes, every tier); every other tensor as the loader holds it, dequantized to the
-    compute dtype; a note gives the file's packed bytes per ggml type."""
+    packs them (their ggml types' bytes, every tier); the output and embedding matrices of a quantized type too (the
+    loader keeps them packed: load/gguf.py `packed_dense`), a head --dense-format leaves as it is (`GGUFModelSpec`);
+    every other tensor as the loader holds it, dequantized to the compute dtype; a note gives the file's packed
+    bytes per ggml type."""
     import numpy as np
 
     from ..io.checkpoint import TensorInfo
-    from ..load.gguf import open_gguf
+    from ..load.gguf import PACKED_DENSE, open_gguf
+    from ..quant.gguf import VECDOT_TYPES
 
     ckpt = open_gguf(path)
     cfg = ckpt.config
     fdtag, fbytes = ("F32", 4) if cfg["torch_dtype"] == "float32" else ("BF16", 2)
     held: dict[str, TensorInfo] = {}
+    kept: dict[str, str] = {}  # engine name -> ggml type: the dense matrices counted packed
     by_type: dict[str, int] = {}
     parts = {"ffn_gate_exps": "gate_gguf", "ffn_up_exps": "up_gguf", "ffn_down_exps": "down_gguf"}
     for reader in ckpt.readers:  # the file's bytes per type (deepseek2's attn_k_b + attn_v_b are one kv_b_proj below)
@@ -176,16 +210,25 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
         elif m:  # gpt-oss's expert biases: in every tier with their expert, in the compute dtype
             hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}_bias"
             held[hf] = TensorInfo(hf, info.file, fdtag, info.shape, 0, int(np.prod(info.shape)) * fbytes)
+        elif name in PACKED_DENSE and getattr(info, "ggml", "") in VECDOT_TYPES:  # held as the file stores it
+            held[name] = TensorInfo(name, info.file, "U8", info.shape, info.start, info.end)
+            kept[name] = info.ggml
         else:
             n = int(np.prod(info.shape)) * fbytes
             held[name] = TensorInfo(name, info.file, fdtag, info.shape, 0, n)
     spec = spec_from_headers(cfg, held, name=Path(path).name, where=str(ckpt.files_[0]))
+    packed_parts = tuple(what for what, name in (("lm_head", "lm_head.weight"), ("embeddings",
+                                                                               "model.embed_tokens.weight"))
+                         if name in kept)
+    spec = GGUFModelSpec(**{f.name: getattr(spec, f.name) for f in fields(ModelSpec)}, packed_parts=packed_parts)
     types = "/".join(t.name for t in ckpt.expert_format.types.values()) if ckpt.expert_format else "none"
     packed = ", ".join(f"{t} {gib(b)}" for t, b in sorted(by_type.items(), key=lambda kv: -kv[1]))
     size = sum(f.stat().st_size for f in ckpt.files_)
     notes = (f"GGUF file of {gib(size)}, packed per type: {packed}",
              f"experts kept packed as the file stores them ({types}, gate/up/down); the other tensors dequantized "
-             f"at load to {cfg['torch_dtype']}")
+             f"at load to {cfg['torch_dtype']}" + ("; kept packed on a CPU (dequantized on a GPU): " + " and ".join(
+                 f"the {'output' if n == 'lm_head.weight' else 'embedding'} matrix ({t})" for n, t in kept.items())
+                 if kept else ""))
     spec = replace(spec, expert_format=f"GGUF {types}", checkpoint_bytes=size, present_bytes=size,
                    path=str(path), notes=tuple(n for n in spec.notes if "safetensors" not in n) + notes)
     return spec
