@@ -348,7 +348,12 @@ def _config(reader, arch: str, tensors: dict, where: str) -> dict:
                    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
     elif model_type == "deepseek_v2":  # what DeepseekV2Model.set_gguf_parameters writes
         nextn = int(key("nextn_predict_layers", 0))
-        gating = int(key("expert_gating_func", 1))  # 1 softmax (V2), 2 sigmoid (V3, R1, Kimi K2)
+        gating = key("expert_gating_func")  # 1 softmax (V2), 2 sigmoid (V3, R1, Kimi K2, GLM-4.7-Flash)
+        # GLM-4.7-Flash (glm4_moe_lite, written as deepseek2) files carry no gating key; llama.cpp's loader takes
+        # sigmoid for them (47 or 48 blocks and GLM's 154,880-token vocabulary), softmax for DeepSeek-V2's older files
+        glm = _value(reader, "tokenizer.ggml.pre") == "glm4" or (
+            int(need("block_count")) in (47, 48) and cfg["vocab_size"] == 154880)
+        gating = int(gating if gating is not None else 2 if glm else 1)
         if gating not in (1, 2):
             raise UnsupportedModelError(f"{where}: deepseek2.expert_gating_func {gating} is neither the softmax of "
                                         "DeepSeek-V2 nor the sigmoid of DeepSeek-V3; moechat cannot route this file")
@@ -357,7 +362,8 @@ def _config(reader, arch: str, tensors: dict, where: str) -> dict:
         qk = int(key("attention.key_length_mla", 0) or need("attention.key_length"))
         v_dim = int(key("attention.value_length_mla", 0) or need("attention.value_length"))
         n_group = int(key("expert_group_count", 1) or 1)
-        cfg.update(model_type="deepseek_v3" if gating == 2 else "deepseek_v2", n_routed_experts=experts,
+        family = ("glm4_moe_lite" if glm else "deepseek_v3") if gating == 2 else "deepseek_v2"
+        cfg.update(model_type=family, n_routed_experts=experts,
                    num_key_value_heads=heads, moe_intermediate_size=int(need("expert_feed_forward_length")),
                    intermediate_size=ff, n_shared_experts=int(key("expert_shared_count", 0)),
                    first_k_dense_replace=int(key("leading_dense_block_count", 0)),

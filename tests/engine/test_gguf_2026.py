@@ -301,7 +301,8 @@ def test_qwen3next_without_its_attn_gate_is_one_typed_line(tmp_path):
 
 MINIMAX = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                head_dim=32, rotary_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-               initializer_range=0.2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None)
+               initializer_range=0.2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+               eos_token_id=None)
 
 
 @pytest.mark.parametrize("experts,dense", [(("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
@@ -323,3 +324,128 @@ def test_minimax_m2_matches_transformers(tmp_path, experts, dense):
     path = tmp_path / "minimax-m2.gguf"
     ref = _reference(model, write_2026(path, model, "minimax-m2", experts, dense))
     _check(path, ref, "minimax_m2")
+
+
+# -- GLM-4.7-Flash: llama.cpp's Glm4MoeLiteModel writes it as deepseek2 ---------------------------------------------
+
+GLM_LITE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64,
+                kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=8, v_head_dim=32, q_lora_rank=64,
+                first_k_dense_replace=1, mlp_layer_types=["dense", "sparse", "sparse"], n_shared_experts=1,
+                routed_scaling_factor=1.8, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
+                pad_token_id=None, bos_token_id=None)
+
+
+def write_glm4_moe_lite(path, model, gating_key: bool, pre: str | None = "glm4", experts=("Q8_0", "Q8_0", "Q4_0")):
+    """As Glm4MoeLiteModel (a DeepseekV2Model) in convert_hf_to_gguf.py: arch deepseek2, MLA in the absorbed form's
+    key/value lengths, kv_b_proj split per head into attn_k_b (transposed) and attn_v_b, the correction bias as
+    exp_probs_b.bias, the MTP layer past the last (block_count + 1, nextn_predict_layers), and no
+    expert_gating_func (GLM's config has no scoring_func: the files on the Hub have none) unless `gating_key`."""
+    from .test_gguf_more import _Writer
+
+    cfg = model.config
+    W = _Writer(path, "deepseek2")
+    w = W.w
+    nope, rope, v_dim, C, nH = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank,
+                                cfg.num_attention_heads)
+    L = cfg.num_hidden_layers
+    w.add_block_count(L + 1)
+    w.add_nextn_predict_layers(1)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(nH)
+    w.add_head_count_kv(1)  # MLA converted to MQA
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    if gating_key:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(C)
+    w.add_key_length(C + rope)
+    w.add_value_length(C)
+    w.add_key_length_mla(nope + rope)
+    w.add_value_length_mla(v_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope)
+    if pre:
+        w.add_tokenizer_pre(pre)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    W.put("token_embd.weight", sd["model.embed_tokens.weight"], "Q8_0", "model.embed_tokens.weight")
+    W.put("output_norm.weight", sd["model.norm.weight"], "F32", "model.norm.weight")
+    W.put("output.weight", sd["lm_head.weight"], "Q8_0", "lm_head.weight")
+    names = {"self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+             "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+             "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.o_proj": "attn_output",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+             "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for hf, g in names.items():
+            if p + hf + ".weight" in sd:
+                arr = sd[p + hf + ".weight"]
+                typ = "Q8_0" if arr.ndim == 2 and g != "ffn_gate_inp" else "F32"
+                W.put(f"blk.{i}.{g}.weight", arr, typ, p + hf + ".weight")
+        per = sd[p + "self_attn.kv_b_proj.weight"].reshape(nH, nope + v_dim, C)
+        k_b = W.put(f"blk.{i}.attn_k_b.weight", per[:, :nope].swapaxes(1, 2), "Q8_0")  # [nH, C, N]
+        v_b = W.put(f"blk.{i}.attn_v_b.weight", per[:, nope:], "Q8_0")  # [nH, V, C]
+        kv_b = torch.cat([k_b.transpose(1, 2), v_b], 1)  # [nH, N + V, C]
+        W.held[p + "self_attn.kv_b_proj.weight"] = kv_b.reshape(nH * (nope + v_dim), C)
+        if p + "mlp.gate.e_score_correction_bias" in sd:
+            W.put(f"blk.{i}.exp_probs_b.bias", sd[p + "mlp.gate.e_score_correction_bias"], "F32",
+                  p + "mlp.gate.e_score_correction_bias")
+        if p + "mlp.experts.gate_up_proj" in sd:
+            gate_up, I = sd[p + "mlp.experts.gate_up_proj"], cfg.moe_intermediate_size  # [E, 2I, H]
+            g = W.put(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :I], experts[0])
+            u = W.put(f"blk.{i}.ffn_up_exps.weight", gate_up[:, I:], experts[1])
+            W.held[p + "mlp.experts.gate_up_proj"] = torch.cat([g, u], dim=1)
+            W.put(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"], experts[2],
+                  p + "mlp.experts.down_proj")
+    W.put(f"blk.{L}.nextn.eh_proj.weight", np.zeros((64, 128), np.float32), "F32")  # the MTP layer: never read
+    W.put(f"blk.{L}.attn_norm.weight", np.ones(64, np.float32), "F32")
+    return W.close()
+
+
+@pytest.fixture(scope="module")
+def glm_lite():
+    import transformers
+
+    config = transformers.AutoConfig.for_model("glm4_moe_lite", **GLM_LITE)
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("gating_key", [False, True])
+def test_glm_4_7_flash_as_llama_cpp_writes_it_matches_transformers(tmp_path, glm_lite, gating_key):
+    """GLM-4.7-Flash's deepseek2 file without a gating key (every file on the Hub) routes with sigmoid as llama.cpp's
+    loader does since its fix (b7788) and runs as glm4_moe_lite; with the key it is the same."""
+    path = tmp_path / "glm-4.7-flash.gguf"
+    ref = _reference(glm_lite, write_glm4_moe_lite(path, glm_lite, gating_key))
+    _check(path, ref, "glm4_moe_lite")
+    assert load_model(path, dtype="float32").args.num_hidden_layers == 3  # the MTP layer left out
+
+
+def test_a_deepseek2_file_without_a_gating_key_is_deepseek_v2s_softmax(tmp_path, glm_lite):
+    """Not GLM (no glm4 pre-tokenizer, not its vocabulary): llama.cpp's default for DeepSeek-V2's older files."""
+    path = tmp_path / "v2.gguf"
+    write_glm4_moe_lite(path, glm_lite, gating_key=False, pre=None)
+    from moechat.engine.load.gguf import open_gguf
+
+    cfg = open_gguf(path).config
+    assert cfg["model_type"] == "deepseek_v2" and cfg["scoring_func"] == "softmax"
