@@ -93,7 +93,8 @@ def test_the_slots_after_each_token_are_todays_slots(model):
     """Admission after the step runs the policy calls today's provider makes during it, in the same order: after
     every token the two pools hold the same experts in the same slots and the same loads were made."""
     for slots in (2, 4, 10):
-        today, dev = _cached(model, slots), _device(model, slots)
+        today, dev = _cached(model, slots, record_trace=True), DeviceResidentProvider.from_cached(
+            _cached(model, slots, record_trace=True))
         layers = sorted(dev.host_views)
         g = np.random.default_rng(slots)
         for _ in range(12):
@@ -109,6 +110,11 @@ def test_the_slots_after_each_token_are_todays_slots(model):
         # a hit is what the step read from a slot: at least today's (an earlier layer's admission may evict a
         # later layer's expert after the step read it from its slot; today's path then counts a miss)
         assert sum(a.hits) >= sum(b.hits)
+        # the heatmap's counters and the routing trace are fed as today's
+        np.testing.assert_array_equal(dev.frequency, today.frequency)
+        np.testing.assert_array_equal(dev.where_ran, today.where_ran)
+        got, want = dev.recorder.to_trace(), today.recorder.to_trace()
+        np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
 
 
 def test_a_retune_rebuilds_the_map_for_the_new_slot_count(model):
