@@ -220,6 +220,19 @@ def test_every_format_from_slots_and_host_matches_todays_path(fmt_name, dtype, a
     torch.testing.assert_close(summed.float(), ref, **(tol if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)))
 
 
+def test_a_few_tokens_at_once_match_the_reference():
+    """T > 1 (a small batch with max_tokens > 1): pairs token-major, each token's k-sum in order."""
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
+    slots = {"w13": w13[[4, 0]].clone(), "w2": w2[[4, 0]].clone()}  # experts 4 and 0 in slots 0 and 1
+    host = {"w13": w13, "w2": w2}
+    residency = torch.tensor([1, C + 1, C + 2, C + 3, 0, C + 5], dtype=torch.int32)
+    x = torch.randn(3, H, generator=g)
+    topk_weights, topk_ids = softmax_topk(torch.randn(3, E, generator=g), K, True)
+    got = map_moe(x, topk_weights, residency[topk_ids], C, slots, host, get_format("dense"), SWIGLU, residual=x)
+    torch.testing.assert_close(got, x + moe_reference(x, topk_weights, topk_ids, w13, w2), rtol=1e-5, atol=1e-5)
+
+
 def test_the_layer_step_compiles_whole_and_matches_eager():
     """torch.compile(fullgraph=True) of one MoE layer's device step (route, record, map lookup, gather, dequantize,
     compute, k-sum): no graph break, so nothing in it waits for the host. aot_eager traces the same graph inductor

@@ -216,3 +216,17 @@ def test_cuda_reads_the_pinned_host_tier_in_place_and_orders_fills_by_events(mod
     torch.cuda.current_stream().synchronize()
     assert p.residency.map[layer, 3].item() == p.pool.slot_of(layer, 3)
     assert p.residency.mismatches(p.pool) == []
+
+
+def test_a_new_ram_tier_is_taken_when_it_holds_every_expert_and_refused_otherwise(model):
+    engine = Engine.load(model, dtype="float32", cache=CacheConfig(expert_slots=2, policy="lru"))
+    engine.provider = DeviceResidentProvider.from_cached(engine.provider)
+    p = engine.provider
+    old = p.store
+    engine.retune_cache(ram_cache_bytes=1 << 40)  # a new RAM tier with every expert: the map follows it
+    assert p.store is not old and p.host_views[min(p.host_views)]["w13"].data_ptr() == \
+        p.store.tensors[min(p.host_views)]["w13"].data_ptr()
+    assert p.residency.mismatches(p.pool) == []
+    with pytest.raises(ConfigError, match="device-resident MoE step cannot use this RAM tier"):
+        engine.retune_cache(ram_cache_bytes=20_000)
+    assert isinstance(p.store, type(old))

@@ -60,15 +60,38 @@ class DeviceResidentProvider(CachedProvider):
         super().__init__(pool, store, policy, recorder, transfer=transfer, copies=copies)
         self.max_tokens = max_tokens  # T_max: steps of up to this many tokens take the device path
         self.residency = ResidencyMap(pool, host_index(store, pool.num_layers, pool.num_experts))
-        # each MoE layer's RAM-tier buffers by name [E, ...], readable by the device (host-mapped on CUDA)
-        self.host_views = {layer: pool.layout.views(host_mapped(raw, pool.device)) for layer, raw in store.raw.items()}
-        self.last_moe_layer = max(store.raw)
+        self._attach(store)
         self._record: torch.Tensor | None = None  # [L, T_max, K] int64 on the device
         self._record_host: torch.Tensor | None = None  # [L, T_max, K] pinned on CUDA: the one copy's target
         self._copied = None  # CUDA: the event of this step's record copy
         self._step_layers: list[int] = []  # MoE layers of the step not yet settled, in order
         self._step_tokens = 0
         self.steps_settled = 0
+
+    @property
+    def store(self):
+        return self._store
+
+    @store.setter
+    def store(self, store) -> None:
+        """A new RAM tier (a retune): kept only when the map can cover it; else a ConfigError saying why."""
+        if hasattr(self, "residency"):
+            reason = unsupported_reason(store, self.pool)
+            if reason is not None:
+                raise ConfigError(f"the device-resident MoE step cannot use this RAM tier: {reason}")
+            self._store = store
+            self._attach(store)
+        else:
+            self._store = store  # CachedProvider.__init__'s
+
+    def _attach(self, store) -> None:
+        """The host side of the map: each MoE layer's RAM-tier buffers by name [E, ...], readable by the device
+        (host-mapped on CUDA), and the map rebuilt over them."""
+        pool = self.pool
+        self.host_views = {layer: pool.layout.views(host_mapped(raw, pool.device)) for layer, raw in store.raw.items()}
+        self.last_moe_layer = max(store.raw)
+        self.residency.index = host_index(store, pool.num_layers, pool.num_experts)
+        self.residency.rebuild(pool)
 
     @classmethod
     def from_cached(cls, cached: CachedProvider, max_tokens: int = 1) -> DeviceResidentProvider:
@@ -127,8 +150,8 @@ class DeviceResidentProvider(CachedProvider):
         layers, T = self._step_layers, self._step_tokens
         self._step_layers = []
         if self._record_host is not None:
-            if self._copied is None:  # the step ended before its last MoE layer (never in a model's forward)
-                self._record_host.copy_(self._record, non_blocking=True)
+            if self._copied is None:  # the step ended before its last MoE layer (a cancelled forward)
+                self._record_host.copy_(self._record)  # blocking: nothing to overlap with
             else:
                 self._copied.synchronize()
             ids = self._record_host.numpy()  # [L, T_max, K]
