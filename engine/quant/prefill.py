@@ -13,6 +13,21 @@ sequential fp32 sum; tested, with the observed error far below). The order depen
 any thread count, any batch the token is in and any chunking give the same bits.
 
 `MOECHAT_PREFILL_KERNEL=0` takes the old path (the native decoders and one GEMM) for the bench's A/B.
+
+Integer dots for int4 (groups of 32) and MXFP4 with a bf16 or fp16 x (native_prefill_int.c, `int4_q8` /
+`mxfp4_q8`): x quantized once per call to int8 per 32-element block with an fp32 scale (llama.cpp's Q8_0), the
+weights decoded to bytes once per call (16 rows a group with AVX-512, in cache), every block's dot product an exact
+int32 (`vpdpbusd` u8 x s8 on AVX-512 VNNI / AVX-VNNI, `vpmaddubsw` on AVX2), scaled and summed in fp32 over the
+blocks in order. Not fp32-exact: x is rounded to 8 bits, so each output is within `bound_q8` of F.linear(x,
+weight()) (x's rounding, at most half a step of max |x| / 127 per element, times sum |w|, plus the fp32 sum over the
+blocks; observed ~0.5% of the largest output on Gaussian x, where x's bf16 rounding alone is ~0.1%). So only a
+bf16/fp16 compute dtype takes it, a model whose activations are already rounded to 8 mantissa bits and whose
+one-token int4/MXFP4 path already sums over a rounded x (native.c, 16 bits); fp32 x keeps the decoded-tile kernel
+and fp32 sums, the exact reference. Every build (AVX-512 VNNI, AVX-VNNI, AVX2, scalar) writes the same bits, and the
+order is a function of (t, r): any thread count, any batch. Measured at 128 tokens through Qwen3-30B-A3B and
+GPT-OSS-20B expert projections (2-core Zen 4, AVX-512 VNNI, machine loaded): 2.6-3.7x the decoded tile's GMAC/s on
+one thread and on two, so it is the default for those dtypes. `MOECHAT_PREFILL_INT=0` sends bf16 x to the
+decoded-tile kernel (the A/B).
 """
 
 from __future__ import annotations
@@ -24,7 +39,10 @@ from pathlib import Path
 import torch
 
 ENV = "MOECHAT_PREFILL_KERNEL"
+INT_ENV = "MOECHAT_PREFILL_INT"  # "0": a bf16/fp16 x takes the decoded-tile kernel too
 _TYPED = "moechat_prefill_typed"
+INT_DTYPES = (torch.bfloat16, torch.float16)  # the compute dtypes that take the integer kernels (fp32 stays exact)
+Q8_BLOCK = 32  # elements of x sharing one int8 scale
 
 # Prefill chunk sizes measured (tokens per forward pass); chunk_size's docstring has the figures.
 CHUNK_CHOICES = (64, 128, 256, 512, 1024)
@@ -49,7 +67,30 @@ def _type(lib) -> None:
     lib.moechat_prefill_int8.argtypes = [p, i64, p, p, i64, i64, p, i64]
     for f in (lib.moechat_prefill_int4, lib.moechat_prefill_mxfp4, lib.moechat_prefill_fp8, lib.moechat_prefill_int8):
         f.restype = ctypes.c_int
+    if hasattr(lib, "moechat_prefill_q8_int4"):
+        for f in (lib.moechat_prefill_q8_int4, lib.moechat_prefill_q8_mxfp4):
+            f.argtypes = [p, i64, p, p, i64, i64, p, i64]
+            f.restype = ctypes.c_int
+        lib.moechat_prefill_q8_isa.restype = ctypes.c_int
     setattr(lib, _TYPED, True)
+
+
+def has_integer(lib) -> bool:
+    """Whether `lib` has the integer (Q8 activation) kernels."""
+    return lib is not None and hasattr(lib, "moechat_prefill_q8_int4")
+
+
+ISAS = {3: "AVX-512 VNNI", 2: "AVX-VNNI", 1: "AVX2", 0: "scalar"}
+
+
+def integer_isa(lib) -> str:
+    """The instruction set the integer kernels of `lib` were built for."""
+    return ISAS[lib.moechat_prefill_q8_isa()]
+
+
+def integer_path(x: torch.Tensor, lib) -> bool:
+    """Whether x takes the integer kernels: a bf16/fp16 x, the library has them, MOECHAT_PREFILL_INT is not 0."""
+    return x.dtype in INT_DTYPES and has_integer(lib) and os.environ.get(INT_ENV, "1") != "0"
 
 
 def _threads(lib) -> None:
@@ -83,10 +124,13 @@ def _out(T: int, rows: int, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def int4(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [T, in] @ W^T -> [T, R] fp32, W the int4 projection q [R, in/2] u8 / scale [R, in/g] fp16 (contiguous)."""
+    """x [T, in] @ W^T -> [T, R] fp32, W the int4 projection q [R, in/2] u8 / scale [R, in/g] fp16 (contiguous).
+    A bf16/fp16 x with groups of 32 takes the integer kernel (`int4_q8`), else the decoded tile (fp32 sums)."""
     rows, cols = q.shape[0], q.shape[1] * 2
     if scale.dtype != torch.float16 or not (q.is_contiguous() and scale.is_contiguous()):
         raise ValueError("the int4 prefill kernel reads contiguous codes and fp16 scales")
+    if integer_path(x, lib) and scale.shape[1] * Q8_BLOCK == cols:
+        return int4_q8(lib, x, q, scale)
     xf = _x(x)
     y = _out(xf.shape[0], rows, None)
     _call(lib, lib.moechat_prefill_int4, "int4", xf.data_ptr(), xf.shape[0], q.data_ptr(), scale.data_ptr(), rows,
@@ -95,14 +139,44 @@ def int4(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 
 def mxfp4(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [T, in] @ W^T -> [T, R] fp32, W from blocks [R, in/32, 16] u8 / scales [R, in/32] u8 (contiguous)."""
+    """x [T, in] @ W^T -> [T, R] fp32, W from blocks [R, in/32, 16] u8 / scales [R, in/32] u8 (contiguous).
+    A bf16/fp16 x takes the integer kernel (`mxfp4_q8`), an fp32 one the decoded tile (fp32 sums)."""
     rows, cols = blocks.shape[0], blocks.shape[1] * 32
     if not (blocks.is_contiguous() and scales.is_contiguous()):
         raise ValueError("the MXFP4 prefill kernel reads contiguous blocks and scales")
+    if integer_path(x, lib):  # a bf16/fp16 x: the integer kernel (`mxfp4_q8`)
+        return mxfp4_q8(lib, x, blocks, scales)
     xf = _x(x)
     y = _out(xf.shape[0], rows, None)
     _call(lib, lib.moechat_prefill_mxfp4, "mxfp4", xf.data_ptr(), xf.shape[0], blocks.data_ptr(), scales.data_ptr(),
           rows, cols, y.data_ptr(), y.stride(0))
+    return y
+
+
+def int4_q8(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The integer kernel whatever x's dtype: x [T, in] @ W^T -> [T, R] fp32 within `bound_q8`, W the int4 projection
+    q [R, in/2] u8 / scale [R, in/32] fp16 (groups of 32, contiguous)."""
+    rows, cols = q.shape[0], q.shape[1] * 2
+    if (scale.dtype != torch.float16 or scale.shape != (rows, cols // Q8_BLOCK) or cols % Q8_BLOCK
+            or not (q.is_contiguous() and scale.is_contiguous())):
+        raise ValueError("the int4 integer prefill kernel reads contiguous codes and fp16 scales in groups of 32")
+    xf = _x(x)
+    y = _out(xf.shape[0], rows, None)
+    _call(lib, lib.moechat_prefill_q8_int4, "int4 integer", xf.data_ptr(), xf.shape[0], q.data_ptr(),
+          scale.data_ptr(), rows, cols, y.data_ptr(), y.stride(0))
+    return y
+
+
+def mxfp4_q8(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The integer kernel whatever x's dtype: x [T, in] @ W^T -> [T, R] fp32 within `bound_q8`, W from blocks
+    [R, in/32, 16] u8 / scales [R, in/32] u8 (contiguous)."""
+    rows, cols = blocks.shape[0], blocks.shape[1] * 32
+    if not (blocks.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("the MXFP4 integer prefill kernel reads contiguous blocks and scales")
+    xf = _x(x)
+    y = _out(xf.shape[0], rows, None)
+    _call(lib, lib.moechat_prefill_q8_mxfp4, "mxfp4 integer", xf.data_ptr(), xf.shape[0], blocks.data_ptr(),
+          scales.data_ptr(), rows, cols, y.data_ptr(), y.stride(0))
     return y
 
 
@@ -151,6 +225,35 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     smallest normal for outputs that underflow. [T, R] fp32."""
     cols = w.shape[1]
     return (x.double().abs() @ w.double().abs().t() * (cols * 2.0**-24)).float() + torch.finfo(torch.float32).tiny
+
+
+def round_x8(x: torch.Tensor) -> torch.Tensor:
+    """The x the integer kernels sum over, as a slow reference in fp64: per 32-element block with m = max |x|,
+    q = round(x 127 / m) to nearest even (in fp64, |q| <= 127) times xs = m / 127 rounded to fp32; NaN for a block
+    with a non-finite element, 0 for an all-zero one."""
+    b = x.float().reshape(*x.shape[:-1], -1, Q8_BLOCK)  # [..., G, 32]
+    mx = b.abs().amax(dim=-1, keepdim=True)  # [..., G, 1] fp32
+    xs = (mx / 127).double()  # the fp32 quotient, as the kernel's
+    q = torch.round(b.double() * (127.0 / mx.double()))
+    out = torch.where(mx > 0, q * xs, torch.zeros_like(q))
+    return out.where(b.isfinite().all(dim=-1, keepdim=True), torch.nan).reshape(x.shape)
+
+
+def bound_q8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The stated bound of an integer kernel's output against F.linear(x, w) in exact arithmetic (w = weight() in
+    fp32, x as the kernel reads it: fp32), per element [T, R] fp64:
+    sum_b xs_b (1/2 + 2^-15) sum_{k in b} |w_rk|   (x rounded to q xs_b, xs_b = max_b |x| / 127: half a step, and the
+                                                    step's own fp32 rounding)
+    + (G + 1) 2^-24 sum_k |w_rk| (|x_tk| + xs_b(k))  (each block's ws x xs rounded once, the fp32 sum over G blocks)
+    + 2^-126 G (T, R)                                 (scales that underflow)."""
+    T, cols = x.shape
+    G = cols // Q8_BLOCK
+    xd, wd = x.double(), w.double().abs()
+    xs = xd.abs().reshape(T, G, Q8_BLOCK).amax(dim=-1) / 127  # [T, G]
+    w1 = wd.reshape(-1, G, Q8_BLOCK).sum(dim=-1)  # [R, G]
+    rounding = (xs * (0.5 + 2.0**-15)) @ w1.t()  # [T, R]
+    mags = xd.abs() + xs.repeat_interleave(Q8_BLOCK, dim=1)  # [T, in]
+    return rounding + (G + 1) * 2.0**-24 * (mags @ wd.t()) + 2.0**-126 * G
 
 
 def chunk_size(hidden: int, cache_bytes: int = 32 << 20, intermediate: int = 0) -> int:

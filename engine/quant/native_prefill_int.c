@@ -1,0 +1,346 @@
+/* moechat's many-token integer kernels for the 4-bit expert formats: y [T, rows] = x [T, cols] @ W^T for an int4
+ * (groups of 32) or MXFP4 projection W, with x quantized once per call to int8 per 32-element block (Q8_0's layout:
+ * q = round(x / d), d = max |x| / 127, an fp32 d per block) and every block's dot product summed in integers.
+ * Compiled with native.c into one library; called through ctypes from quant/prefill.py.
+ *
+ * Design (issue 27, option c, as llama.cpp's Q4_0 x Q8_0): weights are unsigned bytes u with an offset o (int4: the
+ * code 0..15, o = 8; MXFP4: a 16-entry byte table of the E2M1 value x 2 plus 12, 0..24, o = 12), so
+ * sum_k (u_k - o) q_k = sum_k u_k q_k - o sum_k q_k: the second term is a per-(token, block) integer computed with x's
+ * quantization, and the first is what `vpdpbusd` (u8 x s8, 4 products a 32-bit lane) computes. A group of RG rows
+ * (16 with AVX-512, 8 otherwise) is decoded once per call into a per-thread byte scratch laid out
+ * [block][chunk of 4 inputs][row][4]: one vector of it holds 4 inputs of RG rows, and one broadcast 32-bit word of a
+ * token's q meets all of them, so a lane is one output and no horizontal sum is needed. Within a block the inputs
+ * are taken in the packed order (the low nibbles, even elements, then the high ones); x's blocks are permuted to
+ * match once, at quantization. Per block, each lane's exact int32 sum is converted to fp32 and accumulated with one
+ * FMA: acc = fma(float(isum), ws x xs, acc), ws the weight's scale (int4: its fp16 scale; MXFP4: 2^(s - 128), the
+ * x 2 folded in), xs the token's; the blocks in order. That is 64 multiply-adds a `vpdpbusd` against the decoded
+ * tile's 16 an fp32 FMA.
+ *
+ * Exactness: not fp32-exact, x is rounded to 8 bits. Per output, against F.linear(x, weight()) in exact arithmetic:
+ * |y - ref| <= sum_b xs_b (1/2 + 2^-15) sum_{k in b} |w_k| + (G + 1) 2^-24 sum_k |w_k| (|x_k| + xs_b(k)) (+ a few
+ * smallest normals where scales underflow): the rounding of x, then the products' scale (ws x xs rounded once) and
+ * the fp32 sum over the G blocks (quant/prefill.py `bound_q8`, tested). The integer sums are exact, and every step
+ * after them is the same IEEE operation on every build (the fma, ws x xs, the block order), so the AVX-512 VNNI,
+ * AVX-VNNI, AVX2 and scalar builds write the same bits, and the order is a function of (t, r) alone: the same bits
+ * at any thread count and any token batching.
+ *
+ * Dispatch at compile time, as native.py's -march=native targets the CPU: AVX-512 F+BW+VNNI (zmm vpdpbusd, 16 rows x
+ * 8 tokens), else AVX2 with AVX-VNNI (ymm vpdpbusd, 8 rows x 4 tokens), else AVX2 (vpmaddubsw + vpmaddwd: u8 x s8
+ * pairs into int16, at most 4 x 2 x 24 x 127 = 24384 before they widen, so never saturating), else scalar C
+ * (MOECHAT_SCALAR forces it). Threads: row groups over native.c's pool (moechat_parallel_for). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(MOECHAT_SCALAR) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define IQ_ISA 3
+#elif !defined(MOECHAT_SCALAR) && defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+#define IQ_ISA 2
+#elif !defined(MOECHAT_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#define IQ_ISA 1
+#else
+#define IQ_ISA 0
+#endif
+#if IQ_ISA
+#include <immintrin.h>
+#endif
+
+#if IQ_ISA == 3
+#define RG 16 /* rows a vector holds (one int32 lane each) */
+#define TBQ 8 /* tokens a kernel call holds: 8 int32 + 8 fp32 accumulators */
+#else
+#define RG 8
+#define TBQ 4 /* 16 ymm registers: 4 int32 + 4 fp32 accumulators (+ 4 int16 partials for maddubs) */
+#endif
+
+int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, int64_t units, int64_t align,
+                         int64_t bytes);
+
+/* the code -> unsigned byte maps (the weight is (u - offset) x the block's scale) */
+static const uint8_t U_INT4[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const uint8_t U_MXFP4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* 2 x E2M1 + 12 */
+enum { Q_INT4, Q_MXFP4 };
+
+typedef struct {
+    int fmt;
+    const uint8_t *w;  /* codes [rows, cols / 2] */
+    const void *s;     /* int4: fp16 [rows, G]; MXFP4: E8M0 bytes [rows, G] */
+    int64_t rows, cols, G, T, ldy;
+    const int8_t *xq;  /* [T, cols], each block permuted to the packed order */
+    const float *xs;   /* [T, G] */
+    const int32_t *xc; /* [T, G]: -offset x sum of the block's q */
+    float *y;
+    float e8m0[256];   /* MXFP4: 2^(s - 128) */
+} QJob;
+
+static float q_f16(uint16_t h) { /* an fp16 bit pattern -> its fp32 value, exactly */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, b;
+    if (e == 31) b = sign | 0x7F800000u | m << 13;
+    else if (e) b = sign | (e + 112) << 23 | m << 13;
+    else if (m) {
+        int k = 0;
+        while (!(m & 1024)) m <<= 1, k++;
+        b = sign | (uint32_t)(113 - k) << 23 | (m & 1023) << 13;
+    } else b = sign;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* x [T, cols] fp32 -> q int8 (the block's elements in the packed order: even ones, then odd ones), xs, xc. q is
+ * round(x 127 / max |x|) in double (so no fp32 range or rounding subtlety: |q| <= 127), xs = max |x| / 127 in fp32;
+ * a block with a non-finite element gets xs = NaN (its outputs NaN, as the reference's). */
+static void quantize_x(const float *x, int64_t T, int64_t cols, int offset, int8_t *xq, float *xs, int32_t *xc) {
+    int64_t G = cols / 32;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < G; b++) {
+            const float *v = x + t * cols + b * 32;
+            int8_t *o = xq + t * cols + b * 32;
+            float amax = 0.0f;
+            for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+            int bad = 0;
+            for (int k = 0; k < 32; k++) bad |= !isfinite(v[k]);
+            int32_t sum = 0;
+            if (bad || amax == 0.0f) {
+                memset(o, 0, 32);
+                xs[t * G + b] = bad ? NAN : 0.0f;
+            } else {
+                double inv = 127.0 / (double)amax;
+                for (int p = 0; p < 32; p++) {
+                    int q = (int)nearbyint((double)v[p < 16 ? 2 * p : 2 * (p - 16) + 1] * inv);
+                    o[p] = (int8_t)q;
+                    sum += q;
+                }
+                xs[t * G + b] = amax / 127.0f;
+            }
+            xc[t * G + b] = -offset * sum;
+        }
+}
+
+/* rows [r0, r0 + nr) (nr <= RG; the rest zero) -> W [G][8][RG][4] bytes, WS [G][RG] fp32 */
+static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *WS) {
+    const int64_t G = J->G, half = J->cols / 2;
+    const uint8_t *rp[RG];
+    for (int i = 0; i < RG; i++) rp[i] = i < nr ? J->w + (r0 + i) * half : NULL;
+    for (int64_t b = 0; b < G; b++)
+        for (int i = 0; i < RG; i++) {
+            float s = 0.0f;
+            if (i < nr) {
+                if (J->fmt == Q_INT4) s = q_f16(((const uint16_t *)J->s)[(r0 + i) * G + b]);
+                else s = J->e8m0[((const uint8_t *)J->s)[(r0 + i) * G + b]];
+            }
+            WS[b * RG + i] = s;
+        }
+    const uint8_t *map = J->fmt == Q_INT4 ? U_INT4 : U_MXFP4;
+#if IQ_ISA
+    static const uint8_t zeros[16] = {0};
+    const __m128i tab128 = _mm_loadu_si128((const __m128i *)map), m0f128 = _mm_set1_epi8(0x0F);
+#if IQ_ISA == 3
+    const __m512i tab = _mm512_broadcast_i32x4(tab128), m0f = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < G; b++, W += 8 * 64) {
+        __m128i R[16];
+        for (int i = 0; i < 16; i++) R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + b * 16 : zeros));
+        __m512i Z[4];  /* Z[c] = rows c, c + 4, c + 8, c + 12 in its four 128-bit lanes */
+        for (int c = 0; c < 4; c++)
+            Z[c] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(R[c]), R[c + 4], 1),
+                                                         R[c + 8], 2), R[c + 12], 3);
+        __m512i t0 = _mm512_unpacklo_epi32(Z[0], Z[1]), t1 = _mm512_unpackhi_epi32(Z[0], Z[1]);
+        __m512i t2 = _mm512_unpacklo_epi32(Z[2], Z[3]), t3 = _mm512_unpackhi_epi32(Z[2], Z[3]);
+        __m512i D[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                        _mm512_unpackhi_epi64(t1, t3)};  /* D[m]: dword m (packed bytes 4m..4m+3) of rows 0..15 */
+        for (int m = 0; m < 4; m++) {
+            __m512i lo = _mm512_and_si512(D[m], m0f), hi = _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f);
+            _mm512_store_si512((__m512i *)(W + m * 64), _mm512_shuffle_epi8(tab, lo));
+            _mm512_store_si512((__m512i *)(W + (4 + m) * 64), _mm512_shuffle_epi8(tab, hi));
+        }
+    }
+#else
+    const __m256i tab = _mm256_broadcastsi128_si256(tab128), m0f = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < G; b++, W += 8 * 32) {
+        __m128i R[8];
+        for (int i = 0; i < 8; i++) R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + b * 16 : zeros));
+        __m256i Z[4];  /* Z[c] = rows c, c + 4 */
+        for (int c = 0; c < 4; c++) Z[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(R[c]), R[c + 4], 1);
+        __m256i t0 = _mm256_unpacklo_epi32(Z[0], Z[1]), t1 = _mm256_unpackhi_epi32(Z[0], Z[1]);
+        __m256i t2 = _mm256_unpacklo_epi32(Z[2], Z[3]), t3 = _mm256_unpackhi_epi32(Z[2], Z[3]);
+        __m256i D[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
+                        _mm256_unpackhi_epi64(t1, t3)};
+        for (int m = 0; m < 4; m++) {
+            __m256i lo = _mm256_and_si256(D[m], m0f), hi = _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f);
+            _mm256_store_si256((__m256i *)(W + m * 32), _mm256_shuffle_epi8(tab, lo));
+            _mm256_store_si256((__m256i *)(W + (4 + m) * 32), _mm256_shuffle_epi8(tab, hi));
+        }
+    }
+#endif
+    (void)m0f128;
+#else
+    for (int64_t b = 0; b < G; b++)
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < RG; i++)
+                for (int k = 0; k < 4; k++) {
+                    uint8_t byte = rp[i] ? rp[i][b * 16 + 4 * (j & 3) + k] : 0;
+                    W[((b * 8 + j) * RG + i) * 4 + k] = rp[i] ? map[j < 4 ? byte & 15 : byte >> 4] : 0;
+                }
+#endif
+}
+
+static inline int32_t word(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* y[t0 + t, r0 + i] for t < NT, i < nr from the decoded group */
+static inline __attribute__((always_inline)) void qtile(const QJob *J, const uint8_t *W, const float *WS, int64_t t0,
+                                                        const int NT, int64_t r0, int nr) {
+    const int64_t G = J->G, cols = J->cols;
+    const int8_t *xq = J->xq + t0 * cols;
+    const float *xs = J->xs + t0 * G;
+    const int32_t *xc = J->xc + t0 * G;
+#if IQ_ISA == 3
+    __m512 af[TBQ];
+    for (int t = 0; t < NT; t++) af[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < G; b++, W += 8 * 64) {
+        __m512i ai[TBQ];
+        for (int t = 0; t < NT; t++) ai[t] = _mm512_set1_epi32(xc[t * G + b]);
+        const int8_t *xb = xq + b * 32;
+        for (int j = 0; j < 8; j++) {
+            __m512i w = _mm512_load_si512((const __m512i *)(W + j * 64));
+            for (int t = 0; t < NT; t++)
+                ai[t] = _mm512_dpbusd_epi32(ai[t], w, _mm512_set1_epi32(word(xb + t * cols + 4 * j)));
+        }
+        __m512 ws = _mm512_load_ps(WS + b * RG);
+        for (int t = 0; t < NT; t++)
+            af[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[t * G + b])), af[t]);
+    }
+    __mmask16 keep = (__mmask16)(nr >= 16 ? 0xFFFF : (1u << nr) - 1);
+    for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(J->y + (t0 + t) * J->ldy + r0, keep, af[t]);
+#elif IQ_ISA
+    __m256 af[TBQ];
+    for (int t = 0; t < NT; t++) af[t] = _mm256_setzero_ps();
+#if IQ_ISA == 1
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int64_t b = 0; b < G; b++, W += 8 * 32) {
+        __m256i ai[TBQ];
+        for (int t = 0; t < NT; t++) ai[t] = _mm256_set1_epi32(xc[t * G + b]);
+        const int8_t *xb = xq + b * 32;
+#if IQ_ISA == 2
+        for (int j = 0; j < 8; j++) {
+            __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32));
+            for (int t = 0; t < NT; t++)
+                ai[t] = _mm256_dpbusd_avx_epi32(ai[t], w, _mm256_set1_epi32(word(xb + t * cols + 4 * j)));
+        }
+#else
+        for (int h = 0; h < 8; h += 4) {  /* 4 chunks summed in int16 (<= 24384), then widened */
+            __m256i p[TBQ];
+            for (int j = h; j < h + 4; j++) {
+                __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32));
+                for (int t = 0; t < NT; t++) {
+                    __m256i d = _mm256_maddubs_epi16(w, _mm256_set1_epi32(word(xb + t * cols + 4 * j)));
+                    p[t] = j == h ? d : _mm256_add_epi16(p[t], d);
+                }
+            }
+            for (int t = 0; t < NT; t++) ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(p[t], ones));
+        }
+#endif
+        __m256 ws = _mm256_load_ps(WS + b * RG);
+        for (int t = 0; t < NT; t++)
+            af[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[t * G + b])), af[t]);
+    }
+    for (int t = 0; t < NT; t++) {
+        float *yr = J->y + (t0 + t) * J->ldy + r0;
+        if (nr >= 8) _mm256_storeu_ps(yr, af[t]);
+        else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, af[t]);
+            memcpy(yr, tmp, sizeof(float) * (size_t)nr);
+        }
+    }
+#else
+    for (int t = 0; t < NT; t++)
+        for (int i = 0; i < nr; i++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < G; b++) {
+                int32_t isum = xc[t * G + b];
+                const uint8_t *wb = W + b * 8 * RG * 4 + i * 4;
+                const int8_t *xb = xq + t * cols + b * 32;
+                for (int j = 0; j < 8; j++)
+                    for (int k = 0; k < 4; k++) isum += (int32_t)wb[j * RG * 4 + k] * xb[4 * j + k];
+                float d = WS[b * RG + i] * xs[t * G + b];
+                acc = fmaf((float)isum, d, acc);
+            }
+            J->y[(t0 + t) * J->ldy + r0 + i] = acc;
+        }
+#endif
+}
+
+static int qshare(void *ctx, int64_t a, int64_t b) {
+    const QJob *J = ctx;
+    size_t wbytes = (size_t)(RG * J->cols), sbytes = sizeof(float) * (size_t)(J->G * RG);
+    uint8_t *W = aligned_alloc(64, (wbytes + sbytes + 63) / 64 * 64);
+    if (!W) return -2;
+    float *WS = (float *)(W + wbytes);  /* RG x cols is a multiple of 64: aligned */
+    for (int64_t r0 = a; r0 < b; r0 += RG) {
+        int nr = (int)(b - r0 < RG ? b - r0 : RG);
+        decode_group(J, r0, nr, W, WS);
+        for (int64_t t0 = 0; t0 < J->T; t0 += TBQ) {
+            int nt = (int)(J->T - t0 < TBQ ? J->T - t0 : TBQ);
+            switch (nt) { /* a constant token count per instance: the accumulators stay in registers */
+                case 1: qtile(J, W, WS, t0, 1, r0, nr); break;
+                case 2: qtile(J, W, WS, t0, 2, r0, nr); break;
+                case 3: qtile(J, W, WS, t0, 3, r0, nr); break;
+#if TBQ == 8
+                case 4: qtile(J, W, WS, t0, 4, r0, nr); break;
+                case 5: qtile(J, W, WS, t0, 5, r0, nr); break;
+                case 6: qtile(J, W, WS, t0, 6, r0, nr); break;
+                case 7: qtile(J, W, WS, t0, 7, r0, nr); break;
+#endif
+                default: qtile(J, W, WS, t0, TBQ, r0, nr); break;
+            }
+        }
+    }
+    free(W);
+    return 0;
+}
+
+static int run_q8(QJob *J, const float *x, int offset) {
+    if (J->rows < 0 || J->cols <= 0 || J->cols % 32 || J->T < 0 || J->ldy < J->rows) return -1;
+    if (J->rows == 0 || J->T == 0) return 0;
+    J->G = J->cols / 32;
+    int8_t *xq = malloc((size_t)(J->T * J->cols));
+    float *xs = malloc(sizeof(float) * (size_t)(J->T * J->G));
+    int32_t *xc = malloc(sizeof(int32_t) * (size_t)(J->T * J->G));
+    int rc = -2;
+    if (xq && xs && xc) {
+        quantize_x(x, J->T, J->cols, offset, xq, xs, xc);
+        J->xq = xq, J->xs = xs, J->xc = xc;
+        /* the pool's "bytes": multiply-adds / 16 (the integer dot's rate is ~4x the fp32 tile's) */
+        rc = moechat_parallel_for(qshare, J, J->rows, RG, J->rows * J->cols / 16 * J->T);
+    }
+    free(xq), free(xs), free(xc);
+    return rc;
+}
+
+/* -- exported: x [T, cols] fp32 contiguous (cols a multiple of 32), y [T, ldy] fp32. 0, -1 for a shape they do not
+ * take, -2 where memory cannot be had. */
+int moechat_prefill_q8_int4(const float *x, int64_t T, const uint8_t *q, const uint16_t *scale, int64_t rows,
+                            int64_t cols, float *y, int64_t ldy) {
+    QJob J = {.fmt = Q_INT4, .w = q, .s = scale, .rows = rows, .cols = cols, .T = T, .y = y, .ldy = ldy};
+    return run_q8(&J, x, 8);
+}
+
+int moechat_prefill_q8_mxfp4(const float *x, int64_t T, const uint8_t *blocks, const uint8_t *scales, int64_t rows,
+                             int64_t cols, float *y, int64_t ldy) {
+    QJob J = {.fmt = Q_MXFP4, .w = blocks, .s = scales, .rows = rows, .cols = cols, .T = T, .y = y, .ldy = ldy};
+    for (int s = 0; s < 256; s++) { /* 2^(s - 128) from its bits: a normal from s = 2, subnormals 2^-127, 2^-128 */
+        uint32_t bits = s >= 2 ? (uint32_t)(s - 1) << 23 : (uint32_t)1 << (21 + s);
+        memcpy(&J.e8m0[s], &bits, 4);
+    }
+    return run_q8(&J, x, 12);
+}
+
+/* which build this is: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2 (maddubs), 0 scalar */
+int moechat_prefill_q8_isa(void) { return IQ_ISA; }
