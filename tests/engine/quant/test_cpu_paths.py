@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moechat.engine.quant import cpu, get_format, native
+from moechat.engine.quant import cpu, get_format, native, prefill
 from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
 
 
@@ -94,6 +94,8 @@ def test_fast_linear_equals_the_reference(name, which, rows, cols, block, n, dty
     # one bf16 int4 token in groups of 32 on the SIMD kernels: sums over x rounded to 16 bits a block (test_native.py)
     xr = (native.round_x16(x) if n == 1 and name == "int4" and cols % 32 == 0 and dtype == torch.bfloat16 and lib
           and lib.moechat_simd() else x)
+    if n > 1 and name == "int4" and cols % 32 == 0 and prefill.integer_path(x, lib):  # int8 blocks (prefill.py)
+        xr = prefill.round_x8(x)
     want = F.linear(xr.float(), fmt.weight(t, which, torch.float32), t[f"{which}_bias"].float())  # [n, rows]
     with torch.inference_mode():  # the engine's mode; the scratch buffers are reused outside it below
         got = fmt.linear(x, t, which)
