@@ -44,7 +44,7 @@ def _step(provider, routing: dict[int, list[int]]) -> dict[int, torch.Tensor]:
     """One decode step's MoE layers with these experts (one token): each layer's batch slot ids."""
     out = {}
     for layer, experts in routing.items():
-        (batch,) = list(provider.batches(layer, torch.tensor([experts])))
+        (batch,) = list(provider.batches(layer, torch.tensor([experts], device=provider.pool.device)))
         out[layer] = batch.slot_ids.clone()
         assert isinstance(batch, MapBatch)
     return out
