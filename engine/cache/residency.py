@@ -108,7 +108,7 @@ class ResidencyMap:
         if self.device.type == "cuda":
             if self._published is not None:
                 self._published.synchronize()  # the previous publish has left the staging buffer (long since)
-            staging.numpy()[:] = self.mirror
+            staging.copy_(torch.from_numpy(self.mirror))  # host to pinned host: no device read
             stream = stream if stream is not None else torch.cuda.current_stream(self.device)
             with torch.cuda.stream(stream):
                 self.map.copy_(staging, non_blocking=True)
