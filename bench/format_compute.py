@@ -31,6 +31,11 @@ budget (issue 14). The compute table is what engine/plan/'s EXPERT_COMPUTE_EFFIC
 
     python bench/format_compute.py --prefill [--prefill-threads 1,2] [--rounds 7] [--runs 3] [--layers 2]
                                    [--prefill-tokens 8,128] [--prefill-chunks 64,128,256,512] [--no-prefill-engines]
+4. Integer prefill (`--prefill-int`, issue 27): int4 and MXFP4 experts of both widths, bf16 x, T tokens through w13
+   and w2: the integer-dot kernel (x quantized to int8 blocks, quant/prefill.py) vs the decoded tile (fp32 FMAs),
+   interleaved per thread count, medians, GMAC/s.
+
+    python bench/format_compute.py --prefill-int [--prefill-tokens 128] [--prefill-threads 1,2] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -395,6 +400,42 @@ def prefill_kernels(args) -> None:
                       f"{med[0] / med[1]:.2f}x | {med[1] / med[2]:.2f}x |", flush=True)
 
 
+def prefill_integer(args) -> None:
+    """int4 and MXFP4 experts, bf16 x, T tokens through w13 and w2 (fmt.linear, the engine's path): the integer-dot
+    kernel (x as int8 blocks) vs the decoded tile (fp32 FMAs), interleaved (ABAB) at each of `--prefill-threads`,
+    medians over `--rounds`; GMAC/s = 3 H I T / time (MOECHAT_PREFILL_INT switches the two)."""
+    from moechat.engine.quant import prefill
+
+    lib = native.library()
+    paths = (("decoded tile", "0"), ("integer dot", "1"))
+    print(f"\nprefill, integer dot vs decoded tile (bf16 x), {args.rounds} interleaved rounds; integer kernels "
+          f"built for {prefill.integer_isa(lib)}; load average {os.getloadavg()[0]:.1f}")
+    print("| format | width | T | threads | decoded tile ms | spread | GMAC/s | integer dot ms | spread | GMAC/s | "
+          "integer / tile |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|")
+    for name in ("int4", "mxfp4"):
+        for model, (H, I) in WIDTHS.items():
+            fmt, t = expert(name, H, I)
+            for T in args.prefill_tokens:
+                x13, x2 = torch.randn(T, H).bfloat16(), torch.randn(T, I).bfloat16()
+                for threads in args.prefill_threads:
+                    torch.set_num_threads(threads)
+                    times = [[] for _ in paths]
+                    for _ in range(args.rounds):
+                        for k, (_, flag) in enumerate(paths):
+                            os.environ[prefill.INT_ENV] = flag
+                            t0 = time.perf_counter()
+                            fmt.linear(x13, t, "w13")
+                            fmt.linear(x2, t, "w2")
+                            times[k].append(time.perf_counter() - t0)
+                    os.environ.pop(prefill.INT_ENV, None)
+                    med = [statistics.median(ts) for ts in times]
+                    gmac = 3 * H * I * T / 1e9
+                    print(f"| {name} | {model} | {T} | {threads} | {_median_spread(times[0], 1e3)} | "
+                          f"{gmac / med[0]:.1f} | {_median_spread(times[1], 1e3)} | {gmac / med[1]:.1f} | "
+                          f"{med[0] / med[1]:.2f}x |", flush=True)
+
+
 def _int8_rows(args, model: str, fmt, t, H: int, I: int) -> None:
     """int8 experts: Int8Format.linear's many-token path (torch's int8 GEMM, bf16) vs the prefill kernel (fp32)."""
     from moechat.engine.quant import prefill
@@ -525,8 +566,15 @@ def main() -> None:
     ap.add_argument("--prefill-chunks", type=lambda v: [int(t) for t in v.split(",")], default=[],
                     help="chunk sizes to sweep on the int4 engine (e.g. 64,128,256,512)")
     ap.add_argument("--no-prefill-engines", dest="prefill_engines", action="store_false")
+    ap.add_argument("--prefill-int", action="store_true",
+                    help="int4 and MXFP4 prefill: the integer-dot kernel vs the decoded tile (bf16 x), then exit")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.prefill_int:
+        if native.library() is None:
+            raise SystemExit(f"--prefill-int times the native prefill kernels: {native.status()}")
+        prefill_integer(args)
+        return
     if args.prefill:
         if native.library() is None:
             raise SystemExit(f"--prefill compares the native decoders with the torch ones: {native.status()}")
