@@ -17,7 +17,8 @@ fp16 subnormal and the excess under 7.5 x 2^-24 in absolute terms). A group whos
 
 Compute: on the CPU one token runs the native kernels (quant/native.py: the codes decoded in registers; int8 and
 fp32 x in fp32 sums, a bf16 x through int4 in integer sums over x rounded to 16 bits per 32-element block);
-otherwise int8 runs torch's fused `_weight_int8pack_mm` (bf16 activations, the row scale rounded to
+many bf16/fp16 tokens through int4 in groups of 32 take integer dots over x quantized to int8 per block
+(quant/prefill.py, within its bound_q8; fp32 x the exact decoded tile); otherwise int8 runs torch's fused `_weight_int8pack_mm` (bf16 activations, the row scale rounded to
 bf16) where this machine's check passed (quant/torch_paths.py), else one GEMM over the codes cast to x's dtype and int4 row tiles decoded exactly with integer ops and multiplied in cache (quant/cpu.py); on CUDA the MoE
 is one fused Triton kernel pair (kernels/quant_moe.py).
 
