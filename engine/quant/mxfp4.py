@@ -9,7 +9,8 @@ to 16 bits per block, the codes mapped by an in-register table; fp32 x in fp32 s
 decoded a row tile at a time (4 MB of fp32, in cache) with vectorised integer ops, bit for bit F.linear on the
 dequantized matrix. One token multiplies each tile at once, so only
 packed bytes come from RAM; more tokens run quant/prefill.py's kernels where the native library is loaded (4-row
-blocks decoded once into cache for all the tokens, fp32 sums in another order), else (or MOECHAT_PREFILL_KERNEL=0)
+blocks decoded once into cache for all the tokens, fp32 sums in another order; a bf16/fp16 x: integer dots over x
+quantized to int8 per 32-element block, within prefill.bound_q8), else (or MOECHAT_PREFILL_KERNEL=0)
 fill one reused fp32 scratch per projection shape (66 MB for GPT-OSS's w13), by native.c's decoder in one call where
 it is loaded (every scale, bit for bit), and run one GEMM. On CUDA the whole MoE is two fused Triton launches over the slot buffers
 (kernels/mxfp4_moe.py). `bench/quantized_experts.py` measures both against the machine's bandwidth and
