@@ -5,7 +5,8 @@ once and decodes in registers. Otherwise, and for more tokens, a projection's ro
 into a 4 MB fp32 tile; for one token each tile is multiplied at once (a GEMV sums each output in the same order
 whatever the number of rows: equal to one F.linear over the dequantized matrix), so only the packed bytes come from
 RAM. More tokens (prefill) with the native kernels loaded take quant/prefill.py's kernels (each 4-row block decoded
-once into cache for all the tokens, fp32 FMA sums: F.linear up to the order of the sum); MOECHAT_PREFILL_KERNEL=0, or
+once into cache for all the tokens, fp32 FMA sums: F.linear up to the order of the sum; a bf16/fp16 x with groups of
+32: integer dots over x quantized to int8 blocks, within prefill.bound_q8); MOECHAT_PREFILL_KERNEL=0, or
 no kernels, decode the projection into one reused [R, in] fp32 scratch and run one GEMM, whose cost
 there is the multiply, not the bytes: with the native kernels loaded one call of native.c's decoder (AVX2, rows over
 its thread pool, bit for bit the torch decoders below: 7-20x them, so at a 128-token prompt's ~8 tokens an expert
