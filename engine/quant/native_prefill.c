@@ -17,7 +17,10 @@
  *
  * Threads: the row blocks split over native.c's pool (moechat_parallel_for); each share decodes its own rows.
  *
- * AVX-512F where the compiler targets it, else AVX2 + FMA + F16C, else scalar C (MOECHAT_SCALAR forces it). */
+ * AVX-512F where the compiler targets it, else AVX2 + FMA + F16C, else scalar C (MOECHAT_SCALAR forces it).
+ *
+ * A bf16/fp16 x through int4 (groups of 32) or MXFP4 takes native_prefill_int.c instead: integer dot products over x
+ * quantized to int8 blocks (not fp32-exact; quant/prefill.py states its bound). */
 
 #include <stdint.h>
 #include <stdlib.h>
