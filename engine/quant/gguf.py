@@ -374,9 +374,11 @@ class GGUFFormat(ExpertFormat):
     tensor_names: dict[str, str] = {"w1": "blk.{layer}.ffn_gate_exps.weight", "w3": "blk.{layer}.ffn_up_exps.weight",
                                     "w2": "blk.{layer}.ffn_down_exps.weight"}
 
-    def __init__(self, gate: str, up: str, down: str, interleaved: bool = False):
-        self.types = {"w1": TYPES[gate], "w3": TYPES[up], "w2": TYPES[down]}
-        names = dict.fromkeys((gate, up, down))
+    def __init__(self, gate: str | None, up: str, down: str, interleaved: bool = False):
+        # gate None: an ungated expert (Nemotron-H's relu^2: ffn_up_exps and ffn_down_exps only, w13 = up alone)
+        self.types = {"w1": TYPES[gate], "w3": TYPES[up], "w2": TYPES[down]} if gate else {"w3": TYPES[up],
+                                                                                             "w2": TYPES[down]}
+        names = dict.fromkeys(t for t in (gate, up, down) if t)
         self.name = "gguf-" + "-".join(names)  # gguf-Q4_K-Q6_K
         # gpt-oss: the activation reads w13's output rows interleaved (even gate, odd up), as the HF checkpoint
         # stores gate_up; llama.cpp's converter split them into ffn_gate_exps / ffn_up_exps, re-interleaved here
@@ -384,22 +386,29 @@ class GGUFFormat(ExpertFormat):
         # experts with biases (gpt-oss): the converter's per-projection ffn_{gate,up,down}_exps.bias [E, rows]
         self.tensor_names = {**GGUFFormat.tensor_names, "w1_bias": "blk.{layer}.ffn_gate_exps.bias",
                              "w3_bias": "blk.{layer}.ffn_up_exps.bias", "w2_bias": "blk.{layer}.ffn_down_exps.bias"}
+        if not gate:
+            self.tensor_names = {k: v for k, v in self.tensor_names.items() if not k.startswith("w1")}
 
     def __repr__(self) -> str:
         return f"GGUFFormat({', '.join(t.name for t in self.types.values())})"
 
-    def layout(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> dict[str, TensorSpec]:
+    def layout(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool,
+               gated: bool = True) -> dict[str, TensorSpec]:
         """As every format's, but the gate and up biases stay two tensors as the file stores them (`w1_bias`,
         `w3_bias` [I] each, `w2_bias` [H]), so the disk tier reads each with one preadv."""
         out = self.projection_layout(hidden, inter, dtype)
         if bias:
             out.update(w1_bias=((inter,), dtype), w3_bias=((inter,), dtype), w2_bias=((hidden,), dtype))
+            if "w1" not in self.types:
+                del out["w1_bias"]
         return out
 
     def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
         shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
         out: dict[str, TensorSpec] = {}
         for part, (rows, cols) in shapes.items():
+            if part not in self.types:
+                continue  # an ungated expert's gate
             t = self.types[part]
             if cols % t.block:
                 raise CheckpointError(f"{t.name} experts need an input size that is a multiple of {t.block}, the "
@@ -412,7 +421,7 @@ class GGUFFormat(ExpertFormat):
         return raw.shape[-1] // t.nbytes * t.block
 
     def weight(self, tensors: Mapping[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
-        parts = ("w1", "w3") if which == "w13" else ("w2",)
+        parts = tuple(p for p in ("w1", "w3") if p in self.types) if which == "w13" else ("w2",)
         ws = [dequantize(tensors[p], self.types[p], self._cols(p, tensors[p])) for p in parts]
         if which == "w13" and self.interleaved:
             return torch.stack(ws, dim=1).reshape(-1, ws[0].shape[1]).to(dtype)  # rows g0, u0, g1, u1, ...
@@ -420,15 +429,15 @@ class GGUFFormat(ExpertFormat):
 
     def bias(self, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
         """`w13_bias` [2I] in the order `weight` gives w13's rows (interleaved for gpt-oss), or `w2_bias` [H]."""
-        if which == "w2":
-            return tensors["w2_bias"]
+        if which == "w2" or "w1" not in self.types:
+            return tensors["w2_bias" if which == "w2" else "w3_bias"]
         b1, b3 = tensors["w1_bias"], tensors["w3_bias"]
         return torch.stack([b1, b3], dim=-1).reshape(-1) if self.interleaved else torch.cat([b1, b3])
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
-        if which == "w2":
-            return gguf_linear(x, tensors["w2"], self.types["w2"], self._cols("w2", tensors["w2"]),
-                               tensors.get("w2_bias"))
+        if which == "w2" or "w1" not in self.types:  # down, or an ungated expert's up alone
+            p = "w2" if which == "w2" else "w3"
+            return gguf_linear(x, tensors[p], self.types[p], self._cols(p, tensors[p]), tensors.get(f"{p}_bias"))
         g, u = (gguf_linear(x, tensors[p], self.types[p], self._cols(p, tensors[p]), tensors.get(f"{p}_bias"))
                 for p in ("w1", "w3"))  # [n, I] each
         if self.interleaved:
