@@ -492,11 +492,12 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         tensors[hf] = GGUFTensorInfo(hf, f, "F32", shape, start, end, typ.name, name, ne[0], transform)
     fmt, layer_formats = None, None
     if any(expert_types.values()):
-        per_layer: dict[int, tuple[str, str, str]] = {}
+        per_layer: dict[int, tuple[str | None, str, str]] = {}
+        ungated = not expert_types["w1"]  # Nemotron-H's relu^2 experts: ffn_up_exps and ffn_down_exps only
         for layer in range(cfg["num_hidden_layers"]):
-            names = [f"blk.{layer}.{p}" for p in parts]
-            if all(n in tensors for n in names):
-                per_layer[layer] = tuple(tensors[n].ggml for n in names)
+            gate, *names = [f"blk.{layer}.{p}" for p in parts]
+            if all(n in tensors for n in names) and (ungated or gate in tensors):
+                per_layer[layer] = (None if ungated else tensors[gate].ggml, *(tensors[n].ggml for n in names))
         combos = list(dict.fromkeys(per_layer.values()))
         # Q4_K_M and the UD mixes change ffn_down_exps' type from layer to layer: one format per layer (resident)
         common = max(combos, key=list(per_layer.values()).count)

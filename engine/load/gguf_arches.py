@@ -25,7 +25,7 @@ from ..errors import CheckpointError, UnsupportedModelError
 
 # llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
 ARCHES_2026 = {"qwen3next": ("qwen3_next", False), "qwen35moe": ("qwen3_5_moe_text", False),
-               "minimax-m2": ("minimax_m2", False)}
+               "minimax-m2": ("minimax_m2", False), "nemotron_h_moe": ("nemotron_h", False)}
 
 _ATTN = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
          "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
@@ -77,7 +77,30 @@ def _minimax_map(arch: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-_MAPS = {"qwen3next": _qwen_hybrid_map, "qwen35moe": _qwen_hybrid_map, "minimax-m2": _minimax_map}
+def _nemotron_map(arch: str) -> dict[str, tuple[str, str]]:
+    """Nemotron-H: every layer one mixer (Mamba-2, attention, MoE or MLP) behind one norm, as the checkpoint's
+    backbone.layers.N.mixer.*; the converter's q/k row permutation (GraniteHybridModel.undo_permute) undone."""
+    out = {"attn_norm.weight": ("norm.weight", ""), "attn_q.weight": ("mixer.q_proj.weight", "permute_q"),
+           "attn_k.weight": ("mixer.k_proj.weight", "permute_k"), "attn_v.weight": ("mixer.v_proj.weight", ""),
+           "attn_output.weight": ("mixer.o_proj.weight", ""), "ssm_in.weight": ("mixer.in_proj.weight", ""),
+           "ssm_in.bias": ("mixer.in_proj.bias", ""), "ssm_conv1d.weight": ("mixer.conv1d.weight", ""),
+           "ssm_conv1d.bias": ("mixer.conv1d.bias", ""), "ssm_dt.bias": ("mixer.dt_bias", ""),
+           "ssm_a": ("mixer.A_log", "log_neg"), "ssm_d": ("mixer.D", ""), "ssm_norm.weight": ("mixer.norm.weight", ""),
+           "ssm_out.weight": ("mixer.out_proj.weight", ""), "ssm_out.bias": ("mixer.out_proj.bias", ""),
+           "ffn_up.weight": ("mixer.up_proj.weight", ""), "ffn_down.weight": ("mixer.down_proj.weight", ""),
+           "ffn_gate_inp.weight": ("mixer.gate.weight", ""),
+           "exp_probs_b.bias": ("mixer.gate.e_score_correction_bias", ""),
+           "ffn_up_shexp.weight": ("mixer.shared_experts.up_proj.weight", ""),
+           "ffn_down_shexp.weight": ("mixer.shared_experts.down_proj.weight", "")}
+    return out
+
+
+_MAPS = {"qwen3next": _qwen_hybrid_map, "qwen35moe": _qwen_hybrid_map, "minimax-m2": _minimax_map,
+         "nemotron_h_moe": _nemotron_map}
+_PREFIX = {"nemotron_h_moe": "backbone.layers."}  # the others: model.layers.
+_TOP_NAMES = {"nemotron_h_moe": {"token_embd.weight": "backbone.embeddings.weight",
+                                 "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"}}
+_FLAT = {"ssm_a", "ssm_d", "ssm_norm.weight"}  # Mamba-2's A, D ([nH, 1]) and grouped norm ([G, Im / G]): 1-D in HF
 _OFFSET_NORM = {"qwen3next", "qwen35moe"}  # model.norm stored as 1 + w
 
 
@@ -92,6 +115,9 @@ def tensor_2026(arch: str, cfg: dict, name: str, shape: tuple, raw: dict, where:
     """The engine's (name, shape, transform, other tensor) for the GGUF tensor `name`, or None where the engine does not
     read it (an MTP layer, a rope table) or reads it joined into another (Qwen3-Next's attn_gate into in_proj_qkvz)."""
     m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+    if m is None and arch in _TOP_NAMES:
+        hf = _TOP_NAMES[arch].get(name)
+        return None if hf is None else (hf, shape, "", "")
     if m is None:
         if name == "output_norm.weight":
             return "model.norm.weight", shape, "minus_one" if arch in _OFFSET_NORM else "", ""
@@ -104,8 +130,10 @@ def tensor_2026(arch: str, cfg: dict, name: str, shape: tuple, raw: dict, where:
     if spec is None:
         return None
     hf, transform = spec
-    hf = f"model.layers.{layer}.{hf}"
+    hf = f"{_PREFIX.get(arch, 'model.layers.')}{layer}.{hf}"
     other = ""
+    if arch == "nemotron_h_moe" and part in _FLAT:
+        shape = (int(torch.Size(shape).numel()),)
     if part == "ssm_conv1d.weight" and len(shape) == 2:
         shape = (shape[0], 1, shape[1])  # the converter squeezed HF's [C, 1, W]
     if part == "ffn_gate_inp_shexp.weight" and len(shape) == 1:
@@ -167,6 +195,8 @@ def undo(transform: str, w: torch.Tensor, cfg: dict, other: torch.Tensor | None 
 def config_2026(arch: str, cfg: dict, key, need, tensors: dict, where: str) -> dict:
     """The rest of the config.json for the 2026 architectures (gguf.py's `_config` has filled the common keys)."""
     experts = int(need("expert_count"))
+    if arch == "nemotron_h_moe":
+        return _nemotron_config(cfg, key, need, tensors, experts, where)
     if arch == "minimax-m2":  # what MiniMaxM2Model.set_gguf_parameters writes
         gating = int(key("expert_gating_func", 2))
         if gating != 2:
@@ -194,4 +224,43 @@ def config_2026(arch: str, cfg: dict, key, need, tensors: dict, where: str) -> d
                attention_bias=any(f"blk.{i}.attn_q.bias" in tensors for i in range(layers)))
     if arch == "qwen3next":  # the layers without a router are dense (mlp_only_layers)
         cfg["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    return cfg
+
+
+def _nemotron_config(cfg: dict, key, need, tensors: dict, experts: int, where: str) -> dict:
+    """What NemotronHModel.set_gguf_parameters writes (via GraniteHybridModel's): the Mamba-2 sizes as ssm.*, the
+    attention layers' KV heads and the MoE layers' widths as per-layer arrays; each layer's kind from its tensors."""
+    layers = int(cfg["num_hidden_layers"]) - int(key("nextn_predict_layers", 0))
+
+    def kind(i: int) -> str:
+        for probe, c in (("ssm_in.weight", "M"), ("attn_q.weight", "*"), ("ffn_gate_inp.weight", "E"),
+                         ("ffn_up.weight", "-")):
+            if f"blk.{i}.{probe}" in tensors:
+                return c
+        raise CheckpointError(f"{where}: layer {i} has neither a Mamba-2, an attention, a MoE nor an MLP mixer (a "
+                              "damaged conversion? convert or download it again)", path=where, tensor=f"blk.{i}")
+
+    pattern = "".join(kind(i) for i in range(layers))
+    heads_kv = key("attention.head_count_kv", cfg["num_key_value_heads"])
+    inner, heads = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
+    dense = next((tensors[f"blk.{i}.ffn_up.weight"] for i in range(layers) if pattern[i] == "-"), None)
+    eps = key("attention.layer_norm_rms_epsilon") or key("attention.layer_norm_epsilon") or 1e-5
+    cfg.update(num_hidden_layers=layers, hybrid_override_pattern=pattern,
+               num_key_value_heads=int(max(heads_kv) if isinstance(heads_kv, list) else heads_kv),
+               rms_norm_eps=float(eps), n_routed_experts=experts,
+               moe_intermediate_size=int(need("expert_feed_forward_length")),
+               moe_shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
+               n_shared_experts=int(key("expert_shared_count", 1)),
+               intermediate_size=int(dense.shape[1]) if dense is not None else 0,  # ggml ne [H, I]
+               routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+               norm_topk_prob=bool(key("expert_weights_norm", True)), n_group=int(key("expert_group_count", 1)),
+               topk_group=int(key("expert_group_used_count", 1)), mamba_num_heads=heads,
+               mamba_head_dim=inner // heads, ssm_state_size=int(need("ssm.state_size")),
+               n_groups=int(need("ssm.group_count")), conv_kernel=int(need("ssm.conv_kernel")),
+               use_conv_bias=any(f"blk.{i}.ssm_conv1d.bias" in tensors for i in range(layers)),
+               use_bias=any(f"blk.{i}.ssm_in.bias" in tensors for i in range(layers)),
+               mlp_bias=any(f"blk.{i}.ffn_up.bias" in tensors for i in range(layers)),
+               attention_bias=any(f"blk.{i}.attn_q.bias" in tensors for i in range(layers)))
+    if key("moe_latent_size") is not None:
+        cfg["moe_latent_size"] = int(key("moe_latent_size"))  # the model class says it does not run these yet
     return cfg

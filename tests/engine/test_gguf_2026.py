@@ -449,3 +449,115 @@ def test_a_deepseek2_file_without_a_gating_key_is_deepseek_v2s_softmax(tmp_path,
 
     cfg = open_gguf(path).config
     assert cfg["model_type"] == "deepseek_v2" and cfg["scoring_func"] == "softmax"
+
+
+# -- Nemotron-H MoE: NemotronHModel (a GraniteHybridModel) ------------------------------------------------------
+
+NEMOTRON_PATTERN = "M*EM-E"
+NEMOTRON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=64, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2,
+                conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                initializer_range=0.2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+                pad_token_id=None)
+
+
+def _nemotron_tensors(cfg, sd: dict, arch: str):
+    """NemotronHModel.modify_tensors: conv1d squeezed, A_log -> -exp as [nH, 1], D as [nH, 1], the gated norm as
+    [G, Im / G], dt_bias as ssm_dt.bias, up/down experts stacked, and (through LlamaModel, undo_permute) the
+    attention layers' q/k rows permuted."""
+    from .test_gguf_load import _permute
+
+    out = [("token_embd.weight", "model.embeddings.weight", sd["model.embeddings.weight"], True),
+           ("output_norm.weight", "model.norm_f.weight", sd["model.norm_f.weight"], False),
+           ("output.weight", "lm_head.weight", sd["lm_head.weight"], True)]
+    G = cfg.n_groups
+    for i, kind in enumerate(NEMOTRON_PATTERN):
+        p = f"model.layers.{i}."
+        out.append((f"blk.{i}.attn_norm.weight", p + "norm.weight", sd[p + "norm.weight"], False))
+        m = p + "mixer."
+        if kind == "M":
+            out += [(f"blk.{i}.ssm_in.weight", m + "in_proj.weight", sd[m + "in_proj.weight"], True),
+                    (f"blk.{i}.ssm_conv1d.weight", None, sd[m + "conv1d.weight"].squeeze(), False),
+                    (f"blk.{i}.ssm_conv1d.bias", None, sd[m + "conv1d.bias"], False),
+                    (f"blk.{i}.ssm_dt.bias", None, sd[m + "dt_bias"], False),
+                    (f"blk.{i}.ssm_a", None, -np.exp(sd[m + "A_log"]).reshape(-1, 1), False),
+                    (f"blk.{i}.ssm_d", None, sd[m + "D"].reshape(-1, 1), False),
+                    (f"blk.{i}.ssm_norm.weight", None, sd[m + "norm.weight"].reshape(G, -1), False),
+                    (f"blk.{i}.ssm_out.weight", m + "out_proj.weight", sd[m + "out_proj.weight"], True)]
+        elif kind == "*":
+            out += [(f"blk.{i}.attn_q.weight", None, _permute(sd[m + "q_proj.weight"], cfg.num_attention_heads),
+                     False),
+                    (f"blk.{i}.attn_k.weight", None, _permute(sd[m + "k_proj.weight"], cfg.num_key_value_heads),
+                     False),
+                    (f"blk.{i}.attn_v.weight", m + "v_proj.weight", sd[m + "v_proj.weight"], True),
+                    (f"blk.{i}.attn_output.weight", m + "o_proj.weight", sd[m + "o_proj.weight"], True)]
+        elif kind == "E":
+            out += [(f"blk.{i}.ffn_gate_inp.weight", m + "gate.weight", sd[m + "gate.weight"], False),
+                    (f"blk.{i}.exp_probs_b.bias", None, sd[m + "gate.e_score_correction_bias"], False),
+                    (f"blk.{i}.ffn_up_exps.weight", m + "experts.up_proj", sd[m + "experts.up_proj"], "expert"),
+                    (f"blk.{i}.ffn_down_exps.weight", m + "experts.down_proj", sd[m + "experts.down_proj"], "down"),
+                    (f"blk.{i}.ffn_up_shexp.weight", m + "shared_experts.up_proj.weight",
+                     sd[m + "shared_experts.up_proj.weight"], True),
+                    (f"blk.{i}.ffn_down_shexp.weight", m + "shared_experts.down_proj.weight",
+                     sd[m + "shared_experts.down_proj.weight"], True)]
+        else:
+            out += [(f"blk.{i}.ffn_up.weight", m + "up_proj.weight", sd[m + "up_proj.weight"], True),
+                    (f"blk.{i}.ffn_down.weight", m + "down_proj.weight", sd[m + "down_proj.weight"], True)]
+    return out
+
+
+def _nemotron_meta(w, cfg, arch, blocks):
+    L = len(NEMOTRON_PATTERN)
+    w.add_block_count(blocks)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length([cfg.moe_intermediate_size if c == "E" else 0 for c in NEMOTRON_PATTERN])
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if c == "*" else 0 for c in NEMOTRON_PATTERN])
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)  # the config's layer_norm_epsilon, as TextModel writes it
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(cfg.moe_shared_expert_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state_size)
+    w.add_ssm_group_count(cfg.n_groups)
+    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    assert blocks == L
+
+
+CONVERTERS["nemotron_h_moe"] = (_nemotron_tensors, _nemotron_meta)
+
+
+@pytest.mark.parametrize("experts,dense", [(("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
+def test_nemotron_h_moe_matches_transformers(tmp_path, experts, dense):
+    """Nemotron-H MoE (`nemotron_h_moe`): Mamba-2, attention (q/k permuted by the converter), ungated relu^2 experts
+    (ffn_up_exps and ffn_down_exps only, kept packed) with a shared expert, a dense MLP layer."""
+    import transformers
+
+    config = transformers.NemotronHConfig(hybrid_override_pattern=NEMOTRON_PATTERN, **NEMOTRON)
+    torch.manual_seed(2)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms at 1, D at 1, the correction bias at 0: random, so every weight counts
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith(".D"):
+                p.copy_(1 + torch.randn_like(p) * 0.3)
+            elif n.endswith("A_log"):
+                p.copy_(torch.rand_like(p) * 2 - 1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    path = tmp_path / "nemotron_h_moe.gguf"
+    ref = _reference(model, write_2026(path, model, "nemotron_h_moe", experts, dense))
+    loaded = load_model(path, dtype="float32")
+    assert loaded.expert_format.name == "gguf-Q8_0-Q4_0" and "w1" not in loaded.expert_format.types
+    _check(path, ref, "nemotron_h")
