@@ -25,6 +25,11 @@ from .gguf import GGMLType, decode_rows, dequantize, gguf_linear
 
 # T = tokens, R = rows (vocabulary), C = cols (hidden), RB = bytes per row
 
+# Each block's fp16 scale(s), by byte offset (ggml-common.h): a block's values are these times small integers, so
+# they are finite exactly where the scales are (MXFP4's E8M0 exponent is decoded instead)
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+                 "IQ4_XS": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}
+
 
 class GGUFMatrix:
     """W [rows, cols] as a GGUF file stores it: `raw` [rows, row_bytes] uint8 in ggml type `type`."""
@@ -56,6 +61,20 @@ class GGUFMatrix:
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized W [rows, cols]: the slow reference (quant/gguf.py `dequantize`)."""
         return dequantize(self.raw, self.type, self.cols).to(dtype)
+
+    def check_finite(self, name: str, file) -> None:
+        """CheckpointError naming the tensor where a block's scale is NaN or Inf (the values it scales would be):
+        the fp16 scales read alone (1/128 of the bytes), or for MXFP4 the rows decoded a chunk at a time."""
+        from ..io.checkpoint import check_finite
+
+        offsets = SCALE_OFFSETS.get(self.type.name)
+        blocks = self.raw.reshape(-1, self.type.nbytes)  # [blocks, block bytes]
+        if offsets is None:
+            for r in range(0, self.raw.shape[0], 4096):
+                check_finite(decode_rows(self.raw[r:r + 4096], self.type, self.cols), name, file)
+            return
+        for at in offsets:
+            check_finite(blocks[:, at:at + 2].contiguous().view(torch.float16), name, file, " (a block's scale)")
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> W[ids] [T, cols] in the compute dtype: those rows alone decoded (get_rows), bit for bit

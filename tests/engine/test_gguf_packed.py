@@ -165,3 +165,21 @@ def test_fit_counts_the_output_and_embedding_matrices_packed(tmp_path, model256)
     wide = a.in_dtype(4, "float32")
     assert dict(wide.dense_parts)["lm_head"] == q6 and wide.embedding_bytes == q6
     assert dict(wide.dense_parts)["attention"] == 2 * parts_a["attention"]
+
+
+@pytest.mark.parametrize("name", ["Q6_K", "Q8_0"])
+def test_a_nan_scale_in_the_packed_head_is_one_typed_line(tmp_path, model256, name):
+    from moechat.engine.errors import CheckpointError
+    from moechat.engine.load.gguf import open_gguf
+    from moechat.engine.quant.gguf_dense import SCALE_OFFSETS
+
+    path = tmp_path / "nan.gguf"
+    write_gguf(path, model256, ("Q8_0", "Q8_0", "Q8_0"), "F32", name)
+    info = open_gguf(path).info("lm_head.weight")
+    t = TYPES[name]
+    with open(path, "r+b") as f:  # the scale of block 5 of row 3: fp16 NaN
+        f.seek(info.start + 3 * t.row_bytes(256) + 5 % (256 // t.block) * t.nbytes + SCALE_OFFSETS[name][0])
+        f.write(np.array([np.nan], np.float16).tobytes())
+    with pytest.raises(CheckpointError) as e:
+        load_model(path, dtype="float32")
+    assert "lm_head.weight" in str(e.value) and "NaN or Inf" in str(e.value) and "\n" not in str(e.value)
