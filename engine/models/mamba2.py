@@ -5,8 +5,8 @@ dt = clamp(softplus(dt_raw + dt_bias), time_step_min);  S <- exp(dt A) S + dt x_
 after a depthwise causal conv1d (kernel 4, with bias) and SiLU over [x | B | C]. Nemotron-3-Nano-30B-A3B: 64 heads
 x 64 x 128 fp32 = 2 MiB per layer (+ a [6144, 3] conv window), 46 MiB for its 23 Mamba layers at any context.
 
-Three paths, fp32 inside: `ssd_reference` (token by token), `ssd_chunked` (prefill: the SSD form, within a chunk
-y = (C B^T * decay) (dt x) + decay_in C S0, the state carried between chunks by one GEMM each) and `ssd_step`
+Three paths, fp32 inside: `ssd_reference` (token by token), `ssd_chunked` (prefill: the SSD form, within a chunk of
+64 y = (C B^T * decay) (dt x) + decay_in C S0, the state carried between chunks by one GEMM per group) and `ssd_step`
 (decode, the state updated in place).
 
 Decode (one token) takes gated_deltanet's fused kernels where there are (`gd.fused_steps`): native_recurrent.c's
@@ -26,7 +26,7 @@ from . import gated_deltanet as gd
 
 # T = tokens, H = heads, P = head dim, G = groups, N = state size, L = chunk length
 
-CHUNK = 128
+CHUNK = 64
 
 
 def discretize(dt_raw: torch.Tensor, dt_bias: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
@@ -64,36 +64,42 @@ def ssd_step(x, dt, A, B, C, D, state):
 
 
 def ssd_chunked(x, dt, A, B, C, D, state, chunk: int = CHUNK):
-    """The same as `ssd_reference`, chunk by chunk; state updated in place."""
+    """The same as `ssd_reference`, chunk by chunk; state updated in place.
+
+    B and C stay per group: C B^T is one [L, L] GEMM per group and chunk (not per head: Nemotron-3-Nano's 64 heads
+    share 8 groups), scaled per head by its decay; the state is read out and updated group by group as one GEMM over
+    the group's heads ([L, N] x [N, heads x P]); the elementwise steps run in place. At Nemotron-3-Nano's widths, one
+    thread, 1024 tokens: 0.15 s CPU against 0.50 s for the per-head form at chunks of 128 (loaded machine, medians
+    of 5 interleaved; chunks of 32 measured 0.13 s, 128 0.18 s)."""
     T, H, P = x.shape
-    Bh, Ch, xf = _heads(B, H), _heads(C, H), x.float()
-    pad = (-T) % chunk
-    if pad:  # padded steps have dt = 0: no decay, no input
-        xf, Bh, Ch = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xf, Bh, Ch))
-        dt = F.pad(dt, (0, 0, 0, pad))
-    n, L = (T + pad) // chunk, chunk
-    xdt = (xf * dt[..., None]).reshape(n, L, H, P).permute(2, 0, 1, 3)  # [H, n, L, P]
-    Bc = Bh.reshape(n, L, H, -1).permute(2, 0, 1, 3)  # [H, n, L, N]
-    Cc = Ch.reshape(n, L, H, -1).permute(2, 0, 1, 3)
-    da = (dt * A).reshape(n, L, H).permute(2, 0, 1)  # [H, n, L] log decay of each step
+    G, N = B.shape[1], B.shape[2]
+    hg = H // G  # heads per group
+    pad = (-T) % chunk  # padded steps have dt = 0: no decay, no input
+    n, L, Tp = (T + pad) // chunk, chunk, T + pad
+    dtp = torch.zeros(H, Tp, dtype=torch.float32, device=x.device)  # [H, Tp]
+    dtp[:, :T] = dt.t()
+    xdt = gd._heads_first(x, Tp).mul_(dtp[..., None]).view(H, n, L, P)  # [H, n, L, P] dt x
+    Bg, Cg = gd._heads_first(B, Tp).view(G, n, L, N), gd._heads_first(C, Tp).view(G, n, L, N)  # [G, n, L, N]
+    da = dtp.mul_(A.float()[:, None]).view(H, n, L)  # [H, n, L] log decay of each step
     a = da.cumsum(-1)  # [H, n, L] from the chunk's start
     # decay[t, s] = exp(sum of da over s < k <= t), summed directly rather than as a[t] - a[s]: the cumulative sums
     # reach -100s within a chunk, and their difference would lose the small terms (5e-5 relative at L = 128)
     tril = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    seg = da[..., :, None].expand(H, n, L, L).masked_fill(~tril.tril(-1), 0.0).cumsum(-2)  # [t, s]: k in (s, t]
-    decay = seg.masked_fill(~tril, float("-inf")).exp()  # [H, n, L, L]
-    y_in = (Cc @ Bc.transpose(-1, -2) * decay) @ xdt  # [H, n, L, P]
-    c_in = Cc * a.exp()[..., None]  # [H, n, L, N]
-    b_end = Bc * (a[..., -1:] - a).exp()[..., None]  # [H, n, L, N]
+    seg = da[..., :, None].expand(H, n, L, L).masked_fill(~tril.tril(-1), 0.0).cumsum_(-2)  # [t, s]: k in (s, t]
+    decay = seg.masked_fill_(~tril, float("-inf")).exp_()  # [H, n, L, L]
+    scores = decay.view(G, hg, n, L, L).mul_((Cg @ Bg.transpose(-1, -2))[:, None]).view(H, n, L, L)
+    y = scores @ xdt  # [H, n, L, P] within each chunk
+    grow = a.exp()  # [H, n, L] the decay of the chunk's start state to t
+    # dt x weighted by its decay to the chunk's end, chunk-major and transposed: [n, G, hg P, L] for the state GEMM
+    xw = (xdt * (a[..., -1:] - a).exp_()[..., None]).permute(1, 0, 3, 2).reshape(n, G, hg * P, L)
     end = a[..., -1].exp()  # [H, n]
     S = state.clone()  # [H, P, N]
-    out = torch.empty(H, n, L, P, dtype=torch.float32, device=x.device)
     for i in range(n):
-        out[:, i] = y_in[:, i] + c_in[:, i] @ S.transpose(1, 2)
-        S = S * end[:, i, None, None] + xdt[:, i].transpose(1, 2) @ b_end[:, i]
+        read = (Cg[:, i] @ S.view(G, hg * P, N).transpose(1, 2)).view(G, L, hg, P)  # [G, L, hg, P] C S^T
+        y[:, i].add_(read.permute(0, 2, 1, 3).reshape(H, L, P).mul_(grow[:, i, :, None]))
+        S = torch.baddbmm(S.mul_(end[:, i, None, None]).view(G, hg * P, N), xw[i], Bg[:, i]).view(H, P, N)
     state.copy_(S)
-    y = out.reshape(H, n * L, P)[:, :T].transpose(0, 1)  # [T, H, P]
-    return y + D[:, None] * x.float()
+    return y.view(H, Tp, P)[:, :T].transpose(0, 1) + D[:, None] * x.float()  # [T, H, P]
 
 
 def ssd_fused_step(x, dt, A, B, C, D, state, fused):

@@ -200,10 +200,11 @@ def test_shapes_the_kernels_do_not_take_are_an_error(lib):
                                torch.zeros(4, 8))
 
 
-@pytest.mark.parametrize("T", [1, gd.CHUNK - 1, gd.CHUNK + 1])
-@pytest.mark.parametrize("shape", [(1, 1, 5, 3), (1, 3, 13, 7)], ids=str)
+@pytest.mark.parametrize("T", [1, gd.CHUNK - 1, gd.CHUNK + 1, 9 * gd.CHUNK + 13])
+@pytest.mark.parametrize("shape", [(1, 1, 5, 3), (1, 3, 13, 7), (2, 6, 8, 5)], ids=str)
 def test_delta_rule_chunked_at_odd_shapes(shape, T):
-    """The chunked prefill (and the fast dispatch) at one head / odd head dims, against the reference."""
+    """The chunked prefill (and the fast dispatch) at one head / odd head dims / key heads shared by 3 value heads,
+    against the reference, up to 9 chunks and a part."""
     q, k, v, decay, beta, s0 = _delta_inputs(shape, torch.float32, T, T + shape[3])
     s_ref, s_chunk, s_fast = s0.clone(), s0.clone(), s0.clone()
     o_ref = gd.delta_rule_reference(q, k, v, decay, beta, s_ref)
@@ -213,9 +214,11 @@ def test_delta_rule_chunked_at_odd_shapes(shape, T):
     torch.testing.assert_close(s_fast, s_ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("T", [1, mamba2.CHUNK - 1, mamba2.CHUNK + 1])
-@pytest.mark.parametrize("shape", [(1, 1, 3, 5), (3, 1, 5, 11)], ids=str)
+@pytest.mark.parametrize("T", [1, mamba2.CHUNK - 1, mamba2.CHUNK + 1, 9 * mamba2.CHUNK + 13])
+@pytest.mark.parametrize("shape", [(1, 1, 3, 5), (3, 1, 5, 11), (6, 3, 4, 7)], ids=str)
 def test_ssd_chunked_at_odd_shapes(shape, T):
+    """The chunked prefill (B and C per group, the state per group of heads) at one head / one group / 3 groups of
+    2 heads, against the reference, up to 9 chunks and a part."""
     x, dt, A, B, C, D, s0 = _ssd_inputs(shape, torch.float32, T, T + shape[3])
     s_ref, s_chunk, s_fast = s0.clone(), s0.clone(), s0.clone()
     y_ref = mamba2.ssd_reference(x, dt, A, B, C, D, s_ref)
