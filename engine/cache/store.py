@@ -120,6 +120,22 @@ def fill(store, jobs: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]]) -> 
             f.cancel() or f.exception()
 
 
+MADV_POPULATE_READ = 22  # Linux 5.14+: fault every page of a range in now, as a read would
+
+
+def populate(t: torch.Tensor) -> None:
+    """Map every page under a memory-mapped tensor now (page-cache pages; from disk where the cache lacks them),
+    so the first tokens do not fault them in one by one; best effort (an older kernel: they fault in as used)."""
+    from . import hostmem
+
+    madvise = hostmem._madvise()
+    if madvise is None or t.numel() == 0:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    madvise(start, t.data_ptr() + t.numel() * t.element_size() - start, MADV_POPULATE_READ)
+
+
 def _direct(dst: Mapping[str, torch.Tensor]) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in dst.values())
 
@@ -315,6 +331,22 @@ class DiskStore:
                                   "(was the file truncated or replaced while moechat ran?)", path=str(seg.file))
         if bad >= 0:
             raise nonfinite_error(out, seg.tensor or seg.name, seg.file, f" (expert {expert} of layer {layer})")
+
+    def mapped_names(self, layer: int) -> dict[str, str] | None:
+        """Stored name -> the checkpoint tensor that holds it for every expert of this layer, back to back as
+        [E, *shape] in the slot's dtype (a fused checkpoint: GPT-OSS's MXFP4 blocks, scales and biases); None where
+        any is split per expert (gate and up apart) or converted on the way. Where it is not None, a
+        memory-mapped view of the shard is the layer's resident stack, byte for byte what `read_into` copies."""
+        out: dict[str, str] = {}
+        first: dict[str, int] = {}
+        for e in range(self.args.num_experts):
+            for seg in self._segments[(layer, e)]:
+                shape, dtype = self.shapes[seg.name]
+                if (seg.stored != dtype or seg.row_start != 0 or seg.row_end != shape[0] or not seg.tensor
+                        or out.setdefault(seg.name, seg.tensor) != seg.tensor
+                        or seg.offset != first.setdefault(seg.name, seg.offset) + e * seg.nbytes):
+                    return None
+        return out if set(out) == set(self.shapes) else None
 
     def parallel_reads(self, jobs) -> bool:
         """Whether `fill` may run these reads at once: each segment lands in its destination as stored (no shared

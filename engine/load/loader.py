@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..cache import hostmem
-from ..cache.store import expert_tensor_names, fill, scan_finite
+from ..cache.store import DiskStore, expert_tensor_names, fill, populate, scan_finite
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 from ..io.checkpoint import Checkpoint, read_json
 from ..io.validate import check_layers, show
@@ -130,6 +130,31 @@ def _dense_tensor(ckpt: Checkpoint, name: str, fmt: ExpertFormat) -> torch.Tenso
         t = dequantize_blocks(t, ckpt.get(name + fmt.scale_suffix), fmt.block)
     scan_finite(t, name, ckpt.info(name).file)
     return t
+
+
+def mapped_experts(ckpt, disk, layer: int, device: torch.device) -> dict[str, torch.Tensor] | None:
+    """A layer's resident experts as memory-mapped views of the shard, no copy, where the checkpoint stores them as
+    the format does, fused [E, ...] in the compute dtype (GPT-OSS's MXFP4; `DiskStore.mapped_names`), on the CPU:
+    float tensors (the biases) scanned for NaN/Inf per expert as `read_into` would, every page mapped now
+    (MADV_POPULATE_READ, as llama.cpp's MAP_POPULATE). None: the experts are read into fresh buffers."""
+    if device.type != "cpu" or type(ckpt) is not Checkpoint or type(disk) is not DiskStore:
+        return None
+    names = disk.mapped_names(layer)
+    if names is None:
+        return None
+    out = {}
+    for name, tensor in names.items():
+        t = ckpt.get(tensor)  # [E, ...], a view of the shard's mapping
+        shape, dtype = disk.shapes[name]
+        if t.shape != (disk.args.num_experts, *shape) or t.dtype != dtype or not t.is_contiguous():
+            return None
+        out[name] = t
+    for tensor, t in zip(names.values(), out.values(), strict=True):
+        populate(t)
+        if t.is_floating_point():
+            for e in range(t.shape[0]):
+                scan_finite(t[e], tensor, ckpt.info(tensor).file, f" (expert {e} of layer {layer})")
+    return out
 
 
 def checkpoint_format(raw_config: dict, model_dir: Path | None = None) -> ExpertFormat:
@@ -273,6 +298,10 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
                                                                                                   target.name)), target)
     tensors = {}
     for layer in cls.moe_layers(args):
+        mapped = mapped_experts(ckpt, disk, layer, device)  # fused in the shard as the format stores them: no copy
+        if mapped is not None:
+            tensors[layer] = mapped
+            continue
         # [E, ...] per stored tensor (w13 [E, 2I, H] at full width; packed formats stay packed)
         tensors[layer] = {name: hostmem.empty((E, *shape), dt, device)
                           for name, (shape, dt) in disk.shapes.items()}

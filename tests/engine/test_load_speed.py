@@ -150,3 +150,46 @@ def test_scan_finite_splits_a_big_tensor_and_still_names_it(monkeypatch):
     with pytest.raises(CheckpointError, match=r"f: tensor 'bad' holds NaN or Inf \(1 of 3,072 values\)"):
         store.scan_finite(t, "bad", "f")
     store.scan_finite(torch.full((4096,), 0xFF, dtype=torch.uint8), "codes", "f")  # packed codes: not checked
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    from .test_gpt_oss import write_tiny_gpt_oss
+
+    path = tmp_path_factory.mktemp("gpt_oss_mapped")
+    write_tiny_gpt_oss(path, shards=1)
+    return path
+
+
+def test_fused_experts_are_mapped_from_the_shard_not_copied(gpt_oss_dir, monkeypatch):
+    """GPT-OSS stores its MXFP4 experts as the format does, [E, ...] per layer: the resident stacks are views of the
+    shard's mapping, byte for byte the checkpoint, and the same experts the copying fill gives."""
+    mapped = load_model(gpt_oss_dir)
+    want = load_file(gpt_oss_dir / "model.safetensors")
+    monkeypatch.setattr("moechat.engine.load.loader.mapped_experts", lambda *a: None)
+    copied = load_model(gpt_oss_dir)
+    names = mapped.cls.expert_naming.packed["mxfp4"]
+    for layer in mapped.provider.layers:
+        for name, t in mapped.provider._tensors[layer].items():
+            assert torch.equal(t, want[names[name].format(layer=layer)])
+            assert torch.equal(t, copied.provider._tensors[layer][name])
+    t = mapped.provider._tensors[0]["w13_blocks"]
+    assert not any(t.data_ptr() == c.data_ptr() for c in copied.provider._tensors[0].values())
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (5,))
+    from moechat.engine.layers.kv_cache import KVCache
+
+    outs = [m.model.logits(m.model(ids, KVCache.for_model(m.args, 16, torch.float32), m.provider))
+            for m in (mapped, copied)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_mapped_experts_nan_is_named_with_its_expert(gpt_oss_dir, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(gpt_oss_dir, dst)
+    name = "model.layers.2.mlp.experts.down_proj_bias"  # [E, H] fp32
+    tensors = load_file(dst / "model.safetensors")
+    tensors[name][3, -1] = float("inf")  # expert 3's last element
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"'{name}' \(expert 3 of layer 2\) holds NaN or Inf \(1 of 64 "):
+        load_model(dst)
