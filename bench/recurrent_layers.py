@@ -6,7 +6,9 @@ real widths (config.json from ../shared/model-configs or --config), in bf16 on t
 Prints the median ms per step (interleaved rounds, min-max beside it) for: the delta-rule layer (projections, conv,
 recurrence, gated norm, out_proj) with the native one-token steps (native_recurrent.c) and with the torch steps
 (MOECHAT_RECURRENT_NATIVE=0), the recurrence and the conv alone each way, Mamba-2's SSM step at Nemotron-3-Nano's
-widths (64 heads x 64 x 128) each way, and the gated attention layer with `context` cached positions.
+widths (64 heads x 64 x 128) each way, and the gated attention layer with `context` cached positions; then a
+prefill of `context` tokens in chunks of --prefill (1024, the engine's) through each layer (attention at its real
+positions, 0 to `context`), and the delta rule's and Mamba-2's chunked scans alone.
 The issue's aim: a recurrent layer costs no more per token than a full-attention layer at 4k context.
 """
 
@@ -43,7 +45,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--prefill", type=int, default=1024, help="the prefill chunk (the engine's default size)")
+    ap.add_argument("--prefill-rounds", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     args = Qwen3_5MoeArgs.from_dict(json.loads(Path(a.config).read_text()))
@@ -54,7 +57,7 @@ def main() -> None:
     for m in (delta, attn):
         _random(m, dt)
         m.finalize()
-    S = a.context + a.prefill + a.steps * a.rounds * 3 + 8
+    S = a.context + a.prefill + a.steps * a.rounds * 16 + 8
     kv = KVCache.for_model(args, S, dt)
     kv.k[full].normal_()
     kv.v[full].normal_()
@@ -95,24 +98,42 @@ def main() -> None:
                     fn()
                 times[name].append((time.perf_counter() - t0) / a.steps * 1e3)
         os.environ[gd.ENV] = "1"
-        xp = torch.randn(a.prefill, H, dtype=dt)
-        cp, sp = torch.ones(a.prefill, 1, R, dtype=dt), torch.zeros(a.prefill, 1, R, dtype=dt)
-        pre = {"Gated DeltaNet layer": [], "gated attention (from 0)": []}
-        for _ in range(max(2, a.rounds // 2)):
-            kv.truncate(0)
-            t0 = time.perf_counter()
-            delta.forward(xp, kv, xp)
-            pre["Gated DeltaNet layer"].append((time.perf_counter() - t0) * 1e3)
-            t0 = time.perf_counter()
-            attn.forward(xp, cp, sp, kv, 0, xp)
-            pre["gated attention (from 0)"].append((time.perf_counter() - t0) * 1e3)
+        # prefill: the whole context in the engine's chunks, each layer from position 0 to `context`
+        C = a.prefill
+        xp = torch.randn(C, H, dtype=dt)
+        cp, sp = torch.ones(C, 1, R, dtype=dt), torch.zeros(C, 1, R, dtype=dt)
+        starts = range(0, a.context, C)
+        mxp, mBp = torch.randn(C, mH, mP, dtype=dt), torch.randn(C, mG, mN, dtype=dt)
+        mdtp = torch.rand(C, mH) * 0.1
+        qp, kp = torch.randn(C, args.linear_num_key_heads, args.linear_key_head_dim), \
+            torch.randn(C, args.linear_num_key_heads, args.linear_key_head_dim)
+        vp = torch.randn(C, args.linear_num_value_heads, args.linear_value_head_dim)
+        gp, bp = -torch.rand(C, args.linear_num_value_heads), torch.rand(C, args.linear_num_value_heads)
+        pre = {
+            "Gated DeltaNet layer": lambda: [delta.forward(xp, kv, xp) for _ in starts],
+            "  delta rule alone (chunked)": lambda: [gd.delta_rule_chunked(qp, kp, vp, gp, bp, st["ssm"])
+                                                     for _ in starts],
+            f"gated attention, 0 to {a.context}": lambda: [attn.forward(xp, cp, sp, kv, s0, xp) for s0 in starts],
+            "Mamba-2 SSD scan alone (Nemotron)": lambda: [mamba2.ssd_chunked(mxp, mdtp, mA, mBp, mBp, mD, m_state)
+                                                          for _ in starts],
+        }
+        wall, cpu = {k: [] for k in pre}, {k: [] for k in pre}
+        for _ in range(a.prefill_rounds):
+            for name, fn in pre.items():  # interleaved
+                kv.truncate(0)
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                wall[name].append((time.perf_counter() - t0) * 1e3)
+                cpu[name].append((time.process_time() - c0) * 1e3)
     print(f"decode, one token, bf16, {a.threads} thread(s), median of {a.rounds} rounds x {a.steps} steps")
     for name, ts in times.items():
         print(f"  {name:36s} {statistics.median(ts):7.3f} ms  ({min(ts):.3f}-{max(ts):.3f})")
-    print(f"prefill, {a.prefill} tokens")
-    for name, ts in pre.items():
-        print(f"  {name:36s} {statistics.median(ts):7.1f} ms  ({min(ts):.1f}-{max(ts):.1f})")
-
+    print(f"prefill of {a.context} tokens in chunks of {C}, median of {a.prefill_rounds} interleaved rounds: wall ms "
+          "(min-max), CPU ms, wall ms per 1k tokens")
+    for name in pre:
+        w, c = wall[name], cpu[name]
+        print(f"  {name:36s} {statistics.median(w):8.1f} ({min(w):.1f}-{max(w):.1f})  cpu {statistics.median(c):8.1f}"
+              f"  {statistics.median(w) * 1024 / a.context:7.1f} /1k")
 
 if __name__ == "__main__":
     main()
