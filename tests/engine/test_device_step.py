@@ -296,3 +296,21 @@ def test_the_layer_step_compiles_with_inductor_on_cuda():
     want = step(x, residual)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(step, fullgraph=True)(x, residual), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_on_cuda_the_device_step_matches_the_cached_step(models, name):
+    """On CUDA: host experts read over the link from pinned RAM, fills on the copy stream, the map ordered after
+    them by events; the same tokens as the cached provider's step at 1 and a few slots."""
+    path = models(name)
+    for slots in (1, 3):
+        cache = CacheConfig(expert_slots=slots, policy="lru")
+        ref_logits, ref_tokens = _run(Engine.load(path, dtype="float32", device="cuda", prefill_chunk=8, cache=cache))
+        engine = Engine.load(path, dtype="float32", device="cuda", prefill_chunk=8, cache=cache)
+        engine.provider = DeviceResidentProvider.from_cached(engine.provider)
+        logits, tokens = _run(engine)
+        assert tokens == ref_tokens, f"{slots} slots"
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+        assert engine.provider.steps_settled == STEPS
+        assert engine.provider.residency.mismatches(engine.provider.pool) == []
