@@ -36,9 +36,9 @@
 
 #if !defined(MOECHAT_SCALAR) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define IQ_ISA 3
-#elif !defined(MOECHAT_SCALAR) && defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+#elif !defined(MOECHAT_SCALAR) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
 #define IQ_ISA 2
-#elif !defined(MOECHAT_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#elif !defined(MOECHAT_SCALAR) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define IQ_ISA 1
 #else
 #define IQ_ISA 0
@@ -75,7 +75,7 @@ typedef struct {
     float e8m0[256];   /* MXFP4: 2^(s - 128) */
 } QJob;
 
-static float q_f16(uint16_t h) { /* an fp16 bit pattern -> its fp32 value, exactly */
+static inline float q_f16(uint16_t h) { /* an fp16 bit pattern -> its fp32 value, exactly (the scalar build's) */
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, b;
     if (e == 31) b = sign | 0x7F800000u | m << 13;
     else if (e) b = sign | (e + 112) << 23 | m << 13;
@@ -89,34 +89,87 @@ static float q_f16(uint16_t h) { /* an fp16 bit pattern -> its fp32 value, exact
     return f;
 }
 
-/* x [T, cols] fp32 -> q int8 (the block's elements in the packed order: even ones, then odd ones), xs, xc. q is
- * round(x 127 / max |x|) in double (so no fp32 range or rounding subtlety: |q| <= 127), xs = max |x| / 127 in fp32;
- * a block with a non-finite element gets xs = NaN (its outputs NaN, as the reference's). */
-static void quantize_x(const float *x, int64_t T, int64_t cols, int offset, int8_t *xq, float *xs, int32_t *xc) {
-    int64_t G = cols / 32;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t b = 0; b < G; b++) {
-            const float *v = x + t * cols + b * 32;
-            int8_t *o = xq + t * cols + b * 32;
-            float amax = 0.0f;
-            for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
-            int bad = 0;
-            for (int k = 0; k < 32; k++) bad |= !isfinite(v[k]);
-            int32_t sum = 0;
-            if (bad || amax == 0.0f) {
-                memset(o, 0, 32);
-                xs[t * G + b] = bad ? NAN : 0.0f;
-            } else {
-                double inv = 127.0 / (double)amax;
-                for (int p = 0; p < 32; p++) {
-                    int q = (int)nearbyint((double)v[p < 16 ? 2 * p : 2 * (p - 16) + 1] * inv);
-                    o[p] = (int8_t)q;
-                    sum += q;
-                }
-                xs[t * G + b] = amax / 127.0f;
-            }
-            xc[t * G + b] = -offset * sum;
-        }
+/* x [T, cols] fp32 -> q int8 (the block's elements in the packed order: even ones, then odd ones), xs, xc. Per
+ * block, m = max |x|: q = round(x x fl(127 / m)) to nearest even in fp32 (|q| <= 127), xs = fl(m / 127); the same
+ * fp32 operations on every build (quant/prefill.py `round_x8` is the reference). m under 2^-100 (127 / m would pass
+ * fp32's range) rounds in double instead; a block with a non-finite element gets xs = NaN (its outputs NaN, as the
+ * reference's), an all-zero one q = 0. */
+#define Q_TINY 0x1p-100f
+static void quantize_block(const float *v, int offset, int8_t *o, float *xs, int32_t *xc) {
+    float amax = 0.0f;
+    int bad = 0;
+    int32_t q[32], sum = 0;
+#if IQ_ISA == 3
+    __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));  /* NaN-free when finite */
+    __m512 z0 = _mm512_mul_ps(v0, _mm512_setzero_ps()), z1 = _mm512_mul_ps(v1, _mm512_setzero_ps());
+    bad = (_mm512_cmp_ps_mask(z0, z0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(z1, z1, _CMP_UNORD_Q)) != 0;
+#elif IQ_ISA
+    __m256 v4[4], m = _mm256_setzero_ps(), z = _mm256_setzero_ps();
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int k = 0; k < 4; k++) {
+        v4[k] = _mm256_loadu_ps(v + 8 * k);
+        m = _mm256_max_ps(m, _mm256_and_ps(v4[k], abs));
+        __m256 zk = _mm256_mul_ps(v4[k], _mm256_setzero_ps());
+        z = _mm256_or_ps(z, _mm256_cmp_ps(zk, zk, _CMP_UNORD_Q));
+    }
+    bad = _mm256_movemask_ps(z) != 0;
+    float mm[8];
+    _mm256_storeu_ps(mm, m);
+    for (int k = 0; k < 8; k++) amax = mm[k] > amax ? mm[k] : amax;
+#else
+    for (int k = 0; k < 32; k++) {
+        amax = fmaxf(amax, fabsf(v[k]));
+        bad |= !isfinite(v[k]);
+    }
+#endif
+    if (bad || amax == 0.0f) {
+        memset(o, 0, 32);
+        *xs = bad ? NAN : 0.0f;
+        *xc = 0;
+        return;
+    }
+    if (amax < Q_TINY) {
+        double inv = 127.0 / (double)amax;
+        for (int k = 0; k < 32; k++) q[k] = (int32_t)nearbyint((double)v[k] * inv);
+    } else {
+        float inv = 127.0f / amax;
+#if IQ_ISA == 3
+        __m512 iv = _mm512_set1_ps(inv);
+        _mm512_storeu_si512(q, _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)));  /* nearest even (MXCSR's default) */
+        _mm512_storeu_si512(q + 16, _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv)));
+#elif IQ_ISA
+        __m256 iv = _mm256_set1_ps(inv);
+        for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i *)(q + 8 * k), _mm256_cvtps_epi32(_mm256_mul_ps(v4[k], iv)));
+#else
+        for (int k = 0; k < 32; k++) q[k] = (int32_t)nearbyintf(v[k] * inv);
+#endif
+    }
+    for (int p = 0; p < 16; p++) {
+        o[p] = (int8_t)q[2 * p];
+        o[16 + p] = (int8_t)q[2 * p + 1];
+        sum += q[2 * p] + q[2 * p + 1];
+    }
+    *xs = amax / 127.0f;
+    *xc = -offset * sum;
+}
+
+typedef struct {
+    const float *x;
+    int64_t cols, G;
+    int offset;
+    int8_t *xq;
+    float *xs;
+    int32_t *xc;
+} XJob;
+
+static int xshare(void *ctx, int64_t a, int64_t b) { /* tokens [a, b) */
+    const XJob *X = ctx;
+    for (int64_t t = a; t < b; t++)
+        for (int64_t g = 0; g < X->G; g++)
+            quantize_block(X->x + t * X->cols + g * 32, X->offset, X->xq + t * X->cols + g * 32, X->xs + t * X->G + g,
+                           X->xc + t * X->G + g);
+    return 0;
 }
 
 /* rows [r0, r0 + nr) (nr <= RG; the rest zero) -> W [G][8][RG][4] bytes, WS [G][RG] fp32 */
@@ -124,15 +177,24 @@ static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *W
     const int64_t G = J->G, half = J->cols / 2;
     const uint8_t *rp[RG];
     for (int i = 0; i < RG; i++) rp[i] = i < nr ? J->w + (r0 + i) * half : NULL;
-    for (int64_t b = 0; b < G; b++)
-        for (int i = 0; i < RG; i++) {
-            float s = 0.0f;
-            if (i < nr) {
-                if (J->fmt == Q_INT4) s = q_f16(((const uint16_t *)J->s)[(r0 + i) * G + b]);
-                else s = J->e8m0[((const uint8_t *)J->s)[(r0 + i) * G + b]];
-            }
-            WS[b * RG + i] = s;
+    if (J->fmt == Q_INT4) {
+        const uint16_t *sc = (const uint16_t *)J->s + r0 * G;
+        for (int64_t b = 0; b < G; b++) {
+            uint16_t h[RG];
+            for (int i = 0; i < RG; i++) h[i] = i < nr ? sc[i * G + b] : 0;
+#if IQ_ISA == 3
+            _mm512_store_ps(WS + b * RG, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+#elif IQ_ISA
+            _mm256_store_ps(WS + b * RG, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+#else
+            for (int i = 0; i < RG; i++) WS[b * RG + i] = q_f16(h[i]);
+#endif
         }
+    } else {
+        const uint8_t *sc = (const uint8_t *)J->s + r0 * G;
+        for (int64_t b = 0; b < G; b++)
+            for (int i = 0; i < RG; i++) WS[b * RG + i] = i < nr ? J->e8m0[sc[i * G + b]] : 0.0f;
+    }
     const uint8_t *map = J->fmt == Q_INT4 ? U_INT4 : U_MXFP4;
 #if IQ_ISA
     static const uint8_t zeros[16] = {0};
@@ -315,10 +377,11 @@ static int run_q8(QJob *J, const float *x, int offset) {
     int32_t *xc = malloc(sizeof(int32_t) * (size_t)(J->T * J->G));
     int rc = -2;
     if (xq && xs && xc) {
-        quantize_x(x, J->T, J->cols, offset, xq, xs, xc);
+        XJob X = {.x = x, .cols = J->cols, .G = J->G, .offset = offset, .xq = xq, .xs = xs, .xc = xc};
+        rc = moechat_parallel_for(xshare, &X, J->T, 1, J->T * J->cols * 4);  /* x's fp32 bytes: over the pool too */
         J->xq = xq, J->xs = xs, J->xc = xc;
         /* the pool's "bytes": multiply-adds / 16 (the integer dot's rate is ~4x the fp32 tile's) */
-        rc = moechat_parallel_for(qshare, J, J->rows, RG, J->rows * J->cols / 16 * J->T);
+        if (rc == 0) rc = moechat_parallel_for(qshare, J, J->rows, RG, J->rows * J->cols / 16 * J->T);
     }
     free(xq), free(xs), free(xc);
     return rc;

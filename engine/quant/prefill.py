@@ -228,13 +228,15 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def round_x8(x: torch.Tensor) -> torch.Tensor:
-    """The x the integer kernels sum over, as a slow reference in fp64: per 32-element block with m = max |x|,
-    q = round(x 127 / m) to nearest even (in fp64, |q| <= 127) times xs = m / 127 rounded to fp32; NaN for a block
-    with a non-finite element, 0 for an all-zero one."""
+    """The x the integer kernels sum over, as a slow reference in fp64: per 32-element block with m = max |x| (fp32),
+    q = round(x * (127 / m)) to nearest even with the quotient and the product in fp32, as the kernels compute them
+    (|q| <= 127; in fp64 where m < 2^-100, whose 127 / m would pass fp32's range), times xs = m / 127 rounded to fp32;
+    NaN for a block with a non-finite element, 0 for an all-zero one."""
     b = x.float().reshape(*x.shape[:-1], -1, Q8_BLOCK)  # [..., G, 32]
     mx = b.abs().amax(dim=-1, keepdim=True)  # [..., G, 1] fp32
     xs = (mx / 127).double()  # the fp32 quotient, as the kernel's
-    q = torch.round(b.double() * (127.0 / mx.double()))
+    q = torch.round(b * (127 / mx)).double()  # fp32 quotient and product
+    q = torch.where(mx < 2.0**-100, torch.round(b.double() * (127.0 / mx.double())), q)
     out = torch.where(mx > 0, q * xs, torch.zeros_like(q))
     return out.where(b.isfinite().all(dim=-1, keepdim=True), torch.nan).reshape(x.shape)
 

@@ -1,7 +1,7 @@
 """The integer (Q8 activation) prefill kernels for int4 and MXFP4 (native_prefill_int.c through quant/prefill.py):
 within `bound_q8` of F.linear(x, weight()) in fp64 at T = 1, 5, 17, 64 on odd row counts and inputs that are not a
 multiple of the row group, on the AVX-512 (where the CPU has it), AVX2 and scalar builds; within fp32 rounding of the
-product over `round_x8(x)` (so the error is x's rounding alone), and exact to fp32 sums when x is on the int8 grid;
+product over `round_x8(x)` (so the error is x's rounding alone; blocks too small for fp32's 127 / m), and exact to fp32 sums when x is on the int8 grid;
 every build the same bits; the same bits at 1, 2, 3 threads and in any batch; non-finite and zero blocks; the dispatch
 (bf16/fp16 x takes it, fp32 x and MOECHAT_PREFILL_INT=0 the decoded tile, int4 groups of 16 the decoded tile)."""
 
@@ -75,6 +75,7 @@ SHAPES = [(37, 96), (16, 64), (9, 32), (23, 480)]  # rows: odd, one AVX-512 grou
 def test_within_the_bound_of_the_reference(build, name, rows, cols, T):
     w, run = _packed(name, rows, cols, rows * cols + T)
     x = _x(T, cols, T)
+    x[-1, :32] *= 1e-36  # a block under 2^-100: rounded in fp64 (127 / m would overflow fp32)
     got = run(build, x).double()
     err = (got - F.linear(x.double(), w.double())).abs()
     assert bool((err <= prefill.bound_q8(x, w)).all())
