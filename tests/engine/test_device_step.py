@@ -314,3 +314,19 @@ def test_on_cuda_the_device_step_matches_the_cached_step(models, name):
         torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
         assert engine.provider.steps_settled == STEPS
         assert engine.provider.residency.mismatches(engine.provider.pool) == []
+
+
+@pytest.mark.parametrize("expert_format", ["int8", "int4"])
+def test_quantized_experts_through_the_device_step_match_the_cached_step(models, expert_format, tmp_path):
+    """Experts converted by moechat (`--expert-format`): dequantized by torch ops from the gathered codes, the same
+    tokens and logits (1e-5) as the CPU's native kernels on the cached step."""
+    path = models("qwen3_moe")
+    cache = CacheConfig(expert_slots=3, policy="lru", repack_dir=str(tmp_path))
+    ref_logits, ref_tokens = _run(Engine.load(path, dtype="float32", prefill_chunk=8, cache=cache,
+                                              expert_format=expert_format))
+    engine = Engine.load(path, dtype="float32", prefill_chunk=8, cache=cache, expert_format=expert_format)
+    engine.provider = DeviceResidentProvider.from_cached(engine.provider)
+    assert engine.provider.format.name == expert_format
+    logits, tokens = _run(engine)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
