@@ -408,32 +408,40 @@ def prefill_integer(args) -> None:
 
     lib = native.library()
     paths = (("decoded tile", "0"), ("integer dot", "1"))
-    print(f"\nprefill, integer dot vs decoded tile (bf16 x), {args.rounds} interleaved rounds; integer kernels "
-          f"built for {prefill.integer_isa(lib)}; load average {os.getloadavg()[0]:.1f}")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    print(f"\nprefill, integer dot vs decoded tile (bf16 x), {args.rounds} interleaved rounds, {args.clock} clock "
+          f"(thread: the calling thread's CPU seconds, meaningful at 1 thread only); integer kernels built for "
+          f"{prefill.integer_isa(lib)}; load average {os.getloadavg()[0]:.1f}. err: |y - ref| / |ref| (L2, w13's "
+          f"output, bf16) against F.linear(x, weight()) in fp64")
     print("| format | width | T | threads | decoded tile ms | spread | GMAC/s | integer dot ms | spread | GMAC/s | "
-          "integer / tile |")
-    print("|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|")
+          "integer / tile | err tile | err integer |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|")
     for name in ("int4", "mxfp4"):
         for model, (H, I) in WIDTHS.items():
             fmt, t = expert(name, H, I)
             for T in args.prefill_tokens:
                 x13, x2 = torch.randn(T, H).bfloat16(), torch.randn(T, I).bfloat16()
+                ref = torch.nn.functional.linear(x13.double(), fmt.weight(t, "w13", torch.float64))
+                err = []
+                for _, flag in paths:
+                    os.environ[prefill.INT_ENV] = flag
+                    err.append(float((fmt.linear(x13, t, "w13").double() - ref).norm() / ref.norm()))
                 for threads in args.prefill_threads:
                     torch.set_num_threads(threads)
                     times = [[] for _ in paths]
                     for _ in range(args.rounds):
                         for k, (_, flag) in enumerate(paths):
                             os.environ[prefill.INT_ENV] = flag
-                            t0 = time.perf_counter()
+                            t0 = clock()
                             fmt.linear(x13, t, "w13")
                             fmt.linear(x2, t, "w2")
-                            times[k].append(time.perf_counter() - t0)
+                            times[k].append(clock() - t0)
                     os.environ.pop(prefill.INT_ENV, None)
                     med = [statistics.median(ts) for ts in times]
                     gmac = 3 * H * I * T / 1e9
                     print(f"| {name} | {model} | {T} | {threads} | {_median_spread(times[0], 1e3)} | "
                           f"{gmac / med[0]:.1f} | {_median_spread(times[1], 1e3)} | {gmac / med[1]:.1f} | "
-                          f"{med[0] / med[1]:.2f}x |", flush=True)
+                          f"{med[0] / med[1]:.2f}x | {err[0]:.2e} | {err[1]:.2e} |", flush=True)
 
 
 def _int8_rows(args, model: str, fmt, t, H: int, I: int) -> None:
