@@ -451,6 +451,7 @@ class RepackedStore:
         self._checked = bytearray(len(keys))  # experts whose CRC has been verified this run
         self._fd = os.open(self.path, os.O_RDONLY)
         self._staging: dict[str, torch.Tensor] = {}
+        self._map: torch.Tensor | None = None  # the file memory-mapped (`mapped_layer`), kept by the views made of it
 
     def _file_id(self):
         try:
@@ -526,6 +527,51 @@ class RepackedStore:
             raise self._unwritable(e, need) from None
         self.crc = crc
 
+    def mapped_layer(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """The layer's experts as views of the file's mapping, no copy: [E, *shape] per stored tensor, expert e's
+        tensors back to back in its row as the file holds them (each t[e] contiguous, as a slot-layout row is), each
+        unverified expert's CRC checked over the mapped bytes (several at once), every page mapped now. None where
+        the layer's experts are not consecutive or a tensor's offset is not a multiple of its dtype's size."""
+        import zlib
+
+        E = self.disk.args.num_experts
+        first = self.index.get((layer, 0))
+        eb = self.expert_bytes
+        if first is None or any(self.index.get((layer, e)) != first + e for e in range(E)):
+            return None
+        if self._map is None:
+            import numpy as np
+
+            self._map = torch.from_numpy(np.memmap(self.path, dtype=np.uint8, mode="c"))  # MAP_PRIVATE: page cache
+        rows = self._map[first * eb : (first + E) * eb].view(E, eb)  # [E, expert bytes]
+        out, at = {}, 0
+        for name, (shape, dtype) in self.shapes.items():
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            if at % dtype.itemsize or eb % dtype.itemsize:
+                return None
+            out[name] = rows[:, at : at + nbytes].view(dtype).view(E, *shape)
+            at += nbytes
+        populate(rows)
+
+        def crc(e: int) -> int:
+            return zlib.crc32(memoryview(rows[e].numpy()))  # zlib frees the GIL: experts side by side
+
+        todo = [e for e in range(E) if not self._checked[first + e]]
+        for e, c in zip(todo, _pool().map(crc, todo) if read_threads() > 1 else map(crc, todo), strict=True):
+            if c != self.crc[first + e]:
+                self._damaged(layer, e)
+            self._checked[first + e] = 1
+        return out
+
+    def _damaged(self, layer: int, expert: int):
+        try:
+            self.sidecar.unlink(missing_ok=True)  # the next start rebuilds it
+        except OSError:  # a read-only folder: the next start checks every expert again
+            pass
+        raise CheckpointError(f"{self.path}: expert {expert} of layer {layer} does not match the checksum "
+                              "written with it (the file was damaged or changed); it is rebuilt on the "
+                              "next start", path=str(self.path))
+
     def parallel_reads(self, jobs) -> bool:
         """Whether `fill` may run these reads at once: every destination a plain CPU tensor (no staging buffer)."""
         return all(_direct(dst) for _, _, dst in jobs)
@@ -556,13 +602,7 @@ class RepackedStore:
             offset += nbytes
         if not self._checked[i]:
             if c != self.crc[i]:
-                try:
-                    self.sidecar.unlink(missing_ok=True)  # the next start rebuilds it
-                except OSError:  # a read-only folder: the next start checks every expert again
-                    pass
-                raise CheckpointError(f"{self.path}: expert {expert} of layer {layer} does not match the checksum "
-                                      "written with it (the file was damaged or changed); it is rebuilt on the "
-                                      "next start", path=str(self.path))
+                self._damaged(layer, expert)
             self._checked[i] = 1
         return DISK, self.expert_bytes
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..cache import hostmem
-from ..cache.store import DiskStore, expert_tensor_names, fill, populate, scan_finite
+from ..cache.store import DiskStore, RepackedStore, expert_tensor_names, fill, populate, scan_finite
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 from ..io.checkpoint import Checkpoint, read_json
 from ..io.validate import check_layers, show
@@ -133,11 +133,18 @@ def _dense_tensor(ckpt: Checkpoint, name: str, fmt: ExpertFormat) -> torch.Tenso
 
 
 def mapped_experts(ckpt, disk, layer: int, device: torch.device) -> dict[str, torch.Tensor] | None:
-    """A layer's resident experts as memory-mapped views of the shard, no copy, where the checkpoint stores them as
-    the format does, fused [E, ...] in the compute dtype (GPT-OSS's MXFP4; `DiskStore.mapped_names`), on the CPU:
-    float tensors (the biases) scanned for NaN/Inf per expert as `read_into` would, every page mapped now
-    (MADV_POPULATE_READ, as llama.cpp's MAP_POPULATE). None: the experts are read into fresh buffers."""
-    if device.type != "cpu" or type(ckpt) is not Checkpoint or type(disk) is not DiskStore:
+    """A layer's resident experts as memory-mapped views, no copy, on the CPU: of the repacked file
+    (`--expert-format`; `RepackedStore.mapped_layer`, CRCs checked), or of the shard where the checkpoint stores them
+    as the format does, fused [E, ...] in the compute dtype (GPT-OSS's MXFP4; `DiskStore.mapped_names`), float
+    tensors (the biases) scanned for NaN/Inf per expert as `read_into` would; every page mapped now
+    (MADV_POPULATE_READ, as llama.cpp's MAP_POPULATE). None: the experts are read into fresh buffers. Mapped pages
+    are the page cache's: 4 KB pages where hostmem's buffers ask for huge ones, and the kernel may drop them under
+    memory pressure and read them again when used, as llama.cpp's mapping does."""
+    if device.type != "cpu":
+        return None
+    if type(disk) is RepackedStore:  # --expert-format's file: each expert's tensors back to back, CRC'd
+        return disk.mapped_layer(layer)
+    if type(disk) is not DiskStore or type(ckpt) is not Checkpoint:
         return None
     names = disk.mapped_names(layer)
     if names is None:
@@ -292,7 +299,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
         return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls, target, fmt)
     E = args.num_experts
     if target is not fmt:
-        from ..cache.store import RepackedStore, default_repack_dir
+        from ..cache.store import default_repack_dir
 
         disk = RepackedStore(disk, cls.moe_layers(args), E, Path(repack_dir or default_repack_dir(model_dir,
                                                                                                   target.name)), target)

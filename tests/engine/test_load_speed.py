@@ -193,3 +193,36 @@ def test_a_mapped_experts_nan_is_named_with_its_expert(gpt_oss_dir, tmp_path):
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"'{name}' \(expert 3 of layer 2\) holds NaN or Inf \(1 of 64 "):
         load_model(dst)
+
+
+@pytest.mark.parametrize("fmt", ["int4"])  # packed codes with fp16 scales: views at 2-byte offsets
+def test_repacked_experts_are_mapped_and_crc_checked(tiny_models, tmp_path, monkeypatch, fmt):
+    """--expert-format's file is mapped, not read: the same stacks and logits as the copying fill; a damaged
+    expert is the typed CRC error."""
+    from moechat.engine.layers.kv_cache import KVCache
+
+    model_dir = tiny_models["qwen3_moe"][0]
+    repack = tmp_path / "repack"
+    mapped = load_model(model_dir, expert_format=fmt, repack_dir=repack)  # writes the file, then maps it
+    with monkeypatch.context() as m:
+        m.setattr("moechat.engine.load.loader.mapped_experts", lambda *a: None)
+        copied = load_model(model_dir, expert_format=fmt, repack_dir=repack)
+    for layer in mapped.provider.layers:
+        for name, t in mapped.provider._tensors[layer].items():
+            assert t.shape == copied.provider._tensors[layer][name].shape
+            assert torch.equal(t, copied.provider._tensors[layer][name])
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    outs = [m.model.logits(m.model(ids, KVCache.for_model(m.args, 16, torch.float32), m.provider))
+            for m in (mapped, copied)]
+    assert torch.equal(outs[0], outs[1])
+    path = repack / "experts.bin"
+    st = path.stat()
+    expert_bytes = st.st_size // (len(mapped.provider.layers) * mapped.args.num_experts)
+    with open(path, "r+b") as f:  # in place, its mtime kept: the sidecar still vouches for the file
+        f.seek(expert_bytes * 5 + 17)
+        byte = f.read(1)[0]
+        f.seek(expert_bytes * 5 + 17)
+        f.write(bytes([byte ^ 0x40]))  # layer 0's expert 5
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(CheckpointError, match=r"expert 5 of layer \d+ does not match the checksum"):
+        load_model(model_dir, expert_format=fmt, repack_dir=repack)
