@@ -20,7 +20,8 @@ Compute: each format's own `linear`, the paths its experts take: int8 one token 
 sums), several through torch's `_weight_int8pack_mm` where this machine's check passed (quant/torch_paths.py), else
 one GEMM over the codes cast to x's dtype; int4 one token through the native int4 GEMV (codes decoded in registers;
 a bf16 x summed in integers over x rounded to 16 bits per 32-element block, `native.round_x16`), several through the
-prefill kernel (quant/prefill.py: each block of rows decoded once, fp32 sums), else the torch row-tile decoder.
+prefill kernel (quant/prefill.py: each block of rows decoded once, fp32 sums; a bf16/fp16 x in groups of 32: integer
+dots over x quantized to int8 blocks, within prefill.bound_q8), else the torch row-tile decoder.
 
 Measured (one thread, 2-core AMD EPYC with AVX-512 BF16, machine loaded by other jobs; interleaved, medians): one
 token through Qwen3-30B-A3B's q/k/v (5120 x 2048) takes 2.19 ms in bf16 (native GEMV), 1.45 in int8, 0.72 in int4;
