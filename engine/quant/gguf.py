@@ -374,10 +374,13 @@ class GGUFFormat(ExpertFormat):
     tensor_names: dict[str, str] = {"w1": "blk.{layer}.ffn_gate_exps.weight", "w3": "blk.{layer}.ffn_up_exps.weight",
                                     "w2": "blk.{layer}.ffn_down_exps.weight"}
 
-    def __init__(self, gate: str | None, up: str, down: str, interleaved: bool = False):
-        # gate None: an ungated expert (Nemotron-H's relu^2: ffn_up_exps and ffn_down_exps only, w13 = up alone)
+    def __init__(self, gate: str | None, up: str, down: str, interleaved: bool = False, fused: bool = False):
+        # gate None: an ungated expert (Nemotron-H's relu^2: ffn_up_exps and ffn_down_exps only, w13 = up alone);
+        # fused: gate and up as one tensor (Gemma 4's ffn_gate_up_exps, [E, 2I, row_bytes] in type `gate` == `up`)
         self.types = {"w1": TYPES[gate], "w3": TYPES[up], "w2": TYPES[down]} if gate else {"w3": TYPES[up],
                                                                                              "w2": TYPES[down]}
+        if fused:
+            self.types = {"w13": TYPES[gate], "w2": TYPES[down]}
         names = dict.fromkeys(t for t in (gate, up, down) if t)
         self.name = "gguf-" + "-".join(names)  # gguf-Q4_K-Q6_K
         # gpt-oss: the activation reads w13's output rows interleaved (even gate, odd up), as the HF checkpoint
@@ -386,8 +389,11 @@ class GGUFFormat(ExpertFormat):
         # experts with biases (gpt-oss): the converter's per-projection ffn_{gate,up,down}_exps.bias [E, rows]
         self.tensor_names = {**GGUFFormat.tensor_names, "w1_bias": "blk.{layer}.ffn_gate_exps.bias",
                              "w3_bias": "blk.{layer}.ffn_up_exps.bias", "w2_bias": "blk.{layer}.ffn_down_exps.bias"}
-        if not gate:
-            self.tensor_names = {k: v for k, v in self.tensor_names.items() if not k.startswith("w1")}
+        if not gate or fused:
+            self.tensor_names = {k: v for k, v in self.tensor_names.items() if not k.startswith(("w1", "w3"))
+                                 or (k.startswith("w3") and not fused)}
+        if fused:
+            self.tensor_names["w13"] = "blk.{layer}.ffn_gate_up_exps.weight"
 
     def __repr__(self) -> str:
         return f"GGUFFormat({', '.join(t.name for t in self.types.values())})"
@@ -404,7 +410,7 @@ class GGUFFormat(ExpertFormat):
         return out
 
     def projection_layout(self, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
-        shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+        shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w13": (2 * inter, hidden), "w2": (hidden, inter)}
         out: dict[str, TensorSpec] = {}
         for part, (rows, cols) in shapes.items():
             if part not in self.types:
@@ -421,7 +427,7 @@ class GGUFFormat(ExpertFormat):
         return raw.shape[-1] // t.nbytes * t.block
 
     def weight(self, tensors: Mapping[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
-        parts = tuple(p for p in ("w1", "w3") if p in self.types) if which == "w13" else ("w2",)
+        parts = tuple(p for p in ("w1", "w3", "w13") if p in self.types) if which == "w13" else ("w2",)
         ws = [dequantize(tensors[p], self.types[p], self._cols(p, tensors[p])) for p in parts]
         if which == "w13" and self.interleaved:
             return torch.stack(ws, dim=1).reshape(-1, ws[0].shape[1]).to(dtype)  # rows g0, u0, g1, u1, ...
@@ -435,8 +441,8 @@ class GGUFFormat(ExpertFormat):
         return torch.stack([b1, b3], dim=-1).reshape(-1) if self.interleaved else torch.cat([b1, b3])
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
-        if which == "w2" or "w1" not in self.types:  # down, or an ungated expert's up alone
-            p = "w2" if which == "w2" else "w3"
+        if which == "w2" or "w1" not in self.types:  # down, an ungated expert's up alone, or fused gate_up
+            p = "w2" if which == "w2" else "w13" if "w13" in self.types else "w3"
             return gguf_linear(x, tensors[p], self.types[p], self._cols(p, tensors[p]), tensors.get(f"{p}_bias"))
         g, u = (gguf_linear(x, tensors[p], self.types[p], self._cols(p, tensors[p]), tensors.get(f"{p}_bias"))
                 for p in ("w1", "w3"))  # [n, I] each
