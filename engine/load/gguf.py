@@ -432,8 +432,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
     tensors: dict[str, GGUFTensorInfo] = {}
-    expert_types: dict[str, set[str]] = {"w1": set(), "w3": set(), "w2": set()}
-    parts = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2"}
+    expert_types: dict[str, set[str]] = {"w1": set(), "w3": set(), "w2": set(), "w13": set()}
+    parts = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2",
+             "ffn_gate_up_exps.weight": "w13"}  # Gemma 4's converter keeps HF's gate_up fused
     biases = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")  # gpt-oss: [E, rows] per projection
     for name, (t, f) in raw.items():
         typ = ggml_type(int(t.tensor_type), name)  # a type moechat cannot compute: one line naming the tensor
@@ -494,17 +495,21 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     if any(expert_types.values()):
         per_layer: dict[int, tuple[str | None, str, str]] = {}
         ungated = not expert_types["w1"]  # Nemotron-H's relu^2 experts: ffn_up_exps and ffn_down_exps only
+        fused = bool(expert_types["w13"])
         for layer in range(cfg["num_hidden_layers"]):
-            gate, *names = [f"blk.{layer}.{p}" for p in parts]
-            if all(n in tensors for n in names) and (ungated or gate in tensors):
-                per_layer[layer] = (None if ungated else tensors[gate].ggml, *(tensors[n].ggml for n in names))
+            gate, up, down, gate_up = [f"blk.{layer}.{p}" for p in parts]
+            if fused and gate_up in tensors and down in tensors:
+                per_layer[layer] = (tensors[gate_up].ggml, tensors[gate_up].ggml, tensors[down].ggml)
+            elif not fused and up in tensors and down in tensors and (ungated or gate in tensors):
+                per_layer[layer] = (None if ungated else tensors[gate].ggml, tensors[up].ggml, tensors[down].ggml)
         combos = list(dict.fromkeys(per_layer.values()))
         # Q4_K_M and the UD mixes change ffn_down_exps' type from layer to layer: one format per layer (resident)
         common = max(combos, key=list(per_layer.values()).count)
         interleaved = arch == "gpt-oss"  # its clamped SwiGLU reads gate/up rows interleaved
-        fmt = GGUFFormat(*common, interleaved=interleaved)
+        fmt = GGUFFormat(*common, interleaved=interleaved, fused=fused)
         if len(combos) > 1:
-            layer_formats = {layer: GGUFFormat(*ts, interleaved=interleaved) for layer, ts in per_layer.items()}
+            layer_formats = {layer: GGUFFormat(*ts, interleaved=interleaved, fused=fused)
+                             for layer, ts in per_layer.items()}
     ckpt = GGUFCheckpoint(files, readers, tensors, cfg, fmt, first)
     ckpt.layer_formats = layer_formats
     return ckpt

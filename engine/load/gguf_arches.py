@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
 
 # llama.cpp's architecture name -> (HF model_type, whether its converter permutes q/k rows)
 ARCHES_2026 = {"qwen3next": ("qwen3_next", False), "qwen35moe": ("qwen3_5_moe_text", False),
-               "minimax-m2": ("minimax_m2", False), "nemotron_h_moe": ("nemotron_h", False)}
+               "minimax-m2": ("minimax_m2", False), "nemotron_h_moe": ("nemotron_h", False),
+               "gemma4": ("gemma4_text", False)}
 
 _ATTN = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
          "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
@@ -95,8 +97,27 @@ def _nemotron_map(arch: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _gemma4_map(arch: str) -> dict[str, tuple[str, str]]:
+    """Gemma 4: the dense MLP and the routed experts side by side, their norms, the router's scales (ffn_gate_inp.scale,
+    and per_expert_scale written as ffn_down_exps.scale) and the layer scalar; no norm offset (Gemma4Model's
+    norm_shift is 0)."""
+    out = {k: (v, "") for k, v in _ATTN.items()}
+    out.update({k: (v, "") for k, v in {
+        "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+        "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+        "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+        "ffn_gate_inp.weight": "router.proj.weight", "ffn_gate_inp.scale": "router.scale",
+        "ffn_down_exps.scale": "router.per_expert_scale", "layer_output_scale.weight": "layer_scalar"}.items()})
+    return out
+
+
 _MAPS = {"qwen3next": _qwen_hybrid_map, "qwen35moe": _qwen_hybrid_map, "minimax-m2": _minimax_map,
-         "nemotron_h_moe": _nemotron_map}
+         "nemotron_h_moe": _nemotron_map, "gemma4": _gemma4_map}
 _PREFIX = {"nemotron_h_moe": "backbone.layers."}  # the others: model.layers.
 _TOP_NAMES = {"nemotron_h_moe": {"token_embd.weight": "backbone.embeddings.weight",
                                  "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"}}
@@ -197,6 +218,8 @@ def config_2026(arch: str, cfg: dict, key, need, tensors: dict, where: str) -> d
     experts = int(need("expert_count"))
     if arch == "nemotron_h_moe":
         return _nemotron_config(cfg, key, need, tensors, experts, where)
+    if arch == "gemma4":
+        return _gemma4_config(cfg, key, need, tensors, experts, where)
     if arch == "minimax-m2":  # what MiniMaxM2Model.set_gguf_parameters writes
         gating = int(key("expert_gating_func", 2))
         if gating != 2:
@@ -263,4 +286,48 @@ def _nemotron_config(cfg: dict, key, need, tensors: dict, experts: int, where: s
                attention_bias=any(f"blk.{i}.attn_q.bias" in tensors for i in range(layers)))
     if key("moe_latent_size") is not None:
         cfg["moe_latent_size"] = int(key("moe_latent_size"))  # the model class says it does not run these yet
+    return cfg
+
+
+def _gemma4_config(cfg: dict, key, need, tensors: dict, experts: int, where: str) -> dict:
+    """What Gemma4Model.set_gguf_parameters writes: sliding layers by sliding_window_pattern, the full layers' head
+    dim as key_length (the sliding ones' as key_length_swa) and KV heads per layer in head_count_kv, both RoPE
+    thetas; the full layers' proportional RoPE from the rope_freqs table the converter makes of it (1 for the
+    rotated frequencies, 1e30 for the rest)."""
+    layers = int(cfg["num_hidden_layers"])
+    sliding = key("attention.sliding_window_pattern")
+    if not isinstance(sliding, list) or len(sliding) != layers:
+        raise CheckpointError(f"{where}: gemma4.attention.sliding_window_pattern must list every one of the {layers} "
+                              "layers; the file is not a complete llama.cpp Gemma 4 conversion: convert it again",
+                              path=where)
+    kinds = ["sliding_attention" if s else "full_attention" for s in sliding]
+    kv = key("attention.head_count_kv", cfg["num_key_value_heads"])
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    full_dim, swa_dim = int(need("attention.key_length")), int(need("attention.key_length_swa"))
+    factor = 0.25
+    if (freqs := tensors.get("rope_freqs.weight")) is not None:
+        table = np.asarray(freqs.data, dtype=np.float32).reshape(-1)  # [full_dim / 2]
+        factor = float((table == 1.0).sum()) / table.size
+    rope_swa = int(key("rope.dimension_count_swa", swa_dim))
+    sliding_rope = {"rope_theta": float(key("rope.freq_base_swa", 10000.0)), "rope_type": "default"}
+    if rope_swa != swa_dim:
+        sliding_rope["partial_rotary_factor"] = rope_swa / swa_dim
+    ff = key("feed_forward_length", 0)
+    swa_layers = [i for i in range(layers) if sliding[i]] or [0]
+    cfg.update(layer_types=kinds, head_dim=swa_dim, num_key_value_heads=int(kv[swa_layers[0]]),
+               per_layer_config={str(i): {"head_dim": full_dim, "num_key_value_heads": int(kv[i])}
+                                 for i in range(layers) if not sliding[i]},
+               attention_k_eq_v=any(not sliding[i] and f"blk.{i}.attn_v.weight" not in tensors for i in range(layers)),
+               rope_parameters={"sliding_attention": sliding_rope,
+                                "full_attention": {"rope_theta": cfg["rope_theta"], "rope_type": "proportional",
+                                                   "partial_rotary_factor": factor}},
+               sliding_window=int(key("attention.sliding_window", 1024)),
+               final_logit_softcapping=key("final_logit_softcapping"),
+               intermediate_size=int(ff[0] if isinstance(ff, list) else ff),
+               moe_intermediate_size=int(need("expert_feed_forward_length")), num_experts=experts,
+               top_k_experts=cfg["num_experts_per_tok"], enable_moe_block=True,
+               hidden_size_per_layer_input=int(key("embedding_length_per_layer_input", 0)),
+               num_kv_shared_layers=int(key("attention.shared_kv_layers", 0)),
+               attention_bias=any(f"blk.{i}.attn_q.bias" in tensors for i in range(layers)))
+    cfg.pop("rope_theta", None)  # the two thetas are in rope_parameters
     return cfg

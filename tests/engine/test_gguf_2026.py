@@ -226,6 +226,8 @@ def write_2026(path, model, arch: str, experts=("Q8_0", "Q8_0", "Q8_0"), dense="
             parts[hfname] = back
         else:
             held[hfname] = back
+    if "lm_head.weight" in held and not any(t[0] == "output.weight" for t in tensors):  # tied: the table is both
+        held["lm_head.weight"] = held["model.embed_tokens.weight"]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         if p + "gate" in parts:
@@ -561,3 +563,108 @@ def test_nemotron_h_moe_matches_transformers(tmp_path, experts, dense):
     loaded = load_model(path, dtype="float32")
     assert loaded.expert_format.name == "gguf-Q8_0-Q4_0" and "w1" not in loaded.expert_format.types
     _check(path, ref, "nemotron_h")
+
+
+# -- Gemma 4 (its text MoE): Gemma4Model (a Gemma3Model) -------------------------------------------------------
+
+GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+               "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}
+GEMMA4 = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, global_head_dim=64, num_global_key_value_heads=1, intermediate_size=64,
+              moe_intermediate_size=32, num_experts=8, top_k_experts=2, enable_moe_block=True, attention_k_eq_v=True,
+              sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+              hidden_size_per_layer_input=0, final_logit_softcapping=30.0, max_position_embeddings=512,
+              initializer_range=0.2, rope_parameters=GEMMA4_ROPE, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None)
+
+
+def _gemma4_tensors(cfg, sd: dict, arch: str):
+    """Gemma4Model.modify_tensors: the tensor map's names, router.scale as ffn_gate_inp.scale, per_expert_scale as
+    ffn_down_exps.scale, layer_scalar as layer_output_scale.weight, the experts' gate_up kept fused
+    (ffn_gate_up_exps), no norm offset; generate_extra_tensors' rope_freqs for the full layers."""
+    names = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+             "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+             "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+             "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+             "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "router.proj.weight": "ffn_gate_inp.weight",
+             "router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+             "layer_scalar": "layer_output_scale.weight"}
+    full = cfg.rope_parameters["full_attention"]
+    full_dim = GEMMA4["global_head_dim"]  # transformers moves it into per_layer_config
+    rot = int(full_dim * full["partial_rotary_factor"] / 2)
+    freqs = np.array([1.0] * rot + [1e30] * (full_dim // 2 - rot), np.float32)
+    out = [("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"], True),
+           ("output_norm.weight", "model.norm.weight", sd["model.norm.weight"], False),
+           ("rope_freqs.weight", None, freqs, False)]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out += [(f"blk.{i}.{g}", p + hf, sd[p + hf], hf.endswith("proj.weight") and "router" not in hf)
+                for hf, g in names.items() if p + hf in sd]
+        out.append((f"blk.{i}.ffn_gate_up_exps.weight", p + "experts.gate_up_proj", sd[p + "experts.gate_up_proj"],
+                    "expert"))
+        out.append((f"blk.{i}.ffn_down_exps.weight", p + "experts.down_proj", sd[p + "experts.down_proj"], "down"))
+    return out
+
+
+def _gemma4_meta(w, cfg, arch, blocks):
+    """From the Hub config's spelling (GEMMA4: global_head_dim, num_global_key_value_heads), as the converter reads
+    config.json; transformers' config object moves those into per_layer_config."""
+    c = GEMMA4
+    swa = [t == "sliding_attention" for t in c["layer_types"]]
+    w.add_block_count(blocks)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_rope_freq_base(c["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(c["rope_parameters"]["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["top_k_experts"])
+    w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    w.add_sliding_window(c["sliding_window"])
+    w.add_shared_kv_layers(0)
+    w.add_embedding_length_per_layer_input(0)
+    w.add_sliding_window_pattern(swa)
+    w.add_key_length(c["global_head_dim"])
+    w.add_value_length(c["global_head_dim"])
+    w.add_key_length_swa(c["head_dim"])
+    w.add_value_length_swa(c["head_dim"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_head_count_kv([c["num_key_value_heads"] if s else c["num_global_key_value_heads"] for s in swa])
+    w.add_rope_dimension_count(c["global_head_dim"])
+    w.add_rope_dimension_count_swa(c["head_dim"])
+
+
+CONVERTERS["gemma4"] = (_gemma4_tensors, _gemma4_meta)
+
+
+@pytest.mark.parametrize("experts,dense", [(("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
+def test_gemma4_matches_transformers(tmp_path, experts, dense):
+    """Gemma 4's text MoE (`gemma4`): sliding and full layers of their own head dims and KV heads, K as V on the full
+    layer, proportional RoPE from rope_freqs, fused gate_up experts kept packed (ffn_gate_up_exps), router and
+    per-expert scales, layer scalars, soft-capped logits, tied embeddings."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("gemma4_text", **GEMMA4)
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms, scales and layer scalars away from their initial values, so each is checked
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(("_1.weight", "_2.weight")) or "scale" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.rand_like(b) + 0.5)
+    path = tmp_path / "gemma4.gguf"
+    ref = _reference(model, write_2026(path, model, "gemma4", experts, dense))
+    loaded = load_model(path, dtype="float32")
+    assert loaded.expert_format.types.keys() == {"w13", "w2"}
+    _check(path, ref, "gemma4_text")
