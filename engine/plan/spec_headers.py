@@ -198,7 +198,8 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
     held: dict[str, TensorInfo] = {}
     kept: dict[str, str] = {}  # engine name -> ggml type: the dense matrices counted packed
     by_type: dict[str, int] = {}
-    parts = {"ffn_gate_exps": "gate_gguf", "ffn_up_exps": "up_gguf", "ffn_down_exps": "down_gguf"}
+    parts = {"ffn_gate_exps": "gate_gguf", "ffn_up_exps": "up_gguf", "ffn_down_exps": "down_gguf",
+             "ffn_gate_up_exps": "gate_up_gguf"}  # Gemma 4's fused gate and up
     for reader in ckpt.readers:  # the file's bytes per type (deepseek2's attn_k_b + attn_v_b are one kv_b_proj below)
         for t in reader.tensors:
             by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
