@@ -263,8 +263,8 @@ class ModelSpec:
         for what, b in self.dense_parts:
             if what == "lm_head":
                 b = int8(b)
-            elif what == "attention" and self.kv_kind != "MLA latent":
-                b = attention(b)
+            elif (what == "attention" and self.kv_kind != "MLA latent") or what == "Mamba-2 layers":
+                b = attention(b)  # Nemotron-H's in/out projections too (its conv and per-head scalars, 0.1%, alike)
             parts.append((what, b))
         embedding = self.embedding_bytes
         if not any(what == "lm_head" for what, _ in self.dense_parts):  # tied: the table is now only looked up
