@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the `gpu` tests (engine on CUDA, the fused MXFP4 kernel at GPT-OSS-20B widths, the fused
+# The GPU check: the `gpu` tests (engine on CUDA, the device-resident MoE step against the cached one, the fused MXFP4 kernel at GPT-OSS-20B widths, the fused
 # FP8/int8/int4 kernel at Qwen3-30B-A3B widths), prefetch off vs on (copy stream), the engine benchmark on CUDA,
 # then the fused MoE kernels' GB/s at T = 1, 4, 128 against the device's copy rate (bench/kernel_rates.py, a
 # captured CUDA graph replayed): short tables last; first, the decode kernels' SASS per packed byte on this
@@ -27,7 +27,8 @@ cap=$(python -c "import torch; a, b = torch.cuda.get_device_capability(0); print
 timeout 20 python bench/kernel_sass.py --arch "$cap" --workers 8 || echo "bench/kernel_sass.py: exit $?"
 timeout 150 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/quant/test_mxfp4_triton.py \
     tests/engine/test_gpu_hybrid.py tests/engine/quant/test_slot_lookup.py tests/engine/cache/test_transfer_protocol.py \
-    tests/engine/cache/test_gpu_transfer_bench.py tests/engine/cache/test_host_embeddings.py -p no:cacheprovider 2>&1 | tail -8
+    tests/engine/cache/test_gpu_transfer_bench.py tests/engine/cache/test_host_embeddings.py \
+    tests/engine/test_device_step.py tests/engine/test_device_step_protocol.py -p no:cacheprovider 2>&1 | tail -8
 # the fused FP8 / int8 / int4 MoE kernel at Qwen3-30B-A3B widths, and expert_compute dispatching to it
 timeout 100 python -m pytest -q -m gpu tests/engine/quant/test_quant_triton.py -p no:cacheprovider 2>&1 | tail -4
 # the recurrent layers' Triton decode steps (delta rule, Mamba-2, conv) at Qwen3.6 / Nemotron-3 widths, and the dispatch
