@@ -563,6 +563,10 @@ def test_nemotron_h_moe_matches_transformers(tmp_path, experts, dense):
     loaded = load_model(path, dtype="float32")
     assert loaded.expert_format.name == "gguf-Q8_0-Q4_0" and "w1" not in loaded.expert_format.types
     _check(path, ref, "nemotron_h")
+    from moechat.engine.plan import read_model_spec
+
+    spec = read_model_spec(path)  # fit: up I rows of Q8_0 (68 B per 64 inputs) + down H rows of Q4_0 (18 B per 32)
+    assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (32 * 68 + 64 * 18, 8, 2)
 
 
 # -- Gemma 4 (its text MoE): Gemma4Model (a Gemma3Model) -------------------------------------------------------
@@ -668,3 +672,7 @@ def test_gemma4_matches_transformers(tmp_path, experts, dense):
     loaded = load_model(path, dtype="float32")
     assert loaded.expert_format.types.keys() == {"w13", "w2"}
     _check(path, ref, "gemma4_text")
+    from moechat.engine.plan import read_model_spec
+
+    spec = read_model_spec(path)  # fit: gate_up 2I rows of Q8_0 (68 B per 64 inputs) + down H rows of Q4_0 (18 B / 32)
+    assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (64 * 68 + 64 * 18, 8, 3)
