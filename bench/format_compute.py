@@ -315,13 +315,16 @@ def cuda_table(args) -> None:
 
 # -- prefill: the many-token path: torch tile decoders + GEMM, native decoders + GEMM (old), prefill kernels (new) --
 # (label, MOECHAT_NATIVE_DECODE, MOECHAT_PREFILL_KERNEL)
+# (+ MOECHAT_PREFILL_INT: "0" unless a path names it, so "prefill kernel" is the decoded tile for a bf16 x too)
 DECODE_PATHS = (("torch decoders", "0", "0"), ("native decoders", "1", "0"), ("prefill kernel", "1", "1"))
+INTEGER_PATH = ("integer dot", "1", "1", "1")  # int4 / MXFP4 with a bf16 x: the integer kernels (the default)
 
 
 def _path_env(path) -> None:
     from moechat.engine.quant import prefill
 
     os.environ[native.DECODE_ENV], os.environ[prefill.ENV] = path[1], path[2]
+    os.environ[prefill.INT_ENV] = path[3] if len(path) > 3 else "0"
 
 
 def _path_env_clear() -> None:
@@ -329,6 +332,7 @@ def _path_env_clear() -> None:
 
     os.environ.pop(native.DECODE_ENV, None)
     os.environ.pop(prefill.ENV, None)
+    os.environ.pop(prefill.INT_ENV, None)
 
 
 def _median_spread(ts: list[float], scale: float = 1.0, fmt: str = ".2f") -> str:
@@ -475,7 +479,8 @@ def prefill_engines(path: Path, fp8_path: Path, args, work: Path) -> None:
     prompt = list(range(3, 3 + args.prefill_prompt))
     engines = {name: Engine.load(fp8_path if name == "fp8" else path,
                                  expert_format=name if name == "int4" else None) for name in ("bf16", "int4", "fp8")}
-    runs = [("bf16", DECODE_PATHS[2])] + [(name, p) for name in ("int4", "fp8") for p in DECODE_PATHS[1:]]
+    runs = ([("bf16", DECODE_PATHS[2])] + [(name, p) for name in ("int4", "fp8") for p in DECODE_PATHS[1:]]
+            + [("int4", INTEGER_PATH)])
     label = {r: r[0] if r[0] == "bf16" else f"{r[0]} ({r[1][0]})" for r in runs}
     for threads in args.prefill_threads:
         torch.set_num_threads(threads)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from moechat.engine.quant import get_format, mxfp4, native, prefill
 
@@ -84,6 +86,18 @@ def test_within_the_bound_of_the_reference(build, name, rows, cols, T):
     near = F.linear(prefill.round_x8(x), w.double())
     assert bool(((got - near).abs() <= (G + 1) * 2.0**-24 * (prefill.round_x8(x).abs() @ w.double().abs().t())
                  + 2.0**-126 * G).all())
+
+
+@settings(max_examples=30, deadline=2000, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(["int4", "mxfp4"]), rows=st.integers(1, 40), blocks=st.integers(1, 6),
+       T=st.integers(1, 20), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 300.0]))
+def test_any_shape_within_the_bound_and_as_the_scalar_build(lib, scalar_lib, name, rows, blocks, T, seed, scale):
+    w, run = _packed(name, rows, 32 * blocks, seed)
+    x = _x(T, 32 * blocks, seed) * scale
+    got = run(lib, x)
+    assert torch.equal(got, run(scalar_lib, x))
+    assert bool(((got.double() - F.linear(x.double(), w.double())).abs() <= prefill.bound_q8(x, w)).all())
 
 
 @pytest.mark.parametrize("name", ["int4", "mxfp4"])
