@@ -136,7 +136,8 @@ ARCHES = {"qwen3moe": ("qwen3_moe", False), "qwen2moe": ("qwen2_moe", False), "o
           "deepseek2": ("deepseek_v2", False),  # deepseek_v3 where its gating is sigmoid (V3, R1, Kimi K2)
           **ARCHES_2026}  # the hybrids and the rest of 2026: their tables in gguf_arches.py
 DENSE_ARCHES = {"qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi2", "phi3", "gpt2", "olmo", "olmo2", "falcon",
-                "starcoder2", "command-r", "granite", "mistral3", "smollm3"}
+                "starcoder2", "command-r", "granite", "mistral3", "smollm3",
+                "qwen35", "nemotron_h", "glm4", "gemma3n"}  # the 2026 families' dense siblings
 
 
 class GGUFCheckpoint(Checkpoint):

@@ -676,3 +676,19 @@ def test_gemma4_matches_transformers(tmp_path, experts, dense):
 
     spec = read_model_spec(path)  # fit: gate_up 2I rows of Q8_0 (68 B per 64 inputs) + down H rows of Q4_0 (18 B / 32)
     assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (64 * 68 + 64 * 18, 8, 3)
+
+
+def test_the_2026_families_dense_siblings_and_an_arch_moechat_lacks_are_one_typed_line(tmp_path):
+    from moechat.engine.errors import UnsupportedModelError
+
+    for arch, words in (("qwen35", "dense model"), ("nemotron_h", "dense model"), ("falcon-h1", "not supported")):
+        path = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(UnsupportedModelError, match=words) as e:
+            load_model(path, dtype="float32")
+        assert "\n" not in str(e.value) and "qwen35moe" in str(e.value) and "gemma4" in str(e.value)
