@@ -13,6 +13,21 @@ safetensors folder with:
   b, a, A_log, dt_bias, the conv's v channels and out_proj's columns, where there are more value than key heads.
   Layer kinds come from the tensors each layer holds (`ssm_a`: Gated DeltaNet), the MTP layers past the last
   (`nextn_predict_layers`) are not read.
+* Nemotron-H MoE (`nemotron_h_moe`): Mamba-2's A as -exp(A_log) and D both [nH, 1], the gated norm as [G, Im / G],
+  the conv squeezed, dt_bias as `ssm_dt.bias`; the attention layers' q/k rows permuted (GraniteHybridModel keeps
+  LlamaModel's undo_permute; with no RoPE it changes no output, undone anyway so the weights are the checkpoint's);
+  the relu^2 experts ungated (`ffn_up_exps`, `ffn_down_exps`: GGUFFormat without a gate). The layer pattern
+  (M * E -) comes from each layer's tensors, the KV heads from the per-layer head_count_kv array's attention layers.
+* Gemma 4 (`gemma4`, the 26B-A4B text MoE): no norm offset (Gemma4Model's norm_shift is 0); the experts' gate_up kept
+  fused (`ffn_gate_up_exps`: GGUFFormat(fused=True)); router.scale as `ffn_gate_inp.scale`, per_expert_scale as
+  `ffn_down_exps.scale`, layer_scalar as `layer_output_scale.weight`; sliding layers from sliding_window_pattern, the
+  full layers' head dim (key_length; key_length_swa the sliding ones') and KV heads per layer, their proportional
+  RoPE's rotated share from the `rope_freqs` table (1 rotated, 1e30 not); K as V where a full layer has no attn_v.
+* MiniMax-M2 (`minimax-m2`): nothing transformed; Mixtral's block_sparse_moe names, full-width q/k norms,
+  rotary_dim as rope.dimension_count, the correction bias as `exp_probs_b.bias`, sigmoid routing checked.
+* GLM-4.7-Flash is written as `deepseek2` (gguf.py's table): its files carry no expert_gating_func, so the sigmoid
+  llama.cpp's loader takes for them (since b7788: 47/48 blocks and GLM's vocabulary; here also the `glm4`
+  pre-tokenizer) is taken, and it runs as glm4_moe_lite.
 """
 
 from __future__ import annotations

@@ -692,3 +692,30 @@ def test_the_2026_families_dense_siblings_and_an_arch_moechat_lacks_are_one_type
         with pytest.raises(UnsupportedModelError, match=words) as e:
             load_model(path, dtype="float32")
         assert "\n" not in str(e.value) and "qwen35moe" in str(e.value) and "gemma4" in str(e.value)
+
+
+def test_moechat_run_on_a_qwen35moe_gguf_gives_transformers_greedy_tokens(tmp_path, capsys):
+    """`moechat run FILE.gguf` end to end on a 2026 family (Qwen3.6's qwen35moe, Q4_K/Q6_K experts as a Q4_K_M file
+    ships them): greedy tokens == transformers on the dequantized weights in fp32."""
+    import json
+
+    from moechat.app.cli import main as cli
+
+    wide = dict(QWEN_HYBRID, hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                num_experts=4)
+    import transformers
+
+    config = transformers.AutoConfig.for_model("qwen3_5_moe_text", **wide)
+    torch.manual_seed(9)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path / "qwen3.6-tiny-Q4_K_M.gguf"
+    ref = _reference(model, write_2026(path, model, "qwen35moe", ("Q4_K", "Q4_K", "Q6_K"), "Q8_0"))
+    ids = _prompt(5, seed=21)
+    with torch.inference_mode():
+        want = ref.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, min_new_tokens=0,
+                            pad_token_id=0)[0, 5:].tolist()
+    code = cli.main(["run", str(path), "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "8",
+                     "--temperature", "0", "--dtype", "float32", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert json.loads(out)["token_ids"] == want
