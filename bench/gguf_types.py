@@ -14,12 +14,12 @@ bench/dense_format.py builds it): the same shape in bf16, run with `--expert-for
 into a repacked file under `--work`), the dense weights in bf16 (the LM head through native.c's bf16 GEMV).
 Every expert is resident in every row (the byte budget holds all of them): the rows differ by the bytes a token reads.
 
-Each round loads every format in turn (order reversed every other round), generates `--tokens` greedy tokens after a
-`--prompt`-token prompt, and keeps the prefill and decode tok/s the engine reports; medians over `--rounds`. Kernel
-rates: one bf16 token through the full-vocabulary output matrix (151,936 x 2048) by `vecdot` per type, and through
-int8 / int4 QuantLinear (quant/dense_quant.py) and bf16 native GEMV for reference; packed bytes / time (median of
-`--reps`), against the one-thread RAM read probe `moechat fit` calibrates with (plan/calibration.py, best of the
-probes taken between rounds). bf16 activations, `--threads` threads.
+Each round loads every format in turn (order reversed every other round; each in a process of its own), generates
+`--tokens` greedy tokens after a `--prompt`-token prompt, and keeps the prefill and decode tok/s the engine reports;
+medians over `--rounds`. Kernel rates: one bf16 token through the full-vocabulary output matrix (151,936 x 2048) by
+`vecdot` per type, and through int8 / int4 QuantLinear (quant/dense_quant.py) and bf16 native GEMV for reference;
+packed bytes / time (median of `--reps`), against the one-thread RAM read probe `moechat fit` calibrates with
+(plan/calibration.py, best of the probes taken between rounds). bf16 activations, `--threads` threads.
 
     python bench/gguf_types.py [--types Q8_0,Q4_0,Q4_K,Q5_K,Q6_K] [--layers 2] [--rounds 3] [--tokens 12]
                                [--prompt 64] [--threads 1] [--work DIR] [--model DIR]
@@ -28,9 +28,10 @@ probes taken between rounds). bf16 activations, `--threads` threads.
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -165,7 +166,26 @@ def kernel_rates(names: list[str], reps: int) -> dict[str, float]:
     return out
 
 
+def child(spec: dict) -> None:
+    """One measurement: load, generate, print {prefill, decode, bytes} as the last line."""
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
+
+    torch.set_num_threads(spec["threads"])
+    engine = Engine.load(spec["path"], dtype="bfloat16", context=spec["prompt"] + spec["tokens"] + 8, **spec["kw"])
+    prompt = [(7 * i + 3) % 1000 + 10 for i in range(spec["prompt"])]
+    last = None
+    for chunk in engine.generate(prompt, sampling=SamplingParams(temperature=0.0, do_sample=False),
+                                 max_tokens=spec["tokens"], stop_on_eos=False):
+        last = chunk
+    print(json.dumps({"prefill": last.prefill_tokens_per_s, "decode": last.decode_tokens_per_s,
+                      "bytes": token_bytes(engine)}))
+    engine.close()
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        return child(json.loads(sys.argv[2]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q5_K,Q6_K")
     ap.add_argument("--layers", type=int, default=2)
@@ -183,8 +203,6 @@ def main() -> None:
     os.environ.setdefault("XDG_CACHE_HOME", str(args.work / "xdg"))  # the int8/int4 repacked files go here
 
     from moechat.engine.plan.calibration import measure_ram_read_gbps
-    from moechat.engine.runtime.generate import Engine
-    from moechat.engine.runtime.sampling import SamplingParams
 
     names = args.types.split(",")
     files = {}
@@ -208,30 +226,26 @@ def main() -> None:
                 qwen3_shaped(model, args.layers)
         for fmt in ("int8", "int4"):
             rows[f"safetensors {fmt}"] = {"path": model, "kw": {"expert_format": fmt}, "env": None}
-    greedy = SamplingParams(temperature=0.0, do_sample=False)
-    prompt = [(7 * i + 3) % 1000 + 10 for i in range(args.prompt)]
     probes, result = [], {label: {"prefill": [], "decode": [], "bytes": None} for label in rows}
     labels = list(rows)
     for r in range(args.rounds):
         probes.append(measure_ram_read_gbps())
         for label in labels if r % 2 == 0 else labels[::-1]:
             spec = rows[label]
-            if spec["env"] is not None:
-                os.environ["MOECHAT_GGUF_PACKED"] = spec["env"]
-            try:
-                engine = Engine.load(spec["path"], dtype="bfloat16", context=args.prompt + args.tokens + 8,
-                                     **spec["kw"])
-            finally:
-                os.environ.pop("MOECHAT_GGUF_PACKED", None)
-            last = None
-            for chunk in engine.generate(prompt, sampling=greedy, max_tokens=args.tokens, stop_on_eos=False):
-                last = chunk
-            result[label]["prefill"].append(last.prefill_tokens_per_s)
-            result[label]["decode"].append(last.decode_tokens_per_s)
-            result[label]["bytes"] = token_bytes(engine)
-            engine.close()
-            del engine, last
-            gc.collect()
+            env = dict(os.environ, **({"MOECHAT_GGUF_PACKED": spec["env"]} if spec["env"] is not None else {}))
+            # each measurement in a process of its own: every engine's memory returned before the next loads
+            cmd = [sys.executable, __file__, "--child", json.dumps({"path": str(spec["path"]), "kw": spec["kw"],
+                                                                   "prompt": args.prompt, "tokens": args.tokens,
+                                                                   "threads": args.threads})]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise SystemExit(f"{label}: the measurement failed:\n{out.stderr[-3000:]}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            result[label]["prefill"].append(got["prefill"])
+            result[label]["decode"].append(got["decode"])
+            result[label]["bytes"] = got["bytes"]
+            print(f"(round {r + 1}: {label}: prefill {got['prefill']:.1f}, decode {got['decode']:.2f} tok/s)",
+                  flush=True)
     rates = kernel_rates(names, args.reps)
     probes.append(measure_ram_read_gbps())
     gbps = max(probes)
