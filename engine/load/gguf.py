@@ -5,8 +5,10 @@ read until it is used) and returns a `GGUFCheckpoint`, a `Checkpoint` whose tens
 model classes use (`model.layers.3.self_attn.q_proj.weight`), so `loader.check_model` and `load_model` run the
 same checks and the same load over it as over a safetensors folder. Dense tensors are dequantized when read
 (`get`: to fp32, the loader casts to the compute dtype), with llama.cpp's conventions undone (the q/k row
-permutation its converter applies to llama-type models). The routed experts stay as the file stores them:
-`blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, row_bytes] uint8, read per expert by the disk tier with preadv
+permutation its converter applies to llama-type models), but for the two large ones: output.weight and token_embd of
+a quantized type stay packed on a CPU (`packed_dense`: the LM head by the GGUF kernels, the table decoded a row an id;
+a Qwen3-30B-A3B Q6_K head reads 255 MB a token where bf16 read 622 MB). The routed experts stay as the file stores
+them: `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, row_bytes] uint8, read per expert by the disk tier with preadv
 straight from the .gguf, in a `GGUFFormat` naming each projection's ggml type (quant/gguf.py). Every problem a
 user can meet (a truncated or damaged file, an unknown type, an architecture moechat lacks, a missing split)
 is one typed line naming the file and what to do.
