@@ -55,8 +55,15 @@ def _tile_v(t: np.ndarray, dim: int, hk: int, r: int, d: int) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(t, dim, dim + 1)).reshape(shape)
 
 
+def _untile_v(t: torch.Tensor, dim: int, hk: int, r: int, d: int) -> torch.Tensor:
+    """The reference's inverse of _tile_v, for the projections the file stores quantized in the tiled order."""
+    shape = list(t.shape)
+    return t.reshape(*shape[:dim], r, hk, d, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+
 def _qwen_hybrid_tensors(cfg, sd: dict, arch: str):
-    """(gguf name, HF name, array, quantizable) in the converter's order and conventions."""
+    """(gguf name, HF name, array, quantizable[, inverse: the file's dequantized tensor back to the HF layout]) in
+    the converter's order and conventions."""
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
     reorder = arch == "qwen35moe" and hk != hv
@@ -84,34 +91,37 @@ def _qwen_hybrid_tensors(cfg, sd: dict, arch: str):
         for hf, g in names.items():
             if p + hf not in sd:
                 continue
-            t, quant = sd[p + hf], True
-            if reorder and hf.startswith("linear_attn."):
+            t, quant, inverse = sd[p + hf], True, None
+            if reorder and hf.startswith("linear_attn."):  # the projections quantized in the tiled order, as real
+                # files hold them; the reference gets the dequantized values back in HF's order
                 if hf.endswith("in_proj_qkv.weight"):
                     t = np.concatenate([t[:2 * hk * dk], _tile_v(t[2 * hk * dk:], 0, hk, r, dv)])
+                    inverse = lambda b: torch.cat([b[:2 * hk * dk], _untile_v(b[2 * hk * dk:], 0, hk, r, dv)])  # noqa: E731
                 elif hf.endswith("in_proj_z.weight"):
-                    t = _tile_v(t, 0, hk, r, dv)
-                elif hf.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
-                    t = _tile_v(t, 0, hk, r, 1)
+                    t, inverse = _tile_v(t, 0, hk, r, dv), lambda b: _untile_v(b, 0, hk, r, dv)
+                elif hf.endswith(("in_proj_b.weight", "in_proj_a.weight")):
+                    t, inverse = _tile_v(t, 0, hk, r, 1), lambda b: _untile_v(b, 0, hk, r, 1)
+                elif hf.endswith(("A_log", "dt_bias")):
+                    t, quant = _tile_v(t, 0, hk, r, 1), False
                 elif hf.endswith("conv1d.weight"):
                     t = np.concatenate([t[:2 * hk * dk], _tile_v(t[2 * hk * dk:], 0, hk, r, dv)])
                 elif hf.endswith("out_proj.weight"):
-                    t = _tile_v(t, 1, hk, r, dv)
-                quant = False  # the reference keeps the HF weights: these stay exact (F32)
+                    t, inverse = _tile_v(t, 1, hk, r, dv), lambda b: _untile_v(b, 1, hk, r, dv)
             if hf.endswith("A_log"):
                 t, quant = -np.exp(t), False
             elif "conv1d" in hf:
                 t, quant = t.squeeze(), False
             elif hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
                 t, quant = t + 1, False
-            out.append((f"blk.{i}.{g}", p + hf, t, quant))
+            out.append((f"blk.{i}.{g}", p + hf, t, quant, inverse))
         if p + "linear_attn.in_proj_qkvz.weight" in sd:  # [q, k, v, z] per key head -> attn_qkv [q | k | v], z
             w = sd[p + "linear_attn.in_proj_qkvz.weight"]
             H = w.shape[1]
             per = w.reshape(hk, 2 * dk + 2 * r * dv, H)
             q, k, v, z = np.split(per, np.cumsum([dk, dk, r * dv])[:3], axis=1)
             qkv = np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)])
-            out.append((f"blk.{i}.attn_qkv.weight", None, qkv, False))
-            out.append((f"blk.{i}.attn_gate.weight", None, z.reshape(-1, H), False))
+            out.append((f"blk.{i}.attn_qkv.weight", p + "qkv_part", qkv, True))  # quantized as real files hold them
+            out.append((f"blk.{i}.attn_gate.weight", p + "z_part", z.reshape(-1, H), True))
         if p + "mlp.experts.gate_up_proj" in sd:
             _experts(out, p, i, sd)
     return out
@@ -207,7 +217,7 @@ def write_2026(path, model, arch: str, experts=("Q8_0", "Q8_0", "Q8_0"), dense="
         L = cfg.num_hidden_layers
         tensors += [(f"blk.{L}.nextn.eh_proj.weight", None, rng.standard_normal((64, 128)).astype(np.float32), False),
                     (f"blk.{L}.attn_norm.weight", None, np.ones(64, np.float32), False)]
-    for gname, hfname, arr, quant in tensors:
+    for gname, hfname, arr, quant, *inverse in tensors:
         if gname in drop:
             continue
         typ = "F32"
@@ -217,21 +227,30 @@ def write_2026(path, model, arch: str, experts=("Q8_0", "Q8_0", "Q8_0"), dense="
             typ = dense
         data = _encode(np.ascontiguousarray(arr, dtype=np.float32), typ, rng)
         w.add_tensor(gname, data, raw_dtype=None if typ in ("F32", "F16") else Q[typ])
-        if hfname is None or typ == "F32":
+        if hfname is None or (typ == "F32" and not hfname.endswith("_part")):
             continue
         raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
         back = dequantize(raw.reshape(-1, raw.shape[-1]) if raw.dim() > 1 else raw[None], typ, arr.shape[-1])
         back = back.reshape(arr.shape)
-        if hfname.endswith(("gate", "up")):
+        if hfname.endswith(("gate", "up", "_part")):
             parts[hfname] = back
         else:
-            held[hfname] = back
+            held[hfname] = inverse[0](back) if inverse and inverse[0] else back
     if "lm_head.weight" in held and not any(t[0] == "output.weight" for t in tensors):  # tied: the table is both
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         if p + "gate" in parts:
             held[p + "mlp.experts.gate_up_proj"] = torch.cat([parts[p + "gate"], parts[p + "up"]], dim=1)
+        if p + "qkv_part" in parts and p + "z_part" in parts:  # Qwen3-Next: in_proj_qkvz from the file's halves
+            hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+            q, k, v = parts[p + "qkv_part"].split([hk * dk, hk * dk, hv * dv])
+            z = parts[p + "z_part"]
+            H = z.shape[1]
+            held[p + "linear_attn.in_proj_qkvz.weight"] = torch.cat(
+                [q.reshape(hk, dk, H), k.reshape(hk, dk, H), v.reshape(hk, r * dv, H), z.reshape(hk, r * dv, H)],
+                dim=1).reshape(-1, H)
     w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
