@@ -326,7 +326,7 @@ MINIMAX = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attentio
                eos_token_id=None)
 
 
-@pytest.mark.parametrize("experts,dense", [(("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
+@pytest.mark.parametrize("experts,dense", [(("F32", "F32", "F32"), "F32"), (("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
 def test_minimax_m2_matches_transformers(tmp_path, experts, dense):
     """MiniMax-M2 (`minimax-m2`): full-width q/k norms, partial rotary from rope.dimension_count, sigmoid routing
     with the correction bias (exp_probs_b.bias)."""
@@ -559,7 +559,7 @@ def _nemotron_meta(w, cfg, arch, blocks):
 CONVERTERS["nemotron_h_moe"] = (_nemotron_tensors, _nemotron_meta)
 
 
-@pytest.mark.parametrize("experts,dense", [(("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
+@pytest.mark.parametrize("experts,dense", [(("F32", "F32", "F32"), "F32"), (("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
 def test_nemotron_h_moe_matches_transformers(tmp_path, experts, dense):
     """Nemotron-H MoE (`nemotron_h_moe`): Mamba-2, attention (q/k permuted by the converter), ungated relu^2 experts
     (ffn_up_exps and ffn_down_exps only, kept packed) with a shared expert, a dense MLP layer."""
@@ -580,12 +580,14 @@ def test_nemotron_h_moe_matches_transformers(tmp_path, experts, dense):
     path = tmp_path / "nemotron_h_moe.gguf"
     ref = _reference(model, write_2026(path, model, "nemotron_h_moe", experts, dense))
     loaded = load_model(path, dtype="float32")
-    assert loaded.expert_format.name == "gguf-Q8_0-Q4_0" and "w1" not in loaded.expert_format.types
+    assert loaded.expert_format.name == "gguf-" + "-".join(dict.fromkeys(experts[1:]))
+    assert "w1" not in loaded.expert_format.types
     _check(path, ref, "nemotron_h")
     from moechat.engine.plan import read_model_spec
 
-    spec = read_model_spec(path)  # fit: up I rows of Q8_0 (68 B per 64 inputs) + down H rows of Q4_0 (18 B per 32)
-    assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (32 * 68 + 64 * 18, 8, 2)
+    spec = read_model_spec(path)  # fit: up I rows (Q8_0: 68 B per 64 inputs) + down H rows (Q4_0: 18 B per 32)
+    want = 32 * 64 * 4 + 64 * 32 * 4 if experts[0] == "F32" else 32 * 68 + 64 * 18
+    assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (want, 8, 2)
 
 
 # -- Gemma 4 (its text MoE): Gemma4Model (a Gemma3Model) -------------------------------------------------------
@@ -669,7 +671,7 @@ def _gemma4_meta(w, cfg, arch, blocks):
 CONVERTERS["gemma4"] = (_gemma4_tensors, _gemma4_meta)
 
 
-@pytest.mark.parametrize("experts,dense", [(("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
+@pytest.mark.parametrize("experts,dense", [(("F32", "F32", "F32"), "F32"), (("Q8_0", "Q8_0", "Q4_0"), "Q8_0")])
 def test_gemma4_matches_transformers(tmp_path, experts, dense):
     """Gemma 4's text MoE (`gemma4`): sliding and full layers of their own head dims and KV heads, K as V on the full
     layer, proportional RoPE from rope_freqs, fused gate_up experts kept packed (ffn_gate_up_exps), router and
@@ -693,8 +695,9 @@ def test_gemma4_matches_transformers(tmp_path, experts, dense):
     _check(path, ref, "gemma4_text")
     from moechat.engine.plan import read_model_spec
 
-    spec = read_model_spec(path)  # fit: gate_up 2I rows of Q8_0 (68 B per 64 inputs) + down H rows of Q4_0 (18 B / 32)
-    assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (64 * 68 + 64 * 18, 8, 3)
+    spec = read_model_spec(path)  # fit: gate_up 2I rows (Q8_0: 68 B per 64 inputs) + down H rows (Q4_0: 18 B / 32)
+    want = 64 * 64 * 4 + 64 * 32 * 4 if experts[0] == "F32" else 64 * 68 + 64 * 18
+    assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (want, 8, 3)
 
 
 def test_the_2026_families_dense_siblings_and_an_arch_moechat_lacks_are_one_typed_line(tmp_path):
