@@ -223,10 +223,12 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
                          if name in kept)
     spec = GGUFModelSpec(**{f.name: getattr(spec, f.name) for f in fields(ModelSpec)}, packed_parts=packed_parts)
     types = "/".join(t.name for t in ckpt.expert_format.types.values()) if ckpt.expert_format else "none"
+    roles = "/".join({"w1": "gate", "w3": "up", "w13": "gate_up", "w2": "down"}[p]  # ungated, fused (Gemma 4)
+                     for p in (ckpt.expert_format.types if ckpt.expert_format else ()))
     packed = ", ".join(f"{t} {gib(b)}" for t, b in sorted(by_type.items(), key=lambda kv: -kv[1]))
     size = sum(f.stat().st_size for f in ckpt.files_)
     notes = (f"GGUF file of {gib(size)}, packed per type: {packed}",
-             f"experts kept packed as the file stores them ({types}, gate/up/down); the other tensors dequantized "
+             f"experts kept packed as the file stores them ({types}, {roles}); the other tensors dequantized "
              f"at load to {cfg['torch_dtype']}" + ("; kept packed on a CPU (dequantized on a GPU): " + " and ".join(
                  f"the {'output' if n == 'lm_head.weight' else 'embedding'} matrix ({t})" for n, t in kept.items())
                  if kept else ""))
