@@ -222,6 +222,22 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, n_group: int = 1, topk
     scores (V2's `greedy`, GLM-4.5-Air). Returns fp32 weights [T, K] and int64 ids [T, K] (in topk's unsorted
     order, as transformers); ties resolve as there, since the calls are the same.
     """
+    scores, choice = grouped_choice(router_logits, n_group, topk_group, scoring=scoring,
+                                    correction_bias=correction_bias)  # [T, E], [T, E]
+    topk_ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, K]
+    topk_weights = (scores if correction_bias is not None else choice).gather(1, topk_ids)  # [T, K]
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    return topk_weights, topk_ids
+
+
+def grouped_choice(router_logits: torch.Tensor, n_group: int = 1, topk_group: int = 1, *, scoring: str = "sigmoid",
+                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grouped_topk`'s scores and what its top-k is taken over: (scores [T, E], choice [T, E]), the experts outside
+    the `topk_group` best groups masked. A MoE block's `choice_scores` returns the choice, so that the prefetcher
+    ranks what the router ranks (a top-k of the logits is not the router's choice once a bias or groups enter)."""
     scores = router_logits.float().sigmoid() if scoring == "sigmoid" else torch.softmax(
         router_logits, dim=-1, dtype=torch.float32)  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
@@ -238,10 +254,4 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, n_group: int = 1, topk
         # transformers' V2 masks with 0 (softmax scores are positive), V3/GLM with -inf; kept as each does, so a
         # tie resolves identically
         choice = choice.masked_fill(~keep, float("-inf") if correction_bias is not None else 0.0)
-    topk_ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, K]
-    topk_weights = (scores if correction_bias is not None else choice).gather(1, topk_ids)  # [T, K]
-    if renormalize:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    if routed_scaling_factor != 1.0:
-        topk_weights = topk_weights * routed_scaling_factor
-    return topk_weights, topk_ids
+    return scores, choice

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.moe import grouped_topk
+from ..layers.moe import grouped_choice, grouped_topk
 from .base import MoEForCausalLM
 from .deepseek_v2 import DEEPSEEK_EXPERTS, DeepseekV2Args, SharedExpertMoeBlock
 from .mla import MLAttention
@@ -81,6 +81,12 @@ class DeepseekV3MoeBlock(SharedExpertMoeBlock):
         return grouped_topk(router_logits, self.top_k, self.n_group, self.topk_group, scoring="sigmoid",
                             correction_bias=self.correction_bias, renormalize=self.renormalize,
                             routed_scaling_factor=self.scaling_factor)
+
+    def choice_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 logits [T, E] -> what its top-k is taken over (sigmoid + correction bias, the groups
+        outside the best `topk_group` at -inf): what the prefetcher ranks."""
+        return grouped_choice(logits, self.n_group, self.topk_group, scoring="sigmoid",
+                              correction_bias=self.correction_bias)[1]
 
 
 class DeepseekV3ForCausalLM(MoEForCausalLM):

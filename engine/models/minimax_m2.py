@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..layers.moe import grouped_topk
+from ..layers.moe import grouped_choice, grouped_topk
 from .base import BaseModelArgs, ExpertNaming, MoEForCausalLM, SparseMoeBlock
 
 
@@ -101,6 +101,11 @@ class MiniMaxM2MoeBlock(SparseMoeBlock):
         router_logits = F.linear(x.float(), self.gate_weight)  # [T, E]
         return grouped_topk(router_logits, self.top_k, scoring="sigmoid", correction_bias=self.correction_bias,
                             renormalize=True)
+
+    def choice_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 logits [T, E] -> what its top-k is taken over (sigmoid + correction bias): what the
+        prefetcher ranks."""
+        return grouped_choice(logits, scoring="sigmoid", correction_bias=self.correction_bias)[1]
 
 
 class MiniMaxM2ForCausalLM(MoEForCausalLM):

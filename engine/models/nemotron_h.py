@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..layers.kv_cache import KVCache
-from ..layers.moe import RELU2, ExpertProvider, grouped_topk
+from ..layers.moe import RELU2, ExpertProvider, grouped_choice, grouped_topk
 from ..quant import native
 from . import gated_deltanet as gd
 from . import mamba2
@@ -299,14 +299,8 @@ class NemotronHMoE(nn.Module):
         """The router's fp32 logits [T, E] -> what its top-k picks from [T, E]: sigmoid + correction bias, the experts
         outside the `topk_group` best groups at -inf (`grouped_topk`'s choice); the prefetcher ranks these, so a
         prediction from the layer's own input is the layer's own choice."""
-        choice = logits.float().sigmoid() + self.correction_bias.float()  # [T, E]
-        if self.n_group > 1 and self.topk_group < self.n_group:
-            T, E = choice.shape
-            grouped = choice.view(T, self.n_group, E // self.n_group)  # [T, G, E/G]
-            best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(self.topk_group, dim=-1, sorted=False)[1]  # [T, g]
-            keep = torch.zeros(T, self.n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
-            choice = choice.masked_fill(~keep[..., None].expand_as(grouped).reshape(T, E), float("-inf"))
-        return choice
+        return grouped_choice(logits, self.n_group, self.topk_group, scoring="sigmoid",
+                              correction_bias=self.correction_bias)[1]
 
     def forward(self, x: torch.Tensor, provider: ExpertProvider, residual: torch.Tensor) -> torch.Tensor:
         """residual + routed(x) + shared(x) [T, H]; x is the normed input."""
