@@ -11,9 +11,11 @@ Qwen3-30B-A3B widths. The cubin is disassembled with the bundled `cuobjdump -sas
 backward branch (target below it, not the self-branch after EXIT), its instructions those from the target to the
 branch, and a K loop is an inner one (w2's loop over a token's K pairs holds one). Per kernel x arch it prints:
 
-* loop: SASS instructions in one iteration of a K loop (w13 runs two, gate and up; their mean),
-* B/thr: packed code bytes one thread consumes per iteration, BLOCK_N x BLOCK_KB / (32 x num_warps) (scales
-  are extra: 1/16 of that for MXFP4, less for the others),
+* loop: SASS instructions in one iteration of a K loop (the mean where a kernel has several; the packed fp16
+  decode's |x| guard, a max over x before the K loop, multiplies nothing and is no K loop),
+* B/thr: packed code bytes one thread consumes per iteration, R x BLOCK_KB / (32 x num_warps), R = BLOCK_N rows
+  (w2) or 2 BLOCK_N (w13's one loop over the tile's gate and up rows; scales are extra: 1/16 of that for MXFP4,
+  less for the others),
 * i/B: instructions per packed byte, loop / (B/thr) (each thread runs the loop's instructions once per
   iteration): the figure to hold to <= ~4 for a decode step to stay memory bound (an H200 issues about
   33 T thread-instructions/s against 4.8 TB/s: ~7 per byte is the break-even at full occupancy),
@@ -97,7 +99,7 @@ def kernel_spec(fmt: str, which: str, arch: int = 90, x: str = "bf16"):
         consts.update(mod.decode_constexprs(fmt, (128, 128) if fmt == "fp8" else None, group=32))
         scales = "*fp16" if fmt == "int4" else "*fp32"  # int4: fp16 group scales (quant/intq.py)
     fn = mod._w13_decode_kernel if which == "w13" else mod._w2_decode_kernel
-    cfg = mod._decode_configs(which)[0]
+    cfg = (mod._decode_configs(which) if fmt == "mxfp4" else mod._decode_configs(which, fmt))[0]
     consts.update(cfg.kwargs)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}
@@ -132,8 +134,11 @@ def parse_sass(sass: str) -> tuple[list[int], dict]:
         b = _BRANCH.search(text)
         if b and (target := int(b.group(1), 16)) < addr and target in index:
             spans.append((index[target], i))
-    # the inner loops only: w2's loop over a token's K pairs holds the K loop
-    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    # the inner loops only: w2's loop over a token's K pairs holds the K loop; a K loop multiplies and adds and takes
+    # no max (the packed fp16 decode's |x| pre-pass, a max over x before the K loop; sm_80 takes |bf16| by HFMA2)
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)
+             and any(re.search(r"\b(FFMA|HFMA2|HMMA)\b", t) for _, t in code[a: b + 1])
+             and not any(re.search(r"\bFMNMX\b", t) for _, t in code[a: b + 1])]
     loops, widths = [], []
     for first, last in inner:
         body = code[first: last + 1]
@@ -171,7 +176,7 @@ def compile_one(job: tuple) -> Row | str:
     loops, info = parse_sass(sass)
     if not loops:
         return f"{fmt}:{which} sm_{arch}: no K loop found in the SASS"
-    per_thread = bn * bkb // (32 * warps)
+    per_thread = (2 if which == "w13" else 1) * bn * bkb // (32 * warps)  # w13: gate and up rows in one loop
     mean = sum(loops) / len(loops)
     per_byte = round(mean / per_thread, 2)
     return Row(f"{fmt}:{which}", x, arch, mean, len(loops), per_thread, per_byte, regs, info["spills"],
@@ -203,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "skipped": skipped}, indent=1))
         return 0 if rows else 1
-    print(f"{'kernel':<10} {'x':>4} {'arch':>6} {'loop':>6} {'B/thr':>6} {'i/B':>6} {'aim':>4} {'regs':>5} {'spill':>5} "
+    print(f"{'kernel':<10} {'x':>4} {'arch':>6} {'loop':>6} {'B/thr':>6} {'i/B':>6} {'aim':>4} {'regs':>5} "
+          f"{'spill':>5} "
           f"{'LDG':>4}  config")
     for r in rows:
         print(f"{r.kernel:<10} {r.x:>4} sm_{r.arch:<3} {r.loop_instructions:>6.0f} {r.bytes_per_thread:>6} "

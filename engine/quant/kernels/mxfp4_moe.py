@@ -70,6 +70,22 @@ def _gate_up_rows(j, N, CLAMPED: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_tile(BLOCK_N: tl.constexpr, N, CLAMPED: tl.constexpr):
+    """The decode's one GEMV over a tile's gate and up rows together ([2 BLOCK_N]: BLOCK_N gate rows, then their up
+    rows), so x is loaded and decoded once for both: (rows, ok) and the tile's outputs j."""
+    r = tl.arange(0, 2 * BLOCK_N)
+    j = tl.program_id(1) * BLOCK_N + (r % BLOCK_N)
+    gate_rows, up_rows = _gate_up_rows(j, N, CLAMPED)
+    return tl.where(r < BLOCK_N, gate_rows, up_rows), j < N
+
+
+@triton.jit
+def _split_gate_up(y, BLOCK_N: tl.constexpr):
+    """[2 BLOCK_N] (gate outputs, then up) -> gate, up [BLOCK_N] each."""
+    return tl.split(tl.trans(tl.reshape(y, (2, BLOCK_N))))
+
+
+@triton.jit
 def _e2m1(code):
     """FP4 E2M1 codes (int32, 0..15) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
     mag = code & 7
@@ -130,17 +146,31 @@ def _e4m3x4(words):
         is_pure=True, pack=1)
 
 
+_ASM: tl.constexpr = tl.constexpr(not INTERPRET)  # inline PTX compiles; the interpreter takes the pure-Triton twins
+
+
 @triton.jit
 def _e2m1_as_e4m3(w):
     """uint32 words of eight E2M1 codes -> two words of e4m3 bytes with the same values x 2^-6, exactly (lows:
     byte j the low nibble of byte j, highs: its high nibble): the code's e and m bits under e4m3's lowest exponent
     bits and top mantissa bit, so e = 0 is e4m3's subnormal (0.5 needs no branch), its sign at bit 7."""
-    lows = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
-    highs = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
-    return lows, highs
-
-
-_ASM: tl.constexpr = tl.constexpr(not INTERPRET)  # inline PTX compiles; the interpreter takes the pure-Triton twins
+    if _ASM:  # 6 integer ops a word (LLVM folds the Triton form back to 7): the signs masked once, each half one
+        # bit-select lop3 (a & M) | (b & ~M), b's only bits under M (a sign on a neighbour byte's bit 3) dropped
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 s, t, u;
+            and.b32 s, $2, 0x88888888;
+            shl.b32 t, $2, 2;
+            shl.b32 u, s, 4;
+            lop3.b32 $0, t, u, 0x1C1C1C1C, 0xE4;
+            shr.b32 t, $2, 2;
+            lop3.b32 $1, t, s, 0x1C1C1C1C, 0xE4;
+            }""",
+            constraints="=r,=r,r", args=[w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        lows = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
+        highs = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
+        return lows, highs
 
 
 @triton.jit
@@ -212,14 +242,59 @@ def _cvt_f16x2(lo, hi):
 
 
 @triton.jit
-def _x_pairs16(xs):
-    """The 32 fp32 x of a 16-byte block (element 8w + t: nibble t of word w) -> 16 uint32 words of fp16x2 in the
-    order the e4m3 decode yields a word's weights: (0, 2), (4, 6), (1, 3), (5, 7) of each word w."""
+def _x_pairs16(xs, mul):
+    """The 32 fp32 x of a 16-byte block (element 8w + t: nibble t of word w), times `mul` (_x_guard's power of two,
+    exact) -> 16 uint32 words of fp16x2 in the order the e4m3 decode yields a word's weights: (0, 2), (4, 6),
+    (1, 3), (5, 7) of each word w."""
     ps = ()
     for w in tl.static_range(4):
-        ps = ps + (_cvt_f16x2(xs[8 * w], xs[8 * w + 2]), _cvt_f16x2(xs[8 * w + 4], xs[8 * w + 6]),
-                   _cvt_f16x2(xs[8 * w + 1], xs[8 * w + 3]), _cvt_f16x2(xs[8 * w + 5], xs[8 * w + 7]))
+        ps = ps + (_cvt_f16x2(xs[8 * w] * mul, xs[8 * w + 2] * mul),
+                   _cvt_f16x2(xs[8 * w + 4] * mul, xs[8 * w + 6] * mul),
+                   _cvt_f16x2(xs[8 * w + 1] * mul, xs[8 * w + 3] * mul),
+                   _cvt_f16x2(xs[8 * w + 5] * mul, xs[8 * w + 7] * mul))
     return ps
+
+
+@triton.jit
+def _lane_sum(h):
+    """uint32 words of fp16x2 -> the sum of their two lanes rounded to fp16, widened to fp32: add.rn.f16 on the
+    halves and one conversion (2 instructions, where widening both lanes and adding took 3); the interpreter adds
+    in fp64 (exact) and rounds once, the same bits."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 l, h;
+            mov.b32 {l, h}, $1;
+            add.rn.f16 l, l, h;
+            cvt.f32.f16 $0, l;
+            }""",
+            constraints="=r,r", args=[h], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        a, b = _f16_pair(h)
+        return (a.to(tl.float64) + b.to(tl.float64)).to(tl.float16).to(tl.float32)
+
+
+# the packed fp16 decode scales x below 2^X_GUARD_LOG2: x, every lane and the sum of two stay finite in fp16
+X_GUARD_LOG2: tl.constexpr = tl.constexpr(14)
+
+
+@triton.jit
+def _x_guard(x_ptr, x_row, stride_x, n, ON: tl.constexpr, BLOCK: tl.constexpr = 1024):
+    """(2^-e, 2^e) for the packed fp16 decode of x[x_row] (n elements), on the device (no host read): e the least
+    e >= 0 with max|x| 2^-e < 2^X_GUARD_LOG2, so x 2^-e, an MXFP4 lane sum (<= 16 x 6 x 2^-6 of it) and the sum of
+    two lanes stay inside fp16 (65504); x 2^-e is exact (bf16 and fp16 keep their exponent range). One pass over
+    the row per program, before the K loop; (1, 1) where the decode keeps fp32 sums (ON false, or an fp32 x)."""
+    if ON and x_ptr.dtype.element_ty != tl.float32:
+        base = x_ptr + x_row.to(tl.int64) * stride_x
+        m = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, n, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            m = tl.maximum(m, tl.abs(tl.load(base + offs, mask=offs < n, other=0.0).to(tl.float32)))
+        top = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
+        e = tl.maximum(top - (127 + X_GUARD_LOG2 - 1), 0)
+        return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
+    else:
+        return 1.0, 1.0
 
 
 @triton.jit
@@ -289,9 +364,9 @@ def _x_split8(xv):
 
 
 @triton.jit
-def _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BG: tl.constexpr, X32: tl.constexpr, XF16: tl.constexpr, XPW: tl.constexpr, HW_CVT: tl.constexpr,
-                  PACKED: tl.constexpr):
+def _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, x_mul, MASKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BG: tl.constexpr, X32: tl.constexpr, XF16: tl.constexpr, XPW: tl.constexpr,
+                  HW_CVT: tl.constexpr, PACKED: tl.constexpr):
     """acc [BN, BG] += one tile of _packed_gemv's scale blocks (blocks k0 .. k0 + BG of each row), masked or whole."""
     g = tl.arange(0, BG)
     g_ok = g < G - k0
@@ -307,14 +382,13 @@ def _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, MASKED: tl.cons
     # element 8w + t of a block is nibble t of its word w
     xs = _x_chunk(x_at + k0 * (32 // XPW), x_off, (G - k0) * (32 // XPW), 32, X32, XF16, MASKED)
     if PACKED:  # fp16x2: a block's 32 products in two lanes of 16 packed FMAs, widened to fp32 once
-        xp = _x_pairs16(xs)
+        xp = _x_pairs16(xs, x_mul)
         h = tl.zeros((BLOCK_N, BG), dtype=tl.uint32)
         for w in tl.static_range(4):
             cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
             lows, highs = _e2m1_as_e4m3(cw.to(tl.uint32, bitcast=True))
             h = _fma_e4m3_word(h, lows, highs, xp, w)
-        h0, h1 = _f16_pair(h)
-        part = h0 + h1
+        part = _lane_sum(h)  # <= 2 x 1.5 x 2^14: finite
     else:
         part = _e2m1_block(c0, c1, c2, c3, xs, BLOCK_N, BG, HW_CVT)
     # 2^(s - 126), twice the scale, one instruction (s = 0 stays normal; s = 254 overflows, as its weights do)
@@ -322,12 +396,13 @@ def _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, MASKED: tl.cons
 
 
 @triton.jit
-def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
+def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB, x_mul, x_inv,
                  BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, HW_CVT: tl.constexpr):
     """x[x_row] [2 KB] . W[w_rows] -> [BLOCK_N] fp32 for one pair (decode): W one slot's packed rows as in
     _packed_dot. A thread holds whole 16-byte scale blocks (one 16-byte load of 4 words, one scale byte) of several
     rows and the block's 32 x in the same shape (decoded once for those rows: no layout change), decodes two codes
-    an instruction pair, sums the block's 32 products in an FMA chain and scales the sum once."""
+    an instruction pair, sums the block's 32 products in an FMA chain and scales the sum once. x_mul, x_inv:
+    _x_guard's powers of two (the packed fp16 path runs on x x_mul and scales the sum back by x_inv)."""
     BG: tl.constexpr = BLOCK_KB // 16  # scale blocks per tile row
     X32: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     XF16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
@@ -349,12 +424,15 @@ def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB,
     acc = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
     G_FULL = (G // BG) * BG  # whole tiles unmasked, the last partial one masked
     for k0 in range(0, G_FULL, BG):  # in scale blocks
-        acc = _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, False, BLOCK_N, BG, X32, XF16, XPW,
-                            HW_CVT, PACKED)
+        acc = _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, x_mul, False, BLOCK_N, BG, X32, XF16,
+                            XPW, HW_CVT, PACKED)
     if G_FULL < G:
-        acc = _packed_block(acc, words_at, s_at, x_at, x_off, G_FULL, G, w_ok, True, BLOCK_N, BG, X32, XF16, XPW,
-                            HW_CVT, PACKED)
-    return tl.sum(acc, axis=1) * (32.0 if HW_CVT or PACKED else 8192.0)  # the codes' 2^-6 or 2^-14, the 2 above
+        acc = _packed_block(acc, words_at, s_at, x_at, x_off, G_FULL, G, w_ok, x_mul, True, BLOCK_N, BG, X32, XF16,
+                            XPW, HW_CVT, PACKED)
+    if PACKED:  # the codes' 2^-6, the 2 above, x's 2^-e
+        return tl.sum(acc, axis=1) * (32.0 * x_inv)
+    else:
+        return tl.sum(acc, axis=1) * (32.0 if HW_CVT else 8192.0)  # the codes' 2^-6 or 2^-14, the 2 above
 
 
 @triton.jit
@@ -447,10 +525,10 @@ def _w13_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, group_slot_pt
                              BLOCK_M, BLOCK_N, BLOCK_KB, USE_DOT, DOT_BF16)
         else:  # decode: BLOCK_M = 1, one pair
             token = tl.max(tokens, axis=0)
-            gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, BLOCK_N, BLOCK_KB,
-                                False)[None, :]
-            up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, BLOCK_N, BLOCK_KB,
-                              False)[None, :]
+            gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, 1.0, 1.0, BLOCK_N,
+                                BLOCK_KB, False)[None, :]
+            up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, 1.0, 1.0, BLOCK_N,
+                              BLOCK_KB, False)[None, :]
         if HAS_BIAS:
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)[None, :]
@@ -480,7 +558,8 @@ def _w2_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, weights_pt
                               DOT_BF16)
         else:  # decode: BLOCK_M = 1, one pair
             acc = _packed_gemv(act_ptr, tl.max(rows, axis=0), stride_act, blocks_ptr + slot64 * stride_bc,
-                               scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_N, BLOCK_KB, False)[None, :]
+                               scales_ptr + slot64 * stride_sc, j, j_ok, KB, 1.0, 1.0, BLOCK_N, BLOCK_KB,
+                               False)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + rows, mask=ok, other=0.0).to(tl.float32)  # [BM]
@@ -514,8 +593,10 @@ def _w13_decode_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, ids_pt
         w_ptr = blocks_ptr + slot64 * stride_bc
         s_ptr = scales_ptr + slot64 * stride_sc
         token = pair // TOPK
-        gate = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, j_ok, KB, BLOCK_N, BLOCK_KB, HW_CVT)
-        up = _packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, j_ok, KB, BLOCK_N, BLOCK_KB, HW_CVT)
+        x_mul, x_inv = _x_guard(x_ptr, token, stride_x, 2 * KB, HW_CVT or not _ASM)
+        rows2, ok2 = _gate_up_tile(BLOCK_N, N, CLAMPED)
+        gate, up = _split_gate_up(_packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, rows2, ok2, KB, x_mul, x_inv,
+                                               2 * BLOCK_N, BLOCK_KB, HW_CVT), BLOCK_N)
         if HAS_BIAS:
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
@@ -541,8 +622,9 @@ def _w2_decode_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, wei
         slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
         if slot >= 0:
             slot64 = slot.to(tl.int64)
+            x_mul, x_inv = _x_guard(act_ptr, pair, stride_act, 2 * KB, HW_CVT or not _ASM)
             y = _packed_gemv(act_ptr, pair, stride_act, blocks_ptr + slot64 * stride_bc,
-                             scales_ptr + slot64 * stride_sc, j, j_ok, KB, BLOCK_N, BLOCK_KB, HW_CVT)
+                             scales_ptr + slot64 * stride_sc, j, j_ok, KB, x_mul, x_inv, BLOCK_N, BLOCK_KB, HW_CVT)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)
             acc += y * tl.load(weights_ptr + pair).to(tl.float32)
@@ -570,9 +652,9 @@ def _decode_configs(which: str) -> list[triton.Config]:
     8 rows, and x's layout is the codes' own: no pass through shared memory); bench/kernel_sass.py counts it."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
-    tiles = [(8, 512, 1, 2), (32, 512, 4, 2), (64, 256, 4, 2), (32, 256, 4, 2)]
+    tiles = [(8, 512, 1, 2), (16, 512, 4, 2), (32, 256, 4, 2), (16, 256, 4, 2)]
     if which == "w2":
-        tiles = [(8, 512, 1, 2), (32, 512, 4, 2), (32, 256, 4, 2), (16, 256, 4, 2)]
+        tiles = [(16, 512, 1, 2), (32, 512, 4, 2), (32, 256, 4, 2), (16, 256, 4, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
 
 

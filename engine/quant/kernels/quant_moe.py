@@ -34,13 +34,19 @@ import triton.language as tl
 from .mxfp4_moe import (
     _ASM,
     INTERPRET,
+    _cvt_f16x2,
     _e4m3x4,
     _f16_pair,
     _fma_e4m3_word,
     _gate_up_rows,
+    _gate_up_tile,
     _gated_act,
+    _hfma2,
+    _lane_sum,
     _pair_slot,
+    _split_gate_up,
     _x_chunk,
+    _x_guard,
     _x_pairs16,
     decode_io,
     hardware_fp8,
@@ -142,7 +148,61 @@ def _load_masked(at, MASKED: tl.constexpr, ok):
 
 
 @triton.jit
-def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, GB: tl.constexpr, FMT: tl.constexpr,
+def _x_sum16(xp, coef: tl.constexpr):
+    """coef x the lane sums of 16 uint32 words of fp16x2 (fp16 adds, one rounding each; coef a power of two, exact):
+    15 packed adds a block, where 31 fp32 adds and an FMA a row took its place."""
+    one = tl.full(xp[0].shape, 0x3C003C00, tl.uint32)  # fp16x2 (1, 1): a * 1 + c is c + a rounded once
+    t = xp[0]
+    for i in tl.static_range(1, 16):
+        t = _hfma2(xp[i], one, t)
+    return _hfma2(t, tl.full(xp[0].shape, coef, tl.uint32), tl.zeros(xp[0].shape, tl.uint32))
+
+
+@triton.jit
+def _x_pairs_t4(xs, mul):
+    """The 32 fp32 x of a 16-byte int4 chunk (element 8w + t: nibble t of word w), times `mul` -> 16 uint32 words
+    of fp16x2 in the magic decode's order: elements (t, t + 4) of each word w, t = 0..3."""
+    ps = ()
+    for w in tl.static_range(4):
+        for t in tl.static_range(4):
+            ps = ps + (_cvt_f16x2(xs[8 * w + t] * mul, xs[8 * w + t + 4] * mul),)
+    return ps
+
+
+@triton.jit
+def _and_or(a, M: tl.constexpr, C: tl.constexpr):
+    """(a & M) | C in one lop3 (LLVM's and + or of two immediates compiles to two)."""
+    if _ASM:
+        return tl.inline_asm_elementwise(asm=f"lop3.b32 $0, $1, {M}, {C}, 0xEA;", constraints="=r,r", args=[a],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        return (a & M) | C
+
+
+@triton.jit
+def _fma_int4_magic_word(h, cw, xp, w: tl.constexpr):
+    """h += word w's eight int4 weights (code - 8) 2^-9 times their x pairs (_x_pairs_t4), in fp16x2 without a
+    conversion instruction: (cw & 0x000F000F) | fp16x2 (2, 2) is 2 + code 2^-9 for nibbles 0 and 4 (fp16's ulp at
+    2 is 2^-9), minus 2 + 8 2^-9 in one packed FMA; nibbles 1 and 5 in place give 2 + 16 code 2^-9, times 1/16
+    minus 1/8 + 2^-6; nibbles 2, 6 and 3, 7 the same from cw >> 8. Every step exact but the products' sums."""
+    zero = cw & 0  # the constants in the words' shape (folded by the compiler)
+    one = zero | 0x3C003C00  # fp16x2 (1, 1)
+    lo_off = zero | 0xC008C008  # -(2 + 8 2^-9)
+    sixteenth = zero | 0x2C002C00  # 2^-4
+    hi_off = zero | 0xB080B080  # -(2^-3 + 2^-6)
+    hi8 = cw >> 8
+    for t in tl.static_range(4):
+        src = cw if t < 2 else hi8
+        if t % 2 == 0:
+            wt = _hfma2(_and_or(src, 0x000F000F, 0x40004000), one, lo_off)
+        else:
+            wt = _hfma2(_and_or(src, 0x00F000F0, 0x40004000), sixteenth, hi_off)
+        h = _hfma2(wt, xp[4 * w + t][None, :], h)
+    return h
+
+
+@triton.jit
+def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, x_mul, GB: tl.constexpr, FMT: tl.constexpr,
                BLOCK_N: tl.constexpr, BG: tl.constexpr, HW_CVT: tl.constexpr, PACKED: tl.constexpr,
                MASKED: tl.constexpr):
     """acc [BN, BG] += one tile of _gemv: the code words c [BN, BG, 4] (words k0 .. k0 + 4 BG of each row) with
@@ -175,18 +235,25 @@ def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, GB: tl.conste
                                       MASKED, w_ok[:, None] & (4 * g[None, :] + w < KW - k0))
                     acc += part * sc
                     part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-        elif PACKED:  # int4 in fp16x2: a nibble byte is the e4m3 of code x 2^-9, converted two bytes an
-            # instruction, two packed FMAs a byte; the block's lane sums widened once, - 8 sum(x) in fp32
-            xp = _x_pairs16(xs)
+        elif PACKED and not HW_CVT:  # int4 in fp16x2 without e4m3 hardware (sm_80/86; the interpreter's
+            # default): nibbles t and t + 4 of a word OR'd under fp16 2.0 are 2 + code 2^-9 (or 2 + 16 code 2^-9
+            # for the odd nibbles, in place), one packed FMA makes (code - 8) 2^-9 of both (exact), one more
+            # multiplies and adds: 13 instructions a word of 8 codes; the two lanes added in fp16, widened once
+            xp = _x_pairs_t4(xs, x_mul)
             h = tl.zeros((BLOCK_N, BG), dtype=tl.uint32)
             for w in tl.static_range(4):
                 cw = (c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3).to(tl.uint32, bitcast=True)
+                h = _fma_int4_magic_word(h, cw, xp, w)
+            part = _lane_sum(h)  # a lane <= 16 x 8 x 2^-9 2^14, the sum of two finite
+        elif PACKED:  # int4 in fp16x2 (sm_89+): a nibble byte is the e4m3 of code x 2^-9, converted two bytes an
+            # instruction, two packed FMAs a byte; each row's lanes start at -8 x 2^-9 sum(x) (fp16x2, shared by
+            # the thread's rows: the code's - 8 at no cost a row), the two lanes added in fp16, widened once
+            xp = _x_pairs16(xs, x_mul)
+            h = tl.broadcast_to(_x_sum16(xp, 0xA400A400)[None, :], (BLOCK_N, BG))  # fp16x2 (-2^-6, -2^-6)
+            for w in tl.static_range(4):
+                cw = (c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3).to(tl.uint32, bitcast=True)
                 h = _fma_e4m3_word(h, cw & 0x0F0F0F0F, (cw >> 4) & 0x0F0F0F0F, xp, w)
-            xsum = xs[0]
-            for i in tl.static_range(1, 32):
-                xsum += xs[i]
-            h0, h1 = _f16_pair(h)
-            part = (h0 + h1) - (8.0 / 512.0) * xsum[None, :]
+            part = _lane_sum(h)  # a lane <= 16 x 8 x 2^-9 2^14, the sum of two finite
         else:  # int4: element 8w + 2b (+ 1) is byte b's low (high) nibble of word w; code - 8 summed as
             # sum(code x) - 8 sum(x), the second shared by the thread's rows
             part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
@@ -225,7 +292,7 @@ def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, GB: tl.conste
 
 
 @triton.jit
-def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS, GB: tl.constexpr,
+def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS, x_mul, x_inv, GB: tl.constexpr,
           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, HW_CVT: tl.constexpr):
     """Decode: x[x_row] . W[w_rows] -> [BLOCK_N] fp32 for one pair (int8: before the row scale).
 
@@ -233,7 +300,8 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
     in the same shape (no layout change: x decoded once, used for each of its rows); each chunk's products are
     summed in an FMA chain and scaled once (GB bytes share a scale: fp8 b1, int4 group / 2; a GB that is no
     multiple of 16 takes a scale a word).
-    KB is a multiple of 4 (the caller checks); a partial last chunk is masked per word."""
+    KB is a multiple of 4 (the caller checks); a partial last chunk is masked per word. x_mul, x_inv: _x_guard's
+    powers of two for the packed fp16 path (x x_mul, the sum x x_inv)."""
     BG: tl.constexpr = BLOCK_KB // 16  # chunks per tile row
     N_ELEM: tl.constexpr = 32 if FMT == 2 else 16  # elements in a chunk
     X32: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
@@ -248,7 +316,7 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
     XPW: tl.constexpr = 1 if X32 else 2  # x elements in a word
     # int4 with a 16-bit x and a scale a chunk: products in fp16x2 (each 16-term lane sum rounds in fp16, 2^-11;
     # a lane sum stays below 16 x 15 x 2^-9 max|x|), from sm_89 and under the interpreter (its twin of the conversion)
-    PACKED: tl.constexpr = FMT == 2 and (not X32) and GB % 16 == 0 and (HW_CVT or not _ASM)
+    PACKED: tl.constexpr = FMT == 2 and (not X32) and GB % 16 == 0
     x_base = x_ptr.to(tl.pointer_type(tl.uint32)) + x_row.to(tl.int64) * (stride_x // XPW)
     x_off = (N_ELEM // XPW) * g[:, None] + i4[None, :]  # [BG, 4] the first x words of each chunk
     x_at = x_base + x_off
@@ -258,22 +326,24 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
         c = tl.load(words_at + k0).to(tl.int32)  # [BN, BG, 4]
         xs = _x_chunk(x_at + k0 * (N_ELEM // 4) // XPW, x_off, (KW - k0) * (N_ELEM // 4) // XPW, N_ELEM, X32, XF16,
                       False)
-        acc = _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, GB, FMT, BLOCK_N, BG, HW_CVT, PACKED,
-                         False)
+        acc = _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, x_mul, GB, FMT, BLOCK_N, BG, HW_CVT,
+                         PACKED, False)
     if KW_FULL < KW:  # the last partial tile, masked per word
         w_ok3 = w_ok[:, None, None] & (4 * g[None, :, None] + i4[None, None, :] < KW - KW_FULL)
         # int4 pads with code 8 (zero), but the packed path with 0: its x pads are zero and a zero clears faster
         c = tl.load(words_at + KW_FULL, mask=w_ok3, other=0x88888888 if FMT == 2 and not PACKED else 0).to(tl.int32)
         xs = _x_chunk(x_at + KW_FULL * (N_ELEM // 4) // XPW, x_off, (KW - KW_FULL) * (N_ELEM // 4) // XPW, N_ELEM,
                       X32, XF16, True)
-        acc = _gemv_tile(acc, c, xs, KW_FULL, KW, g, s_ptr, s_rows, w_ok, S_COLS, GB, FMT, BLOCK_N, BG, HW_CVT,
-                         PACKED, True)
+        acc = _gemv_tile(acc, c, xs, KW_FULL, KW, g, s_ptr, s_rows, w_ok, S_COLS, x_mul, GB, FMT, BLOCK_N, BG,
+                         HW_CVT, PACKED, True)
     out = tl.sum(acc, axis=1)  # [BN]
     if FMT == 1:
         out = out * tl.load(s_ptr + s_rows, mask=w_ok, other=0.0)
     if FMT == 0 and not HW_CVT:
         out = out * 256.0  # the codes' 2^-8
-    if FMT == 2 and (HW_CVT or PACKED):
+    if FMT == 2 and PACKED:
+        out = out * (512.0 * x_inv)  # the codes' 2^-9, x's 2^-e
+    elif FMT == 2 and HW_CVT:
         out = out * 512.0  # the codes' 2^-9
     return out
 
@@ -355,10 +425,11 @@ def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_p
         w_ptr = w_ptr0 + slot64 * stride_wc
         s_ptr = s_ptr0 + slot64 * stride_sc
         token = pair // TOPK
-        gate = _gemv(x_ptr, token, stride_x, w_ptr, s_ptr, gate_rows, _scale_rows(gate_rows, N, SPLIT_AT, B0), j_ok,
-                     KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT)
-        up = _gemv(x_ptr, token, stride_x, w_ptr, s_ptr, up_rows, _scale_rows(up_rows, N, SPLIT_AT, B0), j_ok,
-                   KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT)
+        x_mul, x_inv = _x_guard(x_ptr, token, stride_x, 2 * KB, FMT == 2 and GB % 16 == 0)
+        rows2, ok2 = _gate_up_tile(BLOCK_N, N, CLAMPED)  # one GEMV over the gate and up rows: x decoded once
+        y = _gemv(x_ptr, token, stride_x, w_ptr, s_ptr, rows2, _scale_rows(rows2, N, SPLIT_AT, B0), ok2, KB, S_COLS,
+                  x_mul, x_inv, GB, FMT, 2 * BLOCK_N, BLOCK_KB, HW_CVT)
+        gate, up = _split_gate_up(y, BLOCK_N)
         if HAS_BIAS:
             b_ptr = bias_ptr + slot64 * stride_biasc
             gate += tl.load(b_ptr + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
@@ -383,8 +454,10 @@ def _w2_decode_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr
         slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
         if slot >= 0:
             slot64 = slot.to(tl.int64)
+            x_mul, x_inv = _x_guard(act_ptr, pair, stride_act, 2 * KB,
+                                    FMT == 2 and GB % 16 == 0)
             y = _gemv(act_ptr, pair, stride_act, w_ptr0 + slot64 * stride_wc, s_ptr0 + slot64 * stride_sc, j, j // B0,
-                      j_ok, KB, S_COLS, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT)
+                      j_ok, KB, S_COLS, x_mul, x_inv, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)
             acc += y * tl.load(weights_ptr + pair).to(tl.float32)
@@ -405,22 +478,27 @@ def _configs(use_dot: bool) -> list[triton.Config]:
             for n, kb, w, st in [(16, 256, 4, 2), (8, 256, 4, 2), (8, 512, 8, 2)]]
 
 
-def _decode_configs(which: str) -> list[triton.Config]:
+def _decode_configs(which: str, fmt: str = "int4") -> list[triton.Config]:
     """Decode tiles: a warp spans 32 chunks of 16 bytes of a row (512 bytes), the warps more rows, and a thread
-    holds BLOCK_N / num_warps rows of its chunk (x decoded once for them); w2 has only T x H / BLOCK_N programs.
-    The first (one warp, 8 rows a thread) keeps x in the codes' layout (no shared-memory pass): the one
-    bench/kernel_sass.py counts."""
+    holds BLOCK_N / num_warps rows of its chunk (x decoded once for them; w13's one GEMV takes the tile's gate and
+    up rows, twice BLOCK_N); w2 has only T x H / BLOCK_N programs. The first (one warp, 16 rows a thread) keeps x
+    in the codes' layout (no shared-memory pass): the one bench/kernel_sass.py counts. int4's packed decode shares
+    its x conversion over 16 rows (3.95 SASS instructions a byte on sm_90 against 4.4 over 8); FP8 and int8 w2 keep
+    8 (16 rows spill on sm_90)."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_KB": 32}, num_warps=4)]
-    tiles = [(8, 512, 1, 2), (32, 512, 4, 2), (16, 512, 4, 2), (32, 512, 8, 2)]
+    tiles = [(8, 512, 1, 2), (16, 512, 4, 2), (8, 512, 4, 2), (16, 512, 8, 2)]
     if which == "w2":
-        tiles = [(8, 512, 1, 2), (16, 512, 2, 2), (16, 512, 4, 2), (8, 512, 4, 2)]
+        tiles = [(16, 512, 1, 2), (8, 512, 1, 2), (16, 512, 2, 2), (16, 512, 4, 2)]
+        if fmt != "int4":
+            tiles = [(8, 512, 1, 2), (16, 512, 2, 2), (16, 512, 4, 2), (8, 512, 4, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
 
 
 _KEY = ["N", "KB", "BLOCK_M", "FMT"]
 _W13_DECODE = triton.autotune(_decode_configs("w13"), key=["N", "KB", "FMT"])(_w13_decode_kernel)
-_W2_DECODE = triton.autotune(_decode_configs("w2"), key=["N", "KB", "FMT"])(_w2_decode_kernel)
+_W2_DECODE = {f: triton.autotune(_decode_configs("w2", f), key=["N", "KB", "FMT"])(_w2_decode_kernel)
+              for f in FORMAT_IDS}
 _W13 = {d: triton.autotune(_configs(d), key=_KEY)(_w13_kernel) for d in (False, True)}
 _W2 = {d: triton.autotune(_configs(d), key=_KEY)(_w2_kernel) for d in (False, True)}
 
@@ -497,7 +575,7 @@ def quant_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
             HAS_MAP=d.slot_map is not None, HAS_BIAS=b13 is not None, CLAMPED=act.kind == "clamped_swiglu",
             HW_CVT=fid != INT8 and hardware_fp8(x.device))
         res = d.residual if d.residual is not None else d.out
-        _W2_DECODE[lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
+        _W2_DECODE[fmt][lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
             d.act, d.act.stride(0), w2, s2, b2 if b2 is not None else s2, d.weights, d.ids, smap, res, res.stride(0),
             d.out, d.out.stride(0), H, w2.shape[2], K, w2.stride(0), s2.stride(0),
             b2.stride(0) if b2 is not None else 0, cols2, gb2, B0, FMT=fid, HAS_MAP=d.slot_map is not None,

@@ -42,13 +42,16 @@ class Case:
     K: int = 2
     block: tuple[int, int] = (16, 32)  # fp8 only
     lookup: bool = False  # the kernels get the routed expert ids and the layer's slot map, not slot ids
+    x_gain: int = 0  # x scaled by 2^x_gain: past fp16's range, the packed decode's guard scales it on the device
+    hw_e4m3: bool = False  # int4: the sm_89+ packed decode (through e4m3 bytes) instead of sm_80's magic numbers
 
     @property
     def name(self) -> str:
         return (f"{self.fmt}-{self.kind}-T{self.T}-{self.mode or 'auto'}-{self.pairs}{'-res' if self.residual else ''}"
                 f"{'-bias' if self.bias else ''}-{str(self.dtype).removeprefix('torch.')}-H{self.H}-I{self.I}"
                 f"{f'-K{self.K}' if self.K != 2 else ''}"
-                f"{f'-b{self.block[0]}x{self.block[1]}' if self.fmt == 'fp8' else ''}{'-map' if self.lookup else ''}")
+                f"{f'-b{self.block[0]}x{self.block[1]}' if self.fmt == 'fp8' else ''}{'-map' if self.lookup else ''}"
+                f"{f'-x2^{self.x_gain}' if self.x_gain else ''}{'-e4m3' if self.hw_e4m3 else ''}")
 
 
 def format_of(case: Case):
@@ -92,7 +95,7 @@ def make_problem(case: Case, device: str = "cpu", seed: int = 0):
     if case.bias:
         tensors["w13_bias"] = (torch.randn(C, 2 * I, generator=g) * 0.2).to(case.dtype)
         tensors["w2_bias"] = (torch.randn(C, H, generator=g) * 0.2).to(case.dtype)
-    x = torch.randn(T, H, generator=g).to(case.dtype)
+    x = (torch.randn(T, H, generator=g) * 2.0**case.x_gain).to(case.dtype)
     topk_ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
     topk_weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)  # [T, K] fp32
     slot_ids = slot_of[topk_ids]  # [T, K]
@@ -142,9 +145,17 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0, moved: int = 0) -> 
             slot_map = torch.where(slot_map >= 0, perm[slot_map.long().clamp(min=0)].to(torch.int32), -1)
         else:
             slot_ids = torch.where(slot_ids >= 0, perm[slot_ids.long().clamp(min=0)], -1)
-    got = quant_moe(x, tw, slot_ids, tensors, ExpertActivation(case.kind), case.fmt,
-                    block=case.block if case.fmt == "fp8" else None, residual=residual, pairs=pairs, mode=case.mode,
-                    slot_map=slot_map)
+    from moechat.engine.quant.kernels import quant_moe as qm
+
+    hardware_fp8 = qm.hardware_fp8
+    if case.hw_e4m3:  # the interpreter runs the e4m3 conversion's twin: the sm_89+ int4 decode, on the CPU
+        qm.hardware_fp8 = lambda device: True
+    try:
+        got = quant_moe(x, tw, slot_ids, tensors, ExpertActivation(case.kind), case.fmt,
+                        block=case.block if case.fmt == "fp8" else None, residual=residual, pairs=pairs,
+                        mode=case.mode, slot_map=slot_map)
+    finally:
+        qm.hardware_fp8 = hardware_fp8
     assert got.dtype == case.dtype and got.shape == want.shape
     return got.float().cpu(), want
 
@@ -153,8 +164,11 @@ TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 2e-2)}  # atol,
 
 
 def excess(case: Case, got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest error as a fraction of what the tolerance allows there (<= 1 passes)."""
+    """The largest error as a fraction of what the tolerance allows there (<= 1 passes); a case with a huge x has
+    outputs ~2^40 (swiglu is quadratic), so its absolute tolerance is relative to the largest output."""
     atol, rtol = TOLERANCE[case.dtype]
+    if case.x_gain:
+        atol *= float(want.abs().max())
     return float(((got - want).abs() / (atol + rtol * want.abs())).max())
 
 
@@ -179,8 +193,14 @@ INTERPRETED += [Case("fp8", "swiglu", 3, "gemv", "some-absent", True, torch.bflo
                 Case("int8", "swiglu", 8, None, "all", True, torch.bfloat16, E=6, K=4),
                 Case("fp8", "swiglu", 1, None, "all", True, H=64, I=48, block=(16, 8)),
                 Case("int4", "swiglu", 2, "gemv", "all", True, H=48, I=80)]
-# int4 in fp16x2 (a bf16 x, groups of 32 on both sides: the packed decode in w13 and w2), a partial last tile
-INTERPRETED += [Case("int4", "clamped_swiglu", 3, "gemv", "some", True, torch.bfloat16, bias=True, H=64, I=96)]
+# int4 in fp16x2 (a bf16 x, groups of 32 on both sides: the packed decode in w13 and w2), a partial last tile: the
+# magic-number decode (sm_80/86, the interpreter's default) and the e4m3 one (sm_89+); an x of 2^20 (fp16 would
+# overflow) through both, swiglu so w2's activations are huge too
+INTERPRETED += [Case("int4", "clamped_swiglu", 3, "gemv", "some", True, torch.bfloat16, bias=True, H=64, I=96),
+                Case("int4", "clamped_swiglu", 3, "gemv", "some", True, torch.bfloat16, bias=True, H=64, I=96,
+                     hw_e4m3=True),
+                Case("int4", "swiglu", 2, "gemv", "all", True, torch.bfloat16, H=64, I=64, x_gain=20),
+                Case("int4", "swiglu", 2, "gemv", "all", True, torch.bfloat16, H=64, I=64, x_gain=20, hw_e4m3=True)]
 # the same bits whatever slots hold the experts (the k-sum in the kernel, in k order, no atomics)
 MOVED = [Case("int8", "swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
          Case("int4", "clamped_swiglu", 2, "gemv", "some-absent", True, bias=True, lookup=True)]

@@ -1,0 +1,63 @@
+"""The lop3 instructions of the packed decode's inline PTX against their pure-Triton twins, on the CPU.
+
+The compiled kernels (kernels/mxfp4_moe.py's E2M1 -> e4m3 bytes, kernels/quant_moe.py's int4 magic-number OR)
+run `lop3.b32 d, a, b, c, LUT` where the interpreter runs the twin's and / or / shift formula, so the interpreter
+tests never see the PTX. Here each PTX string is read from the module source, its lop3 evaluated by the
+instruction's definition (bit i of d is bit (a_i << 2 | b_i << 1 | c_i) of LUT), and the result compared with the
+twin's formula on every byte pattern that matters (all 2^16 values of two bytes, spread over all positions) and
+random words.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+KERNELS = Path(__file__).resolve().parents[3] / "engine" / "quant" / "kernels"
+
+
+def lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
+    """PTX lop3.b32 by its definition: each output bit is the LUT entry its three input bits index."""
+    out = np.zeros_like(a)
+    for i in range(8):
+        if lut >> i & 1:
+            sel = (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
+            out |= sel
+    return out
+
+
+def _words() -> np.ndarray:
+    g = np.random.default_rng(0)
+    pairs = np.arange(1 << 16, dtype=np.uint32)
+    return np.concatenate([pairs, pairs << 16, (pairs << 8) | (pairs >> 8 << 24),
+                           g.integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32)])
+
+
+def test_e2m1_as_e4m3_ptx_is_its_twin():
+    src = (KERNELS / "mxfp4_moe.py").read_text()
+    body = src[src.index("def _e2m1_as_e4m3"):]
+    asm = body[body.index('asm="""') + 7:].split('"""', 1)[0]  # the function's PTX block
+    lines = re.findall(r"lop3\.b32 \$(\d), (\w+), (\w+), (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+);", asm)
+    assert len(lines) == 2, asm
+    assert "and.b32 s, $2, 0x88888888;" in asm and "shl.b32 u, s, 4;" in asm and "shr.b32 t, $2, 2;" in asm
+    w = _words()
+    s = w & np.uint32(0x88888888)
+    operands = {"0": (w << np.uint32(2), s << np.uint32(4)), "1": (w >> np.uint32(2), s)}  # t, u / t, s as the PTX
+    got = {out: lop3(*operands[out], np.full_like(w, int(c, 16)), int(lut, 16)) for out, _, _, c, lut in lines}
+    # the twin (the interpreter's formula)
+    lows = ((w << np.uint32(2)) & np.uint32(0x1C1C1C1C)) | ((w << np.uint32(4)) & np.uint32(0x80808080))
+    highs = ((w >> np.uint32(2)) & np.uint32(0x1C1C1C1C)) | (w & np.uint32(0x80808080))
+    np.testing.assert_array_equal(got["0"], lows)
+    np.testing.assert_array_equal(got["1"], highs)
+
+
+def test_int4_magic_and_or_ptx_is_its_twin():
+    src = (KERNELS / "quant_moe.py").read_text()
+    m = re.search(r'lop3\.b32 \$0, \$1, \{M\}, \{C\}, (0x[0-9A-Fa-f]+);', src)
+    assert m, "the and-or lop3 of _and_or"
+    w = _words()
+    for mask in (0x000F000F, 0x00F000F0):
+        got = lop3(w, np.full_like(w, mask), np.full_like(w, 0x40004000), int(m.group(1), 16))
+        np.testing.assert_array_equal(got, (w & np.uint32(mask)) | np.uint32(0x40004000))
