@@ -9,13 +9,17 @@ bias, x its routing weight, summed in fp32, + the residual, rounded once to the 
 the CPU's order, k-sum then residual).
 
 The decode GEMV gives a thread whole 16-byte scale blocks of several rows and loads x in the codes' shape (no
-layout change through shared memory); whole tiles load unmasked, the last partial one masked. For a 16-bit x from
-sm_89 (`hardware_fp8`) the E2M1 codes become e4m3 bytes (7 integer ops a word of 8), the hardware's
-cvt.rn.f16x2.e4m3x2 makes two fp16 weights an instruction, and fma.rn.f16x2 two products (exact: 2 bits of code
-times bf16's 8 fit fp16's 11); each block's two 16-term lane sums round in fp16 (2^-11 of the sum, against the
-bf16 tolerance's 2^-6) and are widened and scaled in fp32: 4.9 SASS instructions a packed byte on sm_90, from 8.7
-(bench/kernel_sass.py; the floor of this decode is 3.75: 7 + 4 + 4 a word). An fp32 x (and sm_80/86) keeps the
-fp32 FMA chain, E2M1 as fp16 bits in place or e4m3 bytes, exact to fp32 rounding.
+layout change through shared memory); whole tiles load unmasked, the last partial one masked; w13's one GEMV
+takes the tile's gate and up rows together (x loaded and decoded once for both). For a 16-bit x from sm_89
+(`hardware_fp8`) the E2M1 codes become e4m3 bytes (6 integer ops a word of 8: two lop3 bit-selects), the
+hardware's cvt.rn.f16x2.e4m3x2 makes two fp16 weights an instruction, and fma.rn.f16x2 two products (exact: 2
+bits of code times bf16's 8 fit fp16's 11); each block's two 16-term lane sums round in fp16 (2^-11 of the sum,
+against the bf16 tolerance's 2^-6), are added in fp16 and widened and scaled in fp32: 4.44 SASS instructions a
+packed byte on sm_90 with 16 rows a thread (w2; w13 4.58), from 4.9 and 8.7 before (bench/kernel_sass.py; this
+decode's floor is 3.5: 6 + 4 + 4 a word). fp16 holds x only below ~43,000 (a lane reaches 1.5 max|x|):
+_x_guard scales x by 2^-e on the device, e the least making max|x| < 2^14 (one max pass over the row per
+program, no host read; exact, as bf16's and fp16's exponents reach far below), and the sum back by 2^e. An fp32 x
+(and sm_80/86) keeps the fp32 FMA chain, E2M1 as fp16 bits in place or e4m3 bytes, exact to fp32 rounding.
 
 Prefill (more tokens per expert): pairs sorted by slot on the device and padded to BLOCK_M rows per slot (no host
 sync: the grid is the upper bound, groups past the end hold slot -1 and return at once); tl.dot on tensor cores,
