@@ -26,8 +26,10 @@ dots over x quantized to int8 blocks, within prefill.bound_q8), else the torch r
 Measured (one thread, 2-core AMD EPYC with AVX-512 BF16, machine loaded by other jobs; interleaved, medians): one
 token through Qwen3-30B-A3B's q/k/v (5120 x 2048) takes 2.19 ms in bf16 (native GEMV), 1.45 in int8, 0.72 in int4;
 its o (2048 x 4096) 2.92 / 1.02 / 0.46 ms. Many tokens go the other way: 128 through q/k/v take 28-48 ms in bf16
-(MKL's bf16 GEMM; two runs), 94-96 in int4 (the prefill kernel's fp32 FMAs) and 97-115 in int8, so a quantized dense
-format trades prefill speed (attention projections 2-3x slower at 32+ tokens) for decode speed. The whole decode, on the
+(MKL's bf16 GEMM; two runs) and 97-115 in int8 (the prefill kernel's fp32 FMAs); int4 took 94-96 that way and now
+takes 11.7 ms through the integer prefill kernel (native_prefill_int.c, a bf16 x rounded to int8 per 32; 14.1 bf16
+and 34.5 the decoded tile in the same run, CPU time, load 11-15). So int8 dense trades prefill speed (2-3x slower at
+32+ tokens) for decode speed, and int4 dense no longer does. The whole decode, on the
 2-layer Qwen3-shaped model with int8 experts: 7.1 / 10.7 / 11.5 tok/s native / int8 / int4 (bench/dense_format.py;
 the full-vocabulary LM head dominates there, int4 changes only attention).
 
