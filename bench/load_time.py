@@ -75,16 +75,18 @@ def worker(args) -> None:
     from moechat.engine.load.loader import load_model
 
     t0 = time.perf_counter()
-    load_model(args.worker, dtype="bfloat16", max_positions=256)
+    load_model(args.worker, dtype="bfloat16", max_positions=256, expert_format=args.expert_format,
+               repack_dir=args.repack_dir)
     print(json.dumps({"load_s": time.perf_counter() - t0}))
 
 
-def moechat_load(model: Path, threads: int, variant: str) -> float:
+def moechat_load(model: Path, threads: int, variant: str, args) -> float:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    fmt = ["--expert-format", args.expert_format, "--repack-dir", str(args.repack_dir)] if args.expert_format else []
     if variant == "torch":
         env["MOECHAT_NATIVE"] = "0"
     out = subprocess.run([sys.executable, __file__, "--worker", str(model), "--threads", str(threads), "--variant",
-                          variant], env=env, capture_output=True, text=True)
+                          variant, *fmt], env=env, capture_output=True, text=True)
     if out.returncode:
         raise vs_llamacpp.BenchError("moechat load failed: " + (out.stderr.strip().splitlines() or ["?"])[-1])
     return json.loads(out.stdout.strip().splitlines()[-1])["load_s"]
@@ -114,10 +116,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", default="2")
     ap.add_argument("--variants", default="native")
+    ap.add_argument("--expert-format", default=None, help="int8 / int4: moechat loads the repacked experts "
+                    "(written once by the warm-up); pass --gguf of the matching llama.cpp type (Q8_0, Q4_0)")
+    ap.add_argument("--repack-dir", type=Path, default=None, help="where the repacked experts go (default: --work)")
     ap.add_argument("--cold", action="store_true", help="drop each file from the page cache before each load")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="native", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.expert_format and args.repack_dir is None:
+        args.repack_dir = args.work / f"repacked-{args.expert_format}"
     if args.worker is not None:
         args.threads = int(args.threads)
         return worker(args)
@@ -144,14 +151,17 @@ def run(args) -> None:
     if llama is not None and not Path(llama.tool("llama-simple")).exists():
         llama, why = None, f"{llama.bin} has no llama-simple: build that target"
     files = model_files(model)
-    nbytes = sum(f.stat().st_size for f in files)
+    nbytes = sum(f.stat().st_size for f in files)  # MB/s over the checkpoint's bytes
     threads = [int(t) for t in args.threads.split(",")]
     variants = args.variants.split(",")
     print(f"{model}: {nbytes / 1e9:.2f} GB in {len(files)} safetensors file(s)"
           + (f"; GGUF {gguf} {gguf.stat().st_size / 1e9:.2f} GB" if llama is not None else f"; llama.cpp: {why}"))
     print(f"page cache: {'dropped before each load (--cold)' if args.cold else 'warm'}; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at the start", flush=True)
-    moechat_load(model, threads[0], variants[0])  # warm-up: the kernel library built, the files paged in
+    moechat_load(model, threads[0], variants[0], args)  # warm-up: the kernel library built, the files paged in
+    if args.expert_format:  # moechat reads the repacked experts (written by the warm-up) and the dense weights
+        files = files + [args.repack_dir / "experts.bin"]
+    seq_bytes = sum(f.stat().st_size for f in files)
     res: dict[tuple, list[float]] = {}
     seq: list[float] = []
     for r in range(args.rounds):
@@ -161,7 +171,7 @@ def run(args) -> None:
         for engine, t, v in jobs if r % 2 == 0 else jobs[::-1]:  # ABBA
             if args.cold:
                 drop_from_cache(files if engine == "moechat" else [gguf])
-            s = moechat_load(model, t, v) if engine == "moechat" else llama_load(llama, gguf, t)
+            s = moechat_load(model, t, v, args) if engine == "moechat" else llama_load(llama, gguf, t)
             res.setdefault((engine, t, v), []).append(s)
         if args.cold:
             drop_from_cache(files)
@@ -175,7 +185,8 @@ def run(args) -> None:
         ratio = f"{med / statistics.median(peer):.1f}x" if peer and engine == "moechat" else "-"
         size = nbytes if engine == "moechat" else gguf.stat().st_size
         print(f"| {engine} | {v or '-'} | {t} | {spread(xs)} | {size / med / 1e6:,.0f} | {ratio} |")
-    print(f"| sequential read | - | 1 | {spread(seq)} | {nbytes / statistics.median(seq) / 1e6:,.0f} | - |")
+    print(f"| sequential read ({seq_bytes / 1e9:.2f} GB) | - | 1 | {spread(seq)} | "
+          f"{seq_bytes / statistics.median(seq) / 1e6:,.0f} | - |")
 
 
 if __name__ == "__main__":

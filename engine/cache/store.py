@@ -59,7 +59,7 @@ def _native():
     return native.library()
 
 
-_POOL: list[ThreadPoolExecutor] = []
+_POOL: list = []  # [the executor, the pid that made it]
 _POOL_LOCK = threading.Lock()
 
 
@@ -69,9 +69,10 @@ def read_threads() -> int:
 
 
 def _pool() -> ThreadPoolExecutor:
+    """The reading threads, made at first use, and again in a forked child (whose copy of the pool has no threads)."""
     with _POOL_LOCK:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(8, thread_name_prefix="moechat-read"))
+        if not _POOL or _POOL[1] != os.getpid():
+            _POOL[:] = [ThreadPoolExecutor(8, thread_name_prefix="moechat-read"), os.getpid()]
         return _POOL[0]
 
 

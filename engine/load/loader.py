@@ -134,8 +134,8 @@ def _dense_tensor(ckpt: Checkpoint, name: str, fmt: ExpertFormat) -> torch.Tenso
 
 def mapped_experts(ckpt, disk, layer: int, device: torch.device) -> dict[str, torch.Tensor] | None:
     """A layer's resident experts as memory-mapped views, no copy, on the CPU: of the repacked file
-    (`--expert-format`; `RepackedStore.mapped_layer`, CRCs checked), or of the shard where the checkpoint stores them
-    as the format does, fused [E, ...] in the compute dtype (GPT-OSS's MXFP4; `DiskStore.mapped_names`), float
+    (`--expert-format`; `RepackedStore.mapped_layer`, CRCs checked), or of the shard where the checkpoint stores a
+    packed format's tensors as the format does, fused [E, ...] (GPT-OSS's MXFP4; `DiskStore.mapped_names`), float
     tensors (the biases) scanned for NaN/Inf per expert as `read_into` would; every page mapped now
     (MADV_POPULATE_READ, as llama.cpp's MAP_POPULATE). None: the experts are read into fresh buffers. Mapped pages
     are the page cache's: 4 KB pages where hostmem's buffers ask for huge ones, and the kernel may drop them under
@@ -144,7 +144,9 @@ def mapped_experts(ckpt, disk, layer: int, device: torch.device) -> dict[str, to
         return None
     if type(disk) is RepackedStore:  # --expert-format's file: each expert's tensors back to back, CRC'd
         return disk.mapped_layer(layer)
-    if type(disk) is not DiskStore or type(ckpt) is not Checkpoint:
+    # full-width experts stay copied into aligned buffers: torch's GEMMs may sum in another order at another
+    # address (transformers 5's fused bf16/fp32 layout gave logits a bit apart); packed ones run moechat's kernels
+    if type(disk) is not DiskStore or type(ckpt) is not Checkpoint or not disk.format.packed:
         return None
     names = disk.mapped_names(layer)
     if names is None:
