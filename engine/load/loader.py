@@ -143,7 +143,7 @@ def mapped_experts(ckpt, disk, layer: int, device: torch.device) -> dict[str, to
     if device.type != "cpu":
         return None
     if type(disk) is RepackedStore:  # --expert-format's file: each expert's tensors back to back, CRC'd
-        return disk.mapped_layer(layer)
+        return disk.mapped_layer(layer) if disk.format.packed else None
     # full-width experts stay copied into aligned buffers: torch's GEMMs may sum in another order at another
     # address (transformers 5's fused bf16/fp32 layout gave logits a bit apart); packed ones run moechat's kernels
     if type(disk) is not DiskStore or type(ckpt) is not Checkpoint or not disk.format.packed:
