@@ -471,6 +471,20 @@ def test_a_deepseek2_file_without_a_gating_key_is_deepseek_v2s_softmax(tmp_path,
     cfg = open_gguf(path).config
     assert cfg["model_type"] == "deepseek_v2" and cfg["scoring_func"] == "softmax"
 
+def _int8_from_gguf(path, tmp_path):
+    """--expert-format int8 from the file: each expert dequantized from its ggml parts (ungated up alone, or the fused
+    gate_up) and requantized once into the repacked file; logits within int8's error of the packed GGUF's own."""
+    native = Engine.load(path, dtype="float32")
+    int8 = Engine.load(path, dtype="float32", expert_format="int8",
+                       cache=CacheConfig(expert_slots=4, repack_dir=str(tmp_path / "repacked")))
+    assert int8.loaded.expert_format.name == "int8"
+    ids = _prompt(9, seed=1)
+    with torch.inference_mode():
+        a = native._forward(native.new_sequence(), ids)
+        b = int8._forward(int8.new_sequence(), ids)
+    assert 0 < (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+    int8.close()
+
 
 # -- Nemotron-H MoE: NemotronHModel (a GraniteHybridModel) ------------------------------------------------------
 
@@ -588,6 +602,8 @@ def test_nemotron_h_moe_matches_transformers(tmp_path, experts, dense):
     spec = read_model_spec(path)  # fit: up I rows (Q8_0: 68 B per 64 inputs) + down H rows (Q4_0: 18 B per 32)
     want = 32 * 64 * 4 + 64 * 32 * 4 if experts[0] == "F32" else 32 * 68 + 64 * 18
     assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (want, 8, 2)
+    if experts[0] != "F32":
+        _int8_from_gguf(path, tmp_path)
 
 
 # -- Gemma 4 (its text MoE): Gemma4Model (a Gemma3Model) -------------------------------------------------------
@@ -698,6 +714,8 @@ def test_gemma4_matches_transformers(tmp_path, experts, dense):
     spec = read_model_spec(path)  # fit: gate_up 2I rows (Q8_0: 68 B per 64 inputs) + down H rows (Q4_0: 18 B / 32)
     want = 64 * 64 * 4 + 64 * 32 * 4 if experts[0] == "F32" else 64 * 68 + 64 * 18
     assert (spec.expert_bytes, spec.num_experts, spec.num_moe_layers) == (want, 8, 3)
+    if experts[0] != "F32":
+        _int8_from_gguf(path, tmp_path)
 
 
 def test_the_2026_families_dense_siblings_and_an_arch_moechat_lacks_are_one_typed_line(tmp_path):
