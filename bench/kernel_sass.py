@@ -99,7 +99,7 @@ def kernel_spec(fmt: str, which: str, arch: int = 90, x: str = "bf16"):
         consts.update(mod.decode_constexprs(fmt, (128, 128) if fmt == "fp8" else None, group=32))
         scales = "*fp16" if fmt == "int4" else "*fp32"  # int4: fp16 group scales (quant/intq.py)
     fn = mod._w13_decode_kernel if which == "w13" else mod._w2_decode_kernel
-    cfg = (mod._decode_configs(which) if fmt == "mxfp4" else mod._decode_configs(which, fmt))[0]
+    cfg = (mod._decode_configs(which, x == "fp32") if fmt == "mxfp4" else mod._decode_configs(which, fmt))[0]
     consts.update(cfg.kwargs)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     sig, attrs = {}, {}

@@ -649,16 +649,19 @@ def _configs(use_dot: bool) -> list[triton.Config]:
             for n, kb, w, st in [(64, 256, 8, 2), (32, 256, 4, 2), (32, 512, 8, 2), (16, 256, 4, 2)]]
 
 
-def _decode_configs(which: str) -> list[triton.Config]:
+def _decode_configs(which: str, x32: bool = False) -> list[triton.Config]:
     """The decode kernels' tiles: w13 has T K pairs x I / BLOCK_N programs, w2 only T x H / BLOCK_N (each loops
     over its K pairs), so w2 offers narrower tiles to fill the SMs at T = 1 (GPT-OSS-20B: 2880 / 16 = 180 CTAs).
-    The first, one warp over 512 bytes of 8 rows, gives a thread 8 rows of one 16-byte block (x decoded once for
-    8 rows, and x's layout is the codes' own: no pass through shared memory); bench/kernel_sass.py counts it."""
+    The first, one warp over 512 bytes of 16 rows (w13: 8 gate and their 8 up rows in one GEMV), gives a thread 16
+    rows of one 16-byte block (x decoded once for 16 rows, and x's layout is the codes' own: no pass through shared
+    memory); bench/kernel_sass.py counts it. An fp32 x's w2 starts at 8 rows (its fp32 sums spill at 16 on sm_90)."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_KB": 32}, num_warps=4)]
     tiles = [(8, 512, 1, 2), (16, 512, 4, 2), (32, 256, 4, 2), (16, 256, 4, 2)]
     if which == "w2":
         tiles = [(16, 512, 1, 2), (32, 512, 4, 2), (32, 256, 4, 2), (16, 256, 4, 2)]
+        if x32:
+            tiles = [(8, 512, 1, 2), (32, 512, 4, 2), (32, 256, 4, 2), (16, 256, 4, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
 
 
@@ -666,7 +669,8 @@ _KEY = ["N", "KB", "BLOCK_M"]
 _W13 = {d: triton.autotune(_configs(d), key=_KEY)(_w13_kernel) for d in (False, True)}
 _W2 = {d: triton.autotune(_configs(d), key=_KEY)(_w2_kernel) for d in (False, True)}
 _W13_DECODE = triton.autotune(_decode_configs("w13"), key=["N", "KB"])(_w13_decode_kernel)
-_W2_DECODE = triton.autotune(_decode_configs("w2"), key=["N", "KB"])(_w2_decode_kernel)
+_W2_DECODE = {x32: triton.autotune(_decode_configs("w2", x32), key=["N", "KB"])(_w2_decode_kernel)
+              for x32 in (False, True)}  # by x's dtype: fp32 or 16-bit
 DECODE_MAX_TOKENS = 8  # up to this many tokens (or GEMV_MAX_PAIRS pairs) a step is a decode: a GEMV per pair
 
 
@@ -828,7 +832,7 @@ def mxfp4_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids:
             b13.stride(0) if b13 is not None else 0, HAS_MAP=d.slot_map is not None, HAS_BIAS=b13 is not None,
             CLAMPED=act.kind == "clamped_swiglu", HW_CVT=hardware_fp8(x.device))
         res = d.residual if d.residual is not None else d.out
-        _W2_DECODE[lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
+        _W2_DECODE[x.dtype == torch.float32][lambda meta: (T, triton.cdiv(H, meta["BLOCK_N"]))](
             d.act, d.act.stride(0), w2_b, w2_s, b2 if b2 is not None else w2_s, d.weights, d.ids, smap, res,
             res.stride(0), d.out, d.out.stride(0), H, I // 2, K, w2_b.stride(0), w2_s.stride(0),
             b2.stride(0) if b2 is not None else 0, HAS_MAP=d.slot_map is not None, HAS_BIAS=b2 is not None,
