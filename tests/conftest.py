@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import json
 
+import huggingface_hub.constants  # noqa: F401  (see below)
 import pytest
 import torch
+
+# huggingface_hub reads HF_HUB_OFFLINE once, at its import, into constants.HF_HUB_OFFLINE, and moechat's is_offline()
+# falls back to that constant when the variable is unset. Imported here, before any test sets the variable with
+# monkeypatch, it holds the real environment's value; imported first inside such a test, it would stay "offline"
+# for every later test of the session (test_fit's offline case, then test_hub_gguf's listing, failed so).
 
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
             initializer_range=0.2, max_position_embeddings=512, rms_norm_eps=1e-6)
