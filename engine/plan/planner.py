@@ -105,6 +105,8 @@ def make_plan(spec: ModelSpec, hw: Hardware, prefs: Preferences = Preferences())
     if prefs.embeddings not in ("auto", "host", "device"):
         raise ConfigError(f"--embeddings {prefs.embeddings!r}: use auto, host or device")
     gpu, device_why = _pick_device(hw, prefs)
+    if gpu is not None:
+        spec = spec.for_gpu()  # what a GPU holds where it differs (a GGUF's packed head and table are dequantized)
     if prefs.embeddings != "device" and (gpu is None or not spec.embedding_bytes):
         prefs = replace(prefs, embeddings="device")  # a CPU's device is its RAM; a tied table is the LM head too
     if prefs.embeddings == "auto":

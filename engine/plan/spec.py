@@ -275,6 +275,10 @@ class ModelSpec:
         return replace(self, dense_parts=tuple(parts), dense_format=name, embedding_bytes=embedding,
                        notes=self.notes + (f"{held} (--dense-format {name})",))
 
+    def for_gpu(self) -> ModelSpec:
+        """The spec as a GPU holds the model (where that differs from a CPU: a GGUF's packed head and table)."""
+        return self
+
     def in_dtype(self, elem_bytes: int, name: str) -> ModelSpec:
         """The same model as `moechat run --dtype` holds it: float weights converted, quantized ones kept."""
         if elem_bytes == self.float_bytes:

@@ -157,6 +157,20 @@ class GGUFModelSpec(ModelSpec):
     converts only the parts dequantized at load."""
 
     packed_parts: tuple[str, ...] = ()
+    packed_elems: tuple[tuple[str, int], ...] = ()  # (part, weights): what each packed part holds once dequantized
+
+    def for_gpu(self) -> ModelSpec:
+        """On a GPU the loader dequantizes the head and the table too (packing is CPU-only): their bytes in the
+        compute dtype."""
+        if not self.packed_parts:
+            return self
+        elems = dict(self.packed_elems)
+        fb = self.float_bytes
+        parts = tuple((w, elems[w] * fb if w in elems else b) for w, b in self.dense_parts)
+        embedding = elems["embeddings"] * fb if "embeddings" in elems else self.embedding_bytes
+        return replace(self, dense_parts=parts, embedding_bytes=embedding, packed_parts=(), packed_elems=(),
+                       notes=self.notes + ("on a GPU the output and embedding matrices are dequantized at load: "
+                                           "counted so",))
 
     def in_dense_format(self, name: str | None) -> ModelSpec:
         out = super().in_dense_format(name)
@@ -221,7 +235,10 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
     packed_parts = tuple(what for what, name in (("lm_head", "lm_head.weight"), ("embeddings",
                                                                                "model.embed_tokens.weight"))
                          if name in kept)
-    spec = GGUFModelSpec(**{f.name: getattr(spec, f.name) for f in fields(ModelSpec)}, packed_parts=packed_parts)
+    names = {"lm_head": "lm_head.weight", "embeddings": "model.embed_tokens.weight"}
+    packed_elems = tuple((what, int(np.prod(ckpt.tensors[names[what]].shape))) for what in packed_parts)
+    spec = GGUFModelSpec(**{f.name: getattr(spec, f.name) for f in fields(ModelSpec)}, packed_parts=packed_parts,
+                         packed_elems=packed_elems)
     types = "/".join(t.name for t in ckpt.expert_format.types.values()) if ckpt.expert_format else "none"
     roles = "/".join({"w1": "gate", "w3": "up", "w13": "gate_up", "w2": "down"}[p]  # ungated, fused (Gemma 4)
                      for p in (ckpt.expert_format.types if ckpt.expert_format else ()))

@@ -165,6 +165,18 @@ def test_fit_counts_the_output_and_embedding_matrices_packed(tmp_path, model256)
     wide = a.in_dtype(4, "float32")
     assert dict(wide.dense_parts)["lm_head"] == q6 and wide.embedding_bytes == q6
     assert dict(wide.dense_parts)["attention"] == 2 * parts_a["attention"]
+    # a GPU dequantizes them at load (packing is CPU-only): its plan counts them in the compute dtype
+    gpu = a.for_gpu()
+    assert dict(gpu.dense_parts)["lm_head"] == dict(gpu.dense_parts)["embeddings"] == 256 * 256 * 2
+    assert gpu.embedding_bytes == 256 * 256 * 2 and gpu.dense_bytes == b.dense_bytes
+    assert dict(wide.for_gpu().dense_parts)["lm_head"] == 256 * 256 * 4
+    from moechat.engine.plan import make_plan
+    from moechat.engine.plan.hardware import DiskInfo, GiB, GpuInfo, Hardware, HostMemory
+
+    card = GpuInfo(0, 0, "test GPU", "GPU-0", 8 * GiB, 8 * GiB, 8, 9, link_gbps=25.0, memory_gbps=500.0)
+    on_gpu = make_plan(a, Hardware((card,), HostMemory(32 * GiB, 32 * GiB), DiskInfo("/m", 100 * GiB)))
+    assert on_gpu.dense_bytes == make_plan(b, Hardware((card,), HostMemory(32 * GiB, 32 * GiB),
+                                                        DiskInfo("/m", 100 * GiB))).dense_bytes
 
 
 @pytest.mark.parametrize("name", ["Q6_K", "Q8_0"])
