@@ -132,9 +132,11 @@ def _moe_rows(fmt: ExpertFormat, ts) -> tuple[list]:
     w13, s13, w2, s2 = (ts[k] for k in names)
     b13, b2 = ts.get("w13_bias"), ts.get("w2_bias")
     C = w13.shape[0]
-    ok = (all(t.is_contiguous() and t.device.type == "cpu" for t in (w13, s13, w2, s2))
+    # each slot's part contiguous (the kernels take one address per slot): a stack of them need not be (the mapped
+    # views of a repacked file step over each expert's record header)
+    ok = (all(t.device.type == "cpu" and t[0].is_contiguous() for t in (w13, s13, w2, s2))
           and s13.dtype == s2.dtype == _MOE_SCALE_DTYPES[fmt.name]
-          and all(b is None or (b.is_contiguous() and b.dtype in native.BIAS_KINDS) for b in (b13, b2))
+          and all(b is None or (b[0].is_contiguous() and b.dtype in native.BIAS_KINDS) for b in (b13, b2))
           and (b13 is None) == (b2 is None))
     if not ok:
         return ([None] * C,)

@@ -63,8 +63,14 @@ def spec_from_headers(config: dict, tensors: dict, *, name: str = "", where: str
         elif "shared_expert" in tname:
             what = "shared experts"
             shared += nbytes
-        elif ".self_attn." in tname or ".attention." in tname:
-            what = "attention"
+        elif ".self_attn." in tname or ".attention." in tname or ".linear_attn." in tname:
+            what = "attention"  # Qwen3-Next / Qwen3.5's Gated DeltaNet layers: --dense-format packs them alike
+        elif ".mixer." in tname and re.search(r"\.mixer\.[qkvo]_proj\.", tname):
+            what = "attention"  # Nemotron-H's attention layers
+        elif ".mixer." in tname and re.search(r"\.mixer\.(in_proj|out_proj|conv1d|A_log|D|dt_bias|norm)\b", tname):
+            what = "Mamba-2 layers"
+        elif re.search(r"\.mixer\.(up|down)_proj\.", tname):
+            what = "dense MLP layers"  # Nemotron-H's MLP layers
         elif re.search(r"\.(gate|router)\.", tname) or "e_score_correction" in tname:
             what = "routers"
         elif "norm" in tname:

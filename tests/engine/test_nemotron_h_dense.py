@@ -154,3 +154,19 @@ def test_fit_plans_the_mamba_projections_as_the_loaded_model_holds_them(tiny, fm
     held = sum(m.in_q.nbytes + m.out_q.nbytes for m in mambas) + small
     assert abs(planned - held) <= small < held / 3, (planned, held, small)
     assert dict(spec.dense_parts)["Mamba-2 layers"] > 3 * held  # native fp32: the change is the plan's, not noise
+
+
+def test_a_downloaded_checkpoints_plan_counts_its_mixers_as_the_config_does(tiny):
+    """From the safetensors headers (a downloaded checkpoint, `backbone.layers.N.mixer.*`), the Mamba-2 and the
+    attention mixers are classed as the config estimate classes them, so `fit --dense-format` counts them packed
+    (they fell under "other" before, left at native width)."""
+    from moechat.engine.plan import read_model_spec
+    from moechat.engine.plan.spec_config import spec_from_config
+
+    headers = read_model_spec(tiny)
+    config = spec_from_config(json.loads((tiny / "config.json").read_text()))
+    got, want = dict(headers.dense_parts), dict(config.dense_parts)
+    assert "other" not in got, got
+    for part in ("Mamba-2 layers", "attention"):
+        assert got[part] == want[part], (part, got, want)
+        assert dict(headers.in_dense_format("int8").dense_parts)[part] < got[part] / 3
