@@ -4,8 +4,20 @@ as the scalar build a CPU without AVX2 would get."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moechat.engine.quant import native
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models (the fastest on a busy machine, and every test of the module
+    at the same count); the count restored after. A module asks for it with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

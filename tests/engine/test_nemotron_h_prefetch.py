@@ -23,12 +23,7 @@ pytest.importorskip("transformers")
 MOE = [i for i, c in enumerate(PATTERN) if c == "E"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

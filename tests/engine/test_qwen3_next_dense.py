@@ -21,12 +21,7 @@ from .test_qwen3_next import TINY, VARIANTS, build_variant
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])

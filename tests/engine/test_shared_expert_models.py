@@ -127,13 +127,7 @@ def build_variant(path, name: str, seed: int):
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These models are a few hundred KB: one thread is fastest (and ~10x faster than two on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
