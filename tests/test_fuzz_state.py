@@ -221,7 +221,7 @@ def repacked(tiny_models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("repack")
     engine = Engine.load(tiny_models["qwen3_moe"][0], dtype="float32", expert_format="int8",
                          cache=CacheConfig(expert_slots=2, ram_cache_bytes=0, repack_dir=str(folder)))
-    from moechat.engine.cache.store import RepackedStore
+    from moechat.engine.cache.repacked import RepackedStore
 
     store = engine.provider.store
     while not isinstance(store, RepackedStore):  # under a RAM tier of no experts
@@ -241,7 +241,7 @@ def _read_expert(store, key) -> dict:
 
 
 def test_repack_sidecar(repacked, tmp_path):
-    from moechat.engine.cache.store import RepackedStore
+    from moechat.engine.cache.repacked import RepackedStore
 
     disk, layers, E, fmt, valid, want = repacked
     folder = tmp_path / "repack"

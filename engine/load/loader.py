@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ..cache import hostmem
-from ..cache.store import DiskStore, RepackedStore, expert_tensor_names, fill, populate, scan_finite
+from ..cache.repacked import RepackedStore
+from ..cache.store import DiskStore, expert_tensor_names, fill, populate, scan_finite
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 from ..io.checkpoint import Checkpoint, read_json
 from ..io.validate import check_layers, show
@@ -301,7 +302,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
         return LoadedModel(model_dir, model, args, raw, ckpt, None, torch_dtype, device, cls, target, fmt)
     E = args.num_experts
     if target is not fmt:
-        from ..cache.store import default_repack_dir
+        from ..cache.repacked import default_repack_dir
 
         disk = RepackedStore(disk, cls.moe_layers(args), E, Path(repack_dir or default_repack_dir(model_dir,
                                                                                                   target.name)), target)

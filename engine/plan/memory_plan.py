@@ -12,7 +12,7 @@ from ..units import GiB, MiB
 from .rates import DecodeEstimate, MissPlacement, MissRatioCurve
 
 ON_MISS_MODES = ("load", "host", "auto")  # engine/cache/hybrid.py ON_MISS (a test keeps them equal)
-REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/store.py default_repack_dir
+REPACK_DIR_HINT = "$XDG_CACHE_HOME/moechat/repacked"  # engine/cache/repacked.py default_repack_dir
 MIN_CONTEXT = 512  # below this a chat is not worth planning for
 CONTEXT_STEP = 256  # a lowered context is a multiple of this
 PREFILL_CHUNK = 512

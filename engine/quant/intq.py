@@ -22,7 +22,7 @@ many bf16/fp16 tokens through int4 in groups of 32 take integer dots over x quan
 bf16) where this machine's check passed (quant/torch_paths.py), else one GEMM over the codes cast to x's dtype and int4 row tiles decoded exactly with integer ops and multiplied in cache (quant/cpu.py); on CUDA the MoE
 is one fused Triton kernel pair (kernels/quant_moe.py).
 
-Quantization happens once, when the repacked store is written (engine/cache/store.py); `quantize` here
+Quantization happens once, when the repacked store is written (engine/cache/repacked.py); `quantize` here
 is the packer and `weight` the slow reference every compute path is tested against.
 """
 

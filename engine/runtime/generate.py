@@ -32,8 +32,6 @@ import torch
 from ..cache.prefetch import Predictor, profile_path, save_profile
 from ..cache.provider import CacheConfig, build_cached_provider
 from ..cache.stats import CacheSnapshot
-from ..text.chat_template import ChatTemplate
-from ..io.checkpoint import read_json
 from ..errors import (
     ChatTemplateError,
     ConfigError,
@@ -44,13 +42,15 @@ from ..errors import (
     TokenizerError,
     typed_errors,
 )
-from ..layers.kv_cache import KVCache
-from ..load.loader import LoadedModel, load_model
-from ..layers.moe import ExpertProvider
-from ..text.reasoning import ReasoningDelta, ReasoningParser, make_parser, reasoning_format
-from .sampling import Sampler, SamplingParams
-from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
+from ..io.checkpoint import read_json
 from ..io.validate import check_generation_config
+from ..layers.kv_cache import KVCache
+from ..layers.moe import ExpertProvider
+from ..load.loader import LoadedModel, load_model
+from ..text.chat_template import ChatTemplate
+from ..text.reasoning import ReasoningDelta, ReasoningParser, make_parser, reasoning_format
+from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
+from .sampling import Sampler, SamplingParams
 
 DEFAULT_CONTEXT = 4096
 DEFAULT_PREFILL_CHUNK = 512  # on a GPU (the memory plan's activations are sized for it); a CPU's is measured
@@ -456,7 +456,7 @@ class Engine:
         first; a new RAM budget starts that tier empty.
         """
         from ..cache.provider import CachedProvider
-        from ..cache.store import RamCache, RamStore
+        from ..cache.ram_tier import RamCache, RamStore
 
         loaded = self.loaded
         if not isinstance(self.provider, CachedProvider):

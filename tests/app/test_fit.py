@@ -252,7 +252,7 @@ def test_gpt_oss_recommends_native_and_says_conversions_are_larger(capsys):
 
 def test_repack_dir_is_the_store_s(tmp_path, monkeypatch):
     from moechat.app.cli.fit import repack_dir, repacked_formats
-    from moechat.engine.cache.store import default_repack_dir
+    from moechat.engine.cache.repacked import default_repack_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = tmp_path / "model"

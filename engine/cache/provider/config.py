@@ -15,8 +15,10 @@ from ...quant.dense import DENSE
 from ..hybrid import check_on_miss
 from ..policy import DEFAULT_POLICY, make_policy
 from ..prefetch import check_prefetch
+from ..ram_tier import RamCache, RamStore
+from ..repacked import RepackedStore, default_repack_dir
 from ..slots import SlotPool
-from ..store import DiskStore, RamCache, RamStore, RepackedStore, default_repack_dir
+from ..store import DiskStore
 from ..trace import TraceRecorder
 from ..transfer import make_transfer
 from .core import CachedProvider

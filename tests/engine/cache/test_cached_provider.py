@@ -10,8 +10,8 @@ import torch
 
 from moechat.app.cli.main import main
 from moechat.engine.cache.provider import CacheConfig
+from moechat.engine.cache.ram_tier import RamCache, RamStore
 from moechat.engine.cache.slots import READY
-from moechat.engine.cache.store import RamCache, RamStore
 from moechat.engine.cache.trace import RoutingTrace
 from moechat.engine.runtime.generate import Engine
 from moechat.engine.runtime.sampling import SamplingParams
@@ -180,7 +180,7 @@ def test_retune_between_tokens_keeps_output_identical(tiny_models, resident):
 
 
 def test_repacked_disk_tier_matches_resident_and_is_reused(tiny_models, resident, tmp_path):
-    from moechat.engine.cache.store import RepackedStore
+    from moechat.engine.cache.repacked import RepackedStore
 
     path, _ = tiny_models["mixtral"]
     ref_engine, ref_tokens, ref_logits = resident["mixtral"]
