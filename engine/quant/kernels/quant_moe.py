@@ -36,27 +36,29 @@ import triton
 import triton.language as tl
 
 from .mxfp4_moe import (
+    _gate_up_rows,
+    _gate_up_tile,
+    _gated_act,
+    _pair_slot,
+    _split_gate_up,
+    _x_chunk,
+    decode_io,
+    is_decode,
+    plan_groups,
+    sum_pairs,
+)
+from .packed import (
     _ASM,
     INTERPRET,
     _cvt_f16x2,
     _e4m3x4,
     _f16_pair,
     _fma_e4m3_word,
-    _gate_up_rows,
-    _gate_up_tile,
-    _gated_act,
     _hfma2,
     _lane_sum,
-    _pair_slot,
-    _split_gate_up,
-    _x_chunk,
     _x_guard,
     _x_pairs16,
-    decode_io,
     hardware_fp8,
-    is_decode,
-    plan_groups,
-    sum_pairs,
 )
 
 # T = tokens, K = top-k, P = computed (t, k) pairs, C = slots, H = hidden, I = intermediate, NB = groups,

@@ -1,6 +1,6 @@
 """The lop3 instructions of the packed decode's inline PTX against their pure-Triton twins, on the CPU.
 
-The compiled kernels (kernels/mxfp4_moe.py's E2M1 -> e4m3 bytes, kernels/quant_moe.py's int4 magic-number OR)
+The compiled kernels (kernels/packed.py's E2M1 -> e4m3 bytes, kernels/quant_moe.py's int4 magic-number OR)
 run `lop3.b32 d, a, b, c, LUT` where the interpreter runs the twin's and / or / shift formula, so the interpreter
 tests never see the PTX. Here each PTX string is read from the module source, its lop3 evaluated by the
 instruction's definition (bit i of d is bit (a_i << 2 | b_i << 1 | c_i) of LUT), and the result compared with the
@@ -36,7 +36,7 @@ def _words() -> np.ndarray:
 
 
 def test_e2m1_as_e4m3_ptx_is_its_twin():
-    src = (KERNELS / "mxfp4_moe.py").read_text()
+    src = (KERNELS / "packed.py").read_text()
     body = src[src.index("def _e2m1_as_e4m3"):]
     asm = body[body.index('asm="""') + 7:].split('"""', 1)[0]  # the function's PTX block
     lines = re.findall(r"lop3\.b32 \$(\d), (\w+), (\w+), (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+);", asm)

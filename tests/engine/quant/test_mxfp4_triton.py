@@ -162,7 +162,7 @@ MOVED = [Case("clamped_swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
 
 
 def _e2m1_as_e4m3_error() -> float:
-    """The largest error of kernels/mxfp4_moe.py's E2M1 -> e4m3 byte mapping (the sm_89+ decode feeds its bytes to
+    """The largest error of kernels/packed.py's E2M1 -> e4m3 byte mapping (the sm_89+ decode feeds its bytes to
     the hardware's e4m3 conversion) over every code byte: e4m3 value x 2^6 against the E2M1 value. Script only:
     the kernel is defined in the __main__ block."""
     codes = torch.arange(256, dtype=torch.uint8)  # every byte: low nibble element 2j, high nibble 2j + 1
@@ -221,7 +221,7 @@ if __name__ == "__main__":
     import triton
     import triton.language as tl
 
-    from moechat.engine.quant.kernels.mxfp4_moe import _cvt_e4m3x2, _e2m1_as_e4m3, _hfma2
+    from moechat.engine.quant.kernels.packed import _cvt_e4m3x2, _e2m1_as_e4m3, _hfma2
 
     @triton.jit
     def _e2m1_as_e4m3_kernel(w_ptr, lo_ptr, hi_ptr):
