@@ -448,56 +448,89 @@ static inline __attribute__((always_inline)) float gv_row32(const GVJob *j, cons
     return type == 3 || type == 7 ? sumf + summ : sumf;
 }
 
-/* Q4_K / Q5_K: unsigned codes times 6-bit scales per 32, the mins' term from x's sums per 16 */
-static float gv_row_q45k(const GVJob *j, const uint8_t *row) {
+/* Q4_K / Q5_K's 8 scales and 8 mins (6 bits each, packed in 12 bytes) as bytes, once per super-block: for j < 4
+ * scale j is s[j] & 63 and min j s[j + 4] & 63; for j >= 4 the low 4 bits come from s[j + 4] (scale: low nibble,
+ * min: high) and the top 2 from s[j - 4] (scale) or s[j] (min) >> 6. Word arithmetic on the 12 bytes, the same in
+ * every build (gguf_scale_min_k4 per j, byte by byte). */
+static inline void gv_scales_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t a, b, c, w[4];
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    w[0] = a & 0x3f3f3f3fu;                                           /* scales 0-3 */
+    w[1] = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);       /* scales 4-7 */
+    w[2] = b & 0x3f3f3f3fu;                                           /* mins 0-3 */
+    w[3] = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4); /* mins 4-7 */
+    memcpy(sc, w, 8);
+    memcpy(mn, w + 2, 8);
+}
+
+#if GV_SIMD
+/* 32 unsigned codes x 32 signed bytes of x, the 16 pair sums (int16, no saturation: at most 2 x 63 x 127) times
+ * int16 scales k16 and summed in pairs into 8 int32, added to acc: exact */
+static inline __m256i gv_madd_sc(__m256i acc, __m256i u, const int8_t *s, __m256i k16) {
+    __m256i p = _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)s));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, p, k16);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, k16));
+#endif
+}
+#endif
+
+/* Q4_K / Q5_K: unsigned codes times 6-bit scales per 32, the mins' term from x's sums per 16. The integer sums of a
+ * super-block are exact (at most 256 x 31 x 127 x 63 < 2^31) in any order, the float steps are one pair per
+ * super-block in the same order in every build. */
+static inline __attribute__((always_inline)) float gv_row_q45k_t(const GVJob *j, const uint8_t *row, const int type) {
     const int8_t *q = j->q;
+    const int nb = type == 12 ? 144 : 176;
     float sumf = 0.0f;
-    uint8_t u[64];
     for (int64_t b = 0; b < j->cols / 256; b++) {
-        const uint8_t *x = row + b * (j->type == 12 ? 144 : 176);
-        const uint8_t *qh = x + 16, *qs = x + (j->type == 12 ? 16 : 48);
+        const uint8_t *x = row + b * nb;
+        const uint8_t *qh = x + 16, *qs = x + (type == 12 ? 16 : 48);
         const int8_t *qb = q + 256 * b;
         const int32_t *bs = j->bs + 16 * b;
-        int32_t sumi = 0, summ = 0, scs[8], mns[8];
-        for (int jj = 0; jj < 8; jj++) { /* the 8 scales and mins once, and the mins' term from x's sums */
-            gguf_scale_min_k4(jj, x + 4, &scs[jj], &mns[jj]);
-            summ += mns[jj] * (bs[2 * jj] + bs[2 * jj + 1]);
+        uint8_t scs[8], mns[8];
+        int32_t sumi = 0, summ = 0;
+        gv_scales_k4(x + 4, scs, mns);
+#if GV_SIMD
+        {
+            /* the mins' term: mins times x's sums per 32 (pairs of its sums per 16) */
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)bs), b1 = _mm256_loadu_si256((const __m256i *)(bs + 8));
+            __m256i pr = _mm256_permute4x64_epi64(_mm256_hadd_epi32(b0, b1), 0xd8);
+            __m256i mv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mns));
+            summ = gv_hsum(_mm256_mullo_epi32(pr, mv));
         }
-#if GV_SIMD
-        __m256i acc = _mm256_setzero_si256();
-#endif
+        __m256i acc = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0f);
+        __m256i h = type == 13 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-#if GV_SIMD
-            {
-                __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c)), m4 = _mm256_set1_epi8(0x0f);
-                __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
-                if (j->type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
-                    __m256i h = _mm256_loadu_si256((const __m256i *)qh), b16 = _mm256_set1_epi8(0x10);
-                    __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c)));
-                    __m256i b1 = _mm256_set1_epi8((char)(2 << (2 * c)));
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), b16));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), b16));
-                }
-                int32_t sc0 = scs[2 * c], sc1 = scs[2 * c + 1];
-                acc = _mm256_add_epi32(acc, _mm256_add_epi32(gv_dot32vm(lo, qb + 64 * c, sc0, sc0),
-                                                             gv_dot32vm(hi, qb + 64 * c + 32, sc1, sc1)));
-                continue;
+            __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+            if (type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
+                __m256i t = _mm256_srli_epi16(h, 2 * c), b16 = _mm256_set1_epi8(0x10);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(t, 4), b16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(t, 3), b16));
             }
-#endif
+            acc = gv_madd_sc(acc, lo, qb + 64 * c, _mm256_set1_epi16(scs[2 * c]));
+            acc = gv_madd_sc(acc, hi, qb + 64 * c + 32, _mm256_set1_epi16(scs[2 * c + 1]));
+        }
+        sumi = gv_hsum(acc);
+#else
+        uint8_t u[64];
+        for (int jj = 0; jj < 8; jj++) summ += mns[jj] * (bs[2 * jj] + bs[2 * jj + 1]);
+        for (int c = 0; c < 4; c++) {
             for (int l = 0; l < 32; l++) {
                 u[l] = qs[32 * c + l] & 0x0f;
                 u[32 + l] = qs[32 * c + l] >> 4;
             }
-            if (j->type == 13)
+            if (type == 13)
                 for (int l = 0; l < 32; l++) {
                     u[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
                     u[32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
                 }
-            for (int h = 0; h < 2; h++)
-                sumi += gv_dot32s(u + 32 * h, qb + 64 * c + 32 * h, scs[2 * c + h], scs[2 * c + h]);
+            for (int hh = 0; hh < 2; hh++)
+                sumi += gv_dot32s(u + 32 * hh, qb + 64 * c + 32 * hh, scs[2 * c + hh], scs[2 * c + hh]);
         }
-#if GV_SIMD
-        sumi += gv_hsum(acc);
 #endif
         float dx = j->d[b];
         sumf += gguf_h2f(x) * dx * (float)sumi;
@@ -505,6 +538,8 @@ static float gv_row_q45k(const GVJob *j, const uint8_t *row) {
     }
     return sumf;
 }
+static float gv_row_q4k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 12); }
+static float gv_row_q5k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 13); }
 
 /* Q6_K: value 128n + 32k + l, its scale sc[8n + 2k + l / 16]; codes less 32 through x's sums per 16 */
 static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
@@ -687,7 +722,8 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
         case 39: return gv_row32(j, row, 39, 17);
         case 10: return gv_row_q2k(j, row);
         case 11: return gv_row_q3k(j, row);
-        case 12: case 13: return gv_row_q45k(j, row);
+        case 12: return gv_row_q4k(j, row);
+        case 13: return gv_row_q5k(j, row);
         case 23: return gv_row_iq4xs(j, row);
         default: return gv_row_q6k(j, row);
     }
