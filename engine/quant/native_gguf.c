@@ -545,7 +545,6 @@ static float gv_row_q5k(const GVJob *j, const uint8_t *row) { return gv_row_q45k
 static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
     const int8_t *q = j->q;
     float sumf = 0.0f;
-    uint8_t u[128];
     for (int64_t b = 0; b < j->cols / 256; b++) {
         const uint8_t *x = row + b * 210, *ql = x, *qh = x + 128;
         const int8_t *sc = (const int8_t *)(x + 192), *qb = q + 256 * b;
@@ -553,28 +552,38 @@ static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
         int32_t sumi = 0, sumb = 0;
 #if GV_SIMD
         __m256i acc = _mm256_setzero_si256();
-#endif
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)sc);
+        {
+            /* the codes' -32 through x's sums per 16: sumb = sum_g sc_g bs_g, exact */
+            __m256i v = _mm256_add_epi32(
+                _mm256_mullo_epi32(_mm256_cvtepi8_epi32(s8), _mm256_loadu_si256((const __m256i *)bs)),
+                _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)),
+                                   _mm256_loadu_si256((const __m256i *)(bs + 8))));
+            sumb = gv_hsum(v);
+        }
+        const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
         for (int n = 0; n < 2; n++) {
-#if GV_SIMD
-            {
-                __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
-                __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
-                __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
-                __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
-                __m256i v[4] = {
-                    _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
-                    _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
-                for (int k = 0; k < 4; k++) {
-                    int g = 8 * n + 2 * k;
-                    acc = _mm256_add_epi32(acc, gv_dot32vm(v[k], qb + 128 * n + 32 * k, sc[g], sc[g + 1]));
-                    sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
-                }
-                continue;
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
+            __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
+            __m256i v[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
+            for (int k = 0; k < 4; k++) {
+                int g = 8 * n + 2 * k; /* scales g (values 0-15 of the 32) and g + 1 (16-31) as int16 */
+                __m128i pick = _mm_set_epi64x((long long)(0x0101010101010101ULL * (uint64_t)(g + 1)),
+                                              (long long)(0x0101010101010101ULL * (uint64_t)g));
+                __m256i k16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, pick));
+                acc = gv_madd_sc(acc, v[k], qb + 128 * n + 32 * k, k16);
             }
-#endif
+        }
+        sumi = gv_hsum(acc);
+#else
+        uint8_t u[128];
+        for (int n = 0; n < 2; n++) {
             for (int l = 0; l < 32; l++) {
                 uint8_t h = qh[32 * n + l];
                 u[l] = (ql[64 * n + l] & 0x0f) | ((h & 3) << 4);
@@ -588,8 +597,6 @@ static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
                 sumb += sc[g] * bs[g] + sc[g + 1] * bs[g + 1];
             }
         }
-#if GV_SIMD
-        sumi += gv_hsum(acc);
 #endif
         sumf += gguf_h2f(x + 208) * j->d[b] * (float)(sumi - 32 * sumb);
     }
