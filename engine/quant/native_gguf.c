@@ -499,6 +499,53 @@ static inline int32_t gv_hsum_z(__m512i v) {
 #define GV_Z 0
 #endif
 
+#if GV_SIMD
+/* a Q4_K / Q5_K super-block's codes times x's 256 values times its scales: 8 int32 partial sums (exact) */
+static inline __attribute__((always_inline)) __m256i gv_acc_q45k(const uint8_t *x, const int8_t *qb,
+                                                                 const uint8_t *scs, const int type) {
+    const uint8_t *qh = x + 16, *qs = x + (type == 12 ? 16 : 48);
+#if GV_Z
+    __m512i acc = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(0x0f), b16 = _mm512_set1_epi8(0x10);
+    __m256i h = type == 13 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    const __m512i sv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)scs)));
+    for (int c = 0; c < 4; c++) { /* values 64c .. 64c + 63: the low nibbles of qs[32c ..], then the high */
+        __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m512i u = _mm512_and_si512(gv_z2(p, _mm256_srli_epi16(p, 4)), m4);
+        if (type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
+            __m256i t = _mm256_srli_epi16(h, 2 * c);
+            u = _mm512_or_si512(u, _mm512_and_si512(gv_z2(_mm256_slli_epi16(t, 4), _mm256_slli_epi16(t, 3)), b16));
+        }
+        __m512i idx = gv_z2(_mm256_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)));
+        acc = gv_madd_sc_z(acc, u, qb + 64 * c, _mm512_permutexvar_epi16(idx, sv));
+    }
+    return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+#else
+    __m256i acc = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0f);
+    __m256i h = type == 13 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+        if (type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
+            __m256i t = _mm256_srli_epi16(h, 2 * c), b16 = _mm256_set1_epi8(0x10);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(t, 4), b16));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(t, 3), b16));
+        }
+        acc = gv_madd_sc(acc, lo, qb + 64 * c, _mm256_set1_epi16(scs[2 * c]));
+        acc = gv_madd_sc(acc, hi, qb + 64 * c + 32, _mm256_set1_epi16(scs[2 * c + 1]));
+    }
+    return acc;
+#endif
+}
+/* x's sums per 32 (pairs of its sums per 16) times a super-block's 8 mins: 8 int32 partial sums of the mins' term */
+static inline __m256i gv_mins_q45k(__m256i pr, const uint8_t *mns) {
+    return _mm256_mullo_epi32(pr, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mns)));
+}
+static inline __m256i gv_pairs16(const int32_t *bs) {
+    __m256i b0 = _mm256_loadu_si256((const __m256i *)bs), b1 = _mm256_loadu_si256((const __m256i *)(bs + 8));
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(b0, b1), 0xd8);
+}
+#endif
+
 /* Q4_K / Q5_K: unsigned codes times 6-bit scales per 32, the mins' term from x's sums per 16. The integer sums of a
  * super-block are exact (at most 256 x 31 x 127 x 63 < 2^31) in any order, the float steps are one pair per
  * super-block in the same order in every build. */
@@ -508,51 +555,17 @@ static inline __attribute__((always_inline)) float gv_row_q45k_t(const GVJob *j,
     float sumf = 0.0f;
     for (int64_t b = 0; b < j->cols / 256; b++) {
         const uint8_t *x = row + b * nb;
+#if !GV_SIMD
         const uint8_t *qh = x + 16, *qs = x + (type == 12 ? 16 : 48);
+#endif
         const int8_t *qb = q + 256 * b;
         const int32_t *bs = j->bs + 16 * b;
         uint8_t scs[8], mns[8];
         int32_t sumi = 0, summ = 0;
         gv_scales_k4(x + 4, scs, mns);
 #if GV_SIMD
-        {
-            /* the mins' term: mins times x's sums per 32 (pairs of its sums per 16) */
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)bs), b1 = _mm256_loadu_si256((const __m256i *)(bs + 8));
-            __m256i pr = _mm256_permute4x64_epi64(_mm256_hadd_epi32(b0, b1), 0xd8);
-            __m256i mv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mns));
-            summ = gv_hsum(_mm256_mullo_epi32(pr, mv));
-        }
-#if GV_Z
-        __m512i acc = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(0x0f), b16 = _mm512_set1_epi8(0x10);
-        __m256i h = type == 13 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-        const __m512i sv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)scs)));
-        for (int c = 0; c < 4; c++) { /* values 64c .. 64c + 63: the low nibbles of qs[32c ..], then the high */
-            __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m512i u = _mm512_and_si512(gv_z2(p, _mm256_srli_epi16(p, 4)), m4);
-            if (type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
-                __m256i t = _mm256_srli_epi16(h, 2 * c);
-                u = _mm512_or_si512(u, _mm512_and_si512(gv_z2(_mm256_slli_epi16(t, 4), _mm256_slli_epi16(t, 3)), b16));
-            }
-            __m512i idx = gv_z2(_mm256_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)));
-            acc = gv_madd_sc_z(acc, u, qb + 64 * c, _mm512_permutexvar_epi16(idx, sv));
-        }
-        sumi = gv_hsum_z(acc);
-#else
-        __m256i acc = _mm256_setzero_si256(), m4 = _mm256_set1_epi8(0x0f);
-        __m256i h = type == 13 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
-            if (type == 13) { /* the fifth bits: bit 2c of qh[l] for the low half, 2c + 1 the high */
-                __m256i t = _mm256_srli_epi16(h, 2 * c), b16 = _mm256_set1_epi8(0x10);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(t, 4), b16));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(t, 3), b16));
-            }
-            acc = gv_madd_sc(acc, lo, qb + 64 * c, _mm256_set1_epi16(scs[2 * c]));
-            acc = gv_madd_sc(acc, hi, qb + 64 * c + 32, _mm256_set1_epi16(scs[2 * c + 1]));
-        }
-        sumi = gv_hsum(acc);
-#endif
+        summ = gv_hsum(gv_mins_q45k(gv_pairs16(bs), mns));
+        sumi = gv_hsum(gv_acc_q45k(x, qb, scs, type));
 #else
         uint8_t u[64];
         for (int jj = 0; jj < 8; jj++) summ += mns[jj] * (bs[2 * jj] + bs[2 * jj + 1]);
@@ -576,6 +589,35 @@ static inline __attribute__((always_inline)) float gv_row_q45k_t(const GVJob *j,
     }
     return sumf;
 }
+#if GV_SIMD
+/* two rows in one pass over x: x's sums per 32 formed once, the four sums of a super-block (sumi, summ of each row)
+ * in one reduction; each row's integer sums and float steps exactly those of gv_row_q45k_t */
+static inline __attribute__((always_inline)) void gv_rows2_q45k_t(const GVJob *j, const uint8_t *r0,
+                                                                  const uint8_t *r1, const int type, float *y) {
+    const int nb = type == 12 ? 144 : 176;
+    float s0 = 0.0f, s1 = 0.0f;
+    for (int64_t b = 0; b < j->cols / 256; b++) {
+        const uint8_t *x0 = r0 + b * nb, *x1 = r1 + b * nb;
+        const int8_t *qb = j->q + 256 * b;
+        uint8_t sc0[8], mn0[8], sc1[8], mn1[8];
+        gv_scales_k4(x0 + 4, sc0, mn0);
+        gv_scales_k4(x1 + 4, sc1, mn1);
+        __m256i pr = gv_pairs16(j->bs + 16 * b);
+        __m256i t0 = _mm256_hadd_epi32(gv_acc_q45k(x0, qb, sc0, type), gv_mins_q45k(pr, mn0));
+        __m256i t1 = _mm256_hadd_epi32(gv_acc_q45k(x1, qb, sc1, type), gv_mins_q45k(pr, mn1));
+        __m256i t = _mm256_hadd_epi32(t0, t1); /* per 128-bit half: sumi0, summ0, sumi1, summ1 */
+        int32_t v[4];
+        _mm_storeu_si128((__m128i *)v, _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+        float dx = j->d[b];
+        s0 += gguf_h2f(x0) * dx * (float)v[0];
+        s0 -= gguf_h2f(x0 + 2) * dx * (float)v[1];
+        s1 += gguf_h2f(x1) * dx * (float)v[2];
+        s1 -= gguf_h2f(x1 + 2) * dx * (float)v[3];
+    }
+    y[0] = s0;
+    y[1] = s1;
+}
+#endif
 static float gv_row_q4k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 12); }
 static float gv_row_q5k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 13); }
 
@@ -776,6 +818,14 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
 
 static int gv_share(void *ctx, int64_t a, int64_t b) {
     const GVJob *j = (const GVJob *)ctx;
+#if GV_SIMD
+    if (j->type == 12 || j->type == 13) /* Q4_K / Q5_K: rows in pairs (the same bits as one at a time) */
+        for (; a + 1 < b; a += 2) {
+            const uint8_t *r0 = j->w + a * j->row_bytes, *r1 = r0 + j->row_bytes;
+            if (j->type == 12) gv_rows2_q45k_t(j, r0, r1, 12, j->y + a);
+            else gv_rows2_q45k_t(j, r0, r1, 13, j->y + a);
+        }
+#endif
     for (int64_t r = a; r < b; r++) j->y[r] = gv_row(j, j->w + r * j->row_bytes);
     return 0;
 }
