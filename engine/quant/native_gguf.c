@@ -618,6 +618,37 @@ static inline __attribute__((always_inline)) void gv_rows2_q45k_t(const GVJob *j
     y[1] = s1;
 }
 #endif
+#if GV_SIMD
+/* four rows in one pass over x, as gv_rows2_q45k_t (AVX-512: registers for the four accumulators) */
+static inline __attribute__((always_inline)) void gv_rows4_q45k_t(const GVJob *j, const uint8_t *r0, const int type,
+                                                                  float *y) {
+    const int nb = type == 12 ? 144 : 176;
+    const int64_t rb = j->row_bytes;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b = 0; b < j->cols / 256; b++) {
+        const int8_t *qb = j->q + 256 * b;
+        __m256i pr = gv_pairs16(j->bs + 16 * b), t[4];
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *x = r0 + r * rb + b * nb;
+            uint8_t sc[8], mn[8];
+            gv_scales_k4(x + 4, sc, mn);
+            t[r] = _mm256_hadd_epi32(gv_acc_q45k(x, qb, sc, type), gv_mins_q45k(pr, mn));
+        }
+        __m256i u0 = _mm256_hadd_epi32(t[0], t[1]), u1 = _mm256_hadd_epi32(t[2], t[3]);
+        int32_t v[8]; /* sumi, summ of rows 0, 1, then 2, 3 */
+        _mm_storeu_si128((__m128i *)v, _mm_add_epi32(_mm256_castsi256_si128(u0), _mm256_extracti128_si256(u0, 1)));
+        _mm_storeu_si128((__m128i *)(v + 4),
+                         _mm_add_epi32(_mm256_castsi256_si128(u1), _mm256_extracti128_si256(u1, 1)));
+        float dx = j->d[b];
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *x = r0 + r * rb + b * nb;
+            s[r] += gguf_h2f(x) * dx * (float)v[2 * r];
+            s[r] -= gguf_h2f(x + 2) * dx * (float)v[2 * r + 1];
+        }
+    }
+    for (int r = 0; r < 4; r++) y[r] = s[r];
+}
+#endif
 static float gv_row_q4k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 12); }
 static float gv_row_q5k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 13); }
 
@@ -819,12 +850,17 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
 static int gv_share(void *ctx, int64_t a, int64_t b) {
     const GVJob *j = (const GVJob *)ctx;
 #if GV_SIMD
-    if (j->type == 12 || j->type == 13) /* Q4_K / Q5_K: rows in pairs (the same bits as one at a time) */
+    if (j->type == 12 || j->type == 13) { /* Q4_K / Q5_K: rows by 4, then pairs (the same bits as one at a time) */
+        for (; a + 3 < b; a += 4) {
+            if (j->type == 12) gv_rows4_q45k_t(j, j->w + a * j->row_bytes, 12, j->y + a);
+            else gv_rows4_q45k_t(j, j->w + a * j->row_bytes, 13, j->y + a);
+        }
         for (; a + 1 < b; a += 2) {
             const uint8_t *r0 = j->w + a * j->row_bytes, *r1 = r0 + j->row_bytes;
             if (j->type == 12) gv_rows2_q45k_t(j, r0, r1, 12, j->y + a);
             else gv_rows2_q45k_t(j, r0, r1, 13, j->y + a);
         }
+    }
 #endif
     for (int64_t r = a; r < b; r++) j->y[r] = gv_row(j, j->w + r * j->row_bytes);
     return 0;
