@@ -139,7 +139,9 @@ class Predictor:
                 logits = logits if r.bias is None else logits + r.bias.float()
                 logits = logits if r.choice is None else r.choice(logits)  # [T, E] what its router ranks
             if logits.shape[0] == 1:  # a decode step: its top-k, then the runners-up if the budget allows more
-                n = min(int(torch.isfinite(logits[0]).sum()), max(budget, self.top_k))  # never a masked group's
+                n = min(logits.shape[-1], max(budget, self.top_k))
+                if r.choice is not None:  # never a masked group's expert (a read only where groups can mask)
+                    n = min(n, int(torch.isfinite(logits[0]).sum()))
                 ranked = torch.topk(logits[0].float(), n).indices.tolist()
                 out, runners_up = ranked[: self.top_k], ranked[self.top_k :]
             else:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..quant import native
 from ..quant.base import ExpertFormat
-from .moe import SWIGLU, ExpertActivation, ExpertBatch
+from .moe import SWIGLU, ExpertActivation, ExpertBatch, combine  # noqa: F401 - combine re-exported
 from .moe_device import MapBatch, map_expert_compute
 
 FUSED_KINDS = ("swiglu", "clamped_swiglu")  # the activations the Triton MoE kernels fuse; others take the general path
@@ -331,15 +331,6 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
 
 
 # -- hybrid execution on CUDA: host experts computed on the CPU while the device runs the resident ones -------
-
-def combine(residual: torch.Tensor, contrib: torch.Tensor, top_k: int) -> torch.Tensor:
-    """residual + the sum over k, in k order and in fp32, of the pairs' rows in `contrib` [T*K, H]; one rounding
-    to the residual's dtype."""
-    T, H = residual.shape
-    if T == 1:
-        return residual.float().add_(contrib.sum(0)).to(residual.dtype)
-    return contrib.view(T, top_k, H).sum(1).add_(residual).to(residual.dtype)
-
 
 class HostJob:
     """A host batch started before the device batch is enqueued: the activations (and routing weights) are copied

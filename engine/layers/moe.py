@@ -255,3 +255,12 @@ def grouped_choice(router_logits: torch.Tensor, n_group: int = 1, topk_group: in
         # tie resolves identically
         choice = choice.masked_fill(~keep, float("-inf") if correction_bias is not None else 0.0)
     return scores, choice
+
+
+def combine(residual: torch.Tensor, contrib: torch.Tensor, top_k: int) -> torch.Tensor:
+    """residual + the sum over k, in k order and in fp32, of the pairs' rows in `contrib` [T*K, H]; one rounding
+    to the residual's dtype."""
+    T, H = residual.shape
+    if T == 1:
+        return residual.float().add_(contrib.sum(0)).to(residual.dtype)
+    return contrib.view(T, top_k, H).sum(1).add_(residual).to(residual.dtype)

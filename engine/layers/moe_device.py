@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant.base import ExpertFormat
-from .moe import SWIGLU, ExpertActivation, ExpertBatch
+from .moe import SWIGLU, ExpertActivation, ExpertBatch, combine
 
 # T = tokens, K = top-k, P = T*K pairs, C = slots, N = host experts of the layer, H = hidden size,
 # I = expert intermediate size
@@ -92,9 +92,7 @@ def map_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, slot_ids: t
     if contrib is not None:
         contrib.copy_(y)
         return None
-    summed = y.view(T, K, -1).sum(1)  # [T, H] fp32, k in order
-    base = residual.float() if residual is not None else torch.zeros_like(summed)
-    return (base + summed).to(dtype)
+    return combine(residual if residual is not None else torch.zeros_like(hidden_states), y, K)  # [T, H]
 
 
 def map_expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: MapBatch,
