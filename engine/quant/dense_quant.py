@@ -17,19 +17,21 @@ The formats are the experts' own (quant/intq.py), quantized at load:
   int4; the LM head 0.62 GB in bf16 and 0.31 GB in int8.
 
 Compute: each format's own `linear`, the paths its experts take: int8 one token through the native int8 GEMV (fp32
-sums), several through torch's `_weight_int8pack_mm` where this machine's check passed (quant/torch_paths.py), else
-one GEMM over the codes cast to x's dtype; int4 one token through the native int4 GEMV (codes decoded in registers;
-a bf16 x summed in integers over x rounded to 16 bits per 32-element block, `native.round_x16`), several through the
-prefill kernel (quant/prefill.py: each block of rows decoded once, fp32 sums; a bf16/fp16 x in groups of 32: integer
-dots over x quantized to int8 blocks, within prefill.bound_q8), else the torch row-tile decoder.
+sums), several bf16/fp16 tokens through the integer prefill kernel (x quantized to int8 per 32-element block, within
+prefill.bound_q8), else torch's `_weight_int8pack_mm` where this machine's check passed (quant/torch_paths.py), else one
+GEMM over the codes cast to x's dtype; int4 one token through the native int4 GEMV (codes decoded in registers; a bf16 x
+summed in integers over x rounded to 16 bits per 32-element block, `native.round_x16`), several through the prefill
+kernel (quant/prefill.py: each block of rows decoded once, fp32 sums; a bf16/fp16 x in groups of 32: integer dots over x
+quantized to int8 blocks, within prefill.bound_q8), else the torch row-tile decoder.
 
 Measured (one thread, 2-core AMD EPYC with AVX-512 BF16, machine loaded by other jobs; interleaved, medians): one
 token through Qwen3-30B-A3B's q/k/v (5120 x 2048) takes 2.19 ms in bf16 (native GEMV), 1.45 in int8, 0.72 in int4;
 its o (2048 x 4096) 2.92 / 1.02 / 0.46 ms. Many tokens go the other way: 128 through q/k/v take 28-48 ms in bf16
 (MKL's bf16 GEMM; two runs) and 97-115 in int8 (the prefill kernel's fp32 FMAs); int4 took 94-96 that way and now
 takes 11.7 ms through the integer prefill kernel (native_prefill_int.c, a bf16 x rounded to int8 per 32; 14.1 bf16
-and 34.5 the decoded tile in the same run, CPU time, load 11-15). So int8 dense trades prefill speed (2-3x slower at
-32+ tokens) for decode speed, and int4 dense no longer does. The whole decode, on the
+and 34.5 the decoded tile in the same run, CPU time, load 11-15). int8 now takes the same integer kernel: 128 tokens
+through q/k/v 9.5 ms against torch's int8 GEMM's 34.4 and MKL bf16's 13.3 (one thread, quiet machine, medians of 7
+interleaved), so neither quantized dense format trades prefill speed for decode speed any more. The whole decode, on the
 2-layer Qwen3-shaped model with int8 experts: 7.1 / 10.7 / 11.5 tok/s native / int8 / int4 (bench/dense_format.py;
 the full-vocabulary LM head dominates there, int4 changes only attention).
 

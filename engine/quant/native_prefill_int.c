@@ -1,10 +1,11 @@
-/* moechat's many-token integer kernels for the 4-bit expert formats: y [T, rows] = x [T, cols] @ W^T for an int4
- * (groups of 32) or MXFP4 projection W, with x quantized once per call to int8 per 32-element block (Q8_0's layout:
+/* moechat's many-token integer kernels for the 4-bit expert formats and int8: y [T, rows] = x [T, cols] @ W^T for an
+ * int4 (groups of 32), MXFP4 or int8 (a scale per row) projection W, with x quantized once per call to int8 per 32-element block (Q8_0's layout:
  * q = round(x / d), d = max |x| / 127, an fp32 d per block) and every block's dot product summed in integers.
  * Compiled with native.c into one library; called through ctypes from quant/prefill.py.
  *
  * Design (issue 27, option c, as llama.cpp's Q4_0 x Q8_0): weights are unsigned bytes u with an offset o (int4: the
- * code 0..15, o = 8; MXFP4: a 16-entry byte table of the E2M1 value x 2 plus 12, 0..24, o = 12), so
+ * code 0..15, o = 8; MXFP4: a 16-entry byte table of the E2M1 value x 2 plus 12, 0..24, o = 12; int8: q + 128,
+ * o = 128, its row scale standing as every block's), so
  * sum_k (u_k - o) q_k = sum_k u_k q_k - o sum_k q_k: the second term is a per-(token, block) integer computed with x's
  * quantization, and the first is what `vpdpbusd` (u8 x s8, 4 products a 32-bit lane) computes. A group of RG rows
  * (16 with AVX-512, 8 otherwise) is decoded once per call into a per-thread byte scratch laid out
@@ -26,7 +27,8 @@
  *
  * Dispatch at compile time, as native.py's -march=native targets the CPU: AVX-512 F+BW+VNNI (zmm vpdpbusd, 16 rows x
  * 8 tokens), else AVX2 with AVX-VNNI (ymm vpdpbusd, 8 rows x 4 tokens), else AVX2 (vpmaddubsw + vpmaddwd: u8 x s8
- * pairs into int16, at most 4 x 2 x 24 x 127 = 24384 before they widen, so never saturating), else scalar C
+ * pairs into int16, at most 4 x 2 x 24 x 127 = 24384 before they widen, so never saturating; int8 there keeps q
+ * signed and multiplies |q| by x carrying q's sign (vpsignb), a pair at most 2 x 128 x 127, widened at once), else scalar C
  * (MOECHAT_SCALAR forces it). Threads: row groups over native.c's pool (moechat_parallel_for). */
 
 #include <math.h>
@@ -61,12 +63,19 @@ int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, 
 /* the code -> unsigned byte maps (the weight is (u - offset) x the block's scale) */
 static const uint8_t U_INT4[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const uint8_t U_MXFP4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* 2 x E2M1 + 12 */
-enum { Q_INT4, Q_MXFP4 };
+enum { Q_INT4, Q_MXFP4, Q_INT8 };
+/* int8 weights: VNNI and scalar builds take u = q + 128 (offset 128); the AVX2 build keeps q signed (offset 0) and
+ * multiplies |q| by x with q's sign (vpsignb), since u8 pairs of 255 x 127 would saturate vpmaddubsw's int16 */
+#if IQ_ISA == 1
+#define INT8_OFFSET 0
+#else
+#define INT8_OFFSET 128
+#endif
 
 typedef struct {
     int fmt;
-    const uint8_t *w;  /* codes [rows, cols / 2] */
-    const void *s;     /* int4: fp16 [rows, G]; MXFP4: E8M0 bytes [rows, G] */
+    const uint8_t *w;  /* codes [rows, cols / 2]; int8: [rows, cols] */
+    const void *s;     /* int4: fp16 [rows, G]; MXFP4: E8M0 bytes [rows, G]; int8: fp32 [rows] */
     int64_t rows, cols, G, T, ldy;
     const int8_t *xq;  /* [T, cols], each block permuted to the packed order */
     const float *xs;   /* [T, G] */
@@ -89,13 +98,14 @@ static inline float q_f16(uint16_t h) { /* an fp16 bit pattern -> its fp32 value
     return f;
 }
 
-/* x [T, cols] fp32 -> q int8 (the block's elements in the packed order: even ones, then odd ones), xs, xc. Per
+/* x [T, cols] fp32 -> q int8 (the block's elements in the packed order: even ones, then odd ones; in order for int8
+ * weights, `perm` 0), xs, xc. Per
  * block, m = max |x|: q = round(x x fl(127 / m)) to nearest even in fp32 (|q| <= 127), xs = fl(m / 127); the same
  * fp32 operations on every build (quant/prefill.py `round_x8` is the reference). m under 2^-100 (127 / m would pass
  * fp32's range) rounds in double instead; a block with a non-finite element gets xs = NaN (its outputs NaN, as the
  * reference's), an all-zero one q = 0. */
 #define Q_TINY 0x1p-100f
-static void quantize_block(const float *v, int offset, int8_t *o, float *xs, int32_t *xc) {
+static void quantize_block(const float *v, int offset, int perm, int8_t *o, float *xs, int32_t *xc) {
     float amax = 0.0f;
     int bad = 0;
     int32_t q[32], sum = 0;
@@ -146,8 +156,8 @@ static void quantize_block(const float *v, int offset, int8_t *o, float *xs, int
 #endif
     }
     for (int p = 0; p < 16; p++) {
-        o[p] = (int8_t)q[2 * p];
-        o[16 + p] = (int8_t)q[2 * p + 1];
+        o[perm ? p : 2 * p] = (int8_t)q[2 * p];
+        o[perm ? 16 + p : 2 * p + 1] = (int8_t)q[2 * p + 1];
         sum += q[2 * p] + q[2 * p + 1];
     }
     *xs = amax / 127.0f;
@@ -157,7 +167,7 @@ static void quantize_block(const float *v, int offset, int8_t *o, float *xs, int
 typedef struct {
     const float *x;
     int64_t cols, G;
-    int offset;
+    int offset, perm;
     int8_t *xq;
     float *xs;
     int32_t *xc;
@@ -167,13 +177,74 @@ static int xshare(void *ctx, int64_t a, int64_t b) { /* tokens [a, b) */
     const XJob *X = ctx;
     for (int64_t t = a; t < b; t++)
         for (int64_t g = 0; g < X->G; g++)
-            quantize_block(X->x + t * X->cols + g * 32, X->offset, X->xq + t * X->cols + g * 32, X->xs + t * X->G + g,
-                           X->xc + t * X->G + g);
+            quantize_block(X->x + t * X->cols + g * 32, X->offset, X->perm, X->xq + t * X->cols + g * 32,
+                           X->xs + t * X->G + g, X->xc + t * X->G + g);
     return 0;
+}
+
+/* int8 rows [r0, r0 + nr) -> W [G][8][RG][4] bytes (chunk j of a block: its inputs 4j..4j + 3, in order; u = q + 128,
+ * or q itself in the AVX2 build), WS [G][RG] the row scales */
+static void decode_group_int8(const QJob *J, int64_t r0, int nr, uint8_t *W, float *WS) {
+    const int64_t G = J->G, cols = J->cols;
+    const float *sc = (const float *)J->s + r0;
+    for (int64_t b = 0; b < G; b++)
+        for (int i = 0; i < RG; i++) WS[b * RG + i] = i < nr ? sc[i] : 0.0f;
+    const uint8_t *rp[RG];
+    for (int i = 0; i < RG; i++) rp[i] = i < nr ? J->w + (r0 + i) * cols : NULL;
+#if IQ_ISA
+    static const uint8_t zeros[16] = {0};
+#if IQ_ISA == 3
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < G; b++, W += 8 * 64)
+        for (int h = 0; h < 2; h++) { /* the block's 16-byte halves: chunks 4h .. 4h + 3 */
+            __m128i R[16];
+            for (int i = 0; i < 16; i++)
+                R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + b * 32 + 16 * h : zeros));
+            __m512i Z[4];
+            for (int c = 0; c < 4; c++)
+                Z[c] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(R[c]), R[c + 4], 1),
+                                                             R[c + 8], 2), R[c + 12], 3);
+            __m512i t0 = _mm512_unpacklo_epi32(Z[0], Z[1]), t1 = _mm512_unpackhi_epi32(Z[0], Z[1]);
+            __m512i t2 = _mm512_unpacklo_epi32(Z[2], Z[3]), t3 = _mm512_unpackhi_epi32(Z[2], Z[3]);
+            __m512i D[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
+                            _mm512_unpackhi_epi64(t1, t3)};
+            for (int m = 0; m < 4; m++) _mm512_store_si512((__m512i *)(W + (4 * h + m) * 64), _mm512_xor_si512(D[m], flip));
+        }
+#else
+#if IQ_ISA == 2
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+#else
+    const __m256i flip = _mm256_setzero_si256();  /* q stays signed */
+#endif
+    for (int64_t b = 0; b < G; b++, W += 8 * 32)
+        for (int h = 0; h < 2; h++) {
+            __m128i R[8];
+            for (int i = 0; i < 8; i++)
+                R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + b * 32 + 16 * h : zeros));
+            __m256i Z[4];
+            for (int c = 0; c < 4; c++) Z[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(R[c]), R[c + 4], 1);
+            __m256i t0 = _mm256_unpacklo_epi32(Z[0], Z[1]), t1 = _mm256_unpackhi_epi32(Z[0], Z[1]);
+            __m256i t2 = _mm256_unpacklo_epi32(Z[2], Z[3]), t3 = _mm256_unpackhi_epi32(Z[2], Z[3]);
+            __m256i D[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
+                            _mm256_unpackhi_epi64(t1, t3)};
+            for (int m = 0; m < 4; m++) _mm256_store_si256((__m256i *)(W + (4 * h + m) * 32), _mm256_xor_si256(D[m], flip));
+        }
+#endif
+#else
+    for (int64_t b = 0; b < G; b++)
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < RG; i++)
+                for (int k = 0; k < 4; k++)
+                    W[((b * 8 + j) * RG + i) * 4 + k] = rp[i] ? (uint8_t)(rp[i][b * 32 + 4 * j + k] ^ 0x80) : 0;
+#endif
 }
 
 /* rows [r0, r0 + nr) (nr <= RG; the rest zero) -> W [G][8][RG][4] bytes, WS [G][RG] fp32 */
 static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *WS) {
+    if (J->fmt == Q_INT8) {
+        decode_group_int8(J, r0, nr, W, WS);
+        return;
+    }
     const int64_t G = J->G, half = J->cols / 2;
     const uint8_t *rp[RG];
     for (int i = 0; i < RG; i++) rp[i] = i < nr ? J->w + (r0 + i) * half : NULL;
@@ -296,6 +367,15 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
                 ai[t] = _mm256_dpbusd_avx_epi32(ai[t], w, _mm256_set1_epi32(word(xb + t * cols + 4 * j)));
         }
 #else
+        if (J->fmt == Q_INT8) { /* signed q: |q| x (x with q's sign), a pair <= 2 x 128 x 127 = 32512, widened at once */
+            for (int j = 0; j < 8; j++) {
+                __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32)), aw = _mm256_abs_epi8(w);
+                for (int t = 0; t < NT; t++) {
+                    __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(word(xb + t * cols + 4 * j)), w);
+                    ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+                }
+            }
+        } else
         for (int h = 0; h < 8; h += 4) {  /* 4 chunks summed in int16 (<= 24384), then widened */
             __m256i p[TBQ];
             for (int j = h; j < h + 4; j++) {
@@ -377,7 +457,8 @@ static int run_q8(QJob *J, const float *x, int offset) {
     int32_t *xc = malloc(sizeof(int32_t) * (size_t)(J->T * J->G));
     int rc = -2;
     if (xq && xs && xc) {
-        XJob X = {.x = x, .cols = J->cols, .G = J->G, .offset = offset, .xq = xq, .xs = xs, .xc = xc};
+        XJob X = {.x = x, .cols = J->cols, .G = J->G, .offset = offset, .perm = J->fmt != Q_INT8, .xq = xq, .xs = xs,
+                  .xc = xc};
         rc = moechat_parallel_for(xshare, &X, J->T, 1, J->T * J->cols * 4);  /* x's fp32 bytes: over the pool too */
         J->xq = xq, J->xs = xs, J->xc = xc;
         /* the pool's "bytes": multiply-adds / 16 (the integer dot's rate is ~4x the fp32 tile's) */
@@ -403,6 +484,14 @@ int moechat_prefill_q8_mxfp4(const float *x, int64_t T, const uint8_t *blocks, c
         memcpy(&J.e8m0[s], &bits, 4);
     }
     return run_q8(&J, x, 12);
+}
+
+/* int8 [rows, cols] codes (|q| <= 127, -128 also computed exactly) with an fp32 scale per row */
+int moechat_prefill_q8_int8(const float *x, int64_t T, const int8_t *q, const float *scale, int64_t rows,
+                            int64_t cols, float *y, int64_t ldy) {
+    QJob J = {.fmt = Q_INT8, .w = (const uint8_t *)q, .s = scale, .rows = rows, .cols = cols, .T = T, .y = y,
+              .ldy = ldy};
+    return run_q8(&J, x, INT8_OFFSET);
 }
 
 /* which build this is: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2 (maddubs), 0 scalar */

@@ -75,7 +75,7 @@ def _type(lib) -> None:
     for f in (lib.moechat_prefill_int4, lib.moechat_prefill_mxfp4, lib.moechat_prefill_fp8, lib.moechat_prefill_int8):
         f.restype = ctypes.c_int
     if hasattr(lib, "moechat_prefill_q8_int4"):
-        for f in (lib.moechat_prefill_q8_int4, lib.moechat_prefill_q8_mxfp4):
+        for f in (lib.moechat_prefill_q8_int4, lib.moechat_prefill_q8_mxfp4, lib.moechat_prefill_q8_int8):
             f.argtypes = [p, i64, p, p, i64, i64, p, i64]
             f.restype = ctypes.c_int
         lib.moechat_prefill_q8_isa.restype = ctypes.c_int
@@ -187,6 +187,28 @@ def mxfp4_q8(lib, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -
     return y
 
 
+def int8_q8(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The integer kernel whatever x's dtype: x [T, in] @ W^T -> [T, R] fp32 within `bound_q8`, W = q [R, in] int8 x
+    scale [R] fp32 per row (q contiguous, `in` a multiple of 32)."""
+    rows, cols = q.shape
+    if q.dtype != torch.int8 or cols % Q8_BLOCK or not q.is_contiguous() or scale.shape != (rows,):
+        raise ValueError("the int8 integer prefill kernel reads contiguous int8 codes, inputs in blocks of 32, and a "
+                         "scale per row")
+    s = scale.float().contiguous()
+    xf = _x(x)
+    y = _out(xf.shape[0], rows, None)
+    _call(lib, lib.moechat_prefill_q8_int8, "int8 integer", xf.data_ptr(), xf.shape[0], q.data_ptr(), s.data_ptr(),
+          rows, cols, y.data_ptr(), y.stride(0))
+    return y
+
+
+def int8_integer(x: torch.Tensor, q: torch.Tensor, lib) -> bool:
+    """Whether int8 weights q [R, in] take the integer kernel for x: more than one token on the CPU, a bf16/fp16 x
+    (`integer_path`), contiguous codes with inputs in blocks of 32."""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 1 and q.is_contiguous()
+            and q.shape[1] % Q8_BLOCK == 0 and available(lib) and integer_path(x, lib))
+
+
 def fp8(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
         split: int | None) -> torch.Tensor:
     """x [T, in] @ W^T -> [T, R] fp32, W the e4m3 w [R, in] (contiguous) with fp32 block scales [ceil(R/b0),
@@ -272,14 +294,14 @@ def chunk_size(hidden: int, cache_bytes: int = 32 << 20, intermediate: int = 0) 
     Measured (bench/format_compute.py --prefill --prefill-chunks 64,128,256,512, Qwen3-30B-A3B-shaped, 2 layers,
     int4 experts resident, a 512-token prompt, one thread, 2-core Zen 4 with 1 MB L2 a core and 32 MB L3, machine
     loaded to ~7-11): 65 / 85 / 98 / 113 tok/s at 64 / 128 / 256 / 512. 1024 against 512 (bench/prefill_chunk.py,
-    1024-token prompt, bf16 / int4 experts, 4 interleaved rounds, load 2.6, tight spreads): 419 / 276 vs 423 / 272
-    tok/s on 1 thread (0.99x / 1.02x), 578 / 373 vs 575 / 338 on 2 (1.00x / 1.10x); at load 4-9 its medians were
-    1.05-1.93x 512's in all six tables, spreads wide. Bigger chunks give each expert more tokens (512 x top-8 / 128 experts = 32 an
-    expert), so its decode is shared more widely and its packed bytes are read fewer times; the prefill kernels
-    stream x in 6-token blocks, so the chunk's activations need not fit L2. They should stay in the last-level
-    cache: the largest of CHUNK_CHOICES whose fp32 rows [T, hidden] and [T, intermediate] fit half of `cache_bytes`
-    (the other half for the weights streaming through), never under 64: 1024 at hidden 2048 and intermediate 768 in
-    32 MB; 256 at 7168 and 2048."""
+    1024-token prompt, bf16 / int4 experts, 4 interleaved rounds, load 2.6, tight spreads): 419 / 276 vs 423 / 272 tok/s
+    on 1 thread (0.99x / 1.02x), 578 / 373 vs 575 / 338 on 2 (1.00x / 1.10x); at load 4-9 its medians were 1.05-1.93x
+    512's in all six tables, spreads wide. Bigger chunks give each expert more tokens (512 x top-8 / 128 experts = 32 an
+    expert), so its decode is shared more widely and its packed bytes are read fewer times; the prefill kernels stream x
+    in 6-token blocks, so the chunk's activations need not fit L2. They should stay in the last-level cache: the largest
+    of CHUNK_CHOICES whose fp32 rows [T, hidden] and [T, intermediate] fit half of `cache_bytes` (the other half for the
+    weights streaming through), never under 64: 1024 at hidden 2048 and intermediate 768 in 32 MB; 256 at 7168 and
+    2048."""
     per_token = 4 * (hidden + intermediate)  # bytes: one fp32 row of each width per token
     best = CHUNK_CHOICES[0]
     for c in CHUNK_CHOICES:

@@ -1,9 +1,10 @@
-"""The integer (Q8 activation) prefill kernels for int4 and MXFP4 (native_prefill_int.c through quant/prefill.py):
+"""The integer (Q8 activation) prefill kernels for int4, MXFP4 and int8 (native_prefill_int.c through quant/prefill.py):
 within `bound_q8` of F.linear(x, weight()) in fp64 at T = 1, 5, 17, 64 on odd row counts and inputs that are not a
 multiple of the row group, on the AVX-512 (where the CPU has it), AVX2 and scalar builds; within fp32 rounding of the
-product over `round_x8(x)` (so the error is x's rounding alone; blocks too small for fp32's 127 / m), and exact to fp32 sums when x is on the int8 grid;
-every build the same bits; the same bits at 1, 2, 3 threads and in any batch; non-finite and zero blocks; the dispatch
-(bf16/fp16 x takes it, fp32 x and MOECHAT_PREFILL_INT=0 the decoded tile, int4 groups of 16 the decoded tile)."""
+product over `round_x8(x)` (so the error is x's rounding alone; blocks too small for fp32's 127 / m), and exact to fp32
+sums when x is on the int8 grid; every build the same bits; the same bits at 1, 2, 3 threads and in any batch;
+non-finite and zero blocks; the dispatch (bf16/fp16 x takes it, fp32 x and MOECHAT_PREFILL_INT=0 the decoded tile, int4
+groups of 16 the decoded tile)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,11 @@ def _packed(name: str, rows: int, cols: int, seed: int):
     if name == "mxfp4":
         b, s = mxfp4.quantize(w)
         return mxfp4.dequantize_reference(b, s), lambda lib, x: prefill.mxfp4_q8(lib, x, b, s)
+    if name == "int8":
+        t = get_format("int8").quantize(w)
+        t["q"][0, :3] = torch.tensor([-128, 127, -127], dtype=torch.int8)  # the extremes, -128 included
+        return (t["q"].float() * t["scale"][:, None],
+                lambda lib, x: prefill.int8_q8(lib, x, t["q"], t["scale"]))
     fmt = get_format("int4")
     t = fmt.quantize(w)
     return (fmt.weight({"w2_q": t["q"], "w2_scale": t["scale"]}, "w2", torch.float32),
@@ -73,7 +79,7 @@ SHAPES = [(37, 96), (16, 64), (9, 32), (23, 480)]  # rows: odd, one AVX-512 grou
 
 @pytest.mark.parametrize("T", [1, 5, 17, 64])
 @pytest.mark.parametrize("rows,cols", SHAPES)
-@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("name", ["int4", "mxfp4", "int8"])
 def test_within_the_bound_of_the_reference(build, name, rows, cols, T):
     w, run = _packed(name, rows, cols, rows * cols + T)
     x = _x(T, cols, T)
@@ -90,7 +96,7 @@ def test_within_the_bound_of_the_reference(build, name, rows, cols, T):
 
 @settings(max_examples=30, deadline=2000, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(name=st.sampled_from(["int4", "mxfp4"]), rows=st.integers(1, 40), blocks=st.integers(1, 6),
+@given(name=st.sampled_from(["int4", "mxfp4", "int8"]), rows=st.integers(1, 40), blocks=st.integers(1, 6),
        T=st.integers(1, 20), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 300.0]))
 def test_any_shape_within_the_bound_and_as_the_scalar_build(lib, scalar_lib, name, rows, blocks, T, seed, scale):
     w, run = _packed(name, rows, 32 * blocks, seed)
@@ -100,7 +106,7 @@ def test_any_shape_within_the_bound_and_as_the_scalar_build(lib, scalar_lib, nam
     assert bool(((got.double() - F.linear(x.double(), w.double())).abs() <= prefill.bound_q8(x, w)).all())
 
 
-@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("name", ["int4", "mxfp4", "int8"])
 def test_exact_sums_when_x_is_on_the_int8_grid(lib, name):
     """x = q 2^-3 with q in -127..127 and each block holding a +-127: the rounding is the identity, so the kernel is
     the fp64 product up to fp32 sums (far tighter than bound_q8)."""
@@ -115,7 +121,7 @@ def test_exact_sums_when_x_is_on_the_int8_grid(lib, name):
     assert bool(((got - want).abs() <= 9 * 2.0**-24 * (x.double().abs() @ w.double().abs().t())).all())
 
 
-@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("name", ["int4", "mxfp4", "int8"])
 def test_every_build_writes_the_same_bits(lib, scalar_lib, avx2_lib, name):
     w, run = _packed(name, 45, 320, 3)
     x = _x(13, 320, 4)
@@ -131,7 +137,7 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("name", ["int4", "mxfp4", "int8"])
 def test_same_bits_at_any_thread_count_and_in_any_batch(lib, torch_threads, name):
     _, run = _packed(name, 517, 512, 7)  # 517 rows: a ragged last row group; 64 tokens: work for 3 threads
     x = _x(64, 512, 2)
@@ -145,7 +151,7 @@ def test_same_bits_at_any_thread_count_and_in_any_batch(lib, torch_threads, name
     assert torch.equal(alone, outs[0][0:64:9])
 
 
-@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("name", ["int4", "mxfp4", "int8"])
 def test_zero_and_non_finite_blocks(any_lib, name):
     w, run = _packed(name, 20, 64, 1)
     x = _x(4, 64, 1)
@@ -163,17 +169,17 @@ def _tensors(name: str, rows: int, cols: int):
     if name == "mxfp4":
         b, s = mxfp4.quantize(w)
         return get_format("mxfp4"), {"w13_blocks": b, "w13_scales": s}
-    fmt = get_format("int4")
+    fmt = get_format(name)
     return fmt, {f"w13_{k}": v for k, v in fmt.quantize(w).items()}
 
 
-@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("name", ["int4", "mxfp4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_many_token_linear_takes_it_for_bf16_and_fp16_only(lib, name, dtype, monkeypatch):
     fmt, t = _tensors(name, 40, 96)
     t["w13_bias"] = torch.randn(40)
     x = _x(6, 96, 3).to(dtype)
-    fn = "int4_q8" if name == "int4" else "mxfp4_q8"
+    fn = f"{name}_q8"
     calls = []
     real = getattr(prefill, fn)
     monkeypatch.setattr(prefill, fn, lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -187,7 +193,11 @@ def test_the_many_token_linear_takes_it_for_bf16_and_fp16_only(lib, name, dtype,
     w = fmt.weight(t, "w13", torch.float32)
     off = fmt.linear(x, t, "w13")
     assert not calls
-    assert bool(((off.float() - F.linear(x.float(), w, t["w13_bias"])).abs()
+    ref = F.linear(x.float(), w, t["w13_bias"])
+    if name == "int8":  # torch's int8 GEMM (the row scale in bf16, quant/torch_paths.py), tested there
+        assert float((off.float() - ref).abs().max()) <= 2.0**-5 * float(ref.abs().max())
+        return
+    assert bool(((off.float() - ref).abs()
                  <= prefill.bound(x.float(), w) + (off.float().abs() * 2.0**-7 if dtype != torch.float32 else 0)).all())
 
 
@@ -208,6 +218,10 @@ def test_bad_shapes_are_refused(lib):
     t = get_format("int4").quantize(_w(8, 48, 1))  # groups of 16
     with pytest.raises(ValueError):
         prefill.int4_q8(lib, _x(3, 48, 0), t["q"], t["scale"])
+    t8 = get_format("int8").quantize(_w(8, 48, 1))
+    with pytest.raises(ValueError):  # an input that is not a multiple of 32
+        prefill.int8_q8(lib, _x(3, 48, 0), t8["q"], t8["scale"])
+    assert not prefill.int8_integer(_x(3, 48, 0).bfloat16(), t8["q"], lib)  # so the linear keeps torch's path
     with pytest.raises(RuntimeError):  # an input that is not a multiple of 32
         prefill._call(lib, lib.moechat_prefill_q8_mxfp4, "mxfp4 integer", 0, 1, 0, 0, 8, 48, 0, 8)
 
