@@ -8,7 +8,8 @@ Two models at real widths with fewer layers (flags give the issue's or the full 
     biases), experts in MXFP4 as shipped (random codes and scales: speed does not depend on the values), dense in
     bf16: moechat's native MXFP4 against the GGUF llama.cpp's converter makes from it (MXFP4 experts, bf16 rest).
 For each row and each thread count: prefill tok/s of a `--prompt`-token prompt and decode tok/s of `--tokens`
-greedy tokens (llama-bench's pp and tg tests; moechat's GenerationChunk figures), medians over `--rounds` rounds in
+greedy tokens (llama-bench's pp and tg tests; moechat's GenerationChunk figures; each engine runs one warm-up
+generation before the measured one, llama-bench's default), medians over `--rounds` rounds in
 which the engines alternate, each engine's fraction of its bandwidth bound (bytes one decode token reads in that
 engine's own weights: attention, LM head, K of E experts per layer / the read probe of `moechat fit`'s calibration,
 one thread, best of the probes taken between rounds; numpy's sum reads slower than a tuned kernel does, so a
@@ -277,8 +278,8 @@ def _gguf_env(llama: LlamaCpp) -> dict[str, str]:
 def check_converter(llama: LlamaCpp) -> str:
     """'' when the converter can run, else why not."""
     if llama.src is None or not (llama.src / "convert_hf_to_gguf.py").exists():
-        return (f"no llama.cpp source beside the build (convert_hf_to_gguf.py): pass --llama-src DIR "
-                f"(the tree it was built from)")
+        return ("no llama.cpp source beside the build (convert_hf_to_gguf.py): pass --llama-src DIR "
+                "(the tree it was built from)")
     r = subprocess.run([sys.executable, "-c", "import gguf, convert_hf_to_gguf"], env=_gguf_env(llama),
                        capture_output=True, text=True, cwd=llama.src)
     if r.returncode:
@@ -419,6 +420,11 @@ def worker(args) -> None:
     vocab = engine.args.vocab_size
     prompt = [(i * 7919 + 13) % vocab for i in range(args.prompt)]  # spread over the vocabulary, fixed
     greedy = SamplingParams(temperature=0.0, do_sample=False)
+    # one warm-up generation first, as llama-bench runs one before it measures (the first pass over a freshly mapped
+    # file pays its page faults: up to ~10x the prefill time); another prompt, so no prefix is reused
+    for _ in engine.generate([(i * 104729 + 7) % vocab for i in range(args.prompt)], sampling=greedy, max_tokens=2,
+                             stop_on_eos=False):
+        pass
     last = None
     for chunk in engine.generate(prompt, sampling=greedy, max_tokens=args.tokens, stop_on_eos=False):
         last = chunk
