@@ -1,6 +1,7 @@
 """Packed arithmetic for the fused MoE decode kernels (kernels/mxfp4_moe.py, kernels/quant_moe.py): E2M1 and int4 codes
-to fp16 or e4m3 bits, the e4m3x2 -> f16x2 conversion and fp16x2 FMAs (inline PTX, each with a pure-Triton twin the
-interpreter runs, tested bit for bit: tests/engine/quant/test_kernel_lop3.py, test_mxfp4_triton.py), the lane sums,
+to fp16 or e4m3 bits, the e4m3x2 -> f16x2 conversion (sm_80/86: e4m3 to fp16 bits in integer ops) and fp16x2 FMAs
+(inline PTX, each with a pure-Triton twin the interpreter runs, tested bit for bit:
+tests/engine/quant/test_kernel_lop3.py, test_mxfp4_triton.py), the lane sums,
 the device-side |x| guard (x scaled by a power of two below 2^14) and `hardware_fp8`, whether the device converts
 e4m3 itself (sm_89 and later). The kernels' docstrings give the SASS counts these reach."""
 
@@ -102,6 +103,42 @@ def _e2m1_as_e4m3(w):
         lows = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
         highs = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
         return lows, highs
+
+
+@triton.jit
+def _e4m3x4_int(words):
+    """uint32 words of four e4m3 bytes -> their values x 2^-8 as four fp32 tensors, byte 0 first, exactly, without
+    the hardware's conversion (sm_80/86): bytes 0, 2 of a word become the fp16x2 word ((w << 7) & 0x3F803F80) |
+    ((w << 8) & 0x80008000), bytes 1, 3 ((w >> 1) & 0x3F803F80) | (w & 0x80008000) (e and m under fp16's lowest
+    exponent bits and top mantissa bits, so e = 0 is fp16's subnormal and needs no branch; the sign at bit 15),
+    each half widened to fp32 (exact). In PTX 6 integer ops (the four signs masked once, each pair one bit-select
+    lop3) and 4 conversions a word, read from the halves in place (the NaN pattern, refused at load, reads as
+    480 x 2^-8)."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 s, t, u, a, b;
+            .reg .b16 a0, a1, b0, b1;
+            and.b32 s, $4, 0x80808080;
+            shl.b32 t, $4, 7;
+            shl.b32 u, s, 8;
+            lop3.b32 a, t, u, 0x3F803F80, 0xE4;
+            shr.b32 t, $4, 1;
+            lop3.b32 b, t, s, 0x3F803F80, 0xE4;
+            mov.b32 {a0, a1}, a;
+            mov.b32 {b0, b1}, b;
+            cvt.f32.f16 $0, a0;
+            cvt.f32.f16 $1, b0;
+            cvt.f32.f16 $2, a1;
+            cvt.f32.f16 $3, b1;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+    else:
+        w = words.to(tl.uint32, bitcast=True)
+        v0, v2 = _f16_pair(((w << 7) & 0x3F803F80) | ((w << 8) & 0x80008000))
+        v1, v3 = _f16_pair(((w >> 1) & 0x3F803F80) | (w & 0x80008000))
+        return v0, v1, v2, v3
 
 
 @triton.jit

@@ -11,7 +11,13 @@ runs tl.dot per group. One kernel source, the format a compile-time constant:
 * fp8 (Qwen3-*-FP8, DeepSeek-V3): e4m3 bytes [rows, in] (passed as uint8) and fp32 block scales
   [ceil(rows/b0), ceil(in/b1)]; w13's gate and up halves keep their own blocking. The e4m3 byte is decoded
   by the hardware's cvt.rn.f16x2.e4m3x2 from sm_89 (the decode GEMV; `hardware_fp8`), else with integer ops
-  (exact, no fp8 type needed: sm_80 and the interpreter run them), and a block's sum times its scale.
+  (exact, no fp8 type needed: sm_80 and the interpreter run them), and a block's sum times its scale. Without the
+  hardware a word's bytes 0, 2 and 1, 3 become fp16x2 words of the values x 2^-8 in 6 integer ops (two bit-select
+  lop3s, packed._e4m3x4_int) and 4 widenings, and the FMA chain stays fp32 (e4m3's 4 bits x bf16's 8 are exact in
+  fp32, the sums round as fp32's); blocks of B0 rows, B0 a multiple of the tile, give the tile's rows one scale
+  load a chunk (w13: one for the gate rows, one for the up rows). SASS instructions a packed byte
+  (bench/kernel_sass.py, bf16 x): w2 (16 rows a thread) 3.83 on sm_80, 3.82 on sm_86, 2.82 on sm_90 (from 4.37,
+  4.87, 3.11); w13 3.89 / 3.91 / 2.91 (from 4.31, 4.88, 3.14).
 * int8: int8 [rows, in] and an fp32 scale per output row, applied once to the row's sum.
 * int4: bytes [rows, in/2] (low nibble the even element, code = q + 8) and fp16 group scales [rows, in/group],
   widened to fp32 after the load (exact: the product is weight()'s). The decode sums code x x and takes 8 sum(x)
@@ -52,7 +58,7 @@ from .packed import (
     INTERPRET,
     _cvt_f16x2,
     _e4m3x4,
-    _f16_pair,
+    _e4m3x4_int,
     _fma_e4m3_word,
     _hfma2,
     _lane_sum,
@@ -139,18 +145,30 @@ def _dot(x_ptr, x_rows, x_ok, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, 
 
 
 @triton.jit
-def _e4m3_pair(u):
-    """Bytes 0 and 2 of uint32 words of e4m3 codes -> two fp32 tensors, the values x 2^-8, exactly (as _e4m3)."""
-    return _f16_pair(((u & 0x007F007F) << 7) | ((u & 0x00800080) << 8))
-
-
-@triton.jit
 def _load_masked(at, MASKED: tl.constexpr, ok):
     """A load, masked (0 where not ok) only in a partial tile."""
     if MASKED:
         return tl.load(at, mask=ok, other=0.0)
     else:
         return tl.load(at)
+
+
+@triton.jit
+def _scales(s_ptr, s_rows, s_row0, s_row1, col, rows_ok, cols_ok, S_COLS, MASKED: tl.constexpr,
+            S_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The scales at columns col [BG] of the rows' scale rows s_rows [BN], [BN, BG] (masked where not rows_ok x
+    cols_ok in a partial tile). S_GROUPS 1: every row's scale row is s_row0 (FP8 blocks of B0 rows, B0 a multiple of
+    BN: one load a chunk for all the thread's rows, [1, BG]); 2: the first BN / 2 rows' is s_row0, the rest's s_row1
+    (w13's gate and up halves); 0: a load a row."""
+    if S_GROUPS == 0:
+        return _load_masked(s_ptr + s_rows[:, None] * S_COLS + col[None, :], MASKED,
+                            rows_ok[:, None] & cols_ok[None, :])
+    elif S_GROUPS == 1:
+        return _load_masked(s_ptr + s_row0 * S_COLS + col, MASKED, cols_ok)[None, :]
+    else:
+        a = _load_masked(s_ptr + s_row0 * S_COLS + col, MASKED, cols_ok)
+        b = _load_masked(s_ptr + s_row1 * S_COLS + col, MASKED, cols_ok)
+        return tl.where((tl.arange(0, BLOCK_N) < BLOCK_N // 2)[:, None], a[None, :], b[None, :])
 
 
 @triton.jit
@@ -208,9 +226,9 @@ def _fma_int4_magic_word(h, cw, xp, w: tl.constexpr):
 
 
 @triton.jit
-def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, x_mul, GB: tl.constexpr, FMT: tl.constexpr,
-               BLOCK_N: tl.constexpr, BG: tl.constexpr, HW_CVT: tl.constexpr, PACKED: tl.constexpr,
-               MASKED: tl.constexpr):
+def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, s_row0, s_row1, w_ok, S_COLS, x_mul, GB: tl.constexpr,
+               FMT: tl.constexpr, BLOCK_N: tl.constexpr, BG: tl.constexpr, HW_CVT: tl.constexpr, PACKED: tl.constexpr,
+               MASKED: tl.constexpr, S_GROUPS: tl.constexpr):
     """acc [BN, BG] += one tile of _gemv: the code words c [BN, BG, 4] (words k0 .. k0 + 4 BG of each row) with
     their x (xs, fp32 [BG] each), scaled per chunk or per word."""
     a, b = tl.split(tl.reshape(c, (BLOCK_N, BG, 2, 2)))
@@ -228,17 +246,16 @@ def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, x_mul, GB: tl
                 cw = c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3
                 if HW_CVT:  # the hardware's conversion (sm_89+): the values themselves
                     v0, v1, v2, v3 = _e4m3x4(cw)
-                else:  # integer ops: the values x 2^-8
-                    v0, v2 = _e4m3_pair(cw)
-                    v1, v3 = _e4m3_pair(cw >> 8)
+                else:  # integer ops: the values x 2^-8 (6 and 4 conversions a word)
+                    v0, v1, v2, v3 = _e4m3x4_int(cw)
                 part += v0 * xs[4 * w][None, :]
                 part += v1 * xs[4 * w + 1][None, :]
                 part += v2 * xs[4 * w + 2][None, :]
                 part += v3 * xs[4 * w + 3][None, :]
                 if GB % 16 != 0:  # the scale of each word's block
                     col = (4 * (k0 + 4 * g) + 4 * w) // GB  # [BG]
-                    sc = _load_masked(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
-                                      MASKED, w_ok[:, None] & (4 * g[None, :] + w < KW - k0))
+                    sc = _scales(s_ptr, s_rows, s_row0, s_row1, col, w_ok, 4 * g + w < KW - k0, S_COLS, MASKED,
+                                 S_GROUPS, BLOCK_N)
                     acc += part * sc
                     part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
         elif PACKED and not HW_CVT:  # int4 in fp16x2 without e4m3 hardware (sm_80/86; the interpreter's
@@ -291,15 +308,16 @@ def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, x_mul, GB: tl
                 part -= (8.0 / 512.0 if HW_CVT else 8.0) * xsum[None, :]
         if GB % 16 == 0:  # one scale a chunk
             col = (16 * (k0 // 4 + g)) // GB  # [BG]
-            sc = _load_masked(s_ptr + s_rows[:, None] * S_COLS + col[None, :],
-                              MASKED, w_ok[:, None] & (4 * g[None, :] < KW - k0)).to(tl.float32)
+            sc = _scales(s_ptr, s_rows, s_row0, s_row1, col, w_ok, 4 * g < KW - k0, S_COLS, MASKED, S_GROUPS,
+                         BLOCK_N).to(tl.float32)
             acc += part * sc
     return acc
 
 
 @triton.jit
 def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS, x_mul, x_inv, GB: tl.constexpr,
-          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, HW_CVT: tl.constexpr):
+          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, HW_CVT: tl.constexpr,
+          s_row0=0, s_row1=0, S_GROUPS: tl.constexpr = 0):
     """Decode: x[x_row] . W[w_rows] -> [BLOCK_N] fp32 for one pair (int8: before the row scale).
 
     A thread holds whole 16-byte chunks of code words (one 16-byte load) of several rows, and the chunk's x
@@ -332,16 +350,16 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
         c = tl.load(words_at + k0).to(tl.int32)  # [BN, BG, 4]
         xs = _x_chunk(x_at + k0 * (N_ELEM // 4) // XPW, x_off, (KW - k0) * (N_ELEM // 4) // XPW, N_ELEM, X32, XF16,
                       False)
-        acc = _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, w_ok, S_COLS, x_mul, GB, FMT, BLOCK_N, BG, HW_CVT,
-                         PACKED, False)
+        acc = _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, s_row0, s_row1, w_ok, S_COLS, x_mul, GB, FMT,
+                         BLOCK_N, BG, HW_CVT, PACKED, False, S_GROUPS)
     if KW_FULL < KW:  # the last partial tile, masked per word
         w_ok3 = w_ok[:, None, None] & (4 * g[None, :, None] + i4[None, None, :] < KW - KW_FULL)
         # int4 pads with code 8 (zero), but the packed path with 0: its x pads are zero and a zero clears faster
         c = tl.load(words_at + KW_FULL, mask=w_ok3, other=0x88888888 if FMT == 2 and not PACKED else 0).to(tl.int32)
         xs = _x_chunk(x_at + KW_FULL * (N_ELEM // 4) // XPW, x_off, (KW - KW_FULL) * (N_ELEM // 4) // XPW, N_ELEM,
                       X32, XF16, True)
-        acc = _gemv_tile(acc, c, xs, KW_FULL, KW, g, s_ptr, s_rows, w_ok, S_COLS, x_mul, GB, FMT, BLOCK_N, BG,
-                         HW_CVT, PACKED, True)
+        acc = _gemv_tile(acc, c, xs, KW_FULL, KW, g, s_ptr, s_rows, s_row0, s_row1, w_ok, S_COLS, x_mul, GB, FMT,
+                         BLOCK_N, BG, HW_CVT, PACKED, True, S_GROUPS)
     out = tl.sum(acc, axis=1)  # [BN]
     if FMT == 1:
         out = out * tl.load(s_ptr + s_rows, mask=w_ok, other=0.0)
@@ -418,8 +436,8 @@ def _w2_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr, group
 @triton.jit
 def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_ptr, act_ptr, stride_act, N, KB,
                        TOPK, limit, alpha, stride_wc, stride_sc, stride_biasc, S_COLS, GB: tl.constexpr, SPLIT_AT,
-                       B0, FMT: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-                       HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+                       B0: tl.constexpr, FMT: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       CLAMPED: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
     """Decode: act[pair, j] = activation(gate_j, up_j) for one (t, k) pair and a tile of j in [0, I) (N = I)."""
     pair = tl.program_id(0)
     slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
@@ -433,8 +451,11 @@ def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_p
         token = pair // TOPK
         x_mul, x_inv = _x_guard(x_ptr, token, stride_x, 2 * KB, FMT == 2 and GB % 16 == 0)
         rows2, ok2 = _gate_up_tile(BLOCK_N, N, CLAMPED)  # one GEMV over the gate and up rows: x decoded once
+        # FP8 blocks of B0 rows, B0 a multiple of the tile: the gate rows share a scale row, and the up rows
+        j0 = tl.program_id(1) * BLOCK_N
         y = _gemv(x_ptr, token, stride_x, w_ptr, s_ptr, rows2, _scale_rows(rows2, N, SPLIT_AT, B0), ok2, KB, S_COLS,
-                  x_mul, x_inv, GB, FMT, 2 * BLOCK_N, BLOCK_KB, HW_CVT)
+                  x_mul, x_inv, GB, FMT, 2 * BLOCK_N, BLOCK_KB, HW_CVT, j0 // B0, SPLIT_AT + j0 // B0,
+                  2 if FMT == 0 and not CLAMPED and B0 % BLOCK_N == 0 else 0)
         gate, up = _split_gate_up(y, BLOCK_N)
         if HAS_BIAS:
             b_ptr = bias_ptr + slot64 * stride_biasc
@@ -447,8 +468,9 @@ def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_p
 @triton.jit
 def _w2_decode_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr, ids_ptr, map_ptr, res_ptr,
                       stride_res, out_ptr, stride_out, N, KB, TOPK, stride_wc, stride_sc, stride_biasc, S_COLS,
-                      GB: tl.constexpr, B0, FMT: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_RES: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+                      GB: tl.constexpr, B0: tl.constexpr, FMT: tl.constexpr, HAS_MAP: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HW_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_KB: tl.constexpr):
     """Decode: out[t, j] = [residual[t, j] +] sum over k in order of topk_weight[t, k] (down_j . act[t K + k] +
     bias_j) for one token and a tile of j in [0, H) (N = H): the CTA loops over the token's K pairs (no atomics)."""
     t = tl.program_id(0)
@@ -462,8 +484,10 @@ def _w2_decode_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr
             slot64 = slot.to(tl.int64)
             x_mul, x_inv = _x_guard(act_ptr, pair, stride_act, 2 * KB,
                                     FMT == 2 and GB % 16 == 0)
+            # FP8 blocks of B0 rows, B0 a multiple of the tile: one scale row for the tile
             y = _gemv(act_ptr, pair, stride_act, w_ptr0 + slot64 * stride_wc, s_ptr0 + slot64 * stride_sc, j, j // B0,
-                      j_ok, KB, S_COLS, x_mul, x_inv, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT)
+                      j_ok, KB, S_COLS, x_mul, x_inv, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT,
+                      (tl.program_id(1) * BLOCK_N) // B0, 0, 1 if FMT == 0 and B0 % BLOCK_N == 0 else 0)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + slot64 * stride_biasc + j, mask=j_ok, other=0.0).to(tl.float32)
             acc += y * tl.load(weights_ptr + pair).to(tl.float32)
@@ -489,14 +513,15 @@ def _decode_configs(which: str, fmt: str = "int4") -> list[triton.Config]:
     holds BLOCK_N / num_warps rows of its chunk (x decoded once for them; w13's one GEMV takes the tile's gate and
     up rows, twice BLOCK_N); w2 has only T x H / BLOCK_N programs. The first (one warp, 16 rows a thread) keeps x
     in the codes' layout (no shared-memory pass): the one bench/kernel_sass.py counts. int4's packed decode shares
-    its x conversion over 16 rows (3.95 SASS instructions a byte on sm_90 against 4.4 over 8); FP8 and int8 w2 keep
-    8 (16 rows spill on sm_90)."""
+    its x conversion over 16 rows (3.95 SASS instructions a byte on sm_90 against 4.4 over 8), and so does FP8's w2
+    (its tile's rows one scale load: 3.83 on sm_80, 2.82 on sm_90, against 3.95 / 2.95 over 8, no spills); int8's
+    w2 keeps 8 (16 rows spill on sm_90)."""
     if INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_KB": 32}, num_warps=4)]
     tiles = [(8, 512, 1, 2), (16, 512, 4, 2), (8, 512, 4, 2), (16, 512, 8, 2)]
     if which == "w2":
         tiles = [(16, 512, 1, 2), (8, 512, 1, 2), (16, 512, 2, 2), (16, 512, 4, 2)]
-        if fmt != "int4":
+        if fmt == "int8":
             tiles = [(8, 512, 1, 2), (16, 512, 2, 2), (16, 512, 4, 2), (8, 512, 4, 2)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_KB": kb}, num_warps=w, num_stages=st) for n, kb, w, st in tiles]
 
@@ -514,7 +539,8 @@ def decode_constexprs(fmt: str, block: tuple[int, int] | None = None, group: int
     b1; int4: the group; int8: 1, unused), so the scale column is a shift, not a division per element; GB, the same
     in code bytes, for the decode GEMV (int8: 16, unused)."""
     s_div = block[1] if fmt == "fp8" else group if fmt == "int4" else 1
-    return {"S_DIV": s_div, "GB": s_div // 2 if fmt == "int4" else s_div if fmt == "fp8" else 16}
+    return {"S_DIV": s_div, "GB": s_div // 2 if fmt == "int4" else s_div if fmt == "fp8" else 16,
+            "B0": block[0] if fmt == "fp8" else 1}
 
 
 def _cdiv(a: int, b: int) -> int:

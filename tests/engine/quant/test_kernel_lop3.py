@@ -61,3 +61,38 @@ def test_int4_magic_and_or_ptx_is_its_twin():
     for mask in (0x000F000F, 0x00F000F0):
         got = lop3(w, np.full_like(w, mask), np.full_like(w, 0x40004000), int(m.group(1), 16))
         np.testing.assert_array_equal(got, (w & np.uint32(mask)) | np.uint32(0x40004000))
+
+
+def test_e4m3x4_int_ptx_is_its_twin():
+    """sm_80/86's FP8 decode: the signs masked once, bytes 0, 2 and 1, 3 each one bit-select lop3 (kernels/packed.py
+    _e4m3x4_int) against the twin's formula, the fp16x2 words of the values x 2^-8."""
+    src = (KERNELS / "packed.py").read_text()
+    body = src[src.index("def _e4m3x4_int"):]
+    asm = body[body.index('asm="""') + 7:].split('"""', 1)[0]
+    lines = re.findall(r"lop3\.b32 (\w), (\w+), (\w+), (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+);", asm)
+    assert len(lines) == 2, asm
+    for op in ("and.b32 s, $4, 0x80808080;", "shl.b32 t, $4, 7;", "shl.b32 u, s, 8;", "shr.b32 t, $4, 1;",
+               "mov.b32 {a0, a1}, a;", "mov.b32 {b0, b1}, b;", "cvt.f32.f16 $0, a0;", "cvt.f32.f16 $1, b0;",
+               "cvt.f32.f16 $2, a1;", "cvt.f32.f16 $3, b1;"):
+        assert op in asm, op
+    w = _words()
+    s = w & np.uint32(0x80808080)
+    operands = {"a": (w << np.uint32(7), s << np.uint32(8)), "b": (w >> np.uint32(1), s)}  # t, u / t, s as the PTX
+    got = {out: lop3(*operands[out], np.full_like(w, int(c, 16)), int(lut, 16)) for out, _, _, c, lut in lines}
+    pair02 = ((w << np.uint32(7)) & np.uint32(0x3F803F80)) | ((w << np.uint32(8)) & np.uint32(0x80008000))
+    pair13 = ((w >> np.uint32(1)) & np.uint32(0x3F803F80)) | (w & np.uint32(0x80008000))
+    np.testing.assert_array_equal(got["a"], pair02)
+    np.testing.assert_array_equal(got["b"], pair13)
+    # and the halves are the e4m3 values x 2^-8 (every byte, at every position)
+    b = np.arange(256, dtype=np.uint32)
+    import torch
+
+    want = torch.from_numpy(b.astype(np.uint8)).view(torch.float8_e4m3fn).float().numpy() / 256.0
+    for pos in range(4):
+        ww = b << np.uint32(8 * pos)
+        pair = (((ww << np.uint32(7)) & np.uint32(0x3F803F80)) | ((ww << np.uint32(8)) & np.uint32(0x80008000))
+                if pos % 2 == 0 else ((ww >> np.uint32(1)) & np.uint32(0x3F803F80)) | (ww & np.uint32(0x80008000)))
+        half = (pair >> np.uint32(16 * (pos // 2))) & np.uint32(0xFFFF)
+        got_v = half.astype(np.uint16).view(np.float16).astype(np.float32)
+        ok = ~np.isnan(want)  # 0x7F / 0xFF (NaN, refused at load) read as 480 x 2^-8
+        np.testing.assert_array_equal(got_v[ok], want[ok])
