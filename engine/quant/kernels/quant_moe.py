@@ -28,7 +28,8 @@ runs tl.dot per group. One kernel source, the format a compile-time constant:
   nibble OR'd under fp16 2.0 is 2 + code x 2^-9, one packed FMA makes (code - 8) 2^-9: 13 instructions a word).
   Each chunk's lane sums round in fp16 (2^-11) and are added in fp16, the scale applied in fp32; x scaled on the
   device below 2^14 first (mxfp4_moe._x_guard). SASS instructions a packed byte (bench/kernel_sass.py, 16 rows a
-  thread): w2 3.95 on sm_90 (from 4.4; 7.9 before fp16x2), 4.42 on sm_80 (from 8.84); w13 4.10 / 4.48.
+  thread; a group's scale addresses a base that moves with the loop plus a fixed offset a row): w2 3.91 on sm_90
+  (from 3.95, 4.4; 7.9 before fp16x2), 4.31 on sm_80 (from 4.42, 8.84); w13 3.93 / 4.30 (from 4.10 / 4.48).
 
 Bytes per Qwen3-30B-A3B decode step and layer (8 experts): bf16 75.5 MB, fp8 37.8, int8 37.9, int4 21.2 (codes
 + fp16 scales; 23.6 with fp32 scales); `bench/gpu_check.sh` runs the `gpu` tests and the rates
@@ -307,8 +308,13 @@ def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, s_row0, s_row1, w_ok, S_COL
             if GB % 16 == 0:
                 part -= (8.0 / 512.0 if HW_CVT else 8.0) * xsum[None, :]
         if GB % 16 == 0:  # one scale a chunk
-            col = (16 * (k0 // 4 + g)) // GB  # [BG]
-            sc = _scales(s_ptr, s_rows, s_row0, s_row1, col, w_ok, 4 * g < KW - k0, S_COLS, MASKED, S_GROUPS,
+            if (16 * BG) % GB == 0 and S_GROUPS == 0:  # k0's columns in the base, the chunk's a fixed offset
+                s_at = s_ptr + (4 * k0) // GB
+                col = (16 * g) // GB  # [BG]
+            else:
+                s_at = s_ptr
+                col = (16 * (k0 // 4 + g)) // GB  # [BG]
+            sc = _scales(s_at, s_rows, s_row0, s_row1, col, w_ok, 4 * g < KW - k0, S_COLS, MASKED, S_GROUPS,
                          BLOCK_N).to(tl.float32)
             acc += part * sc
     return acc
@@ -335,6 +341,8 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
     i4 = tl.arange(0, 4)
     rows = tl.where(w_ok, w_rows, 0)  # rows past N read row 0 (never stored): whole tiles load unmasked
     s_rows = tl.where(w_ok, s_rows, 0)
+    # the codes' (and scales') addresses: a scalar base that moves with k0 plus int32 offsets fixed over the loop,
+    # one wide multiply-add a row
     words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (rows[:, None, None] * KW + 4 * g[None, :, None]
                                                          + i4[None, None, :]))  # [BN, BG, 4]
     XPW: tl.constexpr = 1 if X32 else 2  # x elements in a word
@@ -513,7 +521,7 @@ def _decode_configs(which: str, fmt: str = "int4") -> list[triton.Config]:
     holds BLOCK_N / num_warps rows of its chunk (x decoded once for them; w13's one GEMV takes the tile's gate and
     up rows, twice BLOCK_N); w2 has only T x H / BLOCK_N programs. The first (one warp, 16 rows a thread) keeps x
     in the codes' layout (no shared-memory pass): the one bench/kernel_sass.py counts. int4's packed decode shares
-    its x conversion over 16 rows (3.95 SASS instructions a byte on sm_90 against 4.4 over 8), and so does FP8's w2
+    its x conversion over 16 rows (3.91 SASS instructions a byte on sm_90 against 4.4 over 8), and so does FP8's w2
     (its tile's rows one scale load: 3.83 on sm_80, 2.82 on sm_90, against 3.95 / 2.95 over 8, no spills); int8's
     w2 keeps 8 (16 rows spill on sm_90)."""
     if INTERPRET:
