@@ -378,6 +378,9 @@ def llama_bench(llama: LlamaCpp, gguf: Path, threads: int, prompt: int, tokens: 
 def moechat_bench(model: Path, row: str, threads: int, prompt: int, tokens: int, cache: Path) -> dict:
     # the int8/int4 repacked experts go to `cache` (made by a warm-up run, so no round's RSS holds a conversion)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), XDG_CACHE_HOME=str(cache))
+    from moechat.engine.plan.hardware.cores import quiet_openmp
+
+    quiet_openmp(env)  # torch's OpenMP workers sleep between ops, as the moechat CLI sets it before importing torch
     out, rss = run_measured([sys.executable, __file__, "--worker", str(model), "--row", row, "--threads",
                              str(threads), "--prompt", str(prompt), "--tokens", str(tokens)], env=env)
     rec = json.loads(out.strip().splitlines()[-1])

@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError, ConfigError
+from . import native
 from .intq import Int4Format, Int8Format
 
 DENSE_FORMATS = ("native", "int8", "int4")
@@ -99,6 +100,13 @@ class QuantLinear:
         """x [T, in] -> [T, out] in x's dtype (or fp32 for out_dtype=float32: the LM head's logits, never rounded to
         bf16), plus residual [T, out] when given: the format's own dispatch (its `linear`)."""
         if out_dtype == torch.float32 and x.dtype != torch.float32:
+            if (self.fmt.name == "int8" and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] == 1
+                    and self.q.shape[1] % 32 == 0 and (lib := native.library()) is not None):
+                # the LM head's one token: the GEMV's integer path over x rounded to 16 bits per block (native.c),
+                # fp32 logits straight from its fp32 sums
+                y = native.int8_gemv(lib, x, self.q, self.scale, torch.float32)
+                y = y if self.bias is None else y + self.bias.float()
+                return y if residual is None else residual + y
             x = x.float()  # int8: exact, its GEMV sums in fp32 either way; int4: fp32 sums over x as it is
         y = self.fmt.linear(x, self._tensors, "w")  # [T, out]
         return y if residual is None else residual + y

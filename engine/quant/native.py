@@ -45,6 +45,7 @@ from ..io.files import atomic_write
 
 ENV = "MOECHAT_NATIVE"  # "0": the torch paths
 DECODE_ENV = "MOECHAT_NATIVE_DECODE"  # "0": many tokens decode their tiles with the torch decoders (one token unchanged)
+INT8_I16_ENV = "MOECHAT_INT8_I16"  # "0": a bf16 x through int8 keeps the fp32 path (the A/B of native.c's integer one)
 SOURCE = Path(__file__).with_name("native.c")
 # native.c and its companions (native_*.c: kernels whose Python wrappers set their own argtypes on the loaded
 # library) are compiled into one library; the cache key hashes all of them, in name order.
@@ -190,6 +191,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.moechat_moe_decode.restype = i32
     lib.moechat_set_threads.argtypes = [i32]
     lib.moechat_set_threads.restype = None
+    lib.moechat_set_int8_i16.argtypes = [i32]
+    lib.moechat_set_int8_i16.restype = None
+    lib.moechat_set_int8_i16(0 if os.environ.get(INT8_I16_ENV, "1") == "0" else 1)
     lib.moechat_init()
     return lib
 
@@ -391,8 +395,8 @@ def fp8_decode(lib, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
 
 def round_x16(x: torch.Tensor) -> torch.Tensor:
-    """The x that int4_gemv (groups of 32) and mxfp4_gemv sum over for a bf16 x on the SIMD build (native.c's
-    integer path), as a slow reference in fp64: per 32-element block with max |x| = m 2^e (m in [0.5, 1)),
+    """The x that int4_gemv (groups of 32), mxfp4_gemv and int8_gemv (inputs a multiple of 32) sum over for a bf16 x
+    on the SIMD build (native.c's integer paths), as a slow reference in fp64: per 32-element block with max |x| = m 2^e (m in [0.5, 1)),
     round(x 2^(15-e)) to nearest even, times 2^(e-15); NaN for a block with a non-finite element. Within 2^-16 of
     the block's largest |x|; every element within 2^7 of it is exact."""
     b = x.double().reshape(*x.shape[:-1], -1, 32)  # [..., G, 32]

@@ -91,10 +91,12 @@ def test_fast_linear_equals_the_reference(name, which, rows, cols, block, n, dty
     t[f"{which}_bias"] = torch.randn(rows, generator=g).to(dtype)
     x = torch.randn(n, cols, generator=g).to(dtype)
     lib = native.library()
-    # one bf16 int4 token in groups of 32 on the SIMD kernels: sums over x rounded to 16 bits a block (test_native.py)
-    xr = (native.round_x16(x) if n == 1 and name == "int4" and cols % 32 == 0 and dtype == torch.bfloat16 and lib
-          and lib.moechat_simd() else x)
-    if n > 1 and name == "int4" and cols % 32 == 0 and prefill.integer_path(x, lib):  # int8 blocks (prefill.py)
+    # one bf16 int4/int8 token (blocks of 32) on the SIMD kernels: sums over x rounded to 16 bits a block
+    # (test_native.py); more tokens: over x rounded to int8 a block (prefill.py)
+    integer = name in ("int4", "int8") and cols % 32 == 0
+    xr = (native.round_x16(x) if n == 1 and integer and dtype == torch.bfloat16 and lib and lib.moechat_simd()
+          else x)
+    if n > 1 and integer and prefill.integer_path(x, lib):
         xr = prefill.round_x8(x)
     want = F.linear(xr.float(), fmt.weight(t, which, torch.float32), t[f"{which}_bias"].float())  # [n, rows]
     with torch.inference_mode():  # the engine's mode; the scratch buffers are reused outside it below

@@ -54,7 +54,7 @@ def _check_quantized(name: str, gemv, lib, rows: int, cols: int, dtype: torch.dt
     fmt = get_format(name)
     t = {f"w2_{k}": v for k, v in fmt.quantize(_w(rows, cols, rows + cols)).items()}
     x = _x(cols, dtype, cols)
-    integer_path = name == "int4" and cols % 32 == 0
+    integer_path = name in ("int4", "int8") and cols % 32 == 0
     _close(gemv(lib, x, t["w2_q"], t["w2_scale"]), _kernel_x(lib, x, integer_path), fmt.weight(t, "w2", torch.float32))
 
 
@@ -69,10 +69,34 @@ def test_int4(any_lib, rows, cols, dtype):
     _check_quantized("int4", native.int4_gemv, any_lib, rows, cols, dtype)
 
 
-@pytest.mark.parametrize("rows,cols", [(1, 1), (7, 15), (9, 17), (5, 100), (1536, 2048)])
+@pytest.mark.parametrize("rows,cols", [(1, 1), (7, 15), (9, 17), (5, 100), (3, 32), (11, 96), (1536, 2048)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8(any_lib, rows, cols, dtype):
     _check_quantized("int8", native.int8_gemv, any_lib, rows, cols, dtype)
+
+
+def test_int8_integer_path_rounds_x_and_its_switch_keeps_fp32(lib, monkeypatch):
+    """A bf16 x through int8 (inputs a multiple of 32) sums over round_x16(x) on the SIMD build: x's elements far
+    below their block's largest are rounded (so not F.linear over x bit for bit); MOECHAT_INT8_I16=0 (read at load)
+    switches the library to the fp32 path, whose sums are over x itself."""
+    if not lib.moechat_simd():
+        pytest.skip("the scalar build has no integer path")
+    t = get_format("int8").quantize(_w(29, 128, 2))
+    t["q"][:, 32:] = 0  # only the first block counts
+    t["q"][:, 0] = 0  # ... and in it only the elements that round
+    w = t["q"].float() * t["scale"][:, None]
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(1))
+    x[0, 0] = 8.0
+    x[0, 1:32] *= 1e-4  # rounded to the block's step, 2^-12: a large relative change
+    x = x.bfloat16()
+    xr = native.round_x16(x).float()
+    assert float((F.linear(xr, w) - F.linear(x.float(), w)).abs().max()) > 1e-3 * float(F.linear(x.float(), w).abs().max())
+    _close(native.int8_gemv(lib, x, t["q"], t["scale"]), xr, w)
+    try:
+        lib.moechat_set_int8_i16(0)
+        _close(native.int8_gemv(lib, x, t["q"], t["scale"]), x, w)
+    finally:
+        lib.moechat_set_int8_i16(1)
 
 
 @pytest.mark.parametrize("rows,cols,block", [(7, 15, (2, 4)), (9, 33, (4, 16)), (130, 300, (128, 128)),
@@ -147,8 +171,11 @@ def test_int4_every_fp16_scale(any_lib, cols, group, dtype):
 
 
 def _four_bit(name: str, rows: int, cols: int):
-    """(gemv(lib, x), weight fp32) of a random int4 (groups of 32) or MXFP4 matrix."""
+    """(gemv(lib, x), weight fp32) of a random int4 (groups of 32), MXFP4 or int8 matrix: the integer paths."""
     w = _w(rows, cols, 7)
+    if name == "int8":
+        t = get_format("int8").quantize(w)
+        return (lambda lib, x: native.int8_gemv(lib, x, t["q"], t["scale"])), t["q"].float() * t["scale"][:, None]
     if name == "mxfp4":
         blocks, scales = mxfp4.quantize(w)
         return (lambda lib, x: native.mxfp4_gemv(lib, x, blocks, scales)), mxfp4.dequantize_reference(blocks, scales)
@@ -157,7 +184,7 @@ def _four_bit(name: str, rows: int, cols: int):
         t, "w2", torch.float32)
 
 
-@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("name", ["int4", "mxfp4", "int8"])
 def test_integer_path_edges(lib, name):
     """bf16 blocks the rounding treats apart: all zero, subnormal, below 2^-113 (rounded in scalar code), a largest
     value of 1 - 2^-8 (2^15 - 128 as an integer), huge, one element alone, elements far below their block's largest
@@ -188,7 +215,7 @@ def test_integer_path_edges(lib, name):
     _close(gemv(lib, x.float()), x.float(), w)
 
 
-@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("name", ["int4", "mxfp4", "int8"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_integer_path_non_finite_x(lib, name, bad):
     """A NaN or infinite element makes every output NaN (as the fp32 sums would make them NaN or infinite): the
