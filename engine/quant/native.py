@@ -395,10 +395,10 @@ def fp8_decode(lib, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
 
 def round_x16(x: torch.Tensor) -> torch.Tensor:
-    """The x that int4_gemv (groups of 32), mxfp4_gemv and int8_gemv (inputs a multiple of 32) sum over for a bf16 x
-    on the SIMD build (native.c's integer paths), as a slow reference in fp64: per 32-element block with max |x| = m 2^e (m in [0.5, 1)),
-    round(x 2^(15-e)) to nearest even, times 2^(e-15); NaN for a block with a non-finite element. Within 2^-16 of
-    the block's largest |x|; every element within 2^7 of it is exact."""
+    """The x that int4_gemv (groups of 32), mxfp4_gemv and int8_gemv (inputs a multiple of 32) sum over for a bf16 x on
+    the SIMD build (native.c's integer paths), as a slow reference in fp64: per 32-element block with max |x| = m 2^e (m
+    in [0.5, 1)), round(x 2^(15-e)) to nearest even, times 2^(e-15); NaN for a block with a non-finite element. Within
+    2^-16 of the block's largest |x|; every element within 2^7 of it is exact."""
     b = x.double().reshape(*x.shape[:-1], -1, 32)  # [..., G, 32]
     mx = b.abs().amax(dim=-1, keepdim=True)  # [..., G, 1]
     _, e = torch.frexp(mx.float())
