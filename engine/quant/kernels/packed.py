@@ -247,11 +247,13 @@ X_GUARD_LOG2: tl.constexpr = tl.constexpr(14)
 
 
 @triton.jit
-def _x_guard(x_ptr, x_row, stride_x, n, ON: tl.constexpr, BLOCK: tl.constexpr = 1024):
+def _x_guard(x_ptr, x_row, stride_x, n, ON: tl.constexpr, UP: tl.constexpr = False, BLOCK: tl.constexpr = 1024):
     """(2^-e, 2^e) for the packed fp16 decode of x[x_row] (n elements), on the device (no host read): e the least
     e >= 0 with max|x| 2^-e < 2^X_GUARD_LOG2, so x 2^-e, an MXFP4 lane sum (<= 16 x 6 x 2^-6 of it) and the sum of
-    two lanes stay inside fp16 (65504); x 2^-e is exact (bf16 and fp16 keep their exponent range). One pass over
-    the row per program, before the K loop; (1, 1) where the decode keeps fp32 sums (ON false, or an fp32 x)."""
+    two lanes stay inside fp16 (65504); x 2^-e is exact (bf16 and fp16 keep their exponent range). UP: e may be
+    negative too (down to -112), so max|x| 2^-e lies in [2^(X_GUARD_LOG2 - 1), 2^X_GUARD_LOG2) (a decode whose
+    lanes sit low in fp16's range: quant_moe's int4 on sm_80/86). One pass over the row per program, before the
+    K loop; (1, 1) where the decode keeps fp32 sums (ON false, or an fp32 x)."""
     if ON and x_ptr.dtype.element_ty != tl.float32:
         base = x_ptr + x_row.to(tl.int64) * stride_x
         m = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -259,7 +261,10 @@ def _x_guard(x_ptr, x_row, stride_x, n, ON: tl.constexpr, BLOCK: tl.constexpr = 
             offs = k0 + tl.arange(0, BLOCK)
             m = tl.maximum(m, tl.abs(tl.load(base + offs, mask=offs < n, other=0.0).to(tl.float32)))
         top = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of max|x|
-        e = tl.maximum(top - (127 + X_GUARD_LOG2 - 1), 0)
+        if UP:
+            e = tl.maximum(top - (127 + X_GUARD_LOG2 - 1), -112)
+        else:
+            e = tl.maximum(top - (127 + X_GUARD_LOG2 - 1), 0)
         return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
     else:
         return 1.0, 1.0

@@ -22,14 +22,18 @@ runs tl.dot per group. One kernel source, the format a compile-time constant:
 * int4: bytes [rows, in/2] (low nibble the even element, code = q + 8) and fp16 group scales [rows, in/group],
   widened to fp32 after the load (exact: the product is weight()'s). The decode sums code x x and takes 8 sum(x)
   (shared by a thread's rows) off; from sm_89 a nibble byte goes through the e4m3 conversion (byte n is n x 2^-9),
-  and for a 16-bit x with groups of 32 the products run in fp16x2 on every target. From sm_89 mxfp4_moe's packed
-  decode (3 integer ops, 4 conversions and 4 packed FMAs a word of 8 codes, the lanes started at -8 x 2^-9 sum(x),
-  a fp16x2 sum shared by the thread's rows); on sm_80/86, with no e4m3 conversion, the magic-number decode (a
-  nibble OR'd under fp16 2.0 is 2 + code x 2^-9, one packed FMA makes (code - 8) 2^-9: 13 instructions a word).
-  Each chunk's lane sums round in fp16 (2^-11) and are added in fp16, the scale applied in fp32; x scaled on the
-  device below 2^14 first (mxfp4_moe._x_guard). SASS instructions a packed byte (bench/kernel_sass.py, 16 rows a
-  thread; a group's scale addresses a base that moves with the loop plus a fixed offset a row): w2 3.91 on sm_90
-  (from 3.95, 4.4; 7.9 before fp16x2), 4.31 on sm_80 (from 4.42, 8.84); w13 3.93 / 4.30 (from 4.10 / 4.48).
+  and for a 16-bit x with groups of 32 the products run in fp16x2 on every target, with no conversion
+  instruction: a word's nibbles t and t + 4 masked in place are the fp16 subnormals code x 2^-24 (nibbles 1, 3, 5,
+  7 16 code x 2^-24, their x carrying 2^-4), one packed FMA per two weights (5 integer ops and 4 packed FMAs a word
+  of 8 codes; sm_80/86 took 13 by magic numbers, sm_89+ 11 through the e4m3 conversion), the lanes started at
+  -8 x 2^-24 sum(x) (a fp16x2 sum shared by the thread's rows). x is first scaled on the device into [2^13, 2^14)
+  (packed._x_guard with UP: a power of two, exact), so a lane (|sum| <= 16 x 8 x 2^-24 2^14) stays finite and each
+  of its fp16 roundings errs by at most 2^-11 of the lane or fp16's subnormal step, 2^-25 (2^-14 max|x| in x's
+  units): a simulated K = 2048 row errs as the earlier 2^-9-scaled lanes did, ~4e-5 of sum |code x| (2.4e-4 with
+  1% outliers at 300x). Each chunk's lane sums are added in fp16, the scale applied in fp32. SASS instructions a
+  packed byte (bench/kernel_sass.py, 16 rows a thread; a group's scale addresses a base that moves with the loop
+  plus a fixed offset a row): w2 3.36 on sm_80, 3.41 on sm_86 / sm_89 / sm_90 (from 4.42, 4.43, 3.99, 3.95; 7.9
+  on sm_90 before fp16x2), w13 3.35 / 3.38 / 3.38 / 3.37 (from 4.48, 4.55, 4.11, 4.10).
 
 Bytes per Qwen3-30B-A3B decode step and layer (8 experts): bf16 75.5 MB, fp8 37.8, int8 37.9, int4 21.2 (codes
 + fp16 scales; 23.6 with fp32 scales); `bench/gpu_check.sh` runs the `gpu` tests and the rates
@@ -55,16 +59,13 @@ from .mxfp4_moe import (
     sum_pairs,
 )
 from .packed import (
-    _ASM,
     INTERPRET,
     _cvt_f16x2,
     _e4m3x4,
     _e4m3x4_int,
-    _fma_e4m3_word,
     _hfma2,
     _lane_sum,
     _x_guard,
-    _x_pairs16,
     hardware_fp8,
 )
 
@@ -173,55 +174,43 @@ def _scales(s_ptr, s_rows, s_row0, s_row1, col, rows_ok, cols_ok, S_COLS, MASKED
 
 
 @triton.jit
-def _x_sum16(xp, coef: tl.constexpr):
-    """coef x the lane sums of 16 uint32 words of fp16x2 (fp16 adds, one rounding each; coef a power of two, exact):
-    15 packed adds a block, where 31 fp32 adds and an FMA a row took its place."""
-    one = tl.full(xp[0].shape, 0x3C003C00, tl.uint32)  # fp16x2 (1, 1): a * 1 + c is c + a rounded once
-    t = xp[0]
-    for i in tl.static_range(1, 16):
-        t = _hfma2(xp[i], one, t)
-    return _hfma2(t, tl.full(xp[0].shape, coef, tl.uint32), tl.zeros(xp[0].shape, tl.uint32))
-
-
-@triton.jit
 def _x_pairs_t4(xs, mul):
-    """The 32 fp32 x of a 16-byte int4 chunk (element 8w + t: nibble t of word w), times `mul` -> 16 uint32 words
-    of fp16x2 in the magic decode's order: elements (t, t + 4) of each word w, t = 0..3."""
+    """The 32 fp32 x of a 16-byte int4 chunk (element 8w + t: nibble t of word w), times `mul` (_x_guard's power of
+    two) -> 16 uint32 words of fp16x2 in the sm_80 decode's order: elements (t, t + 4) of each word w, t = 0..3, the
+    odd t's times 2^-4 more (their nibbles weigh 16 code x 2^-24 in place). Exact for |x mul| >= 2^-13; below,
+    rounded to fp16's subnormal step (2^-25 after the 2^-4: 2^-38 of max|x mul| >= 2^13)."""
     ps = ()
     for w in tl.static_range(4):
         for t in tl.static_range(4):
-            ps = ps + (_cvt_f16x2(xs[8 * w + t] * mul, xs[8 * w + t + 4] * mul),)
+            m = mul * 0.0625 if t % 2 == 1 else mul
+            ps = ps + (_cvt_f16x2(xs[8 * w + t] * m, xs[8 * w + t + 4] * m),)
     return ps
 
 
 @triton.jit
-def _and_or(a, M: tl.constexpr, C: tl.constexpr):
-    """(a & M) | C in one lop3 (LLVM's and + or of two immediates compiles to two)."""
-    if _ASM:
-        return tl.inline_asm_elementwise(asm=f"lop3.b32 $0, $1, {M}, {C}, 0xEA;", constraints="=r,r", args=[a],
-                                         dtype=tl.uint32, is_pure=True, pack=1)
-    else:
-        return (a & M) | C
+def _x_start_t4(xp):
+    """The lanes' start for _fma_int4_sub_word: -8 x 2^-24 times the sum of each lane's x (x mul), from the pairs
+    of _x_pairs_t4 (the odd t's x 2^-4 weigh -2^-17, the even t's -2^-21: fp16 subnormals, exact), one packed FMA a
+    pair: 16 a chunk, shared by the thread's rows (the codes' - 8 at no cost a row)."""
+    even = tl.full(xp[0].shape, 0x80088008, tl.uint32)  # fp16x2 (-2^-21, -2^-21)
+    odd = tl.full(xp[0].shape, 0x80808080, tl.uint32)  # fp16x2 (-2^-17, -2^-17)
+    h = tl.zeros(xp[0].shape, tl.uint32)
+    for i in tl.static_range(16):
+        h = _hfma2(xp[i], odd if i % 2 == 1 else even, h)
+    return h
 
 
 @triton.jit
-def _fma_int4_magic_word(h, cw, xp, w: tl.constexpr):
-    """h += word w's eight int4 weights (code - 8) 2^-9 times their x pairs (_x_pairs_t4), in fp16x2 without a
-    conversion instruction: (cw & 0x000F000F) | fp16x2 (2, 2) is 2 + code 2^-9 for nibbles 0 and 4 (fp16's ulp at
-    2 is 2^-9), minus 2 + 8 2^-9 in one packed FMA; nibbles 1 and 5 in place give 2 + 16 code 2^-9, times 1/16
-    minus 1/8 + 2^-6; nibbles 2, 6 and 3, 7 the same from cw >> 8. Every step exact but the products' sums."""
-    zero = cw & 0  # the constants in the words' shape (folded by the compiler)
-    one = zero | 0x3C003C00  # fp16x2 (1, 1)
-    lo_off = zero | 0xC008C008  # -(2 + 8 2^-9)
-    sixteenth = zero | 0x2C002C00  # 2^-4
-    hi_off = zero | 0xB080B080  # -(2^-3 + 2^-6)
+def _fma_int4_sub_word(h, cw, xp, w: tl.constexpr):
+    """h += word w's eight int4 codes times their x pairs (_x_pairs_t4), in fp16x2 without a conversion
+    instruction: nibbles 0 and 4 of a word masked in place (cw & 0x000F000F) are the fp16 subnormals code x 2^-24,
+    nibbles 1 and 5 (cw & 0x00F000F0) 16 code x 2^-24 (their x carry the 2^-4), nibbles 2, 6 and 3, 7 the same
+    from cw >> 8: 5 integer ops and 4 packed FMAs a word of 8 codes (the - 8 is in the lanes' start, _x_start_t4).
+    The weights are exact; an FMA rounds only its sum, to fp16 (2^-11 of it, or the subnormal step 2^-25)."""
     hi8 = cw >> 8
     for t in tl.static_range(4):
         src = cw if t < 2 else hi8
-        if t % 2 == 0:
-            wt = _hfma2(_and_or(src, 0x000F000F, 0x40004000), one, lo_off)
-        else:
-            wt = _hfma2(_and_or(src, 0x00F000F0, 0x40004000), sixteenth, hi_off)
+        wt = src & (0x000F000F if t % 2 == 0 else 0x00F000F0)
         h = _hfma2(wt, xp[4 * w + t][None, :], h)
     return h
 
@@ -259,25 +248,17 @@ def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, s_row0, s_row1, w_ok, S_COL
                                  S_GROUPS, BLOCK_N)
                     acc += part * sc
                     part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
-        elif PACKED and not HW_CVT:  # int4 in fp16x2 without e4m3 hardware (sm_80/86; the interpreter's
-            # default): nibbles t and t + 4 of a word OR'd under fp16 2.0 are 2 + code 2^-9 (or 2 + 16 code 2^-9
-            # for the odd nibbles, in place), one packed FMA makes (code - 8) 2^-9 of both (exact), one more
-            # multiplies and adds: 13 instructions a word of 8 codes; the two lanes added in fp16, widened once
+        elif PACKED:  # int4 in fp16x2, every target (no conversion instruction: sm_80/86 have no e4m3 one, and
+            # from sm_89 this takes fewer instructions than the e4m3 route): nibbles t and t + 4 of a word masked in
+            # place are fp16 subnormals, code x 2^-24 (x 16 for the odd nibbles, whose x carry 2^-4), one packed FMA
+            # each: 9 instructions a word of 8 codes; each row's lanes start at -8 x 2^-24 sum(x) (shared by the
+            # thread's rows), the two lanes added in fp16, widened once
             xp = _x_pairs_t4(xs, x_mul)
-            h = tl.zeros((BLOCK_N, BG), dtype=tl.uint32)
+            h = tl.broadcast_to(_x_start_t4(xp)[None, :], (BLOCK_N, BG))
             for w in tl.static_range(4):
                 cw = (c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3).to(tl.uint32, bitcast=True)
-                h = _fma_int4_magic_word(h, cw, xp, w)
-            part = _lane_sum(h)  # a lane <= 16 x 8 x 2^-9 2^14, the sum of two finite
-        elif PACKED:  # int4 in fp16x2 (sm_89+): a nibble byte is the e4m3 of code x 2^-9, converted two bytes an
-            # instruction, two packed FMAs a byte; each row's lanes start at -8 x 2^-9 sum(x) (fp16x2, shared by
-            # the thread's rows: the code's - 8 at no cost a row), the two lanes added in fp16, widened once
-            xp = _x_pairs16(xs, x_mul)
-            h = tl.broadcast_to(_x_sum16(xp, 0xA400A400)[None, :], (BLOCK_N, BG))  # fp16x2 (-2^-6, -2^-6)
-            for w in tl.static_range(4):
-                cw = (c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3).to(tl.uint32, bitcast=True)
-                h = _fma_e4m3_word(h, cw & 0x0F0F0F0F, (cw >> 4) & 0x0F0F0F0F, xp, w)
-            part = _lane_sum(h)  # a lane <= 16 x 8 x 2^-9 2^14, the sum of two finite
+                h = _fma_int4_sub_word(h, cw, xp, w)
+            part = _lane_sum(h)  # a lane's |sum| <= 16 x 8 x 2^-24 2^14 = 2^-3
         else:  # int4: element 8w + 2b (+ 1) is byte b's low (high) nibble of word w; code - 8 summed as
             # sum(code x) - 8 sum(x), the second shared by the thread's rows
             part = tl.zeros((BLOCK_N, BG), dtype=tl.float32)
@@ -346,8 +327,8 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
     words_at = (w_ptr.to(tl.pointer_type(tl.uint32)) + (rows[:, None, None] * KW + 4 * g[None, :, None]
                                                          + i4[None, None, :]))  # [BN, BG, 4]
     XPW: tl.constexpr = 1 if X32 else 2  # x elements in a word
-    # int4 with a 16-bit x and a scale a chunk: products in fp16x2 (each 16-term lane sum rounds in fp16, 2^-11;
-    # a lane sum stays below 16 x 15 x 2^-9 max|x|), from sm_89 and under the interpreter (its twin of the conversion)
+    # int4 with a 16-bit x and a scale a chunk: products in fp16x2 on every target and under the interpreter (each
+    # 16-term lane sum rounds in fp16, 2^-11 or the subnormal step; a lane stays below 16 x 8 x 2^-24 2^14)
     PACKED: tl.constexpr = FMT == 2 and (not X32) and GB % 16 == 0
     x_base = x_ptr.to(tl.pointer_type(tl.uint32)) + x_row.to(tl.int64) * (stride_x // XPW)
     x_off = (N_ELEM // XPW) * g[:, None] + i4[None, :]  # [BG, 4] the first x words of each chunk
@@ -374,7 +355,7 @@ def _gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, s_rows, w_ok, KB, S_COLS
     if FMT == 0 and not HW_CVT:
         out = out * 256.0  # the codes' 2^-8
     if FMT == 2 and PACKED:
-        out = out * (512.0 * x_inv)  # the codes' 2^-9, x's 2^-e
+        out = out * (16777216.0 * x_inv)  # the codes' 2^-24, x's 2^-e
     elif FMT == 2 and HW_CVT:
         out = out * 512.0  # the codes' 2^-9
     return out
@@ -457,7 +438,7 @@ def _w13_decode_kernel(x_ptr, stride_x, w_ptr0, s_ptr0, bias_ptr, ids_ptr, map_p
         w_ptr = w_ptr0 + slot64 * stride_wc
         s_ptr = s_ptr0 + slot64 * stride_sc
         token = pair // TOPK
-        x_mul, x_inv = _x_guard(x_ptr, token, stride_x, 2 * KB, FMT == 2 and GB % 16 == 0)
+        x_mul, x_inv = _x_guard(x_ptr, token, stride_x, 2 * KB, FMT == 2 and GB % 16 == 0, True)
         rows2, ok2 = _gate_up_tile(BLOCK_N, N, CLAMPED)  # one GEMV over the gate and up rows: x decoded once
         # FP8 blocks of B0 rows, B0 a multiple of the tile: the gate rows share a scale row, and the up rows
         j0 = tl.program_id(1) * BLOCK_N
@@ -490,8 +471,7 @@ def _w2_decode_kernel(act_ptr, stride_act, w_ptr0, s_ptr0, bias_ptr, weights_ptr
         slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
         if slot >= 0:
             slot64 = slot.to(tl.int64)
-            x_mul, x_inv = _x_guard(act_ptr, pair, stride_act, 2 * KB,
-                                    FMT == 2 and GB % 16 == 0)
+            x_mul, x_inv = _x_guard(act_ptr, pair, stride_act, 2 * KB, FMT == 2 and GB % 16 == 0, True)
             # FP8 blocks of B0 rows, B0 a multiple of the tile: one scale row for the tile
             y = _gemv(act_ptr, pair, stride_act, w_ptr0 + slot64 * stride_wc, s_ptr0 + slot64 * stride_sc, j, j // B0,
                       j_ok, KB, S_COLS, x_mul, x_inv, GB, FMT, BLOCK_N, BLOCK_KB, HW_CVT,
@@ -521,7 +501,7 @@ def _decode_configs(which: str, fmt: str = "int4") -> list[triton.Config]:
     holds BLOCK_N / num_warps rows of its chunk (x decoded once for them; w13's one GEMV takes the tile's gate and
     up rows, twice BLOCK_N); w2 has only T x H / BLOCK_N programs. The first (one warp, 16 rows a thread) keeps x
     in the codes' layout (no shared-memory pass): the one bench/kernel_sass.py counts. int4's packed decode shares
-    its x conversion over 16 rows (3.91 SASS instructions a byte on sm_90 against 4.4 over 8), and so does FP8's w2
+    its x conversion over 16 rows (3.41 SASS instructions a byte on sm_90), and so does FP8's w2
     (its tile's rows one scale load: 3.83 on sm_80, 2.82 on sm_90, against 3.95 / 2.95 over 8, no spills); int8's
     w2 keeps 8 (16 rows spill on sm_90)."""
     if INTERPRET:

@@ -1,6 +1,6 @@
 """The lop3 instructions of the packed decode's inline PTX against their pure-Triton twins, on the CPU.
 
-The compiled kernels (kernels/packed.py's E2M1 -> e4m3 bytes, kernels/quant_moe.py's int4 magic-number OR)
+The compiled kernels (kernels/packed.py's E2M1 -> e4m3 bytes and sm_80/86's e4m3 -> fp16 bits)
 run `lop3.b32 d, a, b, c, LUT` where the interpreter runs the twin's and / or / shift formula, so the interpreter
 tests never see the PTX. Here each PTX string is read from the module source, its lop3 evaluated by the
 instruction's definition (bit i of d is bit (a_i << 2 | b_i << 1 | c_i) of LUT), and the result compared with the
@@ -51,16 +51,6 @@ def test_e2m1_as_e4m3_ptx_is_its_twin():
     highs = ((w >> np.uint32(2)) & np.uint32(0x1C1C1C1C)) | (w & np.uint32(0x80808080))
     np.testing.assert_array_equal(got["0"], lows)
     np.testing.assert_array_equal(got["1"], highs)
-
-
-def test_int4_magic_and_or_ptx_is_its_twin():
-    src = (KERNELS / "quant_moe.py").read_text()
-    m = re.search(r'lop3\.b32 \$0, \$1, \{M\}, \{C\}, (0x[0-9A-Fa-f]+);', src)
-    assert m, "the and-or lop3 of _and_or"
-    w = _words()
-    for mask in (0x000F000F, 0x00F000F0):
-        got = lop3(w, np.full_like(w, mask), np.full_like(w, 0x40004000), int(m.group(1), 16))
-        np.testing.assert_array_equal(got, (w & np.uint32(mask)) | np.uint32(0x40004000))
 
 
 def test_e4m3x4_int_ptx_is_its_twin():

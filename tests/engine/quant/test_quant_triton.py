@@ -43,7 +43,8 @@ class Case:
     block: tuple[int, int] = (16, 32)  # fp8 only
     lookup: bool = False  # the kernels get the routed expert ids and the layer's slot map, not slot ids
     x_gain: int = 0  # x scaled by 2^x_gain: past fp16's range, the packed decode's guard scales it on the device
-    hw_e4m3: bool = False  # int4: the sm_89+ packed decode (through e4m3 bytes) instead of sm_80's magic numbers
+    hw_e4m3: bool = False  # the kernels told the device converts e4m3 (sm_89+): its twin runs in the interpreter
+    x_flat: bool = False  # x = 2^x_gain (1.2 + 0.01 randn): every lane's x near max|x|
 
     @property
     def name(self) -> str:
@@ -51,7 +52,8 @@ class Case:
                 f"{'-bias' if self.bias else ''}-{str(self.dtype).removeprefix('torch.')}-H{self.H}-I{self.I}"
                 f"{f'-K{self.K}' if self.K != 2 else ''}"
                 f"{f'-b{self.block[0]}x{self.block[1]}' if self.fmt == 'fp8' else ''}{'-map' if self.lookup else ''}"
-                f"{f'-x2^{self.x_gain}' if self.x_gain else ''}{'-e4m3' if self.hw_e4m3 else ''}")
+                f"{f'-x2^{self.x_gain}' if self.x_gain else ''}{'-flat' if self.x_flat else ''}"
+                f"{'-e4m3' if self.hw_e4m3 else ''}")
 
 
 def format_of(case: Case):
@@ -95,7 +97,8 @@ def make_problem(case: Case, device: str = "cpu", seed: int = 0):
     if case.bias:
         tensors["w13_bias"] = (torch.randn(C, 2 * I, generator=g) * 0.2).to(case.dtype)
         tensors["w2_bias"] = (torch.randn(C, H, generator=g) * 0.2).to(case.dtype)
-    x = (torch.randn(T, H, generator=g) * 2.0**case.x_gain).to(case.dtype)
+    x = torch.randn(T, H, generator=g)
+    x = ((1.2 + 0.01 * x if case.x_flat else x) * 2.0**case.x_gain).to(case.dtype)
     topk_ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
     topk_weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)  # [T, K] fp32
     slot_ids = slot_of[topk_ids]  # [T, K]
@@ -193,14 +196,19 @@ INTERPRETED += [Case("fp8", "swiglu", 3, "gemv", "some-absent", True, torch.bflo
                 Case("int8", "swiglu", 8, None, "all", True, torch.bfloat16, E=6, K=4),
                 Case("fp8", "swiglu", 1, None, "all", True, H=64, I=48, block=(16, 8)),
                 Case("int4", "swiglu", 2, "gemv", "all", True, H=48, I=80)]
-# int4 in fp16x2 (a bf16 x, groups of 32 on both sides: the packed decode in w13 and w2), a partial last tile: the
-# magic-number decode (sm_80/86, the interpreter's default) and the e4m3 one (sm_89+); an x of 2^20 (fp16 would
-# overflow) through both, swiglu so w2's activations are huge too
+# int4 in fp16x2 (a bf16 x, groups of 32 on both sides: the packed decode in w13 and w2, code x 2^-24 as fp16
+# subnormals on every target), a partial last tile, with and without the e4m3 hardware flag; an x of 2^20 (fp16
+# would overflow), swiglu so w2's activations are huge too
 INTERPRETED += [Case("int4", "clamped_swiglu", 3, "gemv", "some", True, torch.bfloat16, bias=True, H=64, I=96),
                 Case("int4", "clamped_swiglu", 3, "gemv", "some", True, torch.bfloat16, bias=True, H=64, I=96,
                      hw_e4m3=True),
                 Case("int4", "swiglu", 2, "gemv", "all", True, torch.bfloat16, H=64, I=64, x_gain=20),
-                Case("int4", "swiglu", 2, "gemv", "all", True, torch.bfloat16, H=64, I=64, x_gain=20, hw_e4m3=True)]
+                Case("int4", "swiglu", 2, "gemv", "all", True, torch.bfloat16, H=64, I=64, x_gain=20, hw_e4m3=True),
+                # a tiny x (2^-20, no residual to hide it): the guard scales it up into [2^13, 2^14) first, so the
+                # lanes stay off fp16's subnormals; a flat x near 2^14 (each lane's x sum past fp16's range before
+                # the start's -2^-21 applies)
+                Case("int4", "swiglu", 2, "gemv", "all", False, torch.bfloat16, H=64, I=64, x_gain=-20),
+                Case("int4", "swiglu", 2, "gemv", "all", False, torch.bfloat16, H=64, I=64, x_gain=14, x_flat=True)]
 # the same bits whatever slots hold the experts (the k-sum in the kernel, in k order, no atomics)
 MOVED = [Case("int8", "swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
          Case("int4", "clamped_swiglu", 2, "gemv", "some-absent", True, bias=True, lookup=True)]
