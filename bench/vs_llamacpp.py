@@ -2,8 +2,10 @@
 
 Two models at real widths with fewer layers (flags give the issue's or the full counts):
   - Qwen3-30B-A3B-shaped (hidden 2048, 128 experts of 768, top-8, vocabulary 151,936), bf16 weights, run as
-    bf16 / int8 / int4 experts in moechat (int8 and int4 with `dense_format="int8"`, bf16 with native dense)
-    against llama.cpp's BF16 / Q8_0 / Q4_0 (or `--q4 Q4_K_M`) of the same checkpoint;
+    bf16 / int8 / int4 experts in moechat (int8 with `dense_format="int8"`, int4 with `dense_format="int4"`:
+    attention in 4 bits and the LM head in int8, as llama.cpp's Q4_0 keeps attention in Q4_0 and its output matrix
+    in Q6_K; bf16 with native dense) against llama.cpp's BF16 / Q8_0 / Q4_0 (or `--q4 Q4_K_M`) of the same
+    checkpoint;
   - GPT-OSS-20B-shaped (hidden 2880, 32 experts of 2880, top-4, vocabulary 201,088, sliding window, sinks,
     biases), experts in MXFP4 as shipped (random codes and scales: speed does not depend on the values), dense in
     bf16: moechat's native MXFP4 against the GGUF llama.cpp's converter makes from it (MXFP4 experts, bf16 rest).
@@ -76,7 +78,7 @@ GPT_OSS = {
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
 }
 # row -> (moechat expert_format, moechat dense_format, llama.cpp type); "q4" is filled from --q4
-ROWS = {"bf16": (None, "native", "BF16"), "int8": ("int8", "int8", "Q8_0"), "int4": ("int4", "int8", "q4"),
+ROWS = {"bf16": (None, "native", "BF16"), "int8": ("int8", "int8", "Q8_0"), "int4": ("int4", "int4", "q4"),
         "mxfp4": (None, "native", "MXFP4")}
 
 
