@@ -18,8 +18,13 @@ against the bf16 tolerance's 2^-6), are added in fp16 and widened and scaled in 
 packed byte on sm_90 with 16 rows a thread (w2; w13 4.58), from 4.9 and 8.7 before (bench/kernel_sass.py; this
 decode's floor is 3.5: 6 + 4 + 4 a word). fp16 holds x only below ~43,000 (a lane reaches 1.5 max|x|):
 _x_guard scales x by 2^-e on the device, e the least making max|x| < 2^14 (one max pass over the row per
-program, no host read; exact, as bf16's and fp16's exponents reach far below), and the sum back by 2^e. An fp32 x
-(and sm_80/86) keeps the fp32 FMA chain, E2M1 as fp16 bits in place or e4m3 bytes, exact to fp32 rounding.
+program, no host read; exact, as bf16's and fp16's exponents reach far below), and the sum back by 2^e. On
+sm_80/86 (no e4m3 conversion) a 16-bit x takes fp16x2 too: nibbles t and t + 4 of a word shifted straight under
+fp16's lowest exponent bits (the values x 2^-14, e = 0 fp16's subnormal; 15 integer ops and 4 packed FMAs a word),
+x scaled on the device into [2^13, 2^14) (_x_guard UP, so a lane, <= 96, stays clear of fp16's subnormals but
+for a step of 2^-25, 2^-24 max|x|): 5.70 SASS instructions a packed byte on sm_80 (w2; w13 5.77), 5.71 / 5.83 on
+sm_86, from the fp32 chain's 8.37 / 8.43 and 9.39 / 9.50. An fp32 x keeps the fp32 FMA chain, E2M1 as fp16 bits
+in place or e4m3 bytes, exact to fp32 rounding.
 
 Prefill (more tokens per expert): pairs sorted by slot on the device and padded to BLOCK_M rows per slot (no host
 sync: the grid is the upper bound, groups past the end hold slot -1 and return at once); tl.dot on tensor cores,
@@ -39,18 +44,20 @@ import triton
 import triton.language as tl
 
 from .packed import (
-    _ASM,
     INTERPRET,
     _e2m1,
     _e2m1_as_e4m3,
+    _e2m1_f16x2,
     _e2m1_pair,
     _e4m3x4,
     _e8m0,
     _f16_pair,
     _fma_e4m3_word,
+    _hfma2,
     _lane_sum,
     _x_guard,
     _x_pairs16,
+    _x_pairs_t4,
     hardware_fp8,
 )
 
@@ -168,7 +175,7 @@ def _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, x_mul, MASKED: 
     c1, c3 = tl.split(b)
     # element 8w + t of a block is nibble t of its word w
     xs = _x_chunk(x_at + k0 * (32 // XPW), x_off, (G - k0) * (32 // XPW), 32, X32, XF16, MASKED)
-    if PACKED:  # fp16x2: a block's 32 products in two lanes of 16 packed FMAs, widened to fp32 once
+    if PACKED and HW_CVT:  # fp16x2: a block's 32 products in two lanes of 16 packed FMAs, widened to fp32 once
         xp = _x_pairs16(xs, x_mul)
         h = tl.zeros((BLOCK_N, BG), dtype=tl.uint32)
         for w in tl.static_range(4):
@@ -176,6 +183,18 @@ def _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, x_mul, MASKED: 
             lows, highs = _e2m1_as_e4m3(cw.to(tl.uint32, bitcast=True))
             h = _fma_e4m3_word(h, lows, highs, xp, w)
         part = _lane_sum(h)  # <= 2 x 1.5 x 2^14: finite
+    elif PACKED:  # fp16x2 without e4m3 hardware (sm_80/86, the interpreter's default): nibbles t and t + 4 of a
+        # word shifted under fp16's lowest exponent bits (_e2m1_pair's bits: the values x 2^-14, e = 0 fp16's
+        # subnormal), 15 integer ops and 4 packed FMAs a word of 8 codes; x scaled into [2^13, 2^14) first
+        xp = _x_pairs_t4(xs, x_mul)
+        h = tl.zeros((BLOCK_N, BG), dtype=tl.uint32)
+        for w in tl.static_range(4):
+            cw = (c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3).to(tl.uint32, bitcast=True)
+            h = _hfma2(_e2m1_f16x2(cw, 9, 12), xp[4 * w][None, :], h)
+            h = _hfma2(_e2m1_f16x2(cw, 5, 8), xp[4 * w + 1][None, :], h)
+            h = _hfma2(_e2m1_f16x2(cw, 1, 4), xp[4 * w + 2][None, :], h)
+            h = _hfma2(_e2m1_f16x2(cw, -3, 0), xp[4 * w + 3][None, :], h)
+        part = _lane_sum(h)  # a lane <= 16 x 6 x 2^-14 2^14 = 96
     else:
         part = _e2m1_block(c0, c1, c2, c3, xs, BLOCK_N, BG, HW_CVT)
     # 2^(s - 126), twice the scale, one instruction (s = 0 stays normal; s = 254 overflows, as its weights do)
@@ -194,10 +213,10 @@ def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB, x_mul, 
     X32: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
     XF16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     XPW: tl.constexpr = 1 if X32 else 2  # x elements in a word
-    # a 16-bit x: products in fp16x2 (exact: 2 bits of code x bf16's 8 fit fp16's 11; each 16-term lane sum rounds
-    # in fp16, 2^-11), from sm_89 and under the interpreter (its twin of the conversion); |x| < 43000 keeps a lane
-    # sum (<= 16 x 6 x 2^-6 max|x|) and x itself inside fp16
-    PACKED: tl.constexpr = (not X32) and (HW_CVT or not _ASM)
+    # a 16-bit x: products in fp16x2 on every target (exact: 2 bits of code x bf16's 8 fit fp16's 11; each 16-term
+    # lane sum rounds in fp16, 2^-11): from sm_89 through e4m3 bytes (|x| < 43000 keeps a lane sum, <= 16 x 6 x 2^-6
+    # max|x|, and x itself inside fp16), else the values x 2^-14 in fp16 bits (x in [2^13, 2^14): a lane <= 96)
+    PACKED: tl.constexpr = not X32
     KW = KB // 4  # words per packed row
     G = KB // 16
     g = tl.arange(0, BG)  # [BG]
@@ -216,8 +235,10 @@ def _packed_gemv(x_ptr, x_row, stride_x, w_ptr, s_ptr, w_rows, w_ok, KB, x_mul, 
     if G_FULL < G:
         acc = _packed_block(acc, words_at, s_at, x_at, x_off, G_FULL, G, w_ok, x_mul, True, BLOCK_N, BG, X32, XF16,
                             XPW, HW_CVT, PACKED)
-    if PACKED:  # the codes' 2^-6, the 2 above, x's 2^-e
+    if PACKED and HW_CVT:  # the codes' 2^-6, the 2 above, x's 2^-e
         return tl.sum(acc, axis=1) * (32.0 * x_inv)
+    elif PACKED:  # the codes' 2^-14, the 2 above, x's 2^-e
+        return tl.sum(acc, axis=1) * (8192.0 * x_inv)
     else:
         return tl.sum(acc, axis=1) * (32.0 if HW_CVT else 8192.0)  # the codes' 2^-6 or 2^-14, the 2 above
 
@@ -380,7 +401,7 @@ def _w13_decode_kernel(x_ptr, stride_x, blocks_ptr, scales_ptr, bias_ptr, ids_pt
         w_ptr = blocks_ptr + slot64 * stride_bc
         s_ptr = scales_ptr + slot64 * stride_sc
         token = pair // TOPK
-        x_mul, x_inv = _x_guard(x_ptr, token, stride_x, 2 * KB, HW_CVT or not _ASM)
+        x_mul, x_inv = _x_guard(x_ptr, token, stride_x, 2 * KB, True, not HW_CVT)
         rows2, ok2 = _gate_up_tile(BLOCK_N, N, CLAMPED)
         gate, up = _split_gate_up(_packed_gemv(x_ptr, token, stride_x, w_ptr, s_ptr, rows2, ok2, KB, x_mul, x_inv,
                                                2 * BLOCK_N, BLOCK_KB, HW_CVT), BLOCK_N)
@@ -409,7 +430,7 @@ def _w2_decode_kernel(act_ptr, stride_act, blocks_ptr, scales_ptr, bias_ptr, wei
         slot = _pair_slot(ids_ptr, map_ptr, pair, HAS_MAP)
         if slot >= 0:
             slot64 = slot.to(tl.int64)
-            x_mul, x_inv = _x_guard(act_ptr, pair, stride_act, 2 * KB, HW_CVT or not _ASM)
+            x_mul, x_inv = _x_guard(act_ptr, pair, stride_act, 2 * KB, True, not HW_CVT)
             y = _packed_gemv(act_ptr, pair, stride_act, blocks_ptr + slot64 * stride_bc,
                              scales_ptr + slot64 * stride_sc, j, j_ok, KB, x_mul, x_inv, BLOCK_N, BLOCK_KB, HW_CVT)
             if HAS_BIAS:

@@ -56,6 +56,35 @@ def _e2m1_pair(words, EM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_f16x2(words, EM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
+    """Nibbles t and t + 4 of each uint32 of E2M1 codes -> a uint32 word of fp16x2, the values x 2^-14, exactly:
+    _e2m1_pair's bits (e1 e0 m under fp16's lowest exponent bits and top mantissa bit, the sign at bit 15) before
+    the widening, for fma.rn.f16x2 (two shifts and two logic ops a pair, one for nibbles 3, 7: SIGN_SHIFT 0)."""
+    if EM_SHIFT >= 0:
+        em = words << EM_SHIFT
+    else:
+        em = words >> -EM_SHIFT
+    if SIGN_SHIFT == 0:
+        sign = words
+    else:
+        sign = words << SIGN_SHIFT
+    return (em & 0x0E000E00) | (sign & 0x80008000)
+
+
+@triton.jit
+def _x_pairs_t4(xs, mul, ODD: tl.constexpr = 1.0):
+    """The 32 fp32 x of a 16-byte block of nibble codes (element 8w + t: nibble t of word w), times `mul`
+    (_x_guard's power of two, exact) -> 16 uint32 words of fp16x2 in the order of decodes that pair nibbles t and
+    t + 4 of a word: elements (t, t + 4) of each word w, t = 0..3, the odd t's times ODD (a power of two) more."""
+    ps = ()
+    for w in tl.static_range(4):
+        for t in tl.static_range(4):
+            m = mul * ODD if t % 2 == 1 else mul
+            ps = ps + (_cvt_f16x2(xs[8 * w + t] * m, xs[8 * w + t + 4] * m),)
+    return ps
+
+
+@triton.jit
 def _e4m3x4(words):
     """uint32 words of four e4m3 bytes -> their values as four fp32 tensors, byte 0 first: the hardware's
     cvt.rn.f16x2.e4m3x2 (sm_89 and later; every e4m3 value is exact in fp16) and the exact widening, 6

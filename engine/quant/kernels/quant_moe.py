@@ -60,12 +60,12 @@ from .mxfp4_moe import (
 )
 from .packed import (
     INTERPRET,
-    _cvt_f16x2,
     _e4m3x4,
     _e4m3x4_int,
     _hfma2,
     _lane_sum,
     _x_guard,
+    _x_pairs_t4,
     hardware_fp8,
 )
 
@@ -174,20 +174,6 @@ def _scales(s_ptr, s_rows, s_row0, s_row1, col, rows_ok, cols_ok, S_COLS, MASKED
 
 
 @triton.jit
-def _x_pairs_t4(xs, mul):
-    """The 32 fp32 x of a 16-byte int4 chunk (element 8w + t: nibble t of word w), times `mul` (_x_guard's power of
-    two) -> 16 uint32 words of fp16x2 in the sm_80 decode's order: elements (t, t + 4) of each word w, t = 0..3, the
-    odd t's times 2^-4 more (their nibbles weigh 16 code x 2^-24 in place). Exact for |x mul| >= 2^-13; below,
-    rounded to fp16's subnormal step (2^-25 after the 2^-4: 2^-38 of max|x mul| >= 2^13)."""
-    ps = ()
-    for w in tl.static_range(4):
-        for t in tl.static_range(4):
-            m = mul * 0.0625 if t % 2 == 1 else mul
-            ps = ps + (_cvt_f16x2(xs[8 * w + t] * m, xs[8 * w + t + 4] * m),)
-    return ps
-
-
-@triton.jit
 def _x_start_t4(xp):
     """The lanes' start for _fma_int4_sub_word: -8 x 2^-24 times the sum of each lane's x (x mul), from the pairs
     of _x_pairs_t4 (the odd t's x 2^-4 weigh -2^-17, the even t's -2^-21: fp16 subnormals, exact), one packed FMA a
@@ -253,7 +239,9 @@ def _gemv_tile(acc, c, xs, k0, KW, g, s_ptr, s_rows, s_row0, s_row1, w_ok, S_COL
             # place are fp16 subnormals, code x 2^-24 (x 16 for the odd nibbles, whose x carry 2^-4), one packed FMA
             # each: 9 instructions a word of 8 codes; each row's lanes start at -8 x 2^-24 sum(x) (shared by the
             # thread's rows), the two lanes added in fp16, widened once
-            xp = _x_pairs_t4(xs, x_mul)
+            # x pairs (t, t + 4), the odd t's x 2^-4: exact for |x mul| >= 2^-13, below rounded to fp16's
+            # subnormal step (2^-25: 2^-38 of max|x mul| >= 2^13)
+            xp = _x_pairs_t4(xs, x_mul, 0.0625)
             h = tl.broadcast_to(_x_start_t4(xp)[None, :], (BLOCK_N, BG))
             for w in tl.static_range(4):
                 cw = (c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3).to(tl.uint32, bitcast=True)

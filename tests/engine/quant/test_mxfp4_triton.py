@@ -39,13 +39,14 @@ class Case:
     gain: int = 0  # w13 scaled by 2^gain: 2 drives GPT-OSS's clamp (|gate| > 7) on a fair share of outputs
     lookup: bool = False  # the kernels get the routed expert ids and the layer's slot map, not slot ids
     x_gain: int = 0  # x scaled by 2^x_gain: past fp16's range, the packed decode's guard scales it on the device
+    hw_e4m3: bool = False  # the kernels told the device converts e4m3 (sm_89+'s decode): its twin runs here
 
     @property
     def name(self) -> str:
         return (f"{self.kind}-T{self.T}-{self.mode or 'auto'}-{self.pairs}{'-res' if self.residual else ''}-"
                 f"{str(self.dtype).removeprefix('torch.')}-H{self.H}{f'-gain{self.gain}' if self.gain else ''}"
                 f"{f'-K{self.K}' if self.K != 2 else ''}{'-map' if self.lookup else ''}"
-                f"{f'-x2^{self.x_gain}' if self.x_gain else ''}")
+                f"{f'-x2^{self.x_gain}' if self.x_gain else ''}{'-e4m3' if self.hw_e4m3 else ''}")
 
 
 def _packed(g: torch.Generator, *lead: int, cols: int, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +121,16 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0, moved: int = 0) -> 
             slot_map = torch.where(slot_map >= 0, perm[slot_map.long().clamp(min=0)].to(torch.int32), -1)
         else:
             slot_ids = torch.where(slot_ids >= 0, perm[slot_ids.long().clamp(min=0)], -1)
-    got = mxfp4_moe(x, tw, slot_ids, tensors, ExpertActivation(case.kind), residual=residual, pairs=pairs,
-                    mode=case.mode, slot_map=slot_map)
+    from moechat.engine.quant.kernels import mxfp4_moe as mm
+
+    hardware_fp8 = mm.hardware_fp8
+    if case.hw_e4m3:  # the interpreter runs the e4m3 conversion's twin: the sm_89+ decode, on the CPU
+        mm.hardware_fp8 = lambda device: True
+    try:
+        got = mxfp4_moe(x, tw, slot_ids, tensors, ExpertActivation(case.kind), residual=residual, pairs=pairs,
+                        mode=case.mode, slot_map=slot_map)
+    finally:
+        mm.hardware_fp8 = hardware_fp8
     assert got.dtype == case.dtype and got.shape == want.shape
     return got.float().cpu(), want
 
@@ -154,8 +163,13 @@ INTERPRETED += [Case("clamped_swiglu", 1, None, "all", True, lookup=True),
                 Case("swiglu", 5, "grouped", "some", False, lookup=True),
                 Case("clamped_swiglu", 8, None, "all", True, torch.bfloat16, H=96, I=32, E=6, K=4)]
 # an x of 2^20 (fp16 would overflow): the packed fp16 decode's guard scales x by a power of two on the device, in
-# w13 and (swiglu: huge activations) in w2
-INTERPRETED += [Case("swiglu", 2, "gemv", "all", True, torch.bfloat16, x_gain=20)]
+# w13 and (swiglu: huge activations) in w2; sm_80/86's decode (the interpreter's default: the values x 2^-14 in
+# fp16, x scaled up into [2^13, 2^14) too: a tiny x without a residual) and sm_89+'s through e4m3 bytes
+INTERPRETED += [Case("swiglu", 2, "gemv", "all", True, torch.bfloat16, x_gain=20),
+                Case("swiglu", 2, "gemv", "all", True, torch.bfloat16, x_gain=20, hw_e4m3=True),
+                Case("swiglu", 2, "gemv", "all", False, torch.bfloat16, x_gain=-20),
+                Case("clamped_swiglu", 3, "gemv", "some-absent", True, torch.bfloat16, H=96, I=160, hw_e4m3=True),
+                Case("swiglu", 2, "gemv", "all", False, torch.bfloat16, H=160, I=96, E=3, K=3, hw_e4m3=True)]
 # the same bits whatever slots hold the experts (the k-sum in the kernel, in k order, no atomics)
 MOVED = [Case("clamped_swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
          Case("swiglu", 2, "gemv", "some-absent", True, lookup=True)]
