@@ -18,13 +18,13 @@ against the bf16 tolerance's 2^-6), are added in fp16 and widened and scaled in 
 packed byte on sm_90 with 16 rows a thread (w2; w13 4.58), from 4.9 and 8.7 before (bench/kernel_sass.py; this
 decode's floor is 3.5: 6 + 4 + 4 a word). fp16 holds x only below ~43,000 (a lane reaches 1.5 max|x|):
 _x_guard scales x by 2^-e on the device, e the least making max|x| < 2^14 (one max pass over the row per
-program, no host read; exact, as bf16's and fp16's exponents reach far below), and the sum back by 2^e. On
-sm_80/86 (no e4m3 conversion) a 16-bit x takes fp16x2 too: nibbles t and t + 4 of a word shifted straight under
-fp16's lowest exponent bits (the values x 2^-14, e = 0 fp16's subnormal; 15 integer ops and 4 packed FMAs a word),
-x scaled on the device into [2^13, 2^14) (_x_guard UP, so a lane, <= 96, stays clear of fp16's subnormals but
-for a step of 2^-25, 2^-24 max|x|): 5.70 SASS instructions a packed byte on sm_80 (w2; w13 5.77), 5.71 / 5.83 on
-sm_86, from the fp32 chain's 8.37 / 8.43 and 9.39 / 9.50. An fp32 x keeps the fp32 FMA chain, E2M1 as fp16 bits
-in place or e4m3 bytes, exact to fp32 rounding.
+program, no host read; exact, as bf16's and fp16's exponents reach far below), and the sum back by 2^e. On sm_80/86
+(no e4m3 conversion) a 16-bit x takes fp16x2 too: nibbles t and t + 4 of a word shifted straight under fp16's lowest
+exponent bits (the values x 2^-14, e = 0 fp16's subnormal; 14 integer ops, packed._e2m1_f16x2x4, and 4 packed FMAs a
+word), x scaled on the device into [2^13, 2^14) (_x_guard UP: a lane stays <= 96, and fp16's subnormal step, 2^-25,
+is 2^-24 of max|x|): 5.45 SASS instructions a packed byte on sm_80 (w2; w13 5.52), 5.46 / 5.58 on
+sm_86, from the fp32 chain's 8.37 / 8.43 and 9.39 / 9.50. An fp32 x keeps the fp32 FMA chain, E2M1 as fp16 bits in
+place or e4m3 bytes, exact to fp32 rounding.
 
 Prefill (more tokens per expert): pairs sorted by slot on the device and padded to BLOCK_M rows per slot (no host
 sync: the grid is the upper bound, groups past the end hold slot -1 and return at once); tl.dot on tensor cores,
@@ -47,7 +47,7 @@ from .packed import (
     INTERPRET,
     _e2m1,
     _e2m1_as_e4m3,
-    _e2m1_f16x2,
+    _e2m1_f16x2x4,
     _e2m1_pair,
     _e4m3x4,
     _e8m0,
@@ -185,15 +185,16 @@ def _packed_block(acc, words_at, s_at, x_at, x_off, k0, G, w_ok, x_mul, MASKED: 
         part = _lane_sum(h)  # <= 2 x 1.5 x 2^14: finite
     elif PACKED:  # fp16x2 without e4m3 hardware (sm_80/86, the interpreter's default): nibbles t and t + 4 of a
         # word shifted under fp16's lowest exponent bits (_e2m1_pair's bits: the values x 2^-14, e = 0 fp16's
-        # subnormal), 15 integer ops and 4 packed FMAs a word of 8 codes; x scaled into [2^13, 2^14) first
+        # subnormal), 14 integer ops and 4 packed FMAs a word of 8 codes; x scaled into [2^13, 2^14) first
         xp = _x_pairs_t4(xs, x_mul)
         h = tl.zeros((BLOCK_N, BG), dtype=tl.uint32)
         for w in tl.static_range(4):
             cw = (c0 if w == 0 else c1 if w == 1 else c2 if w == 2 else c3).to(tl.uint32, bitcast=True)
-            h = _hfma2(_e2m1_f16x2(cw, 9, 12), xp[4 * w][None, :], h)
-            h = _hfma2(_e2m1_f16x2(cw, 5, 8), xp[4 * w + 1][None, :], h)
-            h = _hfma2(_e2m1_f16x2(cw, 1, 4), xp[4 * w + 2][None, :], h)
-            h = _hfma2(_e2m1_f16x2(cw, -3, 0), xp[4 * w + 3][None, :], h)
+            p0, p1, p2, p3 = _e2m1_f16x2x4(cw)
+            h = _hfma2(p0, xp[4 * w][None, :], h)
+            h = _hfma2(p1, xp[4 * w + 1][None, :], h)
+            h = _hfma2(p2, xp[4 * w + 2][None, :], h)
+            h = _hfma2(p3, xp[4 * w + 3][None, :], h)
         part = _lane_sum(h)  # a lane <= 16 x 6 x 2^-14 2^14 = 96
     else:
         part = _e2m1_block(c0, c1, c2, c3, xs, BLOCK_N, BG, HW_CVT)

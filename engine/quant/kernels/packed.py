@@ -72,6 +72,39 @@ def _e2m1_f16x2(words, EM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_f16x2x4(words):
+    """uint32 words of eight E2M1 codes -> the four fp16x2 words of _e2m1_f16x2 (nibbles t and t + 4, t = 0..3), the
+    values x 2^-14. In PTX 14 integer ops a word, where the four pairs apart take 15: the signs masked once and
+    moved by 4 once (s, s4); each pair's signs are whole bytes of s or s4 (prmt, or a mask), whose other sign bits
+    fall under the e m field, so one bit-select lop3 per pair places the shifted e m bits and the signs."""
+    if _ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 s, s4, t, b, z;
+            mov.b32 z, 0;
+            and.b32 s, $4, 0x88888888;
+            shl.b32 s4, s, 4;
+            shl.b32 t, $4, 9;
+            prmt.b32 b, s4, z, 0x2404;
+            lop3.b32 $0, t, b, 0x0E000E00, 0xE4;
+            shl.b32 t, $4, 5;
+            prmt.b32 b, s, z, 0x2404;
+            lop3.b32 $1, t, b, 0x0E000E00, 0xE4;
+            shl.b32 t, $4, 1;
+            and.b32 b, s4, 0xFF00FF00;
+            lop3.b32 $2, t, b, 0x0E000E00, 0xE4;
+            shr.b32 t, $4, 3;
+            and.b32 b, $4, 0x88008800;
+            lop3.b32 $3, t, b, 0x0E000E00, 0xE4;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True, pack=1)
+    else:
+        return (_e2m1_f16x2(words, 9, 12), _e2m1_f16x2(words, 5, 8), _e2m1_f16x2(words, 1, 4),
+                _e2m1_f16x2(words, -3, 0))
+
+
+@triton.jit
 def _x_pairs_t4(xs, mul, ODD: tl.constexpr = 1.0):
     """The 32 fp32 x of a 16-byte block of nibble codes (element 8w + t: nibble t of word w), times `mul`
     (_x_guard's power of two, exact) -> 16 uint32 words of fp16x2 in the order of decodes that pair nibbles t and

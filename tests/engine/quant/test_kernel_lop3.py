@@ -86,3 +86,67 @@ def test_e4m3x4_int_ptx_is_its_twin():
         got_v = half.astype(np.uint16).view(np.float16).astype(np.float32)
         ok = ~np.isnan(want)  # 0x7F / 0xFF (NaN, refused at load) read as 480 x 2^-8
         np.testing.assert_array_equal(got_v[ok], want[ok])
+
+
+def prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    """PTX prmt.b32 (default mode) by its definition: output byte i is byte (nibble i of sel) & 7 of {b, a} (a's
+    bytes 0..3, b's 4..7); a nibble with bit 3 set would replicate that byte's sign (not used here)."""
+    src = [(a >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)] + \
+          [(b >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)]
+    out = np.zeros_like(a)
+    for i in range(4):
+        n = (sel >> (4 * i)) & 0xF
+        assert n < 8
+        out |= src[n] << np.uint32(8 * i)
+    return out
+
+
+def test_e2m1_f16x2x4_ptx_is_its_twin():
+    """sm_80/86's MXFP4 decode for a 16-bit x (kernels/packed.py _e2m1_f16x2x4): the PTX run op by op (and, shifts,
+    prmt, lop3) against the twin's four _e2m1_f16x2 formulas, and the halves are the E2M1 values x 2^-14."""
+    src = (KERNELS / "packed.py").read_text()
+    body = src[src.index("def _e2m1_f16x2x4"):]
+    asm = body[body.index('asm="""') + 7:].split('"""', 1)[0]
+    w = _words()
+    z = np.zeros_like(w)
+    reg = {"$4": w, "z": z}
+
+    def val(op: str) -> np.ndarray:
+        return reg[op] if op in reg else np.full_like(w, int(op, 0))
+
+    ops = re.findall(r"^\s*(\w+(?:\.\w+)*) (.*?);$", asm, re.M)
+    assert [o for o, _ in ops if not o.startswith(".reg")][:3] == ["mov.b32", "and.b32", "shl.b32"]
+    for op, args in ops:
+        if op.startswith(".reg"):
+            continue
+        a = [x.strip() for x in args.split(",")]
+        d = a[0]
+        if op == "mov.b32":
+            reg[d] = val(a[1])
+        elif op == "and.b32":
+            reg[d] = val(a[1]) & val(a[2])
+        elif op == "shl.b32":
+            reg[d] = val(a[1]) << np.uint32(int(a[2]))
+        elif op == "shr.b32":
+            reg[d] = val(a[1]) >> np.uint32(int(a[2]))
+        elif op == "prmt.b32":
+            reg[d] = prmt(val(a[1]), val(a[2]), int(a[3], 0))
+        elif op == "lop3.b32":
+            reg[d] = lop3(val(a[1]), val(a[2]), val(a[3]), int(a[4], 0))
+        else:
+            raise AssertionError(op)
+
+    def twin(em: int, sign: int) -> np.ndarray:  # _e2m1_f16x2
+        e = w << np.uint32(em) if em >= 0 else w >> np.uint32(-em)
+        return (e & np.uint32(0x0E000E00)) | ((w << np.uint32(sign)) & np.uint32(0x80008000))
+
+    for out, (em, sign) in zip(("$0", "$1", "$2", "$3"), ((9, 12), (5, 8), (1, 4), (-3, 0))):
+        np.testing.assert_array_equal(reg[out], twin(em, sign))
+    # the halves: code c of nibble t (t + 4 in the high half) is its E2M1 value x 2^-14
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    for t, out in enumerate(("$0", "$1", "$2", "$3")):
+        for half in range(2):
+            code = (w >> np.uint32(4 * t + 16 * half)) & np.uint32(0xF)
+            bits = (reg[out] >> np.uint32(16 * half)) & np.uint32(0xFFFF)
+            got = bits.astype(np.uint16).view(np.float16).astype(np.float64) * 2.0**14
+            np.testing.assert_array_equal(got, e2m1[code])
