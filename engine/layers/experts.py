@@ -37,7 +37,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from ..quant import native
+from ..quant import native, prefill
 from ..quant.base import ExpertFormat
 from .moe import SWIGLU, ExpertActivation, ExpertBatch, combine  # noqa: F401 - combine re-exported
 from .moe_device import MapBatch, map_expert_compute
@@ -90,9 +90,20 @@ def _expert_views(batch: ExpertBatch) -> list[dict[str, torch.Tensor]]:
     return _cached_views("expert", batch, _expert_lists)[0]
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) for a plain expert matrix; the few bf16 tokens an expert sees in a CPU prefill through
+    native_prefill_bf16.c (fp32 sums rounded once to bf16, as F.linear rounds; 1.4-2.9x torch's GEMM at 4-8 tokens)."""
+    if x.shape[0] > 1 and prefill.bf16_path(x, w, lib := native.decode_library()):
+        return prefill.finish(prefill.bf16(lib, x, w), x.dtype, None)
+    if x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and w.is_contiguous() \
+            and (lib := native.library()) is not None:  # an expert's one token of a prefill: the GEMV, not MKL's
+        return native.bf16_gemv(lib, x, w, x.dtype)
+    return F.linear(x, w)
+
+
 def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # [n, I], [n, I]
-    return F.linear(F.silu(gate) * up, w2)  # [n, H]
+    gate, up = _linear(x, w13).chunk(2, dim=-1)  # [n, I], [n, I]
+    return _linear(F.silu(gate) * up, w2)  # [n, H]
 
 
 def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) -> torch.Tensor:
@@ -105,6 +116,11 @@ def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) 
         h = act(native.bf16_gemv(lib, x, tensors["w13"], x.dtype))  # [1, I]
         return native.bf16_gemv(lib, h, tensors["w2"], x.dtype)  # [1, H]
     return fmt.linear(act(fmt.linear(x, tensors, "w13")), tensors, "w2")
+
+
+def _plain_bf16(*ws: torch.Tensor) -> bool:
+    """Contiguous bf16 matrices: what native.c's bf16 GEMV reads."""
+    return all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in ws)
 
 
 def _bf16_dense_lib(x: torch.Tensor, fmt: ExpertFormat, tensors):
@@ -277,12 +293,19 @@ def expert_compute(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
         ks = range(K) if pairs is None else pairs.tolist()
         slots = slot_ids[0].tolist()
         if contrib is not None:  # as below, each weighted output into its own fp32 row (add_ into zeros)
-            w13s, _, w2ts = _slot_views(batch)
+            w13s, w2s, w2ts = _slot_views(batch)
             inter = w2.shape[-1]
             weights = topk_weights[0].tolist()
+            lib = native.library() if hidden_states.dtype == torch.bfloat16 and hidden_states.is_cpu else None
             for k in ks:
-                gate_up = F.linear(hidden_states, w13s[slots[k]])  # [1, 2I]
-                y = torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2ts[slots[k]])  # [1, H]
+                if lib is not None and _plain_bf16(w13s[slots[k]], w2s[slots[k]]):
+                    # native.c's GEMVs (~20 GB/s where torch's one-row bf16 GEMM reads ~12; fp32 sums, each output
+                    # rounded once, as F.linear's)
+                    gate_up = native.bf16_gemv(lib, hidden_states, w13s[slots[k]], dtype)  # [1, 2I]
+                    y = native.bf16_gemv(lib, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2s[slots[k]], dtype)
+                else:
+                    gate_up = F.linear(hidden_states, w13s[slots[k]])  # [1, 2I]
+                    y = torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2ts[slots[k]])  # [1, H]
                 contrib[k].add_(y[0], alpha=weights[k])
             return None
         if topk_weights.device.type == "cpu":

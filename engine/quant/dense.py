@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from . import native, prefill
 from .base import ExpertFormat, TensorSpec, projection_shape, register
 
 
@@ -22,7 +23,12 @@ class DenseFormat(ExpertFormat):
         return tensors[which].to(dtype)
 
     def linear(self, x: torch.Tensor, tensors: Mapping[str, torch.Tensor], which: str) -> torch.Tensor:
-        return F.linear(x, tensors[which], tensors.get(f"{which}_bias"))
+        w, bias = tensors[which], tensors.get(f"{which}_bias")
+        if x.shape[0] > 1 and prefill.bf16_path(x, w, lib := native.decode_library()):
+            # the few tokens an expert sees in prefill: native_prefill_bf16.c (AVX-512 BF16 tiles, fp32 sums,
+            # rounded once to bf16 as F.linear rounds; MOECHAT_PREFILL_KERNEL=0 keeps torch's GEMM for the A/B)
+            return prefill.finish(prefill.bf16(lib, x, w), x.dtype, bias)
+        return F.linear(x, w, bias)
 
 
 DENSE = register(DenseFormat())

@@ -79,6 +79,10 @@ def _type(lib) -> None:
             f.argtypes = [p, i64, p, p, i64, i64, p, i64]
             f.restype = ctypes.c_int
         lib.moechat_prefill_q8_isa.restype = ctypes.c_int
+    if hasattr(lib, "moechat_prefill_bf16"):
+        lib.moechat_prefill_bf16.argtypes = [p, i64, p, i64, i64, p, i64]
+        lib.moechat_prefill_bf16.restype = ctypes.c_int
+        lib.moechat_prefill_bf16_isa.restype = ctypes.c_int
     setattr(lib, _TYPED, True)
 
 
@@ -207,6 +211,36 @@ def int8_integer(x: torch.Tensor, q: torch.Tensor, lib) -> bool:
     (`integer_path`), contiguous codes with inputs in blocks of 32."""
     return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 1 and q.is_contiguous()
             and q.shape[1] % Q8_BLOCK == 0 and available(lib) and integer_path(x, lib))
+
+
+def has_bf16(lib) -> bool:
+    """Whether `lib` has the bf16 many-token kernel (native_prefill_bf16.c: a build targeting AVX-512 BF16)."""
+    if lib is None or not hasattr(lib, "moechat_prefill_bf16_isa"):
+        return False
+    if not getattr(lib, _TYPED, False):
+        _type(lib)
+    return bool(lib.moechat_prefill_bf16_isa())
+
+
+def bf16_path(x: torch.Tensor, w: torch.Tensor, lib) -> bool:
+    """Whether x [T, in] @ w^T takes the bf16 kernel: more than one bf16 token on the CPU, a contiguous bf16 w whose
+    input is a multiple of 32, the kernels on (`available`) and built with AVX-512 BF16."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 1
+            and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() and w.shape[1] % 32 == 0
+            and x.shape[1] == w.shape[1] and available(lib) and has_bf16(lib))
+
+
+def bf16(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, in] bf16 @ w^T (w [R, in] bf16, contiguous) -> [T, R] fp32: exact products, fp32 sums, within `bound`
+    of F.linear(x.float(), w.float())."""
+    rows, cols = w.shape
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or cols % 32 or not w.is_contiguous():
+        raise ValueError("the bf16 prefill kernel reads bf16 x and a contiguous bf16 weight, inputs in blocks of 32")
+    xc = x.contiguous()
+    y = _out(xc.shape[0], rows, None)
+    _call(lib, lib.moechat_prefill_bf16, "bf16", xc.data_ptr(), xc.shape[0], w.data_ptr(), rows, cols, y.data_ptr(),
+          y.stride(0))
+    return y
 
 
 def fp8(lib, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

@@ -1,0 +1,126 @@
+"""The bf16 many-token kernel (native_prefill_bf16.c through quant/prefill.py `bf16`): within `bound` of F.linear in
+fp64 at odd shapes (rows not a multiple of its 4-row tile, token counts around its 6-token tile), the same bits at
+1, 2, 3 threads and in any batch, NaN and infinity carried, the dispatch (bf16 experts' few-token products in a CPU
+prefill take it, one token the bf16 GEMV, MOECHAT_PREFILL_KERNEL=0 torch's GEMM) and an engine's bf16 prefill the
+same tokens through it as through torch's GEMM. Skips where this CPU build has no AVX-512 BF16."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moechat.engine.layers import experts
+from moechat.engine.quant import native, prefill
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def bf16_lib(lib):
+    if not prefill.has_bf16(lib):
+        pytest.skip("this CPU build has no AVX-512 BF16: torch's GEMM runs")
+    return lib
+
+
+def _xw(T: int, rows: int, cols: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 3).bfloat16()
+    w = (torch.randn(rows, cols, generator=g) / cols**0.5).bfloat16()
+    return x, w
+
+
+@pytest.mark.parametrize("T", [2, 5, 6, 7, 13])
+@pytest.mark.parametrize("rows,cols", [(37, 64), (4, 32), (3, 96), (130, 2048)])
+def test_within_the_bound_of_the_reference(bf16_lib, T, rows, cols):
+    x, w = _xw(T, rows, cols, T * rows + cols)
+    got = prefill.bf16(bf16_lib, x, w)
+    assert got.dtype == torch.float32 and got.shape == (T, rows)
+    err = (got.double() - F.linear(x.double(), w.double())).abs()
+    assert bool((err <= prefill.bound(x.float(), w.float())).all())
+
+
+@pytest.fixture
+def torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_same_bits_at_any_thread_count_and_in_any_batch(bf16_lib, torch_threads):
+    x, w = _xw(40, 517, 512, 1)  # a ragged last row tile; enough rows for 3 threads
+    outs = []
+    for n in (1, 2, 3):
+        torch.set_num_threads(n)
+        outs.append(prefill.bf16(bf16_lib, x, w))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.set_num_threads(1)
+    for t in (0, 7, 39):
+        assert torch.equal(prefill.bf16(bf16_lib, x[t : t + 1].repeat(4, 1), w)[0], outs[0][t])
+
+
+def test_non_finite_x_is_carried(bf16_lib):
+    x, w = _xw(4, 9, 64, 2)
+    x[1, 5] = float("nan")
+    x[2, 40] = float("inf")
+    y = prefill.bf16(bf16_lib, x, w)
+    assert bool(y[1].isnan().all()) and not bool(y[2].isfinite().all())
+    assert bool(y[0].isfinite().all()) and bool(y[3].isfinite().all())
+
+
+def test_bad_shapes_are_refused(bf16_lib):
+    x, w = _xw(3, 8, 48, 3)
+    assert not prefill.bf16_path(x, w, bf16_lib)  # an input that is not a multiple of 32
+    with pytest.raises(ValueError):
+        prefill.bf16(bf16_lib, x, w)
+    x, w = _xw(3, 8, 64, 3)
+    assert not prefill.bf16_path(x.float(), w, bf16_lib)  # fp32 x: torch's exact GEMM
+    assert not prefill.bf16_path(x[:1], w, bf16_lib)  # one token: the GEMV
+    assert not prefill.bf16_path(x, w.t().contiguous().t(), bf16_lib)  # a strided weight
+
+
+def test_the_expert_linear_takes_it(bf16_lib, monkeypatch):
+    x, w = _xw(6, 40, 96, 4)
+    calls = []
+    real = prefill.bf16
+    monkeypatch.setattr(prefill, "bf16", lambda *a: calls.append(1) or real(*a))
+    got = experts._linear(x, w)
+    assert calls and got.dtype == torch.bfloat16
+    assert torch.equal(got, real(bf16_lib, x, w).to(torch.bfloat16))  # rounded once, as F.linear rounds
+    calls.clear()
+    one = experts._linear(x[:1], w)  # one token: native.c's GEMV
+    assert not calls and torch.equal(one, native.bf16_gemv(bf16_lib, x[:1], w, torch.bfloat16))
+    monkeypatch.setenv(prefill.ENV, "0")  # the A/B switch: torch's GEMM
+    off = experts._linear(x, w)
+    assert not calls and torch.equal(off, F.linear(x, w))
+
+
+def test_a_bf16_engine_prefills_the_same_tokens_through_it(tiny_models, monkeypatch, bf16_lib):
+    """A tiny qwen3_moe (hidden 64) in bf16 on the CPU: the prompt's experts take the kernel, and the greedy tokens
+    equal those through torch's GEMM (fp32 sums in another order, the same tokens on this prompt)."""
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
+
+    path, _ = tiny_models["qwen3_moe"]
+    greedy = SamplingParams(temperature=0.0, do_sample=False)
+    prompt = list(range(3, 40))
+    calls = []
+    real = prefill.bf16
+    monkeypatch.setattr(prefill, "bf16", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        eng = Engine.load(path, dtype="bfloat16")
+        try:
+            chunks = eng.generate(prompt, sampling=greedy, max_tokens=6, stop_on_eos=False)
+            return [t for c in chunks for t in c.token_ids]
+        finally:
+            eng.close()
+
+    with_kernel = run()
+    assert calls
+    monkeypatch.setenv(prefill.ENV, "0")
+    calls.clear()
+    assert run() == with_kernel
+    assert not calls
