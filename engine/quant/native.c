@@ -327,7 +327,12 @@ static int x16_make(const uint16_t *x, int64_t cols, int off, X16 *o) {
     return 0;
 }
 
+#ifndef I16_AHEAD
 #define I16_AHEAD 4096 /* bytes (1-8 KB measured alike) */
+#endif
+#ifndef I16_HINT
+#define I16_HINT _MM_HINT_T0
+#endif
 enum { K_INT4, K_MXFP4 };
 /* 2 x E2M1 + 12 for each code (0..24) */
 static const int8_t E2M1_X2_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -388,7 +393,7 @@ static inline __attribute__((always_inline)) float i16_row(const X16 *xq, const 
         __m256 s8 = i16_scales(scale, r * G + 2 * p, 8, kind);
         for (int k = 0; k < 4; k++) {
             const uint8_t *b = row + (p + k) * 32;
-            PF(b, (p + k) * 32, I16_AHEAD);
+            if (((p + k) & 1) == 0) _mm_prefetch((const char *)b + I16_AHEAD, I16_HINT);
             acc = i16_pair(xq, p + k, _mm256_loadu_si256((const __m256i *)b), _mm256_permutevar8x32_ps(s8, pairs[k]),
                            acc, kind);
         }
@@ -760,6 +765,12 @@ static int int8_gemv_f32(const void *x, int x_bf16, const int8_t *q, const float
  * time over four accumulators (a fixed order: the same bits at any thread count), 4 KB prefetched ahead. torch
  * 2.13's one-row bf16 GEMM read such a matrix at ~12 GB/s on a 26 GB/s core; this loop at ~22 (C harness,
  * [151936, 2048], one thread). */
+#ifndef BF16_AHEAD
+#define BF16_AHEAD 4096 /* bytes */
+#endif
+#ifndef BF16_HINT
+#define BF16_HINT _MM_HINT_T0
+#endif
 #if SIMD
 static inline __m256 bf16_w8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -777,7 +788,7 @@ static int bf16_gemv_f32(const void *x, int x_bf16, const uint16_t *w, int64_t r
 #if SIMD
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (; j + 32 <= cols; j += 32) {
-            _mm_prefetch((const char *)(p + j + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + j) + BF16_AHEAD, BF16_HINT);
             a0 = _mm256_fmadd_ps(bf16_w8(p + j), _mm256_loadu_ps(xf + j), a0);
             a1 = _mm256_fmadd_ps(bf16_w8(p + j + 8), _mm256_loadu_ps(xf + j + 8), a1);
             a2 = _mm256_fmadd_ps(bf16_w8(p + j + 16), _mm256_loadu_ps(xf + j + 16), a2);

@@ -105,8 +105,8 @@ def integer_path(x: torch.Tensor, lib) -> bool:
 
 
 def _threads(lib) -> None:
-    """The pool's thread count follows torch's (as native.py's kernels do)."""
-    n = torch.get_num_threads()
+    """The pool's thread count follows torch's (as native.py's kernels do), unless native.pin_threads fixed it."""
+    n = getattr(lib, "moechat_pinned", None) or torch.get_num_threads()
     if getattr(lib, "moechat_threads", None) != n:
         lib.moechat_set_threads(n)
         lib.moechat_threads = n
