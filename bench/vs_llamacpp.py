@@ -413,7 +413,9 @@ def worker(args) -> None:
     """One moechat measurement in this process: load, one generation, a JSON line on stdout."""
     import torch
 
-    torch.set_num_threads(int(args.threads))
+    from moechat.engine.plan.hardware.cores import set_threads
+
+    set_threads(torch, int(args.threads))  # as the CLI's --threads: up to 2, torch's ops on one, the pool on all
     from moechat.engine.runtime.generate import Engine
     from moechat.engine.runtime.sampling import SamplingParams
 

@@ -42,6 +42,19 @@ TINY_MODELS = {
 
 
 @pytest.fixture(autouse=True)
+def _unpin_native_threads():
+    """`set_threads` (the CLI, the app's bridge, tests of it) pins native.c's pool at its count; after each test the
+    pool follows torch's count again, so a test that varies torch.set_num_threads measures what it says."""
+    yield
+    import sys
+
+    native = sys.modules.get("moechat.engine.quant.native")
+    lib = native._STATE.get("lib") if native is not None else None
+    if lib is not None and getattr(lib, "moechat_pinned", None) is not None:
+        native.pin_threads(lib, None)
+
+
+@pytest.fixture(autouse=True)
 def _private_cache_dir(tmp_path_factory, monkeypatch):
     """Routing profiles and other cache files go to a fresh directory per test, never to ~/.cache."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))

@@ -38,9 +38,9 @@ def _max_threads() -> int:
 def _threads_help() -> str:
     from moechat.engine.plan.hardware.cores import default_threads_help  # no torch
 
-    return ("CPU threads that compute (torch's and the native kernels' pools, set once at load; the greedy tokens "
-            f"are the same at any N). Default: {default_threads_help()}; a second thread on the 2-core machine "
-            "measured slower (bench/threads.py); OMP_NUM_THREADS when set")
+    return ("CPU threads that compute (the native kernels' pool, and torch's ops on one thread up to 2, on N from 3; "
+            f"set once at load; the greedy tokens are the same at any N). Default: {default_threads_help()}; "
+            "OMP_NUM_THREADS when set")
 
 
 threads = _at_most(_max_threads(), "threads", "more than any machine moechat runs on has cores")
@@ -255,7 +255,7 @@ def load_engine_from_args(args: argparse.Namespace, check=None):
 
     from moechat.engine.runtime.generate import Engine
 
-    set_threads(torch, getattr(args, "threads", None))  # default every core but one, as the app's
+    set_threads(torch, getattr(args, "threads", None))  # default_threads(), as the app's
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if check is not None:
         check(args, device)

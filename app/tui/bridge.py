@@ -162,7 +162,7 @@ def load_engine(model: str, options: LoadOptions, progress: Callable[[str], None
     quiet_openmp()  # before torch loads its OpenMP runtime: idle workers sleep, not spin
     import torch
 
-    set_threads(torch, options.threads)  # default: one core left for the UI thread
+    set_threads(torch, options.threads)  # default_threads(): from 3 cores one is left for the UI thread
     from moechat.engine.cache.provider import CacheConfig
     from moechat.engine.runtime.generate import Engine
 

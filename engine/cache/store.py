@@ -60,8 +60,11 @@ _POOL_LOCK = threading.Lock()
 
 
 def read_threads() -> int:
-    """Threads a fill or a big scan uses: torch's intra-op count (--threads), at most 8."""
-    return max(1, min(torch.get_num_threads(), 8))
+    """Threads a fill or a big scan uses: the compute threads (--threads: native.c's pool where `set_threads` pinned
+    it, else torch's intra-op count), at most 8."""
+    lib = _native()
+    n = getattr(lib, "moechat_pinned", None) if lib is not None else None
+    return max(1, min(n or torch.get_num_threads(), 8))
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -31,7 +31,7 @@ def test_commands_that_do_not_compute_have_no_threads(command):
     assert "--threads" not in _help(command)
 
 
-@pytest.mark.parametrize("cores, want", [(1, "here 1 of 1 usable core)"), (2, "here 1 of 2 usable cores)"),
+@pytest.mark.parametrize("cores, want", [(1, "here 1 of 1 usable core)"), (2, "here 2 of 2 usable cores)"),
                                          (16, "here 15 of 16 usable cores)")])
 def test_default_threads_help_per_core_count(cores, want):
     assert default_threads_help(cores).endswith(want)

@@ -115,9 +115,25 @@ def test_set_threads_default_and_environment(monkeypatch):
     assert hardware.set_threads(torch, 1) == 1  # --threads wins over the environment
 
 
-@pytest.mark.parametrize("cores, want", [(1, 1), (2, 1), (3, 2), (64, 63)])
-def test_default_threads_leaves_a_core(cores, want):
+@pytest.mark.parametrize("cores, want", [(1, 1), (2, 2), (3, 2), (64, 63)])
+def test_default_threads_leaves_a_core_from_three(cores, want):
     assert hardware.default_threads(cores) == want
+
+
+def test_up_to_two_threads_torch_runs_on_one_and_the_pool_on_all():
+    lib = native.library()
+    if lib is None:
+        pytest.skip(native.status())
+    before = torch.get_num_threads()
+    try:
+        assert hardware.set_threads(torch, 2) == 2 and torch.get_num_threads() == 1 and lib.moechat_threads == 2
+        torch.set_num_threads(1)
+        native._threads(lib)  # a kernel call checks the count: the pinned pool stays at 2
+        assert lib.moechat_threads == 2
+        assert hardware.set_threads(torch, 3) == 3 and torch.get_num_threads() == 3 and lib.moechat_threads == 3
+    finally:
+        native.pin_threads(lib, None)
+        torch.set_num_threads(before)
 
 
 def test_set_threads_refuses_zero_with_what_to_do():
