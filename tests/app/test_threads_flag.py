@@ -45,7 +45,7 @@ def test_run_loads_with_the_threads_asked(capsys):
     before = torch.get_num_threads()
     try:
         assert main(["run", "--threads", "2", "--prompt-ids", "5,6,7", "--max-tokens", "2", "--temperature", "0"]) == 0
-        assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1  # up to 2 threads torch's ops run on one, the native pool on both
         lib = native.library()
         assert lib is None or lib.moechat_threads == 2
     finally:

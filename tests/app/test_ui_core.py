@@ -1,4 +1,4 @@
-"""The app leaves one core to the UI thread: torch's pool gets every other one, unless the user chose."""
+"""The app's compute threads: every core on 1-2 cores, one left to the UI thread from 3, unless the user chose."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import pytest
 
 from moechat.engine.plan.hardware import leave_a_core as leave_a_core_for_the_ui
+from moechat.engine.plan.hardware.cores import torch_threads
 
 
 class FakeTorch:
@@ -20,13 +21,15 @@ class FakeTorch:
         self.threads = n
 
 
-@pytest.mark.parametrize("cores, threads, want", [(2, 2, 1), (16, 16, 15), (1, 1, 1), (8, 4, 4)])
-def test_torch_gets_every_core_but_one(monkeypatch, cores, threads, want):
+@pytest.mark.parametrize("cores, threads, want", [(2, 2, 2), (16, 16, 15), (1, 1, 1), (8, 4, 4)])
+def test_every_core_but_one_from_three(monkeypatch, cores, threads, want):
+    """Compute threads: every core on 1-2 cores, every core but one from 3, never more than a pool already made
+    smaller; torch's own ops on one thread up to 2 (native.c's pool takes them all)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     torch = FakeTorch(threads)
-    assert leave_a_core_for_the_ui(torch) == want and torch.threads == want
+    assert leave_a_core_for_the_ui(torch) == want and torch.threads == torch_threads(want)
 
 
 def test_an_explicit_thread_count_is_kept(monkeypatch):

@@ -82,7 +82,9 @@ def set_threads(torch, threads: int | None = None) -> int:
             if lib is not None:
                 native.pin_threads(lib, None)  # the pool follows torch's count, as the user set it
             return torch.get_num_threads()
-        threads = min(usable_cores(), default_threads())
+        # a pool already made smaller is kept (the pinned count where an earlier set_threads pinned it)
+        prior = getattr(lib, "moechat_pinned", None) if lib is not None else None
+        threads = min(prior or torch.get_num_threads(), default_threads())
     if not 1 <= threads <= MAX_THREADS:
         from ...errors import ConfigError
 
@@ -94,7 +96,8 @@ def set_threads(torch, threads: int | None = None) -> int:
 
 
 def leave_a_core(torch) -> int:
-    """Give torch's CPU thread pool every core but one; returns the pool's size (`set_threads` with the default).
+    """The app's default threads (`set_threads` with `default_threads()`: every core on 1-2 cores, torch's ops on
+    one of them; every core but one from 3); returns the compute threads.
 
     torch runs an op on one thread per core, and an OpenMP op waits at its barrier for its slowest thread: when
     any other thread (the app's UI, another process) takes a core, a descheduled worker stalls every op. On the
