@@ -182,6 +182,38 @@ static int xshare(void *ctx, int64_t a, int64_t b) { /* tokens [a, b) */
     return 0;
 }
 
+#if IQ_ISA == 3
+typedef __m512i RV; /* RG rows' dwords, one a 32-bit lane */
+#elif IQ_ISA
+typedef __m256i RV;
+#endif
+#if IQ_ISA
+/* the 16 bytes at `off` of each of the RG rows (a NULL row reads zeros) -> D[m]: dword m of every row, row i in
+ * lane i (a 4 x 4 dword transpose in each 128-bit lane) */
+static inline __attribute__((always_inline)) void rows_dwords(const uint8_t *const *rp, int64_t off, RV D[4]) {
+    static const uint8_t zeros[16] = {0};
+    __m128i R[RG];
+    for (int i = 0; i < RG; i++) R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + off : zeros));
+#if IQ_ISA == 3
+    __m512i Z[4]; /* Z[c] = rows c, c + 4, c + 8, c + 12 in its four 128-bit lanes */
+    for (int c = 0; c < 4; c++)
+        Z[c] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(R[c]), R[c + 4], 1),
+                                                     R[c + 8], 2), R[c + 12], 3);
+    __m512i t0 = _mm512_unpacklo_epi32(Z[0], Z[1]), t1 = _mm512_unpackhi_epi32(Z[0], Z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(Z[2], Z[3]), t3 = _mm512_unpackhi_epi32(Z[2], Z[3]);
+    D[0] = _mm512_unpacklo_epi64(t0, t2), D[1] = _mm512_unpackhi_epi64(t0, t2);
+    D[2] = _mm512_unpacklo_epi64(t1, t3), D[3] = _mm512_unpackhi_epi64(t1, t3);
+#else
+    __m256i Z[4]; /* Z[c] = rows c, c + 4 */
+    for (int c = 0; c < 4; c++) Z[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(R[c]), R[c + 4], 1);
+    __m256i t0 = _mm256_unpacklo_epi32(Z[0], Z[1]), t1 = _mm256_unpackhi_epi32(Z[0], Z[1]);
+    __m256i t2 = _mm256_unpacklo_epi32(Z[2], Z[3]), t3 = _mm256_unpackhi_epi32(Z[2], Z[3]);
+    D[0] = _mm256_unpacklo_epi64(t0, t2), D[1] = _mm256_unpackhi_epi64(t0, t2);
+    D[2] = _mm256_unpacklo_epi64(t1, t3), D[3] = _mm256_unpackhi_epi64(t1, t3);
+#endif
+}
+#endif
+
 /* int8 rows [r0, r0 + nr) -> W [G][8][RG][4] bytes (chunk j of a block: its inputs 4j..4j + 3, in order; u = q + 128,
  * or q itself in the AVX2 build), WS [G][RG] the row scales */
 static void decode_group_int8(const QJob *J, int64_t r0, int nr, uint8_t *W, float *WS) {
@@ -192,44 +224,25 @@ static void decode_group_int8(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
     const uint8_t *rp[RG];
     for (int i = 0; i < RG; i++) rp[i] = i < nr ? J->w + (r0 + i) * cols : NULL;
 #if IQ_ISA
-    static const uint8_t zeros[16] = {0};
 #if IQ_ISA == 3
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int64_t b = 0; b < G; b++, W += 8 * 64)
-        for (int h = 0; h < 2; h++) { /* the block's 16-byte halves: chunks 4h .. 4h + 3 */
-            __m128i R[16];
-            for (int i = 0; i < 16; i++)
-                R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + b * 32 + 16 * h : zeros));
-            __m512i Z[4];
-            for (int c = 0; c < 4; c++)
-                Z[c] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(R[c]), R[c + 4], 1),
-                                                             R[c + 8], 2), R[c + 12], 3);
-            __m512i t0 = _mm512_unpacklo_epi32(Z[0], Z[1]), t1 = _mm512_unpackhi_epi32(Z[0], Z[1]);
-            __m512i t2 = _mm512_unpacklo_epi32(Z[2], Z[3]), t3 = _mm512_unpackhi_epi32(Z[2], Z[3]);
-            __m512i D[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
-                            _mm512_unpackhi_epi64(t1, t3)};
-            for (int m = 0; m < 4; m++) _mm512_store_si512((__m512i *)(W + (4 * h + m) * 64), _mm512_xor_si512(D[m], flip));
-        }
-#else
-#if IQ_ISA == 2
+#elif IQ_ISA == 2
     const __m256i flip = _mm256_set1_epi8((char)0x80);
 #else
     const __m256i flip = _mm256_setzero_si256();  /* q stays signed */
 #endif
-    for (int64_t b = 0; b < G; b++, W += 8 * 32)
-        for (int h = 0; h < 2; h++) {
-            __m128i R[8];
-            for (int i = 0; i < 8; i++)
-                R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + b * 32 + 16 * h : zeros));
-            __m256i Z[4];
-            for (int c = 0; c < 4; c++) Z[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(R[c]), R[c + 4], 1);
-            __m256i t0 = _mm256_unpacklo_epi32(Z[0], Z[1]), t1 = _mm256_unpackhi_epi32(Z[0], Z[1]);
-            __m256i t2 = _mm256_unpacklo_epi32(Z[2], Z[3]), t3 = _mm256_unpackhi_epi32(Z[2], Z[3]);
-            __m256i D[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
-                            _mm256_unpackhi_epi64(t1, t3)};
-            for (int m = 0; m < 4; m++) _mm256_store_si256((__m256i *)(W + (4 * h + m) * 32), _mm256_xor_si256(D[m], flip));
-        }
+    for (int64_t b = 0; b < G; b++, W += 8 * RG * 4)
+        for (int h = 0; h < 2; h++) { /* the block's 16-byte halves: chunks 4h .. 4h + 3 */
+            RV D[4];
+            rows_dwords(rp, b * 32 + 16 * h, D);
+            for (int m = 0; m < 4; m++) {
+#if IQ_ISA == 3
+                _mm512_store_si512((__m512i *)(W + (4 * h + m) * 64), _mm512_xor_si512(D[m], flip));
+#else
+                _mm256_store_si256((__m256i *)(W + (4 * h + m) * 32), _mm256_xor_si256(D[m], flip));
 #endif
+            }
+        }
 #else
     for (int64_t b = 0; b < G; b++)
         for (int j = 0; j < 8; j++)
@@ -268,21 +281,12 @@ static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *W
     }
     const uint8_t *map = J->fmt == Q_INT4 ? U_INT4 : U_MXFP4;
 #if IQ_ISA
-    static const uint8_t zeros[16] = {0};
     const __m128i tab128 = _mm_loadu_si128((const __m128i *)map), m0f128 = _mm_set1_epi8(0x0F);
 #if IQ_ISA == 3
     const __m512i tab = _mm512_broadcast_i32x4(tab128), m0f = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < G; b++, W += 8 * 64) {
-        __m128i R[16];
-        for (int i = 0; i < 16; i++) R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + b * 16 : zeros));
-        __m512i Z[4];  /* Z[c] = rows c, c + 4, c + 8, c + 12 in its four 128-bit lanes */
-        for (int c = 0; c < 4; c++)
-            Z[c] = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(R[c]), R[c + 4], 1),
-                                                         R[c + 8], 2), R[c + 12], 3);
-        __m512i t0 = _mm512_unpacklo_epi32(Z[0], Z[1]), t1 = _mm512_unpackhi_epi32(Z[0], Z[1]);
-        __m512i t2 = _mm512_unpacklo_epi32(Z[2], Z[3]), t3 = _mm512_unpackhi_epi32(Z[2], Z[3]);
-        __m512i D[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
-                        _mm512_unpackhi_epi64(t1, t3)};  /* D[m]: dword m (packed bytes 4m..4m+3) of rows 0..15 */
+        __m512i D[4];  /* D[m]: dword m (packed bytes 4m..4m+3) of rows 0..15 */
+        rows_dwords(rp, b * 16, D);
         for (int m = 0; m < 4; m++) {
             __m512i lo = _mm512_and_si512(D[m], m0f), hi = _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f);
             _mm512_store_si512((__m512i *)(W + m * 64), _mm512_shuffle_epi8(tab, lo));
@@ -292,14 +296,8 @@ static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *W
 #else
     const __m256i tab = _mm256_broadcastsi128_si256(tab128), m0f = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < G; b++, W += 8 * 32) {
-        __m128i R[8];
-        for (int i = 0; i < 8; i++) R[i] = _mm_loadu_si128((const __m128i *)(rp[i] ? rp[i] + b * 16 : zeros));
-        __m256i Z[4];  /* Z[c] = rows c, c + 4 */
-        for (int c = 0; c < 4; c++) Z[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(R[c]), R[c + 4], 1);
-        __m256i t0 = _mm256_unpacklo_epi32(Z[0], Z[1]), t1 = _mm256_unpackhi_epi32(Z[0], Z[1]);
-        __m256i t2 = _mm256_unpacklo_epi32(Z[2], Z[3]), t3 = _mm256_unpackhi_epi32(Z[2], Z[3]);
-        __m256i D[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
-                        _mm256_unpackhi_epi64(t1, t3)};
+        __m256i D[4];
+        rows_dwords(rp, b * 16, D);
         for (int m = 0; m < 4; m++) {
             __m256i lo = _mm256_and_si256(D[m], m0f), hi = _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f);
             _mm256_store_si256((__m256i *)(W + m * 32), _mm256_shuffle_epi8(tab, lo));
