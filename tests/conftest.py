@@ -129,7 +129,7 @@ HARMONY_TEMPLATE = (
     '{%- if add_generation_prompt %}<|start|>assistant{% endif -%}'
 )
 HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
-                    "<|end|>", "<|message|>", "<|call|>"]
+                    "<|end|>", "<|message|>", "<|call|>", "<|channel>", "<channel|>"]  # the last two: Gemma 4's
 
 
 @pytest.fixture(scope="session")

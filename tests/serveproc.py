@@ -162,6 +162,9 @@ class ScriptedEngine:
     def template_reads(self, name):
         return name == "tools"
 
+    def thinking_kwargs(self, on):  # as Engine.thinking_kwargs: the switch where the template reads one
+        return {} if on is None or "enable_thinking" not in self.chat_template.source else {"enable_thinking": on}
+
     def cache_snapshot(self):
         return None
 

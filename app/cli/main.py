@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, help="how hard a reasoning model thinks, "
                      "passed to the chat template as reasoning_effort (gpt-oss; default: the template's own, "
                      "medium for gpt-oss)")
+    run.add_argument("--thinking", choices=("on", "off"), help="turn a reasoning model's thinking on or off, "
+                     "passed to the chat template as enable_thinking (Qwen3/3.5, GLM, Nemotron 3, Gemma 4, "
+                     "DeepSeek-V3.1; default: the template's own)")
     run.add_argument("--show-thinking", action="store_true", help="stream the model's reasoning to stderr "
                      "(dimmed on a terminal); by default only the answer is printed")
     add_sampling_args(run, "run")  # --max-tokens --temperature --top-k ...: the same flags as chat and serve
@@ -108,6 +111,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.reasoning_effort is not None and not (chat and engine.template_reads("reasoning_effort")):
         where = "this model's chat template does not read it" if chat else "it applies to the chat template only"
         print(f"moechat: warning: --reasoning-effort ignored: {where}", file=sys.stderr)
+    switch = engine.thinking_kwargs(None if args.thinking is None else args.thinking == "on")
+    if args.thinking is not None and not (chat and switch):
+        where = ("this model's chat template has no thinking switch" if chat
+                 else "it applies to the chat template only")
+        print(f"moechat: warning: --thinking ignored: {where}", file=sys.stderr)
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
     elif args.raw:
@@ -116,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         # Only a given effort is passed: unset, the template keeps its own default (gpt-oss: "medium").
         effort = {} if args.reasoning_effort is None else {"reasoning_effort": args.reasoning_effort}
-        prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": args.prompt}], **effort)
+        prompt_ids = engine.encode_chat(messages + [{"role": "user", "content": args.prompt}], **effort, **switch)
         reasoning = engine.reasoning_parser(prompt_ids)
     room = engine.context - len(prompt_ids)
     if args.max_tokens is not None and 0 < room < args.max_tokens:

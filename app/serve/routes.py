@@ -175,7 +175,40 @@ class Server:
                                  "reasoning_effort")
             if engine.template_reads("reasoning_effort"):
                 kwargs["reasoning_effort"] = effort
+        kwargs.update(self._chat_template_kwargs(body.get("chat_template_kwargs"), kwargs))
         return kwargs
+
+    def _chat_template_kwargs(self, extra, kwargs: dict) -> dict:
+        """`chat_template_kwargs` (as vLLM, SGLang and llama-server take it): the thinking switch and the reasoning
+        effort, passed where the template reads them. Other variables are refused by name: a client sets no
+        template variable (bos_token, messages...) that moechat does not know the meaning of."""
+        from moechat.engine.text.reasoning import REASONING_EFFORTS, THINKING_SWITCHES
+
+        if extra is None:
+            return {}
+        where = "chat_template_kwargs"
+        if not isinstance(extra, dict):
+            raise BadRequest(f"{where} must be an object, e.g. {{\"enable_thinking\": false}}", where)
+        known = (*THINKING_SWITCHES, "reasoning_effort")
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise BadRequest(f"{where}: {', '.join(map(repr, unknown))} not supported; moechat passes "
+                             f"{', '.join(known)}", where)
+        out: dict = {}
+        switches = [extra[k] for k in THINKING_SWITCHES if k in extra]
+        if switches:
+            if not all(isinstance(v, bool) for v in switches) or len(set(switches)) > 1:
+                raise BadRequest(f"{where}: enable_thinking (or thinking) must be true or false", where)
+            out.update(self.worker.engine.thinking_kwargs(switches[0]))
+        effort = extra.get("reasoning_effort")
+        if effort is not None:
+            if effort not in REASONING_EFFORTS:
+                raise BadRequest(f"{where}: reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", where)
+            if kwargs.get("reasoning_effort", effort) != effort:
+                raise BadRequest(f"reasoning_effort and {where}.reasoning_effort differ", where)
+            if self.worker.engine.template_reads("reasoning_effort"):
+                out["reasoning_effort"] = effort
+        return out
 
 
 def build_app(server: Server):

@@ -147,6 +147,7 @@ def model_info(engine, model_dir: Path, sampling: dict | None = None, max_tokens
             "generation_config": dict(engine.generation_config or {}),
             "has_chat_template": engine.chat_template is not None,
             "reads_reasoning_effort": engine.template_reads("reasoning_effort"),
+            "thinking_switch": bool(engine.thinking_kwargs(True)),
             "reads_tools": engine.template_reads("tools")}
 
 

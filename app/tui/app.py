@@ -46,7 +46,8 @@ class MoechatApp(App):
     def __init__(self, model: str | None, *, engine_factory: EngineFactory, options: LoadOptions,
                  settings: Settings, store: ChatStore, memory_probe, export_dir: Path,
                  welcome_reason: str = NO_MODEL, notices: tuple[str, ...] = (), hub: HubOptions | None = None,
-                 reasoning_effort: str | None = None, sampling: dict | None = None, max_tokens: int | None = None):
+                 reasoning_effort: str | None = None, sampling: dict | None = None, max_tokens: int | None = None,
+                 thinking: bool | None = None):
         super().__init__()
         self.model = model
         self.engine_factory = engine_factory
@@ -62,6 +63,7 @@ class MoechatApp(App):
         self.hub = hub or HubOptions()
         # `moechat chat --reasoning-effort`: this session only, until a choice in the sampling dialog (saved)
         self.reasoning_effort = reasoning_effort
+        self.thinking = thinking  # `moechat chat --thinking on|off`: the same, for the thinking switch
         # `moechat chat --temperature ... --max-tokens`: over the saved settings for this session only (never
         # saved), until a choice in the sampling dialog replaces them
         self.session_sampling, self.session_max_tokens = dict(sampling or {}), max_tokens
@@ -130,14 +132,14 @@ def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFa
              store: ChatStore | None = None, memory_probe=None, export_dir: str | os.PathLike | None = None,
              welcome_reason: str = NO_MODEL, hub: HubOptions | None = None,
              reasoning_effort: str | None = None, sampling: dict | None = None,
-             max_tokens: int | None = None) -> MoechatApp:
+             max_tokens: int | None = None, thinking: bool | None = None) -> MoechatApp:
     """The app on `model` (a directory or cached Hub repo id), or the welcome screen when None.
 
     Defaults: settings from the XDG config dir, chats in the XDG data dir, the real engine, psutil (+
     NVML when present) for memory, exports offered in the data dir's exports/, the Hub and cache of the environment
     (`hub`: another endpoint, cache, catalog or what-if hardware for the setup wizard), and the reasoning
-    effort saved in the settings (`reasoning_effort` overrides it for this session; so do `sampling`, SamplingParams'
-    names -> values, and `max_tokens` over the saved sampling settings).
+    effort and thinking switch saved in the settings (`reasoning_effort` and `thinking` override them for this
+    session; so do `sampling`, SamplingParams' names -> values, and `max_tokens` over the saved sampling settings).
     """
     notices = []
     settings = settings if settings is not None else Settings.load()
@@ -152,4 +154,5 @@ def make_app(model: str | os.PathLike | None = None, *, engine_factory: EngineFa
                       memory_probe=memory_probe if memory_probe is not None else MemoryProbe(),
                       export_dir=Path(export_dir) if export_dir is not None else data_dir() / "exports",
                       welcome_reason=welcome_reason, notices=tuple(notices), hub=hub,
-                      reasoning_effort=reasoning_effort, sampling=sampling, max_tokens=max_tokens)
+                      reasoning_effort=reasoning_effort, sampling=sampling, max_tokens=max_tokens,
+                      thinking=thinking)

@@ -310,13 +310,18 @@ def describe(engine, model: str) -> ModelInfo:
         default_max_tokens=int(engine.default_max_tokens()),
         has_chat_template=getattr(engine, "chat_template", True) is not None,
         reads_reasoning_effort=_template_reads(engine, "reasoning_effort"),
+        thinking_switch=_template_reads(engine, "thinking_switch"),
         cache=cache_state(engine, engine.cache_snapshot()),
         expert_format=fmt, native_format=native, format_bytes=sizes, repacked=repacked,
     )
 
 
 def _template_reads(engine, variable: str) -> bool:
+    """Whether the template reads `variable`; "thinking_switch": whether it has a thinking switch."""
     reads = getattr(engine, "template_reads", None)
+    if variable == "thinking_switch":
+        switch = getattr(engine, "thinking_kwargs", None)
+        reads = None if switch is None else (lambda _: bool(switch(True)))
     try:
         return bool(reads(variable)) if reads is not None else False
     except Exception:  # noqa: BLE001 - a template the analysis cannot parse still chats; the option is hidden

@@ -49,6 +49,9 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     chat.add_argument("--reasoning-effort", choices=REASONING_EFFORTS, help="how hard a reasoning model thinks "
                       "in this session, passed to the chat template (gpt-oss; default: the one set in the app, "
                       "else the template's own, medium for gpt-oss)")
+    chat.add_argument("--thinking", choices=("on", "off"), help="a reasoning model's thinking on or off in this "
+                      "session, passed to the chat template as enable_thinking (Qwen3/3.5, GLM, Nemotron 3, "
+                      "Gemma 4, DeepSeek-V3.1; default: the one set in the app, else the template's own)")
     cache = chat.add_argument_group("expert cache", "N slots on the compute device over a RAM tier and the disk "
                                     "(default: a slot for every expert, every expert in RAM)")
     cache.add_argument("--expert-slots", type=_positive_int, metavar="N", help="slots for experts on the device")
@@ -132,7 +135,14 @@ def run_chat(args: argparse.Namespace) -> int:
     from .app import make_app
 
     return _run(make_app(model, options=options_from_args(args), reasoning_effort=args.reasoning_effort,
-                         sampling=sampling_overrides(args), max_tokens=args.max_tokens))
+                         sampling=sampling_overrides(args), max_tokens=args.max_tokens,
+                         thinking=thinking_arg(args)))
+
+
+def thinking_arg(args) -> bool | None:
+    """--thinking on|off as the template's switch value (None: not given)."""
+    value = getattr(args, "thinking", None)
+    return None if value is None else value == "on"
 
 
 def default_model(demo: Path | None = None, settings=None) -> str | None:

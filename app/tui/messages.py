@@ -55,6 +55,7 @@ class ModelInfo:
     default_max_tokens: int = 512
     has_chat_template: bool = True
     reads_reasoning_effort: bool = False  # the chat template reads `reasoning_effort` (gpt-oss)
+    thinking_switch: bool = False  # the chat template turns thinking on/off (enable_thinking: Qwen, GLM, Gemma 4)
     cache: CacheState | None = None  # None: every expert resident (no cache)
     expert_format: str = "native"  # the --expert-format the experts are held in: native, int8 or int4
     native_format: str = ""  # how the checkpoint ships them, as the engine names it: dense, mxfp4, fp8

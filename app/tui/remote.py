@@ -189,6 +189,10 @@ class RemoteEngine:
     def template_reads(self, variable: str) -> bool:
         return bool(self.info.get(f"reads_{variable}", False))
 
+    def thinking_kwargs(self, on: bool | None) -> dict:
+        """As Engine.thinking_kwargs; the server maps enable_thinking to its template's own switch."""
+        return {} if on is None or not self.info.get("thinking_switch") else {"enable_thinking": bool(on)}
+
     def retune_cache(self, **changes):
         raise MoechatError("the expert cache of a remote server is tuned where it runs: restart moechat serve with "
                            "other --expert-slots / --policy / --ram-cache-mb")
@@ -294,6 +298,8 @@ class RemoteConversation:
             body["max_tokens"] = max_tokens
         if template_kwargs.get("reasoning_effort"):
             body["reasoning_effort"] = template_kwargs["reasoning_effort"]
+        if "enable_thinking" in template_kwargs:  # as vLLM, SGLang and llama-server take it
+            body["chat_template_kwargs"] = {"enable_thinking": template_kwargs["enable_thinking"]}
         return body
 
     def send(self, content: str, *, sampling=None, max_tokens: int | None = None,
@@ -404,6 +410,7 @@ def run_remote_chat(args) -> int:
 
     from .app import make_app
     from .bridge import LoadOptions
+    from .launch import thinking_arg
 
     if args.model is not None:
         raise MoechatError(f"MODEL ({args.model}) and --remote exclude each other: the model runs on the server "
@@ -411,7 +418,8 @@ def run_remote_chat(args) -> int:
     key = args.api_key if args.api_key is not None else os.environ.get("MOECHAT_API_KEY") or None
     engine = RemoteEngine.connect(args.remote, args.remote_model, key)
     app = make_app(engine.label, engine_factory=lambda model, options, progress: engine,
-                   options=LoadOptions(resident=True), reasoning_effort=args.reasoning_effort)
+                   options=LoadOptions(resident=True), reasoning_effort=args.reasoning_effort,
+                   thinking=thinking_arg(args))
     app.startup_notices.append(engine.panel_note)
     app.tuning_note = engine.tuning_note  # the knobs hidden: the server has no API to retune its cache
     app.run()

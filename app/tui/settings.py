@@ -125,6 +125,7 @@ class Settings:
     sampling: dict[str, float | int] = field(default_factory=dict)  # overrides of the model's defaults
     max_tokens: int | None = None  # None: the model's max_new_tokens, else 512
     reasoning_effort: str | None = None  # "low" | "medium" | "high"; None: the chat template's default
+    thinking: bool | None = None  # a reasoning model's thinking on or off; None: the chat template's default
     show_dashboard: bool = True
     theme: str = "textual-dark"
     expert_formats: dict[str, str] = field(default_factory=dict)  # model -> int8 | int4 chosen for it (else native)
@@ -178,6 +179,7 @@ class Settings:
                   ("chat", chat, "max_tokens", lambda v: type(v) is int and v > 0, "a whole number > 0"),
                   ("chat", chat, "reasoning_effort", lambda v: v in REASONING_EFFORTS,
                    "one of " + ", ".join(REASONING_EFFORTS)),
+                  ("chat", chat, "thinking", lambda v: isinstance(v, bool), "true or false"),
                   ("ui", ui, "show_dashboard", lambda v: isinstance(v, bool), "true or false"),
                   ("ui", ui, "theme", lambda v: isinstance(v, str), "a string")]
         checks += [("sampling", sampling, key, lambda v: type(v) in (int, float) and math.isfinite(v), "a number")
@@ -211,7 +213,7 @@ class Settings:
                     kept[key] = value
             if kept:
                 self.tunings[model] = kept
-        known = {"models": {"recent"}, "chat": {"system_prompt", "max_tokens", "reasoning_effort"},
+        known = {"models": {"recent"}, "chat": {"system_prompt", "max_tokens", "reasoning_effort", "thinking"},
                  "sampling": set(SAMPLING_KEYS), "ui": {"show_dashboard", "theme"}}
         for name in data:
             if name not in known and name not in ("expert_format", "tuning"):
@@ -273,7 +275,7 @@ class Settings:
         return {
             "models": {"recent": self.recent_models},
             "chat": {"system_prompt": self.system_prompt, "max_tokens": self.max_tokens,
-                     "reasoning_effort": self.reasoning_effort},
+                     "reasoning_effort": self.reasoning_effort, "thinking": self.thinking},
             "sampling": dict(self.sampling),
             "ui": {"show_dashboard": self.show_dashboard, "theme": self.theme},
             "expert_format": dict(self.expert_formats),

@@ -48,7 +48,7 @@ from ..layers.kv_cache import KVCache
 from ..layers.moe import ExpertProvider
 from ..load.loader import LoadedModel, load_model
 from ..text.chat_template import ChatTemplate
-from ..text.reasoning import ReasoningDelta, ReasoningParser, make_parser, reasoning_format
+from ..text.reasoning import ReasoningDelta, ReasoningParser, make_parser, reasoning_format, thinking_switch
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .sampling import Sampler, SamplingParams
 
@@ -291,6 +291,15 @@ class Engine:
     def template_reads(self, variable: str) -> bool:
         """Whether the chat template uses `variable` (e.g. reasoning_effort), so passing it changes the prompt."""
         return self.chat_template is not None and variable in self.chat_template.variables
+
+    def thinking_kwargs(self, on: bool | None) -> dict:
+        """The chat template variable that turns thinking on or off ({"enable_thinking": on} for Qwen, GLM,
+        Nemotron and Gemma 4; {"thinking": on} for DeepSeek-V3.1); {} when `on` is None (the template's default)
+        or the template has no such switch."""
+        if on is None or self.chat_template is None:
+            return {}
+        name = thinking_switch(self.chat_template.variables)
+        return {} if name is None else {name: bool(on)}
 
     def sampling(self, **overrides) -> SamplingParams:
         """The model's generation_config.json defaults with the given overrides."""

@@ -1,6 +1,6 @@
 """Split a model's generated text into its reasoning ("thinking") and its answer, as the text streams.
 
-Two formats cover the MoE models moechat runs:
+Three formats cover the MoE models moechat runs:
 
 * harmony (gpt-oss): every message is ``<|start|>{role}[ to=..]<|channel|>{channel}[ <|constrain|>..]<|message|>``
   then its body, ended by ``<|end|>`` (``<|return|>``/``<|call|>`` are stop tokens and never reach the text).
@@ -9,6 +9,9 @@ Two formats cover the MoE models moechat runs:
   moechat runs no tools) are thinking.
 * think tags (Qwen3, DeepSeek-V3.1, GLM-4.5/4.6, MiniMax-M2, Nemotron-3): ``<think>...</think>`` before
   the answer. Templates that open the block in the prompt (it ends in ``<think>``) start inside it.
+* channel tags (Gemma 4): ``<|channel>thought\n...<channel|>`` before the answer, both markers special tokens.
+  With thinking off (its template's default) the prompt ends in an empty ``<|channel>thought\n<channel|>``,
+  and the model answers at once.
 
 Design: parsers read text, not token ids. The text is what every consumer already streams, and the
 same code then serves both formats. Harmony's markers are special tokens that the detokenizer drops by
@@ -26,18 +29,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["HARMONY", "REASONING_EFFORTS", "THINK_TAGS", "HarmonyParser", "ReasoningDelta", "ReasoningParser",
-           "ThinkTagParser", "make_parser", "reasoning_format"]
+__all__ = ["CHANNEL_TAGS", "HARMONY", "REASONING_EFFORTS", "THINK_TAGS", "ChannelTagParser", "HarmonyParser",
+           "ReasoningDelta", "ReasoningParser",
+           "THINKING_SWITCHES", "ThinkTagParser", "make_parser", "reasoning_format", "thinking_switch"]
 
 HARMONY = "harmony"
 THINK_TAGS = "think"
+CHANNEL_TAGS = "channel"
 # gpt-oss's reasoning levels: what its template's `reasoning_effort` takes ("medium" when it is not set).
 REASONING_EFFORTS = ("low", "medium", "high")
+# The variables templates read to turn thinking on or off: Qwen3/3.5, GLM, Nemotron 3 and Gemma 4 read the first,
+# DeepSeek-V3.1 the second. Each template has its own default (Qwen: on, Gemma 4 and DeepSeek-V3.1: off).
+THINKING_SWITCHES = ("enable_thinking", "thinking")
 
 _START, _END, _MESSAGE, _CHANNEL, _CONSTRAIN, _RETURN, _CALL = (
     "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 _HARMONY_MARKERS = (_START, _END, _MESSAGE, _CHANNEL, _CONSTRAIN, _RETURN, _CALL)
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+_GEMMA_OPEN, _GEMMA_CLOSE = "<|channel>", "<channel|>"
 # A real header is "assistant to=functions.lookup_weather<|channel|>commentary <|constrain|>json" (~70 chars);
 # header text past this is a model ignoring the format, and is shown as the answer rather than swallowed.
 _MAX_HEADER = 256
@@ -53,14 +62,22 @@ class ReasoningDelta:
 
 
 def reasoning_format(template_source: str | None) -> str | None:
-    """The reasoning format a chat template speaks: HARMONY, THINK_TAGS, or None (no reasoning to split)."""
+    """The reasoning format a chat template speaks: HARMONY, THINK_TAGS, CHANNEL_TAGS, or None (no reasoning to
+    split)."""
     if not template_source:
         return None
     if _CHANNEL in template_source and _MESSAGE in template_source:
         return HARMONY
+    if _GEMMA_OPEN in template_source and _GEMMA_CLOSE in template_source:
+        return CHANNEL_TAGS
     if _THINK_OPEN in template_source or _THINK_CLOSE in template_source:
         return THINK_TAGS
     return None
+
+
+def thinking_switch(variables) -> str | None:
+    """Which of THINKING_SWITCHES a template with these top-level `variables` reads (None: it has no switch)."""
+    return next((name for name in THINKING_SWITCHES if name in variables), None)
 
 
 def make_parser(fmt: str, prompt_tail: str = "") -> ReasoningParser:
@@ -69,7 +86,9 @@ def make_parser(fmt: str, prompt_tail: str = "") -> ReasoningParser:
         return HarmonyParser(prompt_tail)
     if fmt == THINK_TAGS:
         return ThinkTagParser(starts_in_thinking=prompt_tail.rstrip().endswith(_THINK_OPEN))
-    raise ValueError(f"unknown reasoning format {fmt!r}; expected {HARMONY!r} or {THINK_TAGS!r}")
+    if fmt == CHANNEL_TAGS:
+        return ChannelTagParser(starts_in_thinking=prompt_tail.endswith(_GEMMA_OPEN + "thought\n"))
+    raise ValueError(f"unknown reasoning format {fmt!r}; expected {HARMONY!r}, {THINK_TAGS!r} or {CHANNEL_TAGS!r}")
 
 
 def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
@@ -254,6 +273,7 @@ class ThinkTagParser(ReasoningParser):
     """
 
     markers = (_THINK_OPEN, _THINK_CLOSE)
+    _open, _close = _THINK_OPEN, _THINK_CLOSE
 
     def __init__(self, starts_in_thinking: bool = False):
         super().__init__()
@@ -267,16 +287,16 @@ class ThinkTagParser(ReasoningParser):
                 if not stripped:
                     self._buf = "" if final else self._buf
                     return
-                if stripped.startswith(_THINK_OPEN):
-                    self._buf = stripped[len(_THINK_OPEN):]
-                    self._state = "thinking"
+                if stripped.startswith(self._open):
+                    self._buf = stripped[len(self._open):]
+                    self._state = self._opened()
                     continue
-                if _THINK_OPEN.startswith(stripped) and not final:
+                if self._open.startswith(stripped) and not final:
                     return  # "<thi": wait
                 self._buf = stripped
                 self._state = "answer"
             elif self._state == "thinking":
-                text, marker = self._next((_THINK_CLOSE,), final)
+                text, marker = self._next((self._close,), final)
                 if marker is not None:
                     self._thinking_text(text)
                     self._pending_space = ""
@@ -284,6 +304,9 @@ class ThinkTagParser(ReasoningParser):
                     continue
                 self._thinking_text(text)
                 return
+            elif self._state == "name":  # ChannelTagParser: the channel's name line, not shown
+                if not self._channel_name(final):
+                    return
             elif self._state == "answer_start":  # the whitespace after </think> is a separator, not text
                 stripped = self._buf.lstrip()
                 self._buf = stripped
@@ -295,6 +318,13 @@ class ThinkTagParser(ReasoningParser):
                 self._buf = ""
                 return
 
+    def _opened(self) -> str:
+        """The state after the opening marker."""
+        return "thinking"
+
+    def _channel_name(self, final: bool) -> bool:
+        raise NotImplementedError
+
     def _thinking_text(self, text: str) -> None:
         if not self._thinking:
             text = text.lstrip()
@@ -304,3 +334,28 @@ class ThinkTagParser(ReasoningParser):
             self._pending_space = text[len(body):]
         else:
             self._pending_space += text
+
+
+class ChannelTagParser(ThinkTagParser):
+    """Gemma 4's ``<|channel>thought\n...<channel|>`` then the answer: ThinkTagParser's rules with these markers,
+    and the channel's name line (``thought``) dropped. A name that runs past a line, or a close before its
+    newline, is thinking text after all: nothing the model wrote is lost."""
+
+    markers = (_GEMMA_OPEN, _GEMMA_CLOSE)
+    _open, _close = _GEMMA_OPEN, _GEMMA_CLOSE
+    _MAX_NAME = 32
+
+    def _opened(self) -> str:
+        return "name"
+
+    def _channel_name(self, final: bool) -> bool:
+        """Drop the name line once it is whole; False while it may still be coming."""
+        buf = self._buf
+        end = buf.find("\n", 0, self._MAX_NAME + 1)
+        close = buf.find(self._close, 0, self._MAX_NAME + len(self._close))
+        if end != -1 and (close == -1 or end < close):
+            self._buf = buf[end + 1:]
+        elif close == -1 and len(buf) <= self._MAX_NAME and not final:
+            return False
+        self._state = "thinking"
+        return True

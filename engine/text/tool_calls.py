@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 from .reasoning import (
     HARMONY,
-    THINK_TAGS,
     HarmonyParser,
     ReasoningDelta,
     ReasoningParser,
-    ThinkTagParser,
     _partial_marker_len,
+    make_parser,
     reasoning_format,
 )
 
@@ -174,11 +173,7 @@ def make_tool_parser(template_source: str | None, prompt_tail: str = "") -> Reas
     reasoning = reasoning_format(template_source)
     if calls == HARMONY:
         return HarmonyToolParser(prompt_tail)
-    inner = None
-    if reasoning == THINK_TAGS:
-        inner = ThinkTagParser(starts_in_thinking=prompt_tail.rstrip().endswith("<think>"))
-    elif reasoning == HARMONY:
-        inner = HarmonyParser(prompt_tail)
+    inner = make_parser(reasoning, prompt_tail) if reasoning is not None else None
     if calls == HERMES:
         return HermesToolParser(inner)
     return inner

@@ -152,6 +152,12 @@ class FakeEngine:
     def template_reads(self, variable):
         return variable in self.template_variables
 
+    def thinking_kwargs(self, on):  # as Engine.thinking_kwargs
+        from moechat.engine.text.reasoning import thinking_switch
+
+        name = thinking_switch(self.template_variables)
+        return {} if on is None or name is None else {name: bool(on)}
+
     def cache_snapshot(self) -> CacheSnapshot:
         return CacheSnapshot(num_slots=self.slots, slots_used=len(self.order), policy=self.policy,
                              resident=self.slot_map >= 0, frequency=self.frequency.copy(),

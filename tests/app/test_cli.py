@@ -155,3 +155,47 @@ def test_reasoning_effort_on_a_model_that_ignores_it_is_a_warning(tiny_chat_mode
 def test_reasoning_effort_choices_are_checked():
     result = _cli("run", "somewhere", "--prompt", "hi", "--reasoning-effort", "max")
     assert result.returncode == 2 and "invalid choice: 'max'" in result.stderr
+
+
+# -- the thinking switch: --thinking on|off becomes the template's enable_thinking --------------------------
+
+QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+             "enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.fixture
+def switch_model(tiny_chat_model, tmp_path):
+    import shutil
+
+    path, _, _ = tiny_chat_model
+    copy = shutil.copytree(path, tmp_path / "switch")
+    for name in ("chat_template.jinja",):
+        (copy / name).unlink(missing_ok=True)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN_LIKE
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize(("flag", "tail"), [(None, "<think>\n"), ("on", "<think>\n"),
+                                            ("off", "<think>\n\n</think>\n\n")])
+def test_thinking_switch_reaches_the_template(switch_model, capsys, flag, tail):
+    from moechat.engine.runtime.generate import Engine
+
+    engine = Engine.load(switch_model, dtype="float32")
+    kwargs = {} if flag is None else {"enable_thinking": flag == "on"}
+    expected = engine.encode_chat([{"role": "user", "content": "hi"}], **kwargs)
+    assert engine.tokenizer.decode(expected).endswith("assistant\n" + tail)
+    out = _json_run(capsys, str(switch_model), "--prompt", "hi", "--max-tokens", "2",
+                    *(() if flag is None else ("--thinking", flag)))
+    assert out["prompt_tokens"] == len(expected)
+    assert "--thinking ignored" not in capsys.readouterr().err
+
+
+def test_thinking_on_a_template_without_a_switch_is_a_warning(tiny_chat_model, capsys):
+    path, _, _ = tiny_chat_model
+    assert main(["run", str(path), "--prompt", "hi", "--max-tokens", "2", "--thinking", "off", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["generated_tokens"] == 2
+    assert "moechat: warning: --thinking ignored: this model's chat template has no thinking switch" in captured.err

@@ -191,3 +191,57 @@ async def test_reasoning_effort_is_not_offered_or_sent_to_a_template_without_it(
         await pilot.click("#save")
         await pilot.pause()
         assert app.settings.reasoning_effort == "high"  # kept for the models that read it
+
+
+async def test_thinking_switch_from_the_command_line_then_the_dialog(build_app, fakes, app_env):
+    engine = fakes.Engine(template_variables=frozenset({"enable_thinking"}),
+                          replies=[fakes.Reply(["a"]), fakes.Reply(["b"]), fakes.Reply(["c"])])
+    app, _ = build_app(engine, thinking=False)  # moechat chat --thinking off
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot)
+        assert screen.info.thinking_switch and not screen.info.reads_reasoning_effort
+        await _send(pilot, "one")
+        await fakes.wait_for(pilot, lambda: _done(screen))
+        assert engine.sends[0].template_kwargs == {"enable_thinking": False}
+        assert app.settings.thinking is None  # --thinking is for this session only
+        await pilot.press("f3")
+        await pilot.pause()
+        assert not app.screen.query("#param-reasoning_effort")
+        switch = app.screen.query_one("#param-thinking", Select)
+        assert switch.value == "off"
+        switch.value = "on"
+        await pilot.click("#save")
+        await pilot.pause()
+        assert app.settings.thinking is True and app.thinking is None
+        assert Settings.load(app_env / "settings.toml").thinking is True
+        await _send(pilot, "two")
+        await fakes.wait_for(pilot, lambda: len(engine.sends) == 2 and _done(screen))
+        assert engine.sends[1].template_kwargs == {"enable_thinking": True}
+        # "Model defaults" clears it: the template's own default applies, so nothing is passed.
+        await pilot.press("f3")
+        await pilot.pause()
+        await pilot.click("#reset")
+        await pilot.click("#save")
+        await pilot.pause()
+        assert app.settings.thinking is None
+        await _send(pilot, "three")
+        await fakes.wait_for(pilot, lambda: len(engine.sends) == 3 and _done(screen))
+        assert engine.sends[2].template_kwargs == {}
+
+
+async def test_thinking_switch_is_not_offered_or_sent_to_a_template_without_it(build_app, fakes, app_env):
+    settings = Settings(path=app_env / "settings.toml", thinking=False)
+    engine = fakes.Engine(replies=[fakes.Reply(["a"])])
+    app, _ = build_app(engine, settings=settings)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _ready(pilot)
+        assert not screen.info.thinking_switch
+        await _send(pilot, "one")
+        await fakes.wait_for(pilot, lambda: _done(screen))
+        assert engine.sends[0].template_kwargs == {}
+        await pilot.press("f3")
+        await pilot.pause()
+        assert not app.screen.query("#param-thinking")
+        await pilot.click("#save")
+        await pilot.pause()
+        assert app.settings.thinking is False  # kept for the models that have the switch

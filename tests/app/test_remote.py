@@ -222,3 +222,15 @@ async def test_chat_app_on_a_plain_server_says_what_the_panel_cannot_show(plain_
         assert (reply.status, reply.text) == ("done", "Hello you")
         assert seen[-1]["model"] == "org/other-model"
     engine.close()
+
+
+def test_thinking_switch_travels_as_chat_template_kwargs():
+    from moechat.app.tui.remote import RemoteConversation
+
+    switched = RemoteEngine("http://h:1/v1", "m", {"thinking_switch": True})
+    assert switched.thinking_kwargs(False) == {"enable_thinking": False} and switched.thinking_kwargs(None) == {}
+    body = RemoteConversation(switched)._body(None, None, {"enable_thinking": False})
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in RemoteConversation(switched)._body(None, None, {})
+    # A server that does not say it has the switch (not moechat, or a template without one) is sent nothing.
+    assert RemoteEngine("http://h:1/v1", "m", None).thinking_kwargs(True) == {}

@@ -85,3 +85,31 @@ def test_tool_call_arguments_in_the_history_reach_the_template_as_objects():
     assert messages[1]["content"] == "" and messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
     with pytest.raises(BadRequest, match="tool_calls"):
         parse_messages([{"role": "assistant", "content": None, "tool_calls": [{"function": "f"}]}])
+
+
+SWITCHED = "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{{ messages }}"
+
+
+def test_chat_template_kwargs_turn_thinking_off_and_unknown_keys_are_refused():
+    with serveproc.scripted_app(engine=serveproc.ScriptedEngine(["Hi."], SWITCHED)) as (app, engine):
+        with TestClient(app, base_url="http://127.0.0.1") as http:
+            body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+            ok = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+            assert ok.status_code == 200, ok.text
+            assert engine.rendered[-1] == {"enable_thinking": False}
+            assert http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {
+                "thinking": True}}).status_code == 200
+            assert engine.rendered[-1] == {"enable_thinking": True}  # DeepSeek's name, the template's switch
+            for bad, says in [({"bos_token": "x"}, "'bos_token' not supported"), ({"enable_thinking": "no"}, "true"),
+                              ([1], "must be an object"), ({"reasoning_effort": "max"}, "reasoning_effort")]:
+                r = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": bad})
+                assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+                assert r.json()["error"]["param"] == "chat_template_kwargs"
+            assert len(engine.rendered) == 2  # nothing refused reached the template
+
+
+def test_chat_template_kwargs_on_a_template_without_a_switch_pass_nothing(client):
+    client, engine = client
+    client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}],
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert engine.rendered[-1] == {}

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from moechat.engine.text.reasoning import (
+    CHANNEL_TAGS,
     HARMONY,
     THINK_TAGS,
     HarmonyParser,
@@ -83,6 +84,23 @@ CASES = {
     "cut-off-while-thinking": (  # max tokens hit inside the block: the thinking so far, no answer
         THINK_TAGS, "", "<think>\nStep 1.\nStep 2.\n</thi", "Step 1.\nStep 2.\n</thi", "",
     ),
+    "gemma4": (  # enable_thinking=True: the prompt ends in <|turn>model, the model opens the thought channel
+        CHANNEL_TAGS, "<|turn>user\nhi<turn|>\n<|turn>model\n",
+        "<|channel>thought\nThe user greets me.\n\nBe warm.\n<channel|>Hello! 👋",
+        "The user greets me.\n\nBe warm.", "Hello! 👋",
+    ),
+    "gemma4-thinking-off": (  # the template's default: an empty thought channel closes the prompt
+        CHANNEL_TAGS, "<|turn>model\n<|channel>thought\n<channel|>", "Plain answer.", "", "Plain answer.",
+    ),
+    "gemma4-no-name-line": (  # a channel with no name line: what it holds is still thinking, nothing lost
+        CHANNEL_TAGS, "", "<|channel>Just this<channel|>\nAnswer", "Just this", "Answer",
+    ),
+    "gemma4-opened-in-prompt": (
+        CHANNEL_TAGS, "<|turn>model\n<|channel>thought\n", "Go on.<channel|>Done.", "Go on.", "Done.",
+    ),
+    "gemma4-cut-off": (
+        CHANNEL_TAGS, "", "<|channel>thought\nStep 1.\n<chan", "Step 1.\n<chan", "",
+    ),
 }
 
 
@@ -111,7 +129,7 @@ def test_no_marker_leaks_into_a_delta(case):
     for i in range(len(text) + 1):
         _, _, deltas = _run(fmt, tail, [text[:i], text[i:]])
         for d in deltas:
-            for marker in HARMONY_MARKERS if fmt == HARMONY else ():
+            for marker in {HARMONY: HARMONY_MARKERS, CHANNEL_TAGS: ("<|channel>", "<channel|>")}.get(fmt, ()):
                 assert marker not in d.thinking and marker not in d.answer
 
 
@@ -149,6 +167,7 @@ def test_plain_text_before_any_tag_streams_as_answer_at_once():
     ("{{ '<|start|>assistant<|channel|>final<|message|>' }}", HARMONY),
     ("{{ '<think>\\n' }}", THINK_TAGS),
     ("{{ content.split('</think>')[-1] }}", THINK_TAGS),
+    ("{{ text.split('<channel|>') }}{{ '<|channel>thought\\n<channel|>' }}", CHANNEL_TAGS),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", None),
     (None, None),
 ])
@@ -249,3 +268,28 @@ def test_engine_splits_think_tags(harmony_engine, script_sampler, monkeypatch):
     assert "".join(c.thinking for c in chunks) == "Hmm, a greeting."
     assert "".join(c.text for c in chunks) == "Hey!"
     assert conversation.messages[-1] == {"role": "assistant", "content": "Hey!", "thinking": "Hmm, a greeting."}
+
+
+def test_engine_splits_gemma_channel_tags(harmony_engine, script_sampler):
+    # Gemma 4's markers are special tokens: the engine keeps them visible to the parser and out of the text.
+    from moechat.engine.text.chat_template import ChatTemplate
+    engine, fast = harmony_engine
+    gemma_like = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                  "{% if add_generation_prompt %}<|start|>model<|message|>"
+                  "{% if not enable_thinking | default(false) %}<|channel>thought\n<channel|>{% endif %}{% endif %}")
+    engine.chat_template = ChatTemplate.from_string(gemma_like)
+    try:
+        ids = _script(fast, "<|channel>thought\nA greeting.\n<channel|>Hi there!")
+        assert fast.convert_tokens_to_ids("<|channel>") in ids
+        script_sampler(ids + _script(fast, "Plain."))
+        conversation = engine.conversation()
+        chunks = list(conversation.send("hi", sampling=engine.sampling(**GREEDY), max_tokens=100,
+                                        enable_thinking=True))
+        assert "".join(c.thinking for c in chunks) == "A greeting."
+        assert "".join(c.text for c in chunks) == "Hi there!"
+        assert not any("channel" in c.text + c.thinking for c in chunks)
+        # Thinking off (the template's default): the prompt closes the channel, the reply is all answer.
+        second = list(conversation.send("again", sampling=engine.sampling(**GREEDY), max_tokens=100))
+        assert "".join(c.text for c in second) == "Plain." and not any(c.thinking for c in second)
+    finally:
+        engine.chat_template = ChatTemplate.from_string(fast.chat_template)

@@ -400,14 +400,19 @@ class ChatScreen(Screen):
         self.refresh_bindings()  # Escape: Stop
 
     def template_kwargs(self) -> dict:
-        """Chat template variables for the next reply: the reasoning effort, when the template reads one.
+        """Chat template variables for the next reply: the reasoning effort and the thinking switch, where the
+        template reads them.
 
-        Unset (no --reasoning-effort, none chosen in the sampling dialog), nothing is passed and the
-        template's own default applies (gpt-oss: "medium")."""
+        Unset (no --reasoning-effort / --thinking, none chosen in the sampling dialog), nothing is passed and the
+        template's own default applies (gpt-oss: "medium"; Qwen: thinking on; Gemma 4: off)."""
+        out = {}
         effort = self.app.reasoning_effort or self.app.settings.reasoning_effort
         if effort and self.info is not None and self.info.reads_reasoning_effort:
-            return {"reasoning_effort": effort}
-        return {}
+            out["reasoning_effort"] = effort
+        thinking = self.app.thinking if self.app.thinking is not None else self.app.settings.thinking
+        if thinking is not None and self.info is not None and self.info.thinking_switch:
+            out["enable_thinking"] = thinking  # the engine's templates and moechat serve both take this name
+        return out
 
     async def _end_reply(self, status: str, footer: str = "", stats: dict | None = None) -> None:
         if self._flush_timer is not None:
@@ -579,13 +584,18 @@ class ChatScreen(Screen):
             if info.reads_reasoning_effort:
                 settings.reasoning_effort = result.reasoning_effort
                 self.app.reasoning_effort = None  # the choice made here replaces --reasoning-effort's
+            if info.thinking_switch:
+                settings.thinking = result.thinking
+                self.app.thinking = None  # and --thinking's
             settings.save()
 
         effort = self.app.reasoning_effort or settings.reasoning_effort
+        thinking = self.app.thinking if self.app.thinking is not None else settings.thinking
         sampling, max_tokens = self.app.sampling()
         dialog = SamplingScreen(info.sampling_defaults, info.generation_config, sampling, max_tokens,
                                 info.default_max_tokens, reasoning_effort=effort,
-                                reads_reasoning_effort=info.reads_reasoning_effort)
+                                reads_reasoning_effort=info.reads_reasoning_effort,
+                                thinking=thinking, thinking_switch=info.thinking_switch)
         self.app.push_screen(dialog, done)
 
     def action_toggle_dashboard(self) -> None:

@@ -56,19 +56,22 @@ class SamplingChoice:
     sampling: dict  # overrides of the model's defaults
     max_tokens: int | None
     reasoning_effort: str | None = None  # None: the chat template's default
+    thinking: bool | None = None  # None: the chat template's default
 
 
 class SamplingScreen(ModalScreen[SamplingChoice | None]):
     """Overrides of the model's defaults; an empty field means "the model's default", shown beside it.
 
-    For a model whose chat template reads `reasoning_effort` (gpt-oss), a last row picks it. Ctrl+S, or
-    Enter in a field, saves.
+    For a model whose chat template reads `reasoning_effort` (gpt-oss), a row picks it; for one with a thinking
+    switch (enable_thinking: Qwen, GLM, Nemotron 3, Gemma 4), a row turns thinking on or off. Ctrl+S, or Enter in
+    a field, saves.
     """
 
     BINDINGS = [*CANCEL, Binding("ctrl+s", "save", "Save")]
 
     def __init__(self, defaults: dict, generation_config: dict, overrides: dict, max_tokens: int | None,
-                 default_max_tokens: int, *, reasoning_effort: str | None = None, reads_reasoning_effort: bool = False):
+                 default_max_tokens: int, *, reasoning_effort: str | None = None, reads_reasoning_effort: bool = False,
+                 thinking: bool | None = None, thinking_switch: bool = False):
         super().__init__(classes="dialog-screen")
         self.defaults = defaults
         self.generation_config = generation_config
@@ -77,6 +80,7 @@ class SamplingScreen(ModalScreen[SamplingChoice | None]):
         self.default_max_tokens = default_max_tokens
         self.reasoning_effort = reasoning_effort
         self.reads_reasoning_effort = reads_reasoning_effort
+        self.thinking, self.thinking_switch = thinking, thinking_switch
 
     def _source(self, key: str) -> str:
         return "generation_config.json" if key in self.generation_config else "built-in default"
@@ -105,6 +109,13 @@ class SamplingScreen(ModalScreen[SamplingChoice | None]):
                                  allow_blank=True, compact=True,
                                  value=self.reasoning_effort if self.reasoning_effort else Select.NULL)
                     yield Label("the chat template's  (gpt-oss: medium)", classes="param-default", markup=False)
+                if self.thinking_switch:
+                    yield Label("thinking", classes="param")
+                    yield Select([("on", "on"), ("off", "off")], id="param-thinking", prompt="–", allow_blank=True,
+                                 compact=True,
+                                 value=Select.NULL if self.thinking is None else ("on" if self.thinking else "off"))
+                    yield Label("the chat template's  (Qwen: on, Gemma 4: off)", classes="param-default",
+                                markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save", id="save", variant="primary")
                 yield Button("Model defaults", id="reset")
@@ -142,7 +153,11 @@ class SamplingScreen(ModalScreen[SamplingChoice | None]):
         if self.reads_reasoning_effort:
             value = self.query_one("#param-reasoning_effort", Select).value
             effort = value if isinstance(value, str) else None
-        self.dismiss(SamplingChoice(overrides, max_tokens, effort))
+        thinking = None
+        if self.thinking_switch:
+            value = self.query_one("#param-thinking", Select).value
+            thinking = None if not isinstance(value, str) else value == "on"
+        self.dismiss(SamplingChoice(overrides, max_tokens, effort, thinking))
 
     @on(Button.Pressed, "#reset")
     def reset(self) -> None:
