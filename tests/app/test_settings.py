@@ -73,6 +73,33 @@ def test_reasoning_effort_round_trips_and_bad_values_are_dropped(app_env):
         assert s.reasoning_effort is None and "chat.reasoning_effort" in s.problem
 
 
+def test_thinking_switch_round_trips_and_bad_values_are_dropped(app_env):
+    path = app_env / "settings.toml"
+    for value, written in ((False, "thinking = false"), (True, "thinking = true")):
+        assert Settings(path=path, thinking=value).save() is None
+        assert written in path.read_text() and Settings.load(path).thinking is value
+    assert Settings(path=path).save() is None
+    assert Settings.load(path).thinking is None and "thinking" not in path.read_text()
+    for bad in ('"off"', "0", "[true]"):
+        path.write_text(f"[chat]\nthinking = {bad}\n")
+        s = Settings.load(path)
+        assert s.thinking is None and "chat.thinking" in s.problem
+
+
+def test_chat_thinking_flag_is_checked_and_read():
+    import argparse
+
+    from moechat.app.tui.launch import add_chat_parser, thinking_arg
+
+    parser = argparse.ArgumentParser()
+    add_chat_parser(parser.add_subparsers(dest="command"))
+    assert thinking_arg(parser.parse_args(["chat", "--thinking", "off"])) is False
+    assert thinking_arg(parser.parse_args(["chat", "--thinking", "on"])) is True
+    assert thinking_arg(parser.parse_args(["chat"])) is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["chat", "--thinking", "maybe"])
+
+
 def test_expert_format_per_model_round_trips_and_bad_values_are_dropped(app_env):
     path = app_env / "settings.toml"
     s = Settings(path=path)
