@@ -37,8 +37,9 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from ..quant import native, prefill
+from ..quant import native
 from ..quant.base import ExpertFormat
+from ..quant.dense import bf16_linear
 from .moe import SWIGLU, ExpertActivation, ExpertBatch, combine  # noqa: F401 - combine re-exported
 from .moe_device import MapBatch, map_expert_compute
 
@@ -90,20 +91,9 @@ def _expert_views(batch: ExpertBatch) -> list[dict[str, torch.Tensor]]:
     return _cached_views("expert", batch, _expert_lists)[0]
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for a plain expert matrix; the few bf16 tokens an expert sees in a CPU prefill through
-    native_prefill_bf16.c (fp32 sums rounded once to bf16, as F.linear rounds; 1.4-2.9x torch's GEMM at 4-8 tokens)."""
-    if x.shape[0] > 1 and prefill.bf16_path(x, w, lib := native.decode_library()):
-        return prefill.finish(prefill.bf16(lib, x, w), x.dtype, None)
-    if x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" and w.is_contiguous() \
-            and (lib := native.library()) is not None:  # an expert's one token of a prefill: the GEMV, not MKL's
-        return native.bf16_gemv(lib, x, w, x.dtype)
-    return F.linear(x, w)
-
-
 def _swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = _linear(x, w13).chunk(2, dim=-1)  # [n, I], [n, I]
-    return _linear(F.silu(gate) * up, w2)  # [n, H]
+    gate, up = bf16_linear(x, w13).chunk(2, dim=-1)  # [n, I], [n, I]
+    return bf16_linear(F.silu(gate) * up, w2)  # [n, H]
 
 
 def _expert(x: torch.Tensor, fmt: ExpertFormat, tensors, act: ExpertActivation) -> torch.Tensor:

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moechat.engine.layers import experts
 from moechat.engine.quant import native, prefill
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -81,19 +80,28 @@ def test_bad_shapes_are_refused(bf16_lib):
     assert not prefill.bf16_path(x, w.t().contiguous().t(), bf16_lib)  # a strided weight
 
 
-def test_the_expert_linear_takes_it(bf16_lib, monkeypatch):
+def test_the_plain_linear_takes_it(bf16_lib, monkeypatch):
+    # quant.dense.bf16_linear: what bf16 experts (the dense format, layers/experts.py's SwiGLU) multiply through
+    from moechat.engine.quant.dense import DENSE, bf16_linear
+
     x, w = _xw(6, 40, 96, 4)
     calls = []
     real = prefill.bf16
     monkeypatch.setattr(prefill, "bf16", lambda *a: calls.append(1) or real(*a))
-    got = experts._linear(x, w)
+    got = bf16_linear(x, w)
     assert calls and got.dtype == torch.bfloat16
     assert torch.equal(got, real(bf16_lib, x, w).to(torch.bfloat16))  # rounded once, as F.linear rounds
     calls.clear()
-    one = experts._linear(x[:1], w)  # one token: native.c's GEMV
+    one = bf16_linear(x[:1], w)  # one token: native.c's GEMV
     assert not calls and torch.equal(one, native.bf16_gemv(bf16_lib, x[:1], w, torch.bfloat16))
+    # With a bias: the tiles add it before the one rounding; a lone token keeps F.linear (one rounding too).
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    tensors = {"w13": w, "w13_bias": bias}
+    assert torch.equal(DENSE.linear(x, tensors, "w13"), prefill.finish(real(bf16_lib, x, w), x.dtype, bias))
+    assert torch.equal(DENSE.linear(x[:1], tensors, "w13"), F.linear(x[:1], w, bias))
+    calls.clear()
     monkeypatch.setenv(prefill.ENV, "0")  # the A/B switch: torch's GEMM
-    off = experts._linear(x, w)
+    off = bf16_linear(x, w)
     assert not calls and torch.equal(off, F.linear(x, w))
 
 
