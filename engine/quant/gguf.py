@@ -25,7 +25,10 @@ loops, bit for bit the reference in every build) and computes `linear` three way
   batch. Against the tile path on the same w13 and machine (minima): T = 4 1.4-1.7x for every type (0.8-1.0 ms
   against 1.3-1.5), T = 32 1.2-1.3x where neither run was preempted (2.7-2.9 ms against 3.3-3.5), T = 128 about
   even (18-28 ms both: torch's GEMM on a decoded tile is as fast there).
-* otherwise (MOECHAT_GGUF_PREFILL=0, another device, no kernel library): 256 rows decoded at a time into fp32
+* on CUDA: kernels/gguf_matmul.py's Triton kernel, the blocks decoded in registers (bit for bit `dequantize`) and
+  fp32 dots, for any token count (MOECHAT_GGUF_TRITON=0 decodes tiles instead; =1 runs it on CPU tensors too, which
+  is how the tests drive it under the Triton interpreter).
+* otherwise (MOECHAT_GGUF_PREFILL=0, no kernel library): 256 rows decoded at a time into fp32
   (`decode_rows`: 2 MB at 2048 columns) and torch's GEMM on each tile, exact to the reference's order.
 
 fp32 runs keep the fp32 paths, exact to the reference up to the order of the sum (MOECHAT_GGUF_VECDOT=1 sends their
@@ -342,13 +345,37 @@ def decode_rows(raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor:
     return dequantize(raw, t, cols)
 
 
+# "0": CUDA tensors decode tiles and run torch's GEMM instead of the Triton kernel; "1": CPU tensors take the kernel
+# too (the Triton interpreter's tests)
+TRITON_ENV = "MOECHAT_GGUF_TRITON"
+
+
+def _triton_matmul(x: torch.Tensor, raw: torch.Tensor, t: GGMLType):
+    """kernels/gguf_matmul.py's gguf_matmul where it applies (CUDA tensors, or any under MOECHAT_GGUF_TRITON=1, a
+    type it computes, Triton importable), else None."""
+    flag = os.environ.get(TRITON_ENV)
+    if flag == "0" or (flag != "1" and not (raw.is_cuda and x.is_cuda)) or raw.dim() != 2 or not raw.is_contiguous():
+        return None
+    try:
+        from .kernels.gguf_matmul import TYPES as TRITON_TYPES
+        from .kernels.gguf_matmul import gguf_matmul
+    except ImportError:  # no Triton (a CPU-only install): the tiles
+        return None
+    return gguf_matmul if t.name in TRITON_TYPES else None
+
+
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int,
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [n, cols] -> x @ W^T (+ bias) [n, rows] in x's dtype (or `out_dtype`: fp32 for the LM head's logits): one
     token by `vecdot` where the type has it and `use_vecdot` says so, else `prefill` (W's 4-row blocks decoded once
     for all n tokens), else W decoded from `raw` [rows, row_bytes] a tile of rows at a time and torch's GEMM (fp32
-    sums, all three)."""
+    sums, all three); on CUDA the Triton kernel (`_triton_matmul`)."""
     out_dtype = out_dtype or x.dtype
+    if (matmul := _triton_matmul(x, raw, t)) is not None:
+        y = matmul(x, raw, t.name, cols)  # [n, rows] fp32
+        if bias is not None:
+            y += bias.float()
+        return y.to(out_dtype)
     if x.shape[0] == 1 and use_vecdot(x) and (y1 := vecdot(x, raw, t, cols)) is not None:
         return (y1 + bias.float() if bias is not None else y1).to(out_dtype)
     y = prefill(x, raw, t, cols)

@@ -2,7 +2,8 @@
 
 Design:
 - A GGUF file keeps the vocabulary, not the ``tokenizer.json`` pipeline: ``tokenizer.ggml.model`` names the
-  algorithm (``gpt2``: byte-level BPE with ``merges``; ``llama``: SentencePiece with ``scores``),
+  algorithm (``gpt2``: byte-level BPE with ``merges``; ``llama``: SentencePiece with ``scores``; ``gemma4``:
+  Gemma's BPE over raw UTF-8 with ``merges``, ``▁`` for spaces and ``<0xXX>`` byte fallback),
   ``tokenizer.ggml.pre`` names the pre-tokenizer (one name per HF regex family, chosen by llama.cpp's converter
   from a hash of the tokens of a test text), and ``token_type`` says which ids are control/user-defined/byte.
   This module rebuilds the HF pipeline those stand for as a ``tokenizers.Tokenizer`` and wraps it in the engine's
@@ -245,10 +246,12 @@ def tokenizer_from_gguf(source: Any, *, where: str = "the GGUF file") -> GGUFTex
         backend = _build_bpe(fields, tokens, types, ids, where)
     elif model == "llama":
         backend = _build_spm(fields, tokens, types, ids, where)
+    elif model == "gemma4":
+        backend = _build_gemma(fields, tokens, types, ids, where)
     else:
         raise TokenizerError(f"{where}: tokenizer.ggml.model {model!r} is not one moechat can rebuild (it reads "
-                             "'gpt2' byte-level BPE and 'llama' SentencePiece); put the model's tokenizer.json "
-                             "beside the file")
+                             "'gpt2' byte-level BPE, 'llama' SentencePiece and 'gemma4'); put the model's "
+                             "tokenizer.json beside the file")
 
     special: dict[str, Any] = {}
     for key, name in _SPECIAL_KEYS.items():
@@ -309,24 +312,42 @@ def _build_bpe(fields: Mapping[str, Any], tokens: list[str], types: list[int], i
     if pre is None:
         raise TokenizerError(f"{where}: unknown pre-tokenizer tokenizer.ggml.pre = {pre_name!r}; moechat knows "
                              f"{', '.join(sorted(_PRE_TOKENIZERS))}: put the model's tokenizer.json beside the file")
-    merges_raw = _typed_list(fields, "tokenizer.ggml.merges", str, None, where)
+    backend = tokenizers.Tokenizer(_bpe_model(fields, _vocab(tokens, types), where, ignore_merges=pre.ignore_merges))
+    _byte_level_pipeline(backend, pre)
+    _register_added(backend, tokens, types)
+    _post_process(fields, backend, tokens, ids, default_bos=pre_name in ("llama3", "llama-v3", "llama-bpe"))
+    return backend
+
+
+def _bpe_model(fields: Mapping[str, Any], vocab: dict[str, int], where: str, **options) -> tokenizers.models.BPE:
+    """A BPE model over `vocab` with the file's ``tokenizer.ggml.merges`` ("left right" each)."""
     merges = []
-    for line in merges_raw:
+    for line in _typed_list(fields, "tokenizer.ggml.merges", str, None, where):
         left, sep, right = line.partition(" ")
         if not sep:
             raise TokenizerError(f"{where}: tokenizer.ggml.merges holds {line!r}, not 'left right'; re-convert "
                                  "the file")
         merges.append((left, right))
-    vocab = _vocab(tokens, types)
     try:
-        model = tokenizers.models.BPE(vocab, merges, ignore_merges=pre.ignore_merges)
+        return tokenizers.models.BPE(vocab, merges, **options)
     except Exception as err:  # a merge naming a token the vocabulary lacks
         raise TokenizerError(f"{where}: the BPE merges do not fit the vocabulary ({err}); re-convert the file") \
             from err
-    backend = tokenizers.Tokenizer(model)
-    _byte_level_pipeline(backend, pre)
+
+
+def _build_gemma(fields: Mapping[str, Any], tokens: list[str], types: list[int], ids: dict[str, int | None],
+                 where: str) -> tokenizers.Tokenizer:
+    """Gemma 4's pipeline as transformers' GemmaTokenizer builds it: spaces to ``▁`` (no prefix space), a split on
+    spaces that the normalizer has left nothing to split, BPE with the file's merges over raw UTF-8 and ``<0xXX>``
+    byte fallback; decoded back through ``▁`` -> space and the byte pieces."""
+    unk = tokens[ids["unknown"]] if ids["unknown"] is not None else None
+    backend = tokenizers.Tokenizer(_bpe_model(fields, _vocab(tokens, types), where, unk_token=unk, fuse_unk=True,
+                                              byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     _register_added(backend, tokens, types)
-    _post_process(fields, backend, tokens, ids, default_bos=pre_name in ("llama3", "llama-v3", "llama-bpe"))
+    _post_process(fields, backend, tokens, ids, default_bos=True)
     return backend
 
 

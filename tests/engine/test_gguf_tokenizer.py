@@ -380,3 +380,86 @@ def test_tokens_that_are_not_utf8_are_typed(tmp_path):
     (tmp_path / "m.gguf").write_bytes(data.replace(b"<|im_start|>", b"<|im_st\xffrt|>"))  # same length
     with pytest.raises(TokenizerError, match="tokenizer.ggml.tokens holds bytes that are not UTF-8"):
         tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "m.gguf")))
+
+
+# ---- Gemma 4 (tokenizer.ggml.model = "gemma4") ----
+
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+GEMMA_CONTROL = ("<|turn>", "<turn|>")  # special in HF, CONTROL in the file
+GEMMA_VISIBLE = ("<|channel>", "<channel|>")  # llama.cpp's converter writes these USER_DEFINED, always rendered
+
+
+def _gemma_hf():
+    """transformers' GemmaTokenizer (the class Gemma 4 ships with) over a small vocabulary trained on CORPUS: the
+    five specials, the 256 byte pieces, the trained pieces; the turn and channel markers as added tokens."""
+    from transformers import GemmaTokenizer
+
+    trainer_tok = tokenizers.Tokenizer(models.BPE())
+    trainer_tok.normalizer = normalizers.Replace(" ", "▁")
+    trainer_tok.train_from_iterator(CORPUS * 3, trainers.BpeTrainer(vocab_size=450, show_progress=False,
+                                                                    limit_alphabet=120))
+    data = json.loads(trainer_tok.to_str())
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIALS)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in sorted(data["model"]["vocab"], key=data["model"]["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]]
+    hf = GemmaTokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges])
+    hf.add_special_tokens({"additional_special_tokens": list(GEMMA_CONTROL + GEMMA_VISIBLE)})
+    return hf, merges
+
+
+def _gemma_kv(hf, merges) -> dict:
+    """What conversion/gemma.py's Gemma4Model.set_vocab writes for `hf`."""
+    vocab = hf.get_vocab()
+    reverse = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(max(vocab.values()) + 1):
+        text = reverse[i]
+        tokens.append(text)
+        if text in GEMMA_VISIBLE:
+            types.append(gguf.TokenType.USER_DEFINED)
+        elif text == "<unk>":
+            types.append(gguf.TokenType.UNKNOWN)
+        elif text in GEMMA_SPECIALS or text in GEMMA_CONTROL:
+            types.append(gguf.TokenType.CONTROL)
+        elif text.startswith("<0x") and len(text) == 6:
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    return {
+        "tokenizer.ggml.model": ("str", "gemma4"),
+        "tokenizer.ggml.tokens": ("arr", tokens),
+        "tokenizer.ggml.scores": ("arr", [0.0] * len(tokens)),
+        "tokenizer.ggml.token_type": ("arr", [int(t) for t in types]),
+        "tokenizer.ggml.merges": ("arr", merges),
+        "tokenizer.ggml.bos_token_id": ("u32", vocab["<bos>"]),
+        "tokenizer.ggml.eos_token_id": ("u32", vocab["<eos>"]),
+        "tokenizer.ggml.unknown_token_id": ("u32", vocab["<unk>"]),
+        "tokenizer.ggml.padding_token_id": ("u32", vocab["<pad>"]),
+        "tokenizer.ggml.add_space_prefix": ("bool", False),
+        "tokenizer.ggml.add_bos_token": ("bool", True),
+    }
+
+
+def test_gemma4_matches_transformers_gemma_tokenizer(tmp_path):
+    hf, merges = _gemma_hf()
+    text = tokenizer_from_gguf(_write_gguf(tmp_path / "m.gguf", _gemma_kv(hf, merges)))
+    tok = text.tokenizer
+    bos = hf.convert_tokens_to_ids("<bos>")
+    samples = [*TEXTS, "<|turn>user\n丂 hi  there<turn|>\n<|turn>model\n<|channel>thought\nok<channel|>Hi",
+               "tabs\tand\u00a0nbsp and \U0001f999 llamas"]
+    byte_fallback = False
+    for sample in samples:
+        want = hf.encode(sample, add_special_tokens=False)
+        assert tok.encode(sample, add_special_tokens=False) == want, sample
+        assert tok.encode(sample) == [bos, *want]  # add_bos_token, as Gemma's files set it
+        assert tok.decode(want) == hf.decode(want)
+        byte_fallback |= any(hf.convert_ids_to_tokens(i).startswith("<0x") for i in want)
+    assert byte_fallback  # the unseen characters went through the byte pieces, not <unk>
+    assert text.eos_token_ids[0] == hf.convert_tokens_to_ids("<eos>") and text.bos_token_id == bos
+    # The channel markers are kept whole and shown (USER_DEFINED), the turn markers are special.
+    ids = tok.encode("<|channel>thought\nx<channel|><turn|>", add_special_tokens=False)
+    assert ids[0] == hf.convert_tokens_to_ids("<|channel>")
+    assert tok.decode(ids, skip_special_tokens=True) == "<|channel>thought\nx<channel|>"

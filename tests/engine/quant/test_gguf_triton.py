@@ -9,9 +9,11 @@ flag never reaches the rest of the suite.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,8 +52,46 @@ def _interpreted_main(path: str) -> None:
         print(case, int(exact), excess, flush=True)
 
 
+def _wired_main() -> None:
+    """Under TRITON_INTERPRET=1 and MOECHAT_GGUF_TRITON=1: a Q4_K_M expert (gate/up Q4_K, down Q6_K) and a gpt-oss
+    MXFP4 one with biases through GGUFFormat.linear, the path CUDA takes: the kernel runs (counted), and each output
+    is within cols 2^-24 sum |x w| of the fp64 reference. Prints one line per expert: calls, largest err / bound."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository: the tests' block writer
+    import moechat.engine.quant.kernels.gguf_matmul as kernel
+    from moechat.engine.quant.gguf import GGUFFormat
+    from tests.engine.test_gguf_quant import random_blocks
+
+    calls = []
+    real = kernel.gguf_matmul
+    kernel.gguf_matmul = lambda *a, **k: calls.append(a[2]) or real(*a, **k)
+    H, inter, T = 256, 64, 5
+    for fmt in (GGUFFormat("Q4_K", "Q4_K", "Q6_K"), GGUFFormat("MXFP4", "MXFP4", "MXFP4", interleaved=True)):
+        g = torch.Generator().manual_seed(3)
+        tensors = {"w1": torch.from_numpy(random_blocks(fmt.types["w1"].name, inter, H, seed=1)),
+                   "w3": torch.from_numpy(random_blocks(fmt.types["w3"].name, inter, H, seed=2)),
+                   "w2": torch.from_numpy(random_blocks(fmt.types["w2"].name, H, 256, seed=3))}  # down from 256
+        if fmt.interleaved:
+            tensors.update(w1_bias=torch.randn(inter, generator=g), w3_bias=torch.randn(inter, generator=g),
+                           w2_bias=torch.randn(H, generator=g))
+        x = torch.randn(T, H, generator=g)
+        worst = 0.0
+        for which, xin in (("w13", x), ("w2", torch.randn(T, 256, generator=g))):
+            calls.clear()
+            y = fmt.linear(xin, tensors, which).double()
+            w = fmt.weight(tensors, which, torch.float64)
+            bias = fmt.bias(tensors, which).double() if fmt.interleaved else 0.0
+            ref = xin.double() @ w.t() + bias
+            bound = xin.shape[1] * 2.0**-24 * (xin.double().abs() @ w.abs().t()) + 1e-12
+            worst = max(worst, ((y - ref).abs() / bound).max().item())
+            assert calls, which
+        print(fmt.name, len(calls), worst, flush=True)
+
+
 if __name__ == "__main__":
-    _interpreted_main(sys.argv[1])
+    if sys.argv[1] == "wired":
+        _wired_main()
+    else:
+        _interpreted_main(sys.argv[1])
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +119,31 @@ def test_interpreted_kernel_decodes_exactly_and_stays_within_the_bound(interpret
         assert exact == 1, case  # the in-register decode is dequantize, bit for bit
         assert excess <= 1.0, case  # within cols 2^-24 sum |x w|
         assert excess < 0.01, case  # and far inside it (a wrong block or row would be far outside)
+
+
+@pytest.mark.slow
+def test_gguf_experts_take_the_kernel_where_cuda_would():
+    # The dispatch CUDA tensors take (quant/gguf.py gguf_linear -> kernels/gguf_matmul.py), run on CPU tensors under
+    # the interpreter with MOECHAT_GGUF_TRITON=1: gate/up/down and the biases through the kernel, within the bound.
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", MOECHAT_GGUF_TRITON="1")
+    result = subprocess.run([sys.executable, __file__, "wired"], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = dict((ln.split()[0], ln.split()[1:]) for ln in result.stdout.splitlines())
+    assert sorted(lines) == ["gguf-MXFP4", "gguf-Q4_K-Q6_K"]
+    for name, (calls, excess) in lines.items():
+        assert int(calls) >= 1 and float(excess) <= 1.0, name
+
+
+def test_cpu_tensors_keep_the_native_paths(monkeypatch):
+    from moechat.engine.quant import gguf
+
+    raw = torch.zeros(4, gguf.TYPES["Q8_0"].row_bytes(64), dtype=torch.uint8)
+    x = torch.zeros(1, 64)
+    monkeypatch.delenv(gguf.TRITON_ENV, raising=False)
+    assert gguf._triton_matmul(x, raw, gguf.TYPES["Q8_0"]) is None  # CPU tensors: native_gguf.c
+    monkeypatch.setenv(gguf.TRITON_ENV, "0")
+    assert gguf._triton_matmul(x, raw, gguf.TYPES["Q8_0"]) is None
+    if importlib.util.find_spec("triton") is not None:
+        monkeypatch.setenv(gguf.TRITON_ENV, "1")
+        assert gguf._triton_matmul(x, raw, gguf.TYPES["Q8_0"]) is not None
