@@ -5,7 +5,9 @@ w13's halves), both x dtypes, the SIMD build and the scalar one; the cached libr
 the torch fallback (MOECHAT_NATIVE=0, no compiler) silent, said by `status()`, and equal within the same bounds.
 The SIMD build's 4-bit kernels with 32-element scales (int4 groups of 32, MXFP4) sum a bf16 x in integers, over
 x rounded to 16 bits per block (native.c): their reference is F.linear over x rounded that way
-(`native.round_x16`), and x itself is within the rounding's bound of it."""
+(`native.round_x16`), and x itself is within the rounding's bound of it. On a CPU with AVX-512 BW that path's
+64-byte loop (with and without VNNI) writes the AVX2 build's bits (block counts of every remainder, extremes, zero
+and non-finite scales, any thread count) and is within x's rounding of the scalar build."""
 
 from __future__ import annotations
 
@@ -531,3 +533,160 @@ def test_parallel_for_covers_every_unit_once(lib, torch_threads):
         assert all(a % 8 == 0 and a < b for a, b in seen)
         assert all(p[1] == q[0] for p, q in zip(seen, seen[1:]))
         assert lib.moechat_parallel_for(fn_t(lambda ctx, a, b: 7 if a == 0 else 0), None, 64, 8, 1 << 24) == 7
+
+
+# -- the integer path's AVX-512 loop (native.c i16_quad) against the AVX2 one and the scalar build ------------------
+AVX2_FLAGS = ("-O3", "-march=x86-64-v3", "-shared", "-fPIC", "-fno-math-errno")  # AVX2 + FMA + F16C, no AVX-512
+I16_ISA = {0: "scalar", 1: "AVX2", 2: "AVX-512BW", 3: "AVX-512 VNNI"}  # moechat_i16_isa()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo").read().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _has_avx512() -> bool:
+    return {"avx512f", "avx512bw"} <= _cpu_flags()
+
+
+@pytest.fixture(scope="module")
+def avx2_lib():
+    """The kernels as an AVX2-only x86-64 CPU builds them (cached on disk like the default build)."""
+    if "avx2" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    lib = native.build_and_load(AVX2_FLAGS)
+    assert I16_ISA[lib.moechat_i16_isa()] == "AVX2"
+    return lib
+
+
+@pytest.fixture(scope="module")
+def avx512_libs(lib):
+    """The default build (VNNI's vpdpbusd where the CPU has it) and the AVX-512BW one without VNNI (vpmaddubsw +
+    vpmaddwd: a Skylake-X); skipped on a CPU without AVX-512 BW, whose default build is the AVX2 one."""
+    if not _has_avx512():
+        pytest.skip("this CPU has no AVX-512 F + BW: the default build is the AVX2 one (tested against the scalar one)")
+    libs = {"default": lib, "no-vnni": native.build_and_load(native.FLAGS + ("-mno-avx512vnni",))}
+    assert I16_ISA[libs["no-vnni"].moechat_i16_isa()] == "AVX-512BW"
+    return libs
+
+
+def test_the_default_build_takes_the_widest_integer_loop(lib, scalar_lib):
+    """-march=native builds the AVX-512 loop where the CPU has AVX-512 F + BW (with VNNI where it has that), else the
+    AVX2 one; the scalar build has no integer path."""
+    flags = _cpu_flags()
+    want = ("AVX-512 VNNI" if "avx512_vnni" in flags else "AVX-512BW") if _has_avx512() else "AVX2"
+    assert I16_ISA[lib.moechat_i16_isa()] == want
+    assert I16_ISA[scalar_lib.moechat_i16_isa()] == "scalar"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)  # NaN == NaN, -0 != +0
+
+
+def _random_4bit(name: str, rows: int, cols: int, seed: int):
+    """(gemv(lib, x), weight fp32) of random codes with random scales: int4 fp16 scales of mixed magnitudes, MXFP4
+    E8M0 scales 118..133."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    if name == "mxfp4":
+        scales = torch.randint(118, 134, (rows, cols // 32), generator=g, dtype=torch.uint8)
+        blocks = codes.view(rows, cols // 32, 16)
+        return (lambda lib, x: native.mxfp4_gemv(lib, x, blocks, scales)), mxfp4.dequantize_reference(blocks, scales)
+    scales = (torch.randn(rows, cols // 32, generator=g) * 10.0 ** torch.randint(-4, 1, (rows, 1), generator=g)).half()
+    t = {"w2_q": codes, "w2_scale": scales}
+    return (lambda lib, x: native.int4_gemv(lib, x, codes, scales)), get_format("int4").weight(t, "w2", torch.float32)
+
+
+def _within_scalar(got: torch.Tensor, want_scalar: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """The integer path's output against the scalar build's (fp32 sums over x itself): within fp32 rounding of
+    both sums (1e-6 of sum |x w| each) plus x's rounding to 16 bits (half a step of each block, times |w|)."""
+    b = x.double().reshape(-1, 32)
+    _, e = torch.frexp(b.abs().amax(dim=1, keepdim=True).float())
+    half_step = torch.ldexp(torch.ones_like(b), e.double() - 16).reshape(1, -1)  # [1, cols]
+    bound = 2e-6 * (x.abs().double() @ w.abs().double().t()) + half_step @ w.abs().double().t() + 1e-30
+    assert ((got.double() - want_scalar.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 8, 9, 15, 17, 24, 65, 90])
+def test_avx512_writes_the_avx2_bits(lib, avx2_lib, avx512_libs, scalar_lib, name, rows, blocks):
+    """Block counts of every remainder by the 4-block quad and the 8-block step (an odd last block, a last pair, a
+    last quad), rows of no multiple: every AVX-512 build's outputs bit for bit the AVX2 build's (the same int32
+    lanes in the same fp32 order), and within the rounding of x of the scalar build's."""
+    cols = 32 * blocks
+    gemv, w = _random_4bit(name, rows, cols, rows * 1000 + blocks)
+    x = (torch.randn(1, cols, generator=torch.Generator().manual_seed(blocks)) *
+         torch.logspace(-3, 3, cols // 32).repeat_interleave(32)).bfloat16()  # blocks of every magnitude
+    want = gemv(avx2_lib, x)
+    for which, l in avx512_libs.items():
+        assert torch.equal(_bits(gemv(l, x)), _bits(want)), which
+    _close(want, native.round_x16(x).float(), w)
+    _within_scalar(want, gemv(scalar_lib, x), x, w)
+
+
+@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+def test_avx512_extremes(lib, avx2_lib, avx512_libs, name):
+    """The largest 16-bit x (1 - 2^-8 of its block's power of two: |q| = 32640, high byte -128 or 127) against the
+    largest and smallest codes (int4 15 and 0; MXFP4 +6 and -6: u = 24 and 0): no byte product sum saturates
+    (vpmaddubsw) or wraps; each output equal on every build and to F.linear over round_x16(x)."""
+    cols, rows = 32 * 9, 8
+    codes = torch.tensor([0xFF, 0x00, 0x0F, 0xF0, 0x77, 0x88, 0x7F, 0xF7], dtype=torch.uint8)
+    codes = codes[:, None].expand(rows, cols // 2).contiguous()  # [rows, cols/2]: one byte a row
+    if name == "mxfp4":
+        scales = torch.full((rows, cols // 32), 127, dtype=torch.uint8)
+        blocks = codes.view(rows, cols // 32, 16)
+        w = mxfp4.dequantize_reference(blocks, scales)
+        gemv = lambda l, x: native.mxfp4_gemv(l, x, blocks, scales)  # noqa: E731
+    else:
+        scales = torch.ones(rows, cols // 32, dtype=torch.float16)
+        w = get_format("int4").weight({"w2_q": codes, "w2_scale": scales}, "w2", torch.float32)
+        gemv = lambda l, x: native.int4_gemv(l, x, codes, scales)  # noqa: E731
+    top = 1 - 2**-8
+    for signs in ([1.0] * cols, [-1.0] * cols, [(-1.0) ** k for k in range(cols)]):
+        x = (torch.tensor(signs) * top).reshape(1, cols).bfloat16()
+        want = gemv(avx2_lib, x)
+        for which, l in avx512_libs.items():
+            assert torch.equal(_bits(gemv(l, x)), _bits(want)), which
+        _close(want, native.round_x16(x).float(), w)
+
+
+def test_avx512_zero_and_non_finite_scales(lib, avx2_lib, avx512_libs):
+    """int4 fp16 scales 0, -0, subnormal, the largest, inf, -inf and NaN; MXFP4's E8M0 bytes 0, 1 (subnormal scales),
+    2, 127, 254, 255: every build the same bit patterns (NaN and infinite outputs included)."""
+    rows, cols = 7, 32 * 11
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    special = torch.tensor([0.0, -0.0, 2.0**-24, 65504.0, float("inf"), -float("inf"), float("nan")],
+                           dtype=torch.float16)
+    s4 = (torch.rand(rows, cols // 32, generator=g) + 0.5).half()
+    s4[:, 3] = special  # one block a row
+    s4[2, :] = special[4]  # a row of infinities
+    e8 = torch.tensor([0, 1, 2, 127, 254, 255, 130], dtype=torch.uint8)[:, None].expand(rows, cols // 32).contiguous()
+    x = torch.randn(1, cols, generator=g).bfloat16()
+    for gemv in (lambda l: native.int4_gemv(l, x, codes, s4),
+                 lambda l: native.mxfp4_gemv(l, x, codes.view(rows, cols // 32, 16), e8)):
+        want = gemv(avx2_lib)
+        assert torch.isnan(want).any() and torch.isfinite(want).any()
+        for which, l in avx512_libs.items():
+            assert torch.equal(_bits(gemv(l)), _bits(want)), which
+
+
+@pytest.mark.parametrize("name", ["int4", "mxfp4"])
+def test_avx512_any_thread_count_writes_the_avx2_bits(lib, avx2_lib, avx512_libs, torch_threads, name):
+    """An expert-sized matrix (1536 x 2048) split over 1, 2 or 3 threads (each share's x16 made again): every
+    output bit for bit the AVX2 build's on one thread."""
+    gemv, _ = _random_4bit(name, 1536, 2048, 9)
+    x = _x(2048, torch.bfloat16, 2)
+    torch_threads(1)
+    want = gemv(avx2_lib, x)
+    for n in (1, 2, 3):
+        torch_threads(n)
+        for which, l in avx512_libs.items():
+            assert torch.equal(_bits(gemv(l, x)), _bits(want)), (which, n)
+    torch_threads(1)
