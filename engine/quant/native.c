@@ -238,8 +238,8 @@ static inline __attribute__((always_inline)) void decode32(const uint8_t *p, Lut
  * bytes, so every lane holds the AVX2 loop's integer, and the fp32 steps run as two i16_pair calls would (the low
  * eight lanes' FMA, then the high eight's): every output has the AVX2 build's bits. x16 there holds l and h of the
  * even and the odd elements in that order, 256 bytes a quad of blocks (l even, l odd, h even, h odd at 64 v + 16 b).
- * 1.2x the AVX2 loop's rate from L2 on Zen 4 (int4 21.8 GB/s against 18.0-18.6 on one thread, MXFP4 17.2 against
- * 14.3-14.8); from RAM both reach what one core reads (~16 GB/s there). */
+ * 1.2x the AVX2 loop's rate from L2 on Zen 4 (int4 22 GB/s against 18-19 on one thread, MXFP4 17 against 14-15);
+ * from RAM MXFP4 1.1-1.2x, int4 as fast as the AVX2 loop (both at what one core of that VM reads, 13-17 GB/s). */
 #if SIMD
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define I16_512 1
@@ -361,7 +361,7 @@ static int x16_make(const uint16_t *x, int64_t cols, int off, X16 *o) {
 }
 
 #ifndef I16_AHEAD
-#define I16_AHEAD 4096 /* bytes (1-8 KB measured alike) */
+#define I16_AHEAD 4096 /* bytes (1-8 KB measured alike; the AVX-512 loop: 2-8 KB, T0 or T1 within noise, none 0.8x) */
 #endif
 #ifndef I16_HINT
 #define I16_HINT _MM_HINT_T0
