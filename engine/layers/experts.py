@@ -55,6 +55,12 @@ _VIEWS: dict[tuple, tuple[tuple[torch.Tensor, ...], object]] = {}
 _VIEWS_MAX = 1024  # entries (one per layer of a resident model, a few for a cache): a retuned pool's old ones go
 
 
+def forget_views() -> None:
+    """Drop every memoised view: they keep their buffers alive, so an engine that closes calls this (the next call
+    rebuilds what a live engine needs)."""
+    _VIEWS.clear()
+
+
 def _cached_views(kind: str, batch: ExpertBatch, build):
     """build(tensors) -> per-slot views of one set of buffers, memoised per (kind, buffers); a mixed batch's
     lists are its slots' then its host buffers'."""

@@ -224,6 +224,9 @@ class Engine:
         if quiesce is not None:
             quiesce()
         self.save_routing_profile()
+        from ..layers.experts import forget_views
+
+        forget_views()  # the memoised per-expert views hold this engine's buffers (~a model's experts a load)
 
     # -- text <-> ids ---------------------------------------------------------------------------
     def _need_tokenizer(self) -> Tokenizer:
