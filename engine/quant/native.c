@@ -237,9 +237,10 @@ static inline __attribute__((always_inline)) void decode32(const uint8_t *p, Lut
  * One in-lane byte shuffle of the codes (bytes 0, 1, 8, 9, 2, 3, 10, 11, ..) puts each lane's elements in its four
  * bytes, so every lane holds the AVX2 loop's integer, and the fp32 steps run as two i16_pair calls would (the low
  * eight lanes' FMA, then the high eight's): every output has the AVX2 build's bits. x16 there holds l and h of the
- * even and the odd elements in that order, 256 bytes a quad of blocks (l even, l odd, h even, h odd at 64 v + 16 b).
- * 1.2x the AVX2 loop's rate from L2 on Zen 4 (int4 22 GB/s against 18-19 on one thread, MXFP4 17 against 14-15);
- * from RAM MXFP4 1.1-1.2x, int4 as fast as the AVX2 loop (both at what one core of that VM reads, 13-17 GB/s). */
+ * even and the odd elements in the shuffled order, 256 bytes a quad of blocks (l even, l odd, h even, h odd at
+ * 64 v + 16 b). 1.2x the AVX2 loop's rate from L2 on Zen 4 (int4 22 GB/s against 18-19 on one thread, MXFP4 17
+ * against 14-15); from RAM MXFP4 1.1-1.2x, int4 as fast as the AVX2 loop (both at what one core of that VM reads,
+ * 13-17 GB/s). */
 #if SIMD
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define I16_512 1
