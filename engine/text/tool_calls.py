@@ -1,12 +1,15 @@
 """Tool calls in a model's generated text, for the families whose chat templates define them.
 
-Two formats, told apart by the chat template (as `reasoning_format` tells reasoning formats apart):
+Three formats, told apart by the chat template (as `reasoning_format` tells reasoning formats apart):
 
 * hermes (Qwen2.5, Qwen3 and the templates that copy them): the answer holds
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, one per call.
 * harmony (gpt-oss): a call is a message on the ``commentary`` channel addressed to a function,
   ``<|start|>assistant to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>{...}<|call|>``
   (the recipient may also follow the channel name); ``<|call|>`` is a stop token, so a call ends the reply.
+* Gemma 4: ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, the arguments in Gemma's own notation (keys bare,
+  strings between ``<|"|>`` marks, numbers, true/false, lists, nested dicts), read into JSON; the reply then stops
+  at ``<|tool_response>`` (the template opens the response there).
 
 The parsers are reasoning parsers (engine/text/reasoning.py) that also collect calls: the engine feeds
 them the generated text as it streams, the thinking and the answer come out as before minus the
@@ -32,10 +35,13 @@ from .reasoning import (
     reasoning_format,
 )
 
-__all__ = ["HERMES", "HARMONY", "HarmonyToolParser", "HermesToolParser", "ToolCall", "make_tool_parser",
+__all__ = ["GEMMA", "HERMES", "HARMONY", "GemmaToolParser", "HarmonyToolParser", "HermesToolParser", "ToolCall",
+           "make_tool_parser",
            "tool_call_format"]
 
 HERMES = "hermes"
+GEMMA = "gemma"
+_GEMMA_OPEN, _GEMMA_CLOSE, _GEMMA_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
@@ -47,13 +53,15 @@ class ToolCall:
 
 
 def tool_call_format(template_source: str | None) -> str | None:
-    """HARMONY, HERMES, or None when the template defines no tool-call format."""
+    """HARMONY, HERMES, GEMMA, or None when the template defines no tool-call format."""
     if not template_source:
         return None
     if reasoning_format(template_source) == HARMONY:
         return HARMONY
     if _CALL_OPEN in template_source:
         return HERMES
+    if _GEMMA_OPEN in template_source and _GEMMA_CLOSE in template_source:
+        return GEMMA
     return None
 
 
@@ -61,10 +69,12 @@ class HermesToolParser(ReasoningParser):
     """``<tool_call>{json}</tool_call>`` blocks cut out of the answer; `inner` (e.g. a ThinkTagParser) splits the
     thinking first, so a block inside the thinking is left there."""
 
+    _open, _close = _CALL_OPEN, _CALL_CLOSE
+
     def __init__(self, inner: ReasoningParser | None = None):
         super().__init__()
         self.inner = inner
-        self.markers = (inner.markers if inner is not None else ()) + (_CALL_OPEN, _CALL_CLOSE)
+        self.markers = (inner.markers if inner is not None else ()) + (self._open, self._close)
         self._in_call = False
         self._pending = ""
         self.calls: list[ToolCall] = []
@@ -85,7 +95,7 @@ class HermesToolParser(ReasoningParser):
     def _split(self, delta: ReasoningDelta, final: bool) -> ReasoningDelta:
         buf, out = self._pending + delta.answer, []
         while True:
-            marker = _CALL_CLOSE if self._in_call else _CALL_OPEN
+            marker = self._close if self._in_call else self._open
             at = buf.find(marker)
             if at != -1:
                 if self._in_call:
@@ -100,7 +110,7 @@ class HermesToolParser(ReasoningParser):
                     out.append(self._finish(buf))
                     self._in_call, buf = False, ""
                 break
-            keep = 0 if final else _partial_marker_len(buf, (_CALL_OPEN,))
+            keep = 0 if final else _partial_marker_len(buf, (self._open,))
             out.append(buf[: len(buf) - keep])
             buf = buf[len(buf) - keep:]
             break
@@ -113,6 +123,13 @@ class HermesToolParser(ReasoningParser):
 
     def _finish(self, body: str) -> str:
         """Record the call in `body`; returns the text to show instead ("" for a call, the block if not one)."""
+        call = self._parse(body)
+        if call is None:
+            return self._open + body + self._close
+        self.calls.append(call)
+        return ""
+
+    def _parse(self, body: str) -> ToolCall | None:
         try:
             data = json.loads(body)
             name = data["name"]
@@ -120,10 +137,94 @@ class HermesToolParser(ReasoningParser):
             if not isinstance(name, str) or not name:
                 raise ValueError(name)
         except (ValueError, KeyError, TypeError, AttributeError):
-            return _CALL_OPEN + body + _CALL_CLOSE
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        self.calls.append(ToolCall(name, text))
-        return ""
+            return None
+        return ToolCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
+class GemmaToolParser(HermesToolParser):
+    """Gemma 4's ``<|tool_call>call:NAME{...}<tool_call|>`` blocks: HermesToolParser's streaming with these markers,
+    the body read by `gemma_arguments`."""
+
+    _open, _close = _GEMMA_OPEN, _GEMMA_CLOSE
+
+    def _parse(self, body: str) -> ToolCall | None:
+        head, brace, _ = body.partition("{")
+        name = head.strip().removeprefix("call:")
+        if not head.strip().startswith("call:") or not brace or not name or any(c in name for c in " :,<>"):
+            return None
+        try:
+            arguments = gemma_arguments(body[len(head):])
+        except ValueError:
+            return None
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+_GEMMA_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_GEMMA_MAX_DEPTH = 64  # nested lists/dicts: a model's output, never deeper than a schema; past it, not a call
+
+
+def gemma_arguments(text: str) -> dict:
+    """Gemma 4's argument notation (what its template's format_argument writes: ``{city:<|"|>Paris<|"|>,days:2,
+    tags:[<|"|>a<|"|>],opts:{deep:true}}``) -> the dict. Raises ValueError for anything else, trailing text included."""
+    value, end = _gemma_value(text, 0, 0)
+    if not isinstance(value, dict) or text[end:].strip():
+        raise ValueError("not one dict")
+    return value
+
+
+def _gemma_value(t: str, i: int, depth: int):
+    """(value, index after it) of the value starting at t[i] (leading whitespace skipped)."""
+    if depth > _GEMMA_MAX_DEPTH:
+        raise ValueError("nested too deep")
+    while i < len(t) and t[i].isspace():
+        i += 1
+    if t.startswith(_GEMMA_QUOTE, i):
+        end = t.find(_GEMMA_QUOTE, i + len(_GEMMA_QUOTE))
+        if end == -1:
+            raise ValueError("unterminated string")
+        return t[i + len(_GEMMA_QUOTE):end], end + len(_GEMMA_QUOTE)
+    if t.startswith("{", i) or t.startswith("[", i):
+        is_dict, close = t[i] == "{", "}" if t[i] == "{" else "]"
+        out: dict | list = {} if is_dict else []
+        i += 1
+        while True:
+            while i < len(t) and t[i].isspace():
+                i += 1
+            if t.startswith(close, i) and not out:
+                return out, i + 1
+            if is_dict:
+                if t.startswith(_GEMMA_QUOTE, i):
+                    key, i = _gemma_value(t, i, depth + 1)
+                else:
+                    colon = t.find(":", i)
+                    key = t[i:colon].strip() if colon != -1 else ""
+                    if not key or any(c in key for c in "{}[],"):
+                        raise ValueError("bad key")
+                    i = colon
+                while i < len(t) and t[i].isspace():
+                    i += 1
+                if not t.startswith(":", i):
+                    raise ValueError("no colon")
+                out[key], i = _gemma_value(t, i + 1, depth + 1)
+            else:
+                item, i = _gemma_value(t, i, depth + 1)
+                out.append(item)
+            while i < len(t) and t[i].isspace():
+                i += 1
+            if t.startswith(",", i):
+                i += 1
+                continue
+            if t.startswith(close, i):
+                return out, i + 1
+            raise ValueError("expected , or " + close)
+    for word, value in (("true", True), ("false", False), ("null", None), ("None", None)):
+        if t.startswith(word, i):
+            return value, i + len(word)
+    match = _GEMMA_NUMBER.match(t, i)
+    if match:
+        number = match.group(0)
+        return (float(number) if any(c in number for c in ".eE") else int(number)), match.end()
+    raise ValueError(f"unexpected text at {i}")
 
 
 class HarmonyToolParser(HarmonyParser):
@@ -176,4 +277,6 @@ def make_tool_parser(template_source: str | None, prompt_tail: str = "") -> Reas
     inner = make_parser(reasoning, prompt_tail) if reasoning is not None else None
     if calls == HERMES:
         return HermesToolParser(inner)
+    if calls == GEMMA:
+        return GemmaToolParser(inner)
     return inner

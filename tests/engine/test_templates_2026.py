@@ -9,6 +9,7 @@ unset, tools, content parts and reasoning in the history; then where each genera
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -123,3 +124,33 @@ def test_where_the_generation_prompt_leaves_the_parser(pairs, name, kwargs, fmt,
     first, rest = parser.feed(reply), parser.flush()
     assert (first.thinking + rest.thinking, first.answer + rest.answer) == (
         "Some words." if "Some words." in reply else "", "The answer.")
+
+
+ARGUMENTS = [
+    {"city": "Paris, FR", "days": 2},
+    {"query": "weather \"now\" 🌦", "filters": {"lang": "fr", "year": 2026, "exact": True}, "tags": ["a", "b c"],
+     "limit": 10.5, "grid": [[1, 2], [3]], "empty": {}, "none": []},
+    {},
+]
+
+
+@needs
+@pytest.mark.parametrize("name", ["google-gemma-4-31B-it.jinja", "google-gemma-4-31B-it-interleaved.jinja"])
+@pytest.mark.parametrize("case", range(len(ARGUMENTS)))
+def test_gemma4_tool_calls_the_template_writes_parse_back(pairs, name, case):
+    """What Gemma 4's own template writes for a tool call (its argument notation) reads back as the same call."""
+    from moechat.engine.text.tool_calls import GEMMA, make_tool_parser, tool_call_format
+
+    hf, ours = pairs[name]
+    call = {"type": "function", "id": "c1", "function": {"name": "get_weather", "arguments": ARGUMENTS[case]}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    rendered = hf.apply_chat_template(messages, tokenize=False, tools=[WEATHER])
+    assert ours.render(messages, add_generation_prompt=False, tools=[WEATHER]) == rendered
+    start = rendered.index("<|tool_call>")
+    block = rendered[start:rendered.index("<tool_call|>", start) + len("<tool_call|>")]
+    assert tool_call_format(ours.source) == GEMMA
+    parser = make_tool_parser(ours.source, "<|turn>model\n")
+    delta, rest = parser.feed("Checking." + block), parser.flush()
+    assert delta.answer + rest.answer == "Checking."
+    (got,) = parser.take_calls()
+    assert got.name == "get_weather" and json.loads(got.arguments) == ARGUMENTS[case]

@@ -8,12 +8,15 @@ from pathlib import Path
 import pytest
 
 from moechat.engine.text.tool_calls import (
+    GEMMA,
     HARMONY,
     HERMES,
+    GemmaToolParser,
     HarmonyToolParser,
     HermesToolParser,
     ToolCall,
     make_tool_parser,
+    gemma_arguments,
     tool_call_format,
 )
 
@@ -36,7 +39,12 @@ def _feed(parser, text: str, step: int):
     return "".join(thinking), "".join(answer), calls
 
 
+GEMMA4_TEMPLATE_BITS = ("{{ '<|tool_call>call:' + function['name'] + '{' }}{{ '}<tool_call|>' }}"
+                        "{{ '<|channel>thought\\n<channel|>' }}")
+
+
 def test_formats_follow_the_template():
+    assert tool_call_format(GEMMA4_TEMPLATE_BITS) == GEMMA
     assert tool_call_format(QWEN3_TEMPLATE_BITS) == HERMES
     assert tool_call_format(GPT_OSS_TEMPLATE_BITS) == HARMONY
     assert tool_call_format("{{ messages }}") is None
@@ -158,3 +166,49 @@ def test_real_qwen3_template_from_the_hub_is_hermes():
     reply = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": [1]}}\n</tool_call>'
     _, answer, calls = _feed(make_tool_parser(source, "<|im_start|>assistant\n"), reply, 3)
     assert answer.strip() == "" and calls == [ToolCall("f", '{"a": [1]}')]
+
+
+# -- Gemma 4: <|tool_call>call:NAME{...}<tool_call|> in Gemma's argument notation ---------------------------------
+
+Q = '<|"|>'
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("{}", {}),
+    (f"{{city:{Q}Paris, FR{Q}}}", {"city": "Paris, FR"}),
+    (f"{{days:2,temp:-1.5,big:3e2,ok:true,no:false,none:null}}",
+     {"days": 2, "temp": -1.5, "big": 300.0, "ok": True, "no": False, "none": None}),
+    (f"{{tags:[{Q}a{Q},{Q}b: c{Q}],grid:[[1,2],[]],opts:{{deep:{{x:{Q}{{}}[],{Q}}}}}}}",
+     {"tags": ["a", "b: c"], "grid": [[1, 2], []], "opts": {"deep": {"x": "{}[],"}}}),
+    (f"{{ {Q}quoted key{Q} : {Q}v{Q} , spaced : 1 }}", {"quoted key": "v", "spaced": 1}),
+    (f"{{text:{Q}line one\nline \"two\" 🌍{Q}}}", {"text": 'line one\nline "two" 🌍'}),
+])
+def test_gemma_argument_notation(text, value):
+    assert gemma_arguments(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "[1]", "{city:Paris}", f"{{city:{Q}Paris}}", "{a:1,}", "{a:1} trailing",
+                                  "{:1}", "{a 1}", "{a:[1,2}", "{" * 100 + "}" * 100])
+def test_gemma_argument_notation_refuses_what_it_is_not(text):
+    with pytest.raises(ValueError):
+        gemma_arguments(text)
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 13, 1000])
+def test_gemma4_thinking_answer_and_two_calls(step):
+    text = (f"<|channel>thought\nThe user wants weather.<channel|>Checking.<|tool_call>call:get_weather{{city:{Q}Paris"
+            f"{Q},days:2}}<tool_call|><|tool_call>call:now{{}}<tool_call|>")
+    parser = make_tool_parser(GEMMA4_TEMPLATE_BITS, "<|turn>model\n")
+    assert isinstance(parser, GemmaToolParser)
+    thinking, answer, calls = _feed(parser, text, step)
+    assert thinking == "The user wants weather."
+    assert answer == "Checking."
+    assert calls == [ToolCall("get_weather", json.dumps({"city": "Paris", "days": 2})), ToolCall("now", "{}")]
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_gemma4_keeps_a_block_that_is_not_a_call(step):
+    text = f"See <|tool_call>call:f{{x:{Q}open}}<tool_call|> and <|tool_call>nocall<tool_call|> then <|tool_"
+    thinking, answer, calls = _feed(GemmaToolParser(), text, step)
+    assert (thinking, calls) == ("", [])
+    assert answer == text  # nothing the model said is lost
