@@ -298,7 +298,7 @@ class EngineWorker:
                 ids = engine.encode_chat(job.messages, cancel=job.cancel, **job.template_kwargs)
                 source = engine.chat_template.source if engine.chat_template is not None else None
                 tail = engine.tokenizer.decode(ids[-_PROMPT_TAIL_TOKENS:]) if engine.tokenizer is not None else ""
-                parser = make_tool_parser(source, tail)
+                parser = make_tool_parser(source, tail, job.template_kwargs.get("tools"))  # schemas type XML calls
             else:
                 ids = list(job.prompt) if isinstance(job.prompt, list) else engine.encode(job.prompt)
                 parser = None

@@ -3,7 +3,13 @@
 Three formats, told apart by the chat template (as `reasoning_format` tells reasoning formats apart):
 
 * hermes (Qwen2.5, Qwen3 and the templates that copy them): the answer holds
-  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, one per call.
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, one per call. The same blocks may hold
+  XML instead of JSON: ``<function=NAME><parameter=KEY>\\nVALUE\\n</parameter></function>`` (Qwen3-Coder,
+  Qwen3.5/3.6, Nemotron 3) or ``NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>`` (GLM-4.5 to 4.7).
+* MiniMax-M2: ``<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter></invoke>
+  </minimax:tool_call>``, one or more invokes a block.
+  In the XML forms a value is text: the tool's JSON schema (the request's `tools`) says which are strings; the
+  others are read as JSON where they parse (Qwen's template writes Python's True/False for booleans).
 * harmony (gpt-oss): a call is a message on the ``commentary`` channel addressed to a function,
   ``<|start|>assistant to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>{...}<|call|>``
   (the recipient may also follow the channel name); ``<|call|>`` is a stop token, so a call ends the reply.
@@ -35,12 +41,19 @@ from .reasoning import (
     reasoning_format,
 )
 
-__all__ = ["GEMMA", "HERMES", "HARMONY", "GemmaToolParser", "HarmonyToolParser", "HermesToolParser", "ToolCall",
-           "make_tool_parser",
+__all__ = ["GEMMA", "HERMES", "HARMONY", "MINIMAX", "GemmaToolParser", "HarmonyToolParser", "HermesToolParser",
+           "MiniMaxToolParser", "ToolCall", "make_tool_parser",
            "tool_call_format"]
 
 HERMES = "hermes"
 GEMMA = "gemma"
+MINIMAX = "minimax"
+_MINIMAX_OPEN, _MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*?)(?:</function>\s*)?$", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>]+)>\n?(.*?)\n?</parameter>", re.S)
+_GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_MINIMAX_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.S)
+_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.S)
 _GEMMA_OPEN, _GEMMA_CLOSE, _GEMMA_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
@@ -53,11 +66,13 @@ class ToolCall:
 
 
 def tool_call_format(template_source: str | None) -> str | None:
-    """HARMONY, HERMES, GEMMA, or None when the template defines no tool-call format."""
+    """HARMONY, HERMES, GEMMA, MINIMAX, or None when the template defines no tool-call format."""
     if not template_source:
         return None
     if reasoning_format(template_source) == HARMONY:
         return HARMONY
+    if _MINIMAX_OPEN in template_source:
+        return MINIMAX
     if _CALL_OPEN in template_source:
         return HERMES
     if _GEMMA_OPEN in template_source and _GEMMA_CLOSE in template_source:
@@ -71,9 +86,10 @@ class HermesToolParser(ReasoningParser):
 
     _open, _close = _CALL_OPEN, _CALL_CLOSE
 
-    def __init__(self, inner: ReasoningParser | None = None):
+    def __init__(self, inner: ReasoningParser | None = None, tools: list | None = None):
         super().__init__()
         self.inner = inner
+        self._schemas = _parameter_types(tools)
         self.markers = (inner.markers if inner is not None else ()) + (self._open, self._close)
         self._in_call = False
         self._pending = ""
@@ -123,13 +139,14 @@ class HermesToolParser(ReasoningParser):
 
     def _finish(self, body: str) -> str:
         """Record the call in `body`; returns the text to show instead ("" for a call, the block if not one)."""
-        call = self._parse(body)
-        if call is None:
+        calls = self._parse(body)
+        if not calls:
             return self._open + body + self._close
-        self.calls.append(call)
+        self.calls.extend(calls)
         return ""
 
-    def _parse(self, body: str) -> ToolCall | None:
+    def _parse(self, body: str) -> list[ToolCall] | None:
+        """The calls in one block's `body`, or None when it is not a call (the block is then kept as text)."""
         try:
             data = json.loads(body)
             name = data["name"]
@@ -137,8 +154,71 @@ class HermesToolParser(ReasoningParser):
             if not isinstance(name, str) or not name:
                 raise ValueError(name)
         except (ValueError, KeyError, TypeError, AttributeError):
+            return self._parse_xml(body)
+        return [ToolCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))]
+
+    def _parse_xml(self, body: str) -> list[ToolCall] | None:
+        """Qwen3-Coder's ``<function=NAME>`` with ``<parameter=KEY>`` blocks, or GLM's ``NAME<arg_key>..``."""
+        match = _XML_FUNCTION.match(body)
+        if match:
+            name, inner = match.group(1), match.group(2)
+            pairs = _XML_PARAMETER.findall(inner)
+            if _XML_PARAMETER.sub("", inner).strip():
+                return None  # text between the parameters: not this format
+        else:
+            name, _, rest = body.strip().partition("<arg_key>")
+            name = name.strip()
+            pairs = _GLM_PAIR.findall("<arg_key>" + rest) if rest else []
+            leftover = _GLM_PAIR.sub("", "<arg_key>" + rest).strip() if rest else ""
+            if not name or any(c in name for c in " <>{}\n") or leftover:
+                return None
+        if self._schemas and name not in self._schemas:
+            return None  # not one of the request's tools: the model's text, kept
+        return [self._typed(name, pairs)]
+
+    def _typed(self, name: str, pairs) -> ToolCall:
+        types = self._schemas.get(name, {})
+        arguments = {key.strip(): _typed_value(value, types.get(key.strip())) for key, value in pairs}
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+class MiniMaxToolParser(HermesToolParser):
+    """MiniMax-M2's ``<minimax:tool_call>`` blocks of ``<invoke name=..>`` calls."""
+
+    _open, _close = _MINIMAX_OPEN, _MINIMAX_CLOSE
+
+    def _parse(self, body: str) -> list[ToolCall] | None:
+        invokes = _MINIMAX_INVOKE.findall(body)
+        if not invokes or _MINIMAX_INVOKE.sub("", body).strip():
             return None
-        return ToolCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+        return [self._typed(name, _MINIMAX_PARAMETER.findall(inner)) for name, inner in invokes]
+
+
+def _parameter_types(tools: list | None) -> dict[str, dict[str, str | None]]:
+    """{function name: {parameter: its JSON schema type (None: not given)}} of an OpenAI `tools` list."""
+    out: dict[str, dict[str, str | None]] = {}
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            continue
+        properties = (function.get("parameters") or {}).get("properties") if isinstance(
+            function.get("parameters"), dict) else None
+        out[function["name"]] = {k: (v.get("type") if isinstance(v, dict) and isinstance(v.get("type"), str)
+                                     else None) for k, v in (properties or {}).items()}
+    return out
+
+
+def _typed_value(text: str, kind: str | None):
+    """An XML call's parameter text as its JSON value: a string parameter as written, a boolean from JSON's or
+    Python's spelling, anything else as JSON where it parses, else the text."""
+    if kind == "string":
+        return text
+    if kind == "boolean" and text.strip() in ("True", "False", "true", "false"):
+        return text.strip() in ("True", "true")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class GemmaToolParser(HermesToolParser):
@@ -147,7 +227,7 @@ class GemmaToolParser(HermesToolParser):
 
     _open, _close = _GEMMA_OPEN, _GEMMA_CLOSE
 
-    def _parse(self, body: str) -> ToolCall | None:
+    def _parse(self, body: str) -> list[ToolCall] | None:
         head, brace, _ = body.partition("{")
         name = head.strip().removeprefix("call:")
         if not head.strip().startswith("call:") or not brace or not name or any(c in name for c in " :,<>"):
@@ -156,7 +236,7 @@ class GemmaToolParser(HermesToolParser):
             arguments = gemma_arguments(body[len(head):])
         except ValueError:
             return None
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+        return [ToolCall(name, json.dumps(arguments, ensure_ascii=False))]
 
 
 _GEMMA_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
@@ -267,16 +347,20 @@ class HarmonyToolParser(HarmonyParser):
             super()._body_text(text)
 
 
-def make_tool_parser(template_source: str | None, prompt_tail: str = "") -> ReasoningParser | None:
+def make_tool_parser(template_source: str | None, prompt_tail: str = "",
+                     tools: list | None = None) -> ReasoningParser | None:
     """A parser that splits thinking, answer and tool calls for a reply to a prompt ending in `prompt_tail`;
-    None when the template has neither a reasoning nor a tool-call format."""
+    None when the template has neither a reasoning nor a tool-call format. `tools`: the request's OpenAI tools,
+    whose schemas type the XML forms' parameters."""
     calls = tool_call_format(template_source)
     reasoning = reasoning_format(template_source)
     if calls == HARMONY:
         return HarmonyToolParser(prompt_tail)
     inner = make_parser(reasoning, prompt_tail) if reasoning is not None else None
     if calls == HERMES:
-        return HermesToolParser(inner)
+        return HermesToolParser(inner, tools)
+    if calls == MINIMAX:
+        return MiniMaxToolParser(inner, tools)
     if calls == GEMMA:
-        return GemmaToolParser(inner)
+        return GemmaToolParser(inner, tools)
     return inner
