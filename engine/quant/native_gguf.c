@@ -283,6 +283,24 @@ int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, 
 #if defined(__AVX2__) && !defined(MOECHAT_SCALAR)
 #define GV_SIMD 1
 #include <immintrin.h>
+#ifndef GV_AHEAD
+#define GV_AHEAD 8192
+#endif
+#ifndef GV_Q4
+#define GV_Q4 1
+#endif
+#ifndef GV_PF32
+#define GV_PF32 4
+#endif
+#ifndef GV_HINT32
+#define GV_HINT32 _MM_HINT_T0
+#endif
+#ifndef GV_K4PF
+#define GV_K4PF _MM_HINT_T1
+#endif
+#ifndef GV_HINT
+#define GV_HINT _MM_HINT_T1
+#endif
 /* 32 unsigned x 32 signed bytes -> 8 int32 partial sums (lanes 0-3: values 0-15, 4-7: values 16-31). No int16
  * saturation on the AVX2 path: a pair is at most 2 x 128 x 127 = 32512 for every type here. */
 static inline __m256i gv_dot32v(__m256i a, const int8_t *s) {
@@ -390,6 +408,9 @@ typedef struct {
     const int8_t *q;   /* x as int8 [cols] */
     const float *d;    /* its scales, one per QB values */
     const int32_t *bs; /* its sums per 16 values [cols / 16] */
+    const int8_t *qz;  /* AVX-512: x in the byte order of the 512-bit loops (gv_prep_z) */
+    const int32_t *nz; /* the 32-value types: less x's sums of 4 in that order, 16 per block */
+    const int16_t *bz; /* Q6_K: -16 x its sums per 16, 32 per super-block */
     float *y;
 } GVJob;
 
@@ -448,6 +469,7 @@ static inline __attribute__((always_inline)) float gv_row32(const GVJob *j, cons
     return type == 3 || type == 7 ? sumf + summ : sumf;
 }
 
+
 /* Q4_K / Q5_K's 8 scales and 8 mins (6 bits each, packed in 12 bytes) as bytes, once per super-block: for j < 4
  * scale j is s[j] & 63 and min j s[j + 4] & 63; for j >= 4 the low 4 bits come from s[j + 4] (scale: low nibble,
  * min: high) and the top 2 from s[j - 4] (scale) or s[j] (min) >> 6. Word arithmetic on the 12 bytes, the same in
@@ -497,6 +519,95 @@ static inline int32_t gv_hsum_z(__m512i v) {
 }
 #else
 #define GV_Z 0
+#endif
+
+#if GV_Z && defined(__AVX512VNNI__)
+#define GV_ZV 1
+/* Two rows of a 32-value type in one pass (AVX-512 VNNI): a block's codes of both rows in one vector, as unsigned
+ * bytes u = code + o (o = 8 / 16: Q4_0 / Q5_0's nibbles; 128: Q8_0 xor 0x80, IQ4_NL / MXFP4 through their tables
+ * plus 128; 0: Q4_1 / Q5_1), vpdpbusd against x in the vector's order (qz) from o x (less x's sums of 4: nz): each
+ * row's 8 lane sums of 4 exact, gv_row32's. Q8_0's vector is [row 0, row 1]; the nibbles' [row 0 low, row 1 low,
+ * row 0 high, row 1 high] (values 0-15, 16-31). The fp32 steps lane by lane, gv_row32's: the same bits. */
+static inline __attribute__((always_inline)) void gv_rows_32z(const GVJob *j, const uint8_t *r0, const int type,
+                                                              const int nb, const int R, float *y) {
+    const int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2; /* where the codes start */
+    const int sh = type == 8 || type == 20 || type == 39 ? 7 : type == 6 ? 4 : 3;    /* log2 o (not Q4_1 / Q5_1) */
+    const int64_t rb = j->row_bytes;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), b16 = _mm512_set1_epi8(0x10);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(
+        _mm_loadu_si128((const __m128i *)(type == 39 ? gguf_fp4x2 : gguf_iq4)), _mm_set1_epi8((char)0x80)));
+    /* rows 2p, 2p + 1's scales (of dd: rows 0-3) into their lanes */
+    const __m512i idx0 = type == 8 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                   : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    const __m512i idx1 = _mm512_add_epi32(idx0, _mm512_set1_epi32(2));
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    float summ[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b = 0; b < j->cols / 32; b++) {
+        const uint8_t *x = r0 + b * nb;
+        const float dx = j->d[b];
+        const __m512i qz = _mm512_loadu_si512((const void *)(j->qz + 64 * b));
+        const __m512i init = type == 3 || type == 7
+                                 ? _mm512_setzero_si512()
+                                 : _mm512_slli_epi32(_mm512_loadu_si512((const void *)(j->nz + 16 * b)), sh);
+        uint64_t hs = 0;
+        for (int r = 0; r < R; r++) hs |= (uint64_t)(x[r * rb] | x[r * rb + 1] << 8) << (16 * r);
+        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(x + (r + 4) * rb), _MM_HINT_T1); /* gv_ahead */
+        __m128 dd = type == 39 ? _mm_setr_ps(gv_e8m0(x[0]), gv_e8m0(x[rb]), R > 2 ? gv_e8m0(x[2 * rb]) : 0.0f,
+                                             R > 2 ? gv_e8m0(x[3 * rb]) : 0.0f)
+                               : _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hs));
+        dd = _mm_mul_ps(dd, _mm_set1_ps(dx));
+        for (int p = 0; p < R / 2; p++) {
+            const uint8_t *x0 = x + 2 * p * rb, *x1 = x0 + rb;
+            __m512i u;
+            if (type == 8) {
+                u = _mm512_xor_si512(gv_z2(_mm256_loadu_si256((const __m256i *)(x0 + 2)),
+                                           _mm256_loadu_si256((const __m256i *)(x1 + 2))),
+                                     _mm512_set1_epi8((char)0x80));
+            } else {
+                __m256i t = _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(x0 + o))),
+                    _mm_loadu_si128((const __m128i *)(x1 + o)), 1);
+                u = _mm512_and_si512(gv_z2(t, _mm256_srli_epi16(t, 4)), m4);
+                if (type == 20 || type == 39) u = _mm512_shuffle_epi8(lut, u);
+                if (type == 6 || type == 7) { /* the fifth bits: byte i of each quarter from bit i (or 16 + i) of qh */
+                    uint64_t h0 = gv_u32(x0 + o - 4), h1 = gv_u32(x1 + o - 4);
+                    __mmask64 m = (h0 & 0xffff) | (h1 & 0xffff) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
+                    u = _mm512_mask_add_epi8(u, m, u, b16);
+                }
+            }
+            __m512 ddv = _mm512_permutexvar_ps(p ? idx1 : idx0, _mm512_castps128_ps512(dd));
+            acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(ddv, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, qz))));
+        }
+        if (type == 3 || type == 7) {
+            float bsum = (float)(j->bs[2 * b] + j->bs[2 * b + 1]);
+            for (int r = 0; r < R; r++) summ[r] += gguf_h2f(x + r * rb + 2) * dx * bsum;
+        }
+    }
+    for (int p = 0; p < R / 2; p++) {
+        float l[16], s0 = 0.0f, s1 = 0.0f;
+        _mm512_storeu_ps(l, acc[p]);
+        for (int k = 0; k < 8; k++) {
+            int k0 = type == 8 ? k : k < 4 ? k : k + 4, k1 = type == 8 ? 8 + k : k < 4 ? 4 + k : 8 + k;
+            s0 += l[k0];
+            s1 += l[k1];
+        }
+        y[2 * p] = type == 3 || type == 7 ? s0 + summ[2 * p] : s0;
+        y[2 * p + 1] = type == 3 || type == 7 ? s1 + summ[2 * p + 1] : s1;
+    }
+}
+/* a type's rows [a, b) by 4, then 2: the rest left to gv_row */
+static inline __attribute__((always_inline)) int64_t gv_share_32z(const GVJob *j, int64_t a, int64_t b,
+                                                                  const int type, const int nb) {
+    for (; a + 3 < b; a += 4) {
+        gv_rows_32z(j, j->w + a * j->row_bytes, type, nb, 4, j->y + a);
+    }
+    for (; a + 1 < b; a += 2) {
+        gv_rows_32z(j, j->w + a * j->row_bytes, type, nb, 2, j->y + a);
+    }
+    return a;
+}
+#else
+#define GV_ZV 0
 #endif
 
 #if GV_SIMD
@@ -632,10 +743,10 @@ static inline __attribute__((always_inline)) void gv_rows4_q45k_t(const GVJob *j
             const uint8_t *x = r0 + r * rb + b * nb, *ahead = x + 4 * rb;
             /* the next 4 rows' same super-block: without it the 4 interleaved streams run at half the memory
              * bandwidth of one row after another (measured, a matrix out of cache) */
-            _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-            _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ahead + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ahead + nb - 1), _MM_HINT_T0);
+            _mm_prefetch((const char *)ahead, GV_K4PF);
+            _mm_prefetch((const char *)(ahead + 64), GV_K4PF);
+            _mm_prefetch((const char *)(ahead + 128), GV_K4PF);
+            _mm_prefetch((const char *)(ahead + nb - 1), GV_K4PF);
             uint8_t sc[8], mn[8];
             gv_scales_k4(x + 4, sc, mn);
             t[r] = _mm256_hadd_epi32(gv_acc_q45k(x, qb, sc, type), gv_mins_q45k(pr, mn));
@@ -658,16 +769,76 @@ static inline __attribute__((always_inline)) void gv_rows4_q45k_t(const GVJob *j
 static float gv_row_q4k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 12); }
 static float gv_row_q5k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 13); }
 
+#if GV_Z
+/* Q6_K's super-block in 4 vectors of 64 codes: V_k byte 32n + l is value 128n + 32k + l, where its ql byte (of
+ * [ql[32(k & 1)..], ql[64 + 32(k & 1)..]], nibble k >> 1) and its qh byte (qh[32n + l], bits 2k) both sit, so no
+ * byte moves; x is permuted once per call to match (qz). Lane i of V_k is group 8(i >> 1) + 2k + (i & 1): its int16
+ * scale picked by a shuffle within the lane from [sc 0-7, sc 0-7, sc 8-15, sc 8-15]; the codes' -32 as that vector
+ * against [-16 bs 0-7, -16 bs 0-7, -16 bs 8-15, -16 bs 8-15] (bz: each group twice). Exact: sumi - 32 sumb. */
+static inline __attribute__((always_inline)) __m512i gv_q6k_z(const uint8_t *x, const int8_t *qz, const int16_t *bz) {
+    const uint8_t *ql = x, *qh = x + 128;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + 192)));
+    __m512i s = _mm512_shuffle_i64x2(_mm512_castsi256_si512(s16), _mm512_castsi256_si512(s16), 0x50);
+    __m512i acc = _mm512_madd_epi16(s, _mm512_loadu_si512((const void *)bz));
+    __m512i qe = gv_z2(_mm256_loadu_si256((const __m256i *)ql), _mm256_loadu_si256((const __m256i *)(ql + 64)));
+    __m512i qo = gv_z2(_mm256_loadu_si256((const __m256i *)(ql + 32)), _mm256_loadu_si256((const __m256i *)(ql + 96)));
+    __m512i h = _mm512_loadu_si512((const void *)qh);
+    __m512i v[4] = {
+        _mm512_or_si512(_mm512_and_si512(qe, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30)),
+        _mm512_or_si512(_mm512_and_si512(qo, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qe, 4), m4), _mm512_and_si512(h, m30)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qo, 4), m4),
+                        _mm512_and_si512(_mm512_srli_epi16(h, 2), m30))};
+    for (int k = 0; k < 4; k++) { /* lane i's int16 word 2k + (i & 1) of its 8 scales, in every word */
+        const __m512i pick = _mm512_broadcast_i32x4(_mm_setr_epi8(
+            (char)(4 * k), (char)(4 * k + 1), (char)(4 * k), (char)(4 * k + 1), (char)(4 * k), (char)(4 * k + 1),
+            (char)(4 * k), (char)(4 * k + 1), (char)(4 * k), (char)(4 * k + 1), (char)(4 * k), (char)(4 * k + 1),
+            (char)(4 * k), (char)(4 * k + 1), (char)(4 * k), (char)(4 * k + 1)));
+        const __m512i odd = _mm512_setr_epi64(0, 0, 0x0202020202020202LL, 0x0202020202020202LL, 0, 0,
+                                              0x0202020202020202LL, 0x0202020202020202LL);
+        __m512i k16 = _mm512_shuffle_epi8(s, _mm512_add_epi8(pick, odd));
+        acc = gv_madd_sc_z(acc, v[k], qz + 64 * k, k16);
+    }
+    return acc;
+}
+/* the sums of 4 vectors' 16 lanes each, in order */
+static inline __m128i gv_hsum4_z(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m256i b8 = _mm256_add_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1));
+    __m256i c8 = _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+    __m256i d8 = _mm256_add_epi32(_mm512_castsi512_si256(d), _mm512_extracti64x4_epi64(d, 1));
+    __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a8, b8), _mm256_hadd_epi32(c8, d8)); /* per half: a b c d */
+    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+#endif
+
 /* Q6_K: value 128n + 32k + l, its scale sc[8n + 2k + l / 16]; codes less 32 through x's sums per 16 */
 static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
     const int8_t *q = j->q;
     float sumf = 0.0f;
-    for (int64_t b = 0; b < j->cols / 256; b++) {
+    int64_t b = 0;
+#if GV_Z
+    for (; GV_Q4 && b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
+        const uint8_t *x = row + b * 210;
+        for (int l = 0; l < 840; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1); /* gv_ahead */
+        int32_t v[4];
+        _mm_storeu_si128((__m128i *)v, gv_hsum4_z(gv_q6k_z(x, j->qz + 256 * b, j->bz + 32 * b),
+                                                  gv_q6k_z(x + 210, j->qz + 256 * b + 256, j->bz + 32 * b + 32),
+                                                  gv_q6k_z(x + 420, j->qz + 256 * b + 512, j->bz + 32 * b + 64),
+                                                  gv_q6k_z(x + 630, j->qz + 256 * b + 768, j->bz + 32 * b + 96)));
+        for (int i = 0; i < 4; i++) sumf += gguf_h2f(x + 210 * i + 208) * j->d[b + i] * (float)v[i];
+    }
+#endif
+    for (; b < j->cols / 256; b++) {
         const uint8_t *x = row + b * 210, *ql = x, *qh = x + 128;
         const int8_t *sc = (const int8_t *)(x + 192), *qb = q + 256 * b;
         const int32_t *bs = j->bs + 16 * b;
         int32_t sumi = 0, sumb = 0;
-#if GV_SIMD
+#if GV_Z
+        (void)ql, (void)qh, (void)sc, (void)qb, (void)bs, (void)sumb;
+        sumi = gv_hsum_z(gv_q6k_z(x, j->qz + 256 * b, j->bz + 32 * b));
+#elif GV_SIMD
         __m256i acc = _mm256_setzero_si256();
         const __m128i s8 = _mm_loadu_si128((const __m128i *)sc);
         {
@@ -715,7 +886,7 @@ static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
             }
         }
 #endif
-        sumf += gguf_h2f(x + 208) * j->d[b] * (float)(sumi - 32 * sumb);
+        sumf += gguf_h2f(x + 208) * j->d[b] * (float)(sumi - 32 * sumb); /* GV_Z: sumb 0, in sumi */
     }
     return sumf;
 }
@@ -855,6 +1026,18 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
 
 static int gv_share(void *ctx, int64_t a, int64_t b) {
     const GVJob *j = (const GVJob *)ctx;
+#if GV_ZV
+    switch (j->type) { /* the 32-value types: rows by 4, then 2 (the same bits as one at a time) */
+        case 8: a = gv_share_32z(j, a, b, 8, 34); break;
+        case 2: a = gv_share_32z(j, a, b, 2, 18); break;
+        case 3: a = gv_share_32z(j, a, b, 3, 20); break;
+        case 6: a = gv_share_32z(j, a, b, 6, 22); break;
+        case 7: a = gv_share_32z(j, a, b, 7, 24); break;
+        case 20: a = gv_share_32z(j, a, b, 20, 18); break;
+        case 39: a = gv_share_32z(j, a, b, 39, 17); break;
+        default: break;
+    }
+#endif
 #if GV_SIMD
     if (j->type == 12 || j->type == 13) { /* Q4_K / Q5_K: rows by 4, then pairs (the same bits as one at a time) */
         for (; a + 3 < b; a += 4) {
@@ -868,7 +1051,9 @@ static int gv_share(void *ctx, int64_t a, int64_t b) {
         }
     }
 #endif
-    for (int64_t r = a; r < b; r++) j->y[r] = gv_row(j, j->w + r * j->row_bytes);
+    for (int64_t r = a; r < b; r++) {
+        j->y[r] = gv_row(j, j->w + r * j->row_bytes);
+    }
     return 0;
 }
 
@@ -891,6 +1076,29 @@ void moechat_gguf_quantize_x(const float *x, int64_t cols, int64_t qb, int8_t *q
         bs[g] = s;
     }
 }
+
+#if GV_Z
+/* x for the 512-bit loops: Q6_K's super-blocks permuted (qz[256b + 64k + 32n + l] = q[256b + 128n + 32k + l]) with
+ * -16 x its sums per 16 (bz, as gv_q6k_z reads them) */
+static void gv_prep_z(int type, int64_t cols, const int8_t *q, const int32_t *bs, int8_t *qz, int32_t *nz,
+                      int16_t *bz) {
+    int q32 = type == 2 || type == 3 || type == 6 || type == 7 || type == 8 || type == 20 || type == 39;
+    if (GV_ZV && q32)
+        for (int64_t b = 0; b < cols / 32; b++) {
+            for (int h = 0; h < 4; h++) /* [x, x] (Q8_0), [x 0-15, x 0-15, x 16-31, x 16-31] (the nibbles) */
+                memcpy(qz + 64 * b + 16 * h, q + 32 * b + (type == 8 ? 16 * (h & 1) : 16 * (h >> 1)), 16);
+            for (int i = 0; i < 16; i++)
+                nz[16 * b + i] = -(qz[64 * b + 4 * i] + qz[64 * b + 4 * i + 1] + qz[64 * b + 4 * i + 2] +
+                                   qz[64 * b + 4 * i + 3]);
+        }
+    if (type == 14)
+        for (int64_t b = 0; b < cols / 256; b++) {
+            for (int k = 0; k < 4; k++)
+                for (int n = 0; n < 2; n++) memcpy(qz + 256 * b + 64 * k + 32 * n, q + 256 * b + 128 * n + 32 * k, 32);
+            for (int i = 0; i < 32; i++) bz[32 * b + i] = (int16_t)(-16 * bs[16 * b + (i >> 4) * 8 + (i & 7)]);
+        }
+}
+#endif
 
 /* a type's values and bytes per block; 0, or -1 for a type this file does not know */
 static int gguf_block(int type, int64_t *blk, int64_t *nb) {
@@ -915,6 +1123,10 @@ int moechat_gguf_vecdot(int type, const float *x, const uint8_t *w, int64_t rows
     if (gguf_block(type, &blk, &nb) || blk == 1) return -1;
     if (cols <= 0 || cols % blk || rows < 0) return -1;
     size_t bytes = (size_t)cols + sizeof(float) * (size_t)(cols / blk) + sizeof(int32_t) * (size_t)(cols / 16);
+#if GV_Z
+    /* qz (64 bytes a block of 32), nz (16 int32 a block), bz (32 int16 a super-block) */
+    bytes += 2 * (size_t)cols + sizeof(int32_t) * (size_t)cols / 2 + sizeof(int16_t) * (size_t)cols / 8;
+#endif
     /* x's Q8 blocks in a per-thread buffer that only grows: no allocation per call on the decode path */
     static __thread int8_t *held = NULL;
     static __thread size_t held_bytes = 0;
@@ -929,6 +1141,13 @@ int moechat_gguf_vecdot(int type, const float *x, const uint8_t *w, int64_t rows
     int32_t *bs = (int32_t *)(void *)(d + cols / blk);
     moechat_gguf_quantize_x(x, cols, blk, q, d, bs);
     GVJob j = {.type = type, .cols = cols, .row_bytes = cols / blk * nb, .w = w, .q = q, .d = d, .bs = bs, .y = y};
+#if GV_Z
+    int8_t *qz = (int8_t *)(void *)(bs + cols / 16);
+    int32_t *nz = (int32_t *)(void *)(qz + 2 * cols);
+    int16_t *bz = (int16_t *)(void *)(nz + cols / 2);
+    gv_prep_z(type, cols, q, bs, qz, nz, bz);
+    j.qz = qz, j.nz = nz, j.bz = bz;
+#endif
     return moechat_parallel_for(gv_share, &j, rows, 1, rows * j.row_bytes);
 }
 
