@@ -517,6 +517,15 @@ static inline __m512i gv_z2(__m256i lo, __m256i hi) {
 static inline int32_t gv_hsum_z(__m512i v) {
     return gv_hsum(_mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)));
 }
+/* the sums of 4 vectors' 16 lanes each, in order */
+static inline __m128i gv_hsum4_z(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m256i b8 = _mm256_add_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1));
+    __m256i c8 = _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
+    __m256i d8 = _mm256_add_epi32(_mm512_castsi512_si256(d), _mm512_extracti64x4_epi64(d, 1));
+    __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a8, b8), _mm256_hadd_epi32(c8, d8)); /* per half: a b c d */
+    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
 #else
 #define GV_Z 0
 #endif
@@ -766,7 +775,61 @@ static inline __attribute__((always_inline)) void gv_rows4_q45k_t(const GVJob *j
     for (int r = 0; r < 4; r++) y[r] = s[r];
 }
 #endif
+#if GV_Z
+/* Q4_K's super-block in 4 vectors of 64 codes: 64 bytes of qs hold values 128c + 0-31 and 128c + 64-95 in their low
+ * nibbles, 128c + 32-63 and 128c + 96-127 in their high ones (sub-blocks 4c, 4c + 2; 4c + 1, 4c + 3), so one load
+ * and a shift make two vectors; x is permuted to match (qz). The 8 scales and mins unpacked in SIMD words
+ * (gv_scales_k4's arithmetic: [a, c, b, c >> 4] masked, the top bits of a, b), the mins' term as int16 dots with
+ * x's sums per 32 (bz). Returns the 16 int32 partial sums of sumi; *mins: the 4 of summ. Exact. */
+static inline __attribute__((always_inline)) __m512i gv_q4k_z(const uint8_t *x, const int8_t *qz, const int16_t *pz,
+                                                              __m128i *mins) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m128i v = _mm_loadu_si128((const __m128i *)(x + 4)); /* a, b, c (and 4 bytes of qs) */
+    __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x98), _mm_setr_epi32(0, 0, 0, 4)),
+                               _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    __m128i sm = _mm_or_si128(lo, hi); /* bytes: scales 0-7, mins 0-7 */
+    *mins = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), _mm_loadu_si128((const __m128i *)pz));
+    const __m512i sv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
+    __m512i acc = _mm512_setzero_si512();
+    for (int c = 0; c < 2; c++) {
+        __m512i p = _mm512_loadu_si512((const void *)(x + 16 + 64 * c));
+        __m512i il = gv_z2(_mm256_set1_epi16((short)(4 * c)), _mm256_set1_epi16((short)(4 * c + 2)));
+        __m512i ih = gv_z2(_mm256_set1_epi16((short)(4 * c + 1)), _mm256_set1_epi16((short)(4 * c + 3)));
+        acc = gv_madd_sc_z(acc, _mm512_and_si512(p, m4), qz + 128 * c, _mm512_permutexvar_epi16(il, sv));
+        acc = gv_madd_sc_z(acc, _mm512_and_si512(_mm512_srli_epi16(p, 4), m4), qz + 128 * c + 64,
+                           _mm512_permutexvar_epi16(ih, sv));
+    }
+    return acc;
+}
+/* one Q4_K row: 4 super-blocks' sums in one reduction, then their float steps (gv_row_q45k_t's, in its order) */
+static float gv_row_q4k(const GVJob *j, const uint8_t *row) {
+    float sumf = 0.0f;
+    int64_t b = 0;
+    for (; b < j->cols / 256; b += 4) {
+        const uint8_t *x = row + b * 144;
+        const int n = j->cols / 256 - b < 4 ? (int)(j->cols / 256 - b) : 4;
+        for (int l = 0; l < 576; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1); /* gv_ahead */
+        __m512i a[4];
+        __m128i m[4];
+        for (int i = 0; i < 4; i++) {
+            if (i < n) a[i] = gv_q4k_z(x + 144 * i, j->qz + 256 * (b + i), j->bz + 8 * (b + i), &m[i]);
+            else a[i] = _mm512_setzero_si512(), m[i] = _mm_setzero_si128();
+        }
+        int32_t si[4], sm[4];
+        _mm_storeu_si128((__m128i *)si, gv_hsum4_z(a[0], a[1], a[2], a[3]));
+        _mm_storeu_si128((__m128i *)sm, _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3])));
+        for (int i = 0; i < n; i++) {
+            float dx = j->d[b + i];
+            sumf += gguf_h2f(x + 144 * i) * dx * (float)si[i];
+            sumf -= gguf_h2f(x + 144 * i + 2) * dx * (float)sm[i];
+        }
+    }
+    return sumf;
+}
+#else
 static float gv_row_q4k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 12); }
+#endif
 static float gv_row_q5k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 13); }
 
 #if GV_Z
@@ -801,15 +864,6 @@ static inline __attribute__((always_inline)) __m512i gv_q6k_z(const uint8_t *x, 
         acc = gv_madd_sc_z(acc, v[k], qz + 64 * k, k16);
     }
     return acc;
-}
-/* the sums of 4 vectors' 16 lanes each, in order */
-static inline __m128i gv_hsum4_z(__m512i a, __m512i b, __m512i c, __m512i d) {
-    __m256i a8 = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-    __m256i b8 = _mm256_add_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64(b, 1));
-    __m256i c8 = _mm256_add_epi32(_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1));
-    __m256i d8 = _mm256_add_epi32(_mm512_castsi512_si256(d), _mm512_extracti64x4_epi64(d, 1));
-    __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a8, b8), _mm256_hadd_epi32(c8, d8)); /* per half: a b c d */
-    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
 }
 #endif
 
@@ -1039,7 +1093,7 @@ static int gv_share(void *ctx, int64_t a, int64_t b) {
     }
 #endif
 #if GV_SIMD
-    if (j->type == 12 || j->type == 13) { /* Q4_K / Q5_K: rows by 4, then pairs (the same bits as one at a time) */
+    if ((j->type == 12 && !GV_Z) || j->type == 13) { /* Q4_K / Q5_K: rows by 4, then pairs (the same bits) */
         for (; a + 3 < b; a += 4) {
             if (j->type == 12) gv_rows4_q45k_t(j, j->w + a * j->row_bytes, 12, j->y + a);
             else gv_rows4_q45k_t(j, j->w + a * j->row_bytes, 13, j->y + a);
@@ -1090,6 +1144,14 @@ static void gv_prep_z(int type, int64_t cols, const int8_t *q, const int32_t *bs
             for (int i = 0; i < 16; i++)
                 nz[16 * b + i] = -(qz[64 * b + 4 * i] + qz[64 * b + 4 * i + 1] + qz[64 * b + 4 * i + 2] +
                                    qz[64 * b + 4 * i + 3]);
+        }
+    if (type == 12) /* Q4_K: qz[256b + 128c + 64h + 32t + l] = q[256b + 128c + 64t + 32h + l]; bz: sums per 32 */
+        for (int64_t b = 0; b < cols / 256; b++) {
+            for (int c = 0; c < 2; c++)
+                for (int h = 0; h < 2; h++)
+                    for (int t = 0; t < 2; t++)
+                        memcpy(qz + 256 * b + 128 * c + 64 * h + 32 * t, q + 256 * b + 128 * c + 64 * t + 32 * h, 32);
+            for (int i = 0; i < 8; i++) bz[8 * b + i] = (int16_t)(bs[16 * b + 2 * i] + bs[16 * b + 2 * i + 1]);
         }
     if (type == 14)
         for (int64_t b = 0; b < cols / 256; b++) {
