@@ -46,6 +46,7 @@ import torch
 
 from ..errors import CheckpointError
 from .base import ExpertFormat, TensorSpec
+from .ggml_codebooks import FP4X2, IQ4
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,7 @@ BY_ID = {t.id: t for t in TYPES.values()}
 
 # IQ4_NL / IQ4_XS's non-linear 4-bit codebook, and MXFP4's E2M1 values doubled (ggml's int8 table; the scale
 # halves them back: 2^(e - 128))
-_IQ4 = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-_FP4x2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+_IQ4, _FP4x2 = IQ4, FP4X2
 
 
 def ggml_type(name_or_id: str | int, tensor: str = "") -> GGMLType:

@@ -171,9 +171,9 @@ def _matmul_kernel(x_ptr, w_ptr, y_ptr, lut_ptr, T, rows, row_bytes, nblocks, st
 
 @cache
 def _lut(name: str, device: str) -> torch.Tensor:
-    from ..gguf import _IQ4, _FP4x2
+    from ..ggml_codebooks import FP4X2, IQ4
 
-    return torch.tensor(_FP4x2 if name == "MXFP4" else _IQ4, dtype=torch.int8, device=device)
+    return torch.tensor(FP4X2 if name == "MXFP4" else IQ4, dtype=torch.int8, device=device)
 
 
 def _check(raw: torch.Tensor, name: str, cols: int) -> tuple[int, int]:
