@@ -25,6 +25,7 @@ from ..layers.experts import HostJob, combine, expert_compute
 from ..layers.kv_cache import KVCache
 from ..layers.moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
 from ..quant import native
+from ..quant.cpu import split_addmm
 from .config import ROPE_TYPES, BaseModelArgs, ExpertNaming, rope_frequencies  # noqa: F401 - re-exported
 
 # T = tokens, S = positions in the KV cache, H = hidden size, D = head dim, E = experts, K = top-k
@@ -152,7 +153,7 @@ class Attention(nn.Module):
             if self.qkv_bias is not None:
                 qkv = (qkv + self.qkv_bias.float()).to(x.dtype)  # [1, out]
         else:
-            qkv = x @ self.qkv_t if self.qkv_bias is None else torch.addmm(self.qkv_bias, x, self.qkv_t)  # [T, out]
+            qkv = split_addmm(x, self.qkv_t, self.qkv_bias)  # [T, out]: a prompt's on both cores
         if self.qk_norm == "full" or self.clip_qkv is not None:
             q, k, v = qkv.split(self.split, dim=-1)
             if self.qk_norm == "full":
@@ -298,7 +299,7 @@ class Attention(nn.Module):
         if attn.shape[0] == 1 and (lib := _bf16_gemv_lib(attn, self.o_weight_t)) is not None:
             out = native.bf16_gemv(lib, attn, self.o_weight_t.t()) + residual.float()  # [1, H] fp32, rounded once
             return (out if self.o_bias is None else out + self.o_bias.float()).to(residual.dtype)
-        out = torch.addmm(residual, attn, self.o_weight_t)  # [T, H]
+        out = split_addmm(attn, self.o_weight_t, residual)  # [T, H]
         return out if self.o_bias is None else out + self.o_bias
 
 

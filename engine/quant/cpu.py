@@ -46,6 +46,45 @@ def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     return buf
 
 
+# -- many-token dense GEMMs in two column halves, one per core ----------------------------------------------------
+SPLIT_MIN_TOKENS = 16  # a prompt's chunk: below it (decode, a short turn) one GEMM, as before
+SPLIT_MIN_COLUMNS = 1024
+_SPLIT_POOL = None  # one worker thread: the second half's GEMM (torch releases the GIL inside it)
+
+
+def split_addmm(x: torch.Tensor, w_t: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """`add + x @ w_t` (x [T, in], w_t [in, out], `add` a bias [out] or a residual [T, out], or none) for a 16-bit
+    CPU x of many tokens, computed as two GEMMs over the two halves of the output columns, side by side on two
+    threads where native.c's pool has two and torch's ops run on one (plan/hardware/cores.py: up to 2 compute
+    threads torch is kept to one thread, and a prompt's attention projections then ran on one core of two).
+    The halves are the same at any thread count, so the bits do not depend on it; other shapes take one GEMM."""
+    T, cols = x.shape[0], w_t.shape[1]
+    if not (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and T >= SPLIT_MIN_TOKENS
+            and cols >= SPLIT_MIN_COLUMNS):
+        return x @ w_t if add is None else torch.addmm(add, x, w_t)
+    half = cols // 2 // 64 * 64
+    parts = [(0, half), (half, cols)]
+
+    def gemm(part: tuple[int, int]) -> torch.Tensor:
+        a, b = part
+        if add is None:
+            return x @ w_t[:, a:b]
+        return torch.addmm(add[..., a:b], x, w_t[:, a:b])
+
+    lib = native.library()
+    two = lib is not None and (getattr(lib, "moechat_pinned", None) or 1) >= 2 and torch.get_num_threads() == 1
+    if two:
+        global _SPLIT_POOL
+        if _SPLIT_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _SPLIT_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moechat-gemm")
+        second = _SPLIT_POOL.submit(torch.inference_mode()(gemm), parts[1])
+        first = gemm(parts[0])
+        return torch.cat([first, second.result()], dim=-1)  # [T, out]
+    return torch.cat([gemm(p) for p in parts], dim=-1)
+
+
 def tile_rows(cols: int) -> int:
     """Rows of a projection with `cols` inputs decoded at a time (a 4 MB fp32 tile, a multiple of 8)."""
     return max(8, _TILE_BYTES // (4 * cols) // 8 * 8)

@@ -148,3 +148,40 @@ def test_quiet_openmp_only_when_the_user_did_not_choose():
     env = {"OMP_WAIT_POLICY": "active"}
     hardware.quiet_openmp(env)
     assert env == {"OMP_WAIT_POLICY": "active"}
+
+
+def test_a_prompts_projections_split_over_two_threads_write_the_same_bits(monkeypatch):
+    # quant/cpu.py split_addmm: the output columns in two fixed halves, side by side on two threads (torch on one,
+    # the pool pinned at two) or one after the other: the same bits, within a bf16 rounding of one GEMM.
+    from moechat.engine.quant import cpu
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip(native.status())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 256, generator=g).to(torch.bfloat16)
+    w_t = torch.randn(2048 + 96, 256, generator=g).to(torch.bfloat16).t()  # [in, out] view, as the model keeps it
+    residual = torch.randn(24, 2048 + 96, generator=g).to(torch.bfloat16)
+    calls = []
+    real = cpu._SPLIT_POOL
+    try:
+        torch.set_num_threads(1)
+        native.pin_threads(lib, 2)
+        two = [cpu.split_addmm(x, w_t), cpu.split_addmm(x, w_t, residual)]
+        assert cpu._SPLIT_POOL is not None  # the second half ran on the worker
+        native.pin_threads(lib, None)
+        torch.set_num_threads(1)
+        monkeypatch.setattr(cpu, "_SPLIT_POOL", None)
+        monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append(1) or torch.mm(a, b))
+        one = [cpu.split_addmm(x, w_t), cpu.split_addmm(x, w_t, residual)]
+        assert cpu._SPLIT_POOL is None and calls == [1, 1]  # one thread: both halves here, one after the other
+    finally:
+        native.pin_threads(lib, None)
+        cpu._SPLIT_POOL = real
+    for a, b in zip(two, one, strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(two[0].float(), (x.float() @ w_t.float()), atol=0.05, rtol=0.01)
+    assert torch.equal(two[1], torch.cat([torch.addmm(residual[:, :1024], x, w_t[:, :1024]),
+                                          torch.addmm(residual[:, 1024:], x, w_t[:, 1024:])], dim=-1))
+    # a decode token and narrow projections: one GEMM as before
+    assert torch.equal(cpu.split_addmm(x[:1], w_t), x[:1] @ w_t)
