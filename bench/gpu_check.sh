@@ -29,8 +29,10 @@ timeout 150 python -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/qua
     tests/engine/test_gpu_hybrid.py tests/engine/quant/test_slot_lookup.py tests/engine/cache/test_transfer_protocol.py \
     tests/engine/cache/test_gpu_transfer_bench.py tests/engine/cache/test_host_embeddings.py \
     tests/engine/test_device_step.py tests/engine/test_device_step_protocol.py -p no:cacheprovider 2>&1 | tail -8
-# the fused FP8 / int8 / int4 MoE kernel at Qwen3-30B-A3B widths, and expert_compute dispatching to it
-timeout 100 python -m pytest -q -m gpu tests/engine/quant/test_quant_triton.py -p no:cacheprovider 2>&1 | tail -4
+# the fused FP8 / int8 / int4 MoE kernel at Qwen3-30B-A3B widths, and expert_compute dispatching to it; GGUF experts on
+# CUDA through the Triton GGUF kernel
+timeout 100 python -m pytest -q -m gpu tests/engine/quant/test_quant_triton.py tests/engine/quant/test_gguf_triton.py \
+    -p no:cacheprovider 2>&1 | tail -4
 # the recurrent layers' Triton decode steps (delta rule, Mamba-2, conv) at Qwen3.6 / Nemotron-3 widths, and the dispatch
 timeout 60 python -m pytest -q -m gpu tests/engine/test_recurrent_triton.py -p no:cacheprovider 2>&1 | tail -4
 # hybrid execution: load over PCIe vs host (CPU while the GPU runs the resident experts) vs auto

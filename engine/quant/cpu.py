@@ -24,6 +24,7 @@ the input, a bf16 GEMV: `_fp8_gemv_bf16`), tested against the reference within b
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -47,6 +48,7 @@ def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
 
 
 # -- many-token dense GEMMs in two column halves, one per core ----------------------------------------------------
+SPLIT_ENV = "MOECHAT_SPLIT_GEMM"  # "0": one GEMM always (the A/B)
 SPLIT_MIN_TOKENS = 16  # a prompt's chunk: below it (decode, a short turn) one GEMM, as before
 SPLIT_MIN_COLUMNS = 1024
 _SPLIT_POOL = None  # one worker thread: the second half's GEMM (torch releases the GIL inside it)
@@ -60,7 +62,7 @@ def split_addmm(x: torch.Tensor, w_t: torch.Tensor, add: torch.Tensor | None = N
     The halves are the same at any thread count, so the bits do not depend on it; other shapes take one GEMM."""
     T, cols = x.shape[0], w_t.shape[1]
     if not (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and T >= SPLIT_MIN_TOKENS
-            and cols >= SPLIT_MIN_COLUMNS):
+            and cols >= SPLIT_MIN_COLUMNS) or os.environ.get(SPLIT_ENV) == "0":
         return x @ w_t if add is None else torch.addmm(add, x, w_t)
     half = cols // 2 // 64 * 64
     parts = [(0, half), (half, cols)]

@@ -147,3 +147,29 @@ def test_cpu_tensors_keep_the_native_paths(monkeypatch):
     if importlib.util.find_spec("triton") is not None:
         monkeypatch.setenv(gguf.TRITON_ENV, "1")
         assert gguf._triton_matmul(x, raw, gguf.TYPES["Q8_0"]) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "MXFP4", "IQ4_XS"])
+def test_gguf_experts_on_cuda_take_the_kernel_and_match_the_reference(name, monkeypatch):
+    # on CUDA gguf_linear sends any token count to the Triton kernel (bench/gpu_check.sh runs this)
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import moechat.engine.quant.kernels.gguf_matmul as kernel
+    from moechat.engine.quant.gguf import TYPES as GGUF_TYPES
+    from moechat.engine.quant.gguf import gguf_linear
+    from tests.engine.test_gguf_quant import random_blocks
+
+    calls = []
+    real = kernel.gguf_matmul
+    monkeypatch.setattr(kernel, "gguf_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rows, cols = 1536, 2048
+    raw = torch.from_numpy(random_blocks(name, rows, cols, seed=7))
+    w = dequantize(raw, name, cols).double()
+    for T in (1, 4, 33):
+        x = torch.randn(T, cols, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+        y = gguf_linear(x.cuda(), raw.cuda(), GGUF_TYPES[name], cols, out_dtype=torch.float32).cpu().double()
+        ref = x.double() @ w.t()
+        bound = cols * 2.0**-24 * (x.double().abs() @ w.abs().t()) + 1e-30
+        assert ((y - ref).abs() / bound).max() <= 1.0, (name, T)
+    assert len(calls) == 3
