@@ -274,7 +274,10 @@ int moechat_gguf_dequant(int type, const uint8_t *restrict src, int64_t nblocks,
  * loaded 2-core machine: 2.5-6.9x the tile path for every type (bench/gguf_vecdot.py; quant/gguf.py has figures).
  * Error against the fp32 reference (dequantize, then the dot with x):
  * x_i = dx_b * q_i + e_i with |e_i| <= dx_b / 2, dx_b = amax_b / 127, so |y - y_ref| <= sum_b dx_b / 2 *
- * sum_{i in b} |w_i| (plus fp32 rounding of the sums). */
+ * sum_{i in b} |w_i| (plus fp32 rounding of the sums).
+ * The AVX-512 build's loops (Q6_K and Q4_K a row at a time, 4 super-blocks per reduction; the 32-value types 4 rows
+ * a pass) read x in their own byte order, permuted once per call (gv_prep_z), and prefetch into L2 what they read
+ * next; their integer sums are the same exact numbers, their float steps the same operations in the same order. */
 #include <stdlib.h>
 
 int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, int64_t units, int64_t align,
@@ -283,24 +286,11 @@ int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, 
 #if defined(__AVX2__) && !defined(MOECHAT_SCALAR)
 #define GV_SIMD 1
 #include <immintrin.h>
-#ifndef GV_AHEAD
+/* software prefetch into L2 (T1; into L1, T0, measured slower) of what the loops read next, out of cache the
+ * hardware's alone left them at 0.5-0.6 of the memory's read bandwidth on Zen 4 (bench/gguf_vecdot.py): GV_AHEAD
+ * bytes ahead of a row read alone, the rows GV_AHEAD_ROWS below for the loops on 4 rows at once */
 #define GV_AHEAD 8192
-#endif
-#ifndef GV_Q4
-#define GV_Q4 1
-#endif
-#ifndef GV_PF32
-#define GV_PF32 4
-#endif
-#ifndef GV_HINT32
-#define GV_HINT32 _MM_HINT_T0
-#endif
-#ifndef GV_K4PF
-#define GV_K4PF _MM_HINT_T1
-#endif
-#ifndef GV_HINT
-#define GV_HINT _MM_HINT_T1
-#endif
+#define GV_AHEAD_ROWS 4
 /* 32 unsigned x 32 signed bytes -> 8 int32 partial sums (lanes 0-3: values 0-15, 4-7: values 16-31). No int16
  * saturation on the AVX2 path: a pair is at most 2 x 128 x 127 = 32512 for every type here. */
 static inline __m256i gv_dot32v(__m256i a, const int8_t *s) {
@@ -410,7 +400,7 @@ typedef struct {
     const int32_t *bs; /* its sums per 16 values [cols / 16] */
     const int8_t *qz;  /* AVX-512: x in the byte order of the 512-bit loops (gv_prep_z) */
     const int32_t *nz; /* the 32-value types: less x's sums of 4 in that order, 16 per block */
-    const int16_t *bz; /* Q6_K: -16 x its sums per 16, 32 per super-block */
+    const int16_t *bz; /* Q6_K: -16 x its sums per 16, 32 a super-block; Q4_K: its sums per 32 */
     float *y;
 } GVJob;
 
@@ -501,7 +491,7 @@ static inline __m256i gv_madd_sc(__m256i acc, __m256i u, const int8_t *s, __m256
 #endif
 
 #if GV_SIMD && defined(__AVX512BW__)
-#define GV_Z 1 /* Q4_K / Q5_K's inner loop on 64 values a step (Q6_K's measured no faster so) */
+#define GV_Z 1 /* the k-quants' inner loops on 64 values a step */
 /* 64 unsigned codes x 64 signed bytes of x, pair sums (int16) times int16 scales k16, in pairs into 16 int32 */
 static inline __m512i gv_madd_sc_z(__m512i acc, __m512i u, const int8_t *s, __m512i k16) {
     __m512i p = _mm512_maddubs_epi16(u, _mm512_loadu_si512((const void *)s));
@@ -532,7 +522,8 @@ static inline __m128i gv_hsum4_z(__m512i a, __m512i b, __m512i c, __m512i d) {
 
 #if GV_Z && defined(__AVX512VNNI__)
 #define GV_ZV 1
-/* Two rows of a 32-value type in one pass (AVX-512 VNNI): a block's codes of both rows in one vector, as unsigned
+/* R = 4 (or 2) rows of a 32-value type in one pass (AVX-512 VNNI), by pairs: a block's codes of two rows in one
+ * vector (x's bytes, x's sums and the 4 rows' scales loaded once for all), as unsigned
  * bytes u = code + o (o = 8 / 16: Q4_0 / Q5_0's nibbles; 128: Q8_0 xor 0x80, IQ4_NL / MXFP4 through their tables
  * plus 128; 0: Q4_1 / Q5_1), vpdpbusd against x in the vector's order (qz) from o x (less x's sums of 4: nz): each
  * row's 8 lane sums of 4 exact, gv_row32's. Q8_0's vector is [row 0, row 1]; the nibbles' [row 0 low, row 1 low,
@@ -545,7 +536,7 @@ static inline __attribute__((always_inline)) void gv_rows_32z(const GVJob *j, co
     const __m512i m4 = _mm512_set1_epi8(0x0f), b16 = _mm512_set1_epi8(0x10);
     const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(
         _mm_loadu_si128((const __m128i *)(type == 39 ? gguf_fp4x2 : gguf_iq4)), _mm_set1_epi8((char)0x80)));
-    /* rows 2p, 2p + 1's scales (of dd: rows 0-3) into their lanes */
+    /* rows 2p, 2p + 1's block scales (dd: rows 0-3) into their lanes */
     const __m512i idx0 = type == 8 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
                                    : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
     const __m512i idx1 = _mm512_add_epi32(idx0, _mm512_set1_epi32(2));
@@ -559,8 +550,12 @@ static inline __attribute__((always_inline)) void gv_rows_32z(const GVJob *j, co
                                  ? _mm512_setzero_si512()
                                  : _mm512_slli_epi32(_mm512_loadu_si512((const void *)(j->nz + 16 * b)), sh);
         uint64_t hs = 0;
-        for (int r = 0; r < R; r++) hs |= (uint64_t)(x[r * rb] | x[r * rb + 1] << 8) << (16 * r);
-        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(x + (r + 4) * rb), _MM_HINT_T1); /* gv_ahead */
+        for (int r = 0; r < R; r++) {
+            uint16_t h;
+            memcpy(&h, x + r * rb, 2);
+            hs |= (uint64_t)h << (16 * r);
+        }
+        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(x + (r + GV_AHEAD_ROWS) * rb), _MM_HINT_T1);
         __m128 dd = type == 39 ? _mm_setr_ps(gv_e8m0(x[0]), gv_e8m0(x[rb]), R > 2 ? gv_e8m0(x[2 * rb]) : 0.0f,
                                              R > 2 ? gv_e8m0(x[3 * rb]) : 0.0f)
                                : _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hs));
@@ -752,10 +747,10 @@ static inline __attribute__((always_inline)) void gv_rows4_q45k_t(const GVJob *j
             const uint8_t *x = r0 + r * rb + b * nb, *ahead = x + 4 * rb;
             /* the next 4 rows' same super-block: without it the 4 interleaved streams run at half the memory
              * bandwidth of one row after another (measured, a matrix out of cache) */
-            _mm_prefetch((const char *)ahead, GV_K4PF);
-            _mm_prefetch((const char *)(ahead + 64), GV_K4PF);
-            _mm_prefetch((const char *)(ahead + 128), GV_K4PF);
-            _mm_prefetch((const char *)(ahead + nb - 1), GV_K4PF);
+            _mm_prefetch((const char *)ahead, _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + 128), _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + nb - 1), _MM_HINT_T1);
             uint8_t sc[8], mn[8];
             gv_scales_k4(x + 4, sc, mn);
             t[r] = _mm256_hadd_epi32(gv_acc_q45k(x, qb, sc, type), gv_mins_q45k(pr, mn));
@@ -809,7 +804,7 @@ static float gv_row_q4k(const GVJob *j, const uint8_t *row) {
     for (; b < j->cols / 256; b += 4) {
         const uint8_t *x = row + b * 144;
         const int n = j->cols / 256 - b < 4 ? (int)(j->cols / 256 - b) : 4;
-        for (int l = 0; l < 576; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1); /* gv_ahead */
+        for (int l = 0; l < 576; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
         __m512i a[4];
         __m128i m[4];
         for (int i = 0; i < 4; i++) {
@@ -873,9 +868,9 @@ static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
     float sumf = 0.0f;
     int64_t b = 0;
 #if GV_Z
-    for (; GV_Q4 && b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
+    for (; b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
         const uint8_t *x = row + b * 210;
-        for (int l = 0; l < 840; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1); /* gv_ahead */
+        for (int l = 0; l < 840; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
         int32_t v[4];
         _mm_storeu_si128((__m128i *)v, gv_hsum4_z(gv_q6k_z(x, j->qz + 256 * b, j->bz + 32 * b),
                                                   gv_q6k_z(x + 210, j->qz + 256 * b + 256, j->bz + 32 * b + 32),
@@ -1132,8 +1127,9 @@ void moechat_gguf_quantize_x(const float *x, int64_t cols, int64_t qb, int8_t *q
 }
 
 #if GV_Z
-/* x for the 512-bit loops: Q6_K's super-blocks permuted (qz[256b + 64k + 32n + l] = q[256b + 128n + 32k + l]) with
- * -16 x its sums per 16 (bz, as gv_q6k_z reads them) */
+/* x for the 512-bit loops, as gv_rows_32z, gv_q4k_z and gv_q6k_z read it: the 32-value types' blocks doubled (qz)
+ * with less their sums of 4 (nz); Q4_K's and Q6_K's super-blocks permuted (qz), their sums per 32 / -16 x their sums
+ * per 16 (bz) */
 static void gv_prep_z(int type, int64_t cols, const int8_t *q, const int32_t *bs, int8_t *qz, int32_t *nz,
                       int16_t *bz) {
     int q32 = type == 2 || type == 3 || type == 6 || type == 7 || type == 8 || type == 20 || type == 39;

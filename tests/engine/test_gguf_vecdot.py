@@ -79,8 +79,9 @@ def test_vecdot_bound_holds_on_random_valid_blocks(name, rows, blocks, seed, sca
 
 
 @pytest.mark.parametrize("name", KINDS)
-def test_one_two_three_threads_write_the_same_bits(name):
-    rows, cols = 1001, 2048  # >= 1.1 MB of packed rows for every type: >= 4 shares of 256 KB over the pool
+@pytest.mark.parametrize("rows", [1001, 1003])  # 4k + 1, 4k + 3: the shares' ends cut the AVX-512 loops' row groups
+def test_one_two_three_threads_write_the_same_bits(name, rows):
+    cols = 2048  # >= 1.1 MB of packed rows for every type: >= 4 shares of 256 KB over the pool
     raw, x = _case(name, rows, cols, seed=5)
     t = TYPES[name]
     lib = native.library()
@@ -174,9 +175,15 @@ int moechat_parallel_for(int (*fn)(void *, int64_t, int64_t), void *ctx, int64_t
 """
 
 
+# every build of native_gguf.c the tests compare: AVX2 without VNNI (two ways), AVX-512 without VNNI (its 512-bit
+# k-quant loops, not the 32-value types' VNNI ones), this machine's (AVX-512 VNNI here), scalar C
+BUILDS = (("avx2", ["-mavx2", "-mfma", "-mf16c"]), ("x86-64-v3", ["-march=x86-64-v3"]),
+          ("avx512", ["-march=skylake-avx512"]), ("native", ["-march=native"]), ("scalar", ["-DMOECHAT_SCALAR"]))
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """native_gguf.c alone (a serial pool beside it) built as AVX2 without VNNI, and as scalar C."""
+    """native_gguf.c alone (a serial pool beside it) built as each of BUILDS (those this CPU runs)."""
     import ctypes
     import shutil
     import subprocess
@@ -188,7 +195,10 @@ def builds(tmp_path_factory):
     (d / "pool.c").write_text(_SERIAL_POOL)
     src = str(native.SOURCE.with_name("native_gguf.c"))
     out = {}
-    for name, flags in (("avx2", ["-mavx2", "-mfma", "-mf16c"]), ("scalar", ["-DMOECHAT_SCALAR"])):
+    cpu = native._cpu_flags()
+    for name, flags in BUILDS:
+        if name == "avx512" and "avx512bw" not in cpu:
+            continue
         so = d / f"{name}.so"
         try:
             subprocess.run([cc, "-O2", *flags, "-shared", "-fPIC", "-fno-math-errno", "-o", str(so), src,
@@ -203,17 +213,30 @@ def builds(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", KINDS)
-def test_every_build_writes_the_same_bits(builds, name):
-    """The integer sums are exact and the float part is the same scalar code, so AVX2, scalar C and this machine's
-    build (VNNI where it has it) agree bit for bit."""
-    rows, cols = 9, 768
-    raw, x = _case(name, rows, cols, seed=11)
+@pytest.mark.parametrize("rows,cols", [(9, 768), (1, 256), (2, 512), (3, 1280), (6, 2048), (7, 1024), (13, 256)])
+def test_every_build_writes_the_same_bits(builds, name, rows, cols):
+    """The integer sums are exact and the float steps the same operations in the same order, so AVX2, AVX-512,
+    scalar C and this machine's build (VNNI where it has it) agree bit for bit: for row counts off the AVX-512 loops'
+    groups of 4 and 2, and super-block counts off their groups of 4 (1, 2, 3, 4, 5, 8)."""
+    raw, x = _case(name, rows, cols, seed=11 + rows)
     t = TYPES[name]
     want = vecdot(x, raw, t, cols)
     for build, fn in builds.items():
         y = torch.empty(1, rows)
         assert fn(t.id, x.data_ptr(), raw.data_ptr(), rows, cols, y.data_ptr()) == 0
         assert torch.equal(y, want), build
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_each_row_is_the_same_alone_as_in_a_group(name):
+    """A row's bits do not depend on the rows beside it (the AVX-512 loops take 4 or 2 at a time, the rest alone)."""
+    rows, cols = 11, 1280
+    raw, x = _case(name, rows, cols, seed=3)
+    t = TYPES[name]
+    want = vecdot(x, raw, t, cols)
+    for r in range(rows):
+        assert torch.equal(vecdot(x, raw[r:r + 1].contiguous(), t, cols)[0, 0], want[0, r]), r
+        assert torch.equal(vecdot(x, raw[r:r + 3].contiguous(), t, cols)[0, 0], want[0, r]), r
 
 
 def test_a_bf16_gguf_model_decodes_through_the_integer_dots_as_transformers_does(tmp_path, monkeypatch):
