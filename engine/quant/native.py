@@ -225,7 +225,22 @@ def _resolve() -> tuple[ctypes.CDLL | None, str]:
         return None, f"torch paths: the kernels did not build or load ({e})"
     if not lib.moechat_simd():
         return None, "torch paths: the compiler did not target AVX2+FMA+F16C on this CPU"
-    return lib, f"native kernels (AVX2+FMA+F16C), {lib._name}"
+    return lib, f"native kernels ({', '.join(_isa_parts(lib))}), {lib._name}"
+
+
+_I16_ISA = {2: "4-bit GEMV in AVX-512", 3: "4-bit GEMV in AVX-512 VNNI"}  # moechat_i16_isa(); 1 is the AVX2 loop
+
+
+def _isa_parts(lib) -> list[str]:
+    """What the build uses beyond the AVX2 base, as status() says it (each query absent from an older library)."""
+    parts = ["AVX2+FMA+F16C"]
+    i16 = getattr(lib, "moechat_i16_isa", None)
+    if i16 is not None and (name := _I16_ISA.get(i16())):
+        parts.append(name)
+    bf16 = getattr(lib, "moechat_prefill_bf16_isa", None)
+    if bf16 is not None and bf16():
+        parts.append("bf16 prefill in AVX-512 BF16")
+    return parts
 
 
 def library() -> ctypes.CDLL | None:
