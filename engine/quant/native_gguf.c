@@ -771,13 +771,14 @@ static inline __attribute__((always_inline)) void gv_rows4_q45k_t(const GVJob *j
 }
 #endif
 #if GV_Z
-/* Q4_K's super-block in 4 vectors of 64 codes: 64 bytes of qs hold values 128c + 0-31 and 128c + 64-95 in their low
- * nibbles, 128c + 32-63 and 128c + 96-127 in their high ones (sub-blocks 4c, 4c + 2; 4c + 1, 4c + 3), so one load
- * and a shift make two vectors; x is permuted to match (qz). The 8 scales and mins unpacked in SIMD words
- * (gv_scales_k4's arithmetic: [a, c, b, c >> 4] masked, the top bits of a, b), the mins' term as int16 dots with
- * x's sums per 32 (bz). Returns the 16 int32 partial sums of sumi; *mins: the 4 of summ. Exact. */
-static inline __attribute__((always_inline)) __m512i gv_q4k_z(const uint8_t *x, const int8_t *qz, const int16_t *pz,
-                                                              __m128i *mins) {
+/* A Q4_K / Q5_K super-block in 4 vectors of 64 codes: 64 bytes of qs hold values 128c + 0-31 and 128c + 64-95 in
+ * their low nibbles, 128c + 32-63 and 128c + 96-127 in their high ones (sub-blocks 4c, 4c + 2; 4c + 1, 4c + 3), so
+ * one load and a shift make two vectors; x is permuted to match (qz); Q5_K's fifth bits by immediate shifts of
+ * [qh, qh >> 2]. The 8 scales and mins unpacked in SIMD words (gv_scales_k4's arithmetic: [a, c, b, c >> 4] masked,
+ * the top bits of a, b), the mins' term as int16 dots with x's sums per 32 (bz). Returns the 16 int32 partial sums
+ * of sumi; *mins: the 4 of summ. Exact. */
+static inline __attribute__((always_inline)) __m512i gv_q45k_z(const uint8_t *x, const int8_t *qz, const int16_t *pz,
+                                                               __m128i *mins, const int type) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m128i v = _mm_loadu_si128((const __m128i *)(x + 4)); /* a, b, c (and 4 bytes of qs) */
     __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x98), _mm_setr_epi32(0, 0, 0, 4)),
@@ -785,30 +786,42 @@ static inline __attribute__((always_inline)) __m512i gv_q4k_z(const uint8_t *x, 
     __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
     __m128i sm = _mm_or_si128(lo, hi); /* bytes: scales 0-7, mins 0-7 */
     *mins = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), _mm_loadu_si128((const __m128i *)pz));
-    const __m512i sv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
-    __m512i acc = _mm512_setzero_si512();
+    const __m512i sv = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
+    __m512i acc = _mm512_setzero_si512(), h = _mm512_setzero_si512();
+    if (type == 13) { /* [qh, qh >> 2]: bit 4c (4c + 1) of qh and 4c + 2 (4c + 3) at the same place of each half */
+        __m256i q = _mm256_loadu_si256((const __m256i *)(x + 16));
+        h = gv_z2(q, _mm256_srli_epi16(q, 2));
+    }
     for (int c = 0; c < 2; c++) {
-        __m512i p = _mm512_loadu_si512((const void *)(x + 16 + 64 * c));
-        __m512i il = gv_z2(_mm256_set1_epi16((short)(4 * c)), _mm256_set1_epi16((short)(4 * c + 2)));
-        __m512i ih = gv_z2(_mm256_set1_epi16((short)(4 * c + 1)), _mm256_set1_epi16((short)(4 * c + 3)));
-        acc = gv_madd_sc_z(acc, _mm512_and_si512(p, m4), qz + 128 * c, _mm512_permutexvar_epi16(il, sv));
-        acc = gv_madd_sc_z(acc, _mm512_and_si512(_mm512_srli_epi16(p, 4), m4), qz + 128 * c + 64,
-                           _mm512_permutexvar_epi16(ih, sv));
+        __m512i p = _mm512_loadu_si512((const void *)(x + (type == 12 ? 16 : 48) + 64 * c));
+        __m512i ul = _mm512_and_si512(p, m4), uh = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+        if (type == 13) { /* the fifth bits: bits 4c, 4c + 2 of qh[l] (ul's halves), 4c + 1, 4c + 3 (uh's) to bit 4 */
+            const __m512i b16 = _mm512_set1_epi8(0x10);
+            ul = _mm512_or_si512(ul, _mm512_and_si512(c ? h : _mm512_slli_epi16(h, 4), b16));
+            uh = _mm512_or_si512(uh, _mm512_and_si512(c ? _mm512_srli_epi16(h, 1) : _mm512_slli_epi16(h, 3), b16));
+        }
+        /* int16 scale w in every word: its bytes 2w, 2w + 1 (w = 4c, 4c + 2 for ul's halves, 4c + 1, 4c + 3 uh's) */
+        __m512i il = gv_z2(_mm256_set1_epi16((short)(0x0100 * (8 * c + 1) + 8 * c)),
+                           _mm256_set1_epi16((short)(0x0100 * (8 * c + 5) + 8 * c + 4)));
+        __m512i ih = _mm512_add_epi8(il, _mm512_set1_epi8(2));
+        acc = gv_madd_sc_z(acc, ul, qz + 128 * c, _mm512_shuffle_epi8(sv, il));
+        acc = gv_madd_sc_z(acc, uh, qz + 128 * c + 64, _mm512_shuffle_epi8(sv, ih));
     }
     return acc;
 }
-/* one Q4_K row: 4 super-blocks' sums in one reduction, then their float steps (gv_row_q45k_t's, in its order) */
-static float gv_row_q4k(const GVJob *j, const uint8_t *row) {
+/* one Q4_K / Q5_K row: 4 super-blocks' sums in one reduction, then their float steps (gv_row_q45k_t's, in its order) */
+static inline __attribute__((always_inline)) float gv_row_q45k_z(const GVJob *j, const uint8_t *row, const int type) {
+    const int nb = type == 12 ? 144 : 176;
     float sumf = 0.0f;
     int64_t b = 0;
     for (; b < j->cols / 256; b += 4) {
-        const uint8_t *x = row + b * 144;
+        const uint8_t *x = row + b * nb;
         const int n = j->cols / 256 - b < 4 ? (int)(j->cols / 256 - b) : 4;
-        for (int l = 0; l < 576; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        for (int l = 0; l < 4 * nb; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
         __m512i a[4];
         __m128i m[4];
         for (int i = 0; i < 4; i++) {
-            if (i < n) a[i] = gv_q4k_z(x + 144 * i, j->qz + 256 * (b + i), j->bz + 8 * (b + i), &m[i]);
+            if (i < n) a[i] = gv_q45k_z(x + nb * i, j->qz + 256 * (b + i), j->bz + 8 * (b + i), &m[i], type);
             else a[i] = _mm512_setzero_si512(), m[i] = _mm_setzero_si128();
         }
         int32_t si[4], sm[4];
@@ -816,16 +829,18 @@ static float gv_row_q4k(const GVJob *j, const uint8_t *row) {
         _mm_storeu_si128((__m128i *)sm, _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3])));
         for (int i = 0; i < n; i++) {
             float dx = j->d[b + i];
-            sumf += gguf_h2f(x + 144 * i) * dx * (float)si[i];
-            sumf -= gguf_h2f(x + 144 * i + 2) * dx * (float)sm[i];
+            sumf += gguf_h2f(x + nb * i) * dx * (float)si[i];
+            sumf -= gguf_h2f(x + nb * i + 2) * dx * (float)sm[i];
         }
     }
     return sumf;
 }
+static float gv_row_q4k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_z(j, row, 12); }
+static float gv_row_q5k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_z(j, row, 13); }
 #else
 static float gv_row_q4k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 12); }
-#endif
 static float gv_row_q5k(const GVJob *j, const uint8_t *row) { return gv_row_q45k_t(j, row, 13); }
+#endif
 
 #if GV_Z
 /* Q6_K's super-block in 4 vectors of 64 codes: V_k byte 32n + l is value 128n + 32k + l, where its ql byte (of
@@ -1088,7 +1103,7 @@ static int gv_share(void *ctx, int64_t a, int64_t b) {
     }
 #endif
 #if GV_SIMD
-    if ((j->type == 12 && !GV_Z) || j->type == 13) { /* Q4_K / Q5_K: rows by 4, then pairs (the same bits) */
+    if (!GV_Z && (j->type == 12 || j->type == 13)) { /* Q4_K / Q5_K: rows by 4, then pairs (the same bits) */
         for (; a + 3 < b; a += 4) {
             if (j->type == 12) gv_rows4_q45k_t(j, j->w + a * j->row_bytes, 12, j->y + a);
             else gv_rows4_q45k_t(j, j->w + a * j->row_bytes, 13, j->y + a);
@@ -1127,7 +1142,7 @@ void moechat_gguf_quantize_x(const float *x, int64_t cols, int64_t qb, int8_t *q
 }
 
 #if GV_Z
-/* x for the 512-bit loops, as gv_rows_32z, gv_q4k_z and gv_q6k_z read it: the 32-value types' blocks doubled (qz)
+/* x for the 512-bit loops, as gv_rows_32z, gv_q45k_z and gv_q6k_z read it: the 32-value types' blocks doubled (qz)
  * with less their sums of 4 (nz); Q4_K's and Q6_K's super-blocks permuted (qz), their sums per 32 / -16 x their sums
  * per 16 (bz) */
 static void gv_prep_z(int type, int64_t cols, const int8_t *q, const int32_t *bs, int8_t *qz, int32_t *nz,
@@ -1141,7 +1156,7 @@ static void gv_prep_z(int type, int64_t cols, const int8_t *q, const int32_t *bs
                 nz[16 * b + i] = -(qz[64 * b + 4 * i] + qz[64 * b + 4 * i + 1] + qz[64 * b + 4 * i + 2] +
                                    qz[64 * b + 4 * i + 3]);
         }
-    if (type == 12) /* Q4_K: qz[256b + 128c + 64h + 32t + l] = q[256b + 128c + 64t + 32h + l]; bz: sums per 32 */
+    if (type == 12 || type == 13) /* Q4_K / Q5_K: qz[256b + 128c + 64h + 32t + l] = q[256b + 128c + 64t + 32h + l]; bz: sums per 32 */
         for (int64_t b = 0; b < cols / 256; b++) {
             for (int c = 0; c < 2; c++)
                 for (int h = 0; h < 2; h++)
