@@ -113,8 +113,8 @@ def head(a, names, rng) -> None:
             p.append(probe.numel() * 4 / 1e9 / (ms(lambda: probe.sum(), 1) / 1e3))
             n.append(gb / (ms(lambda: vecdot(x, raw, t, C), 2) / 1e3))  # noqa: B023
             if base:
-                o.append(gb / (ms(lambda: base(t.id, x.data_ptr(), raw.data_ptr(), HEAD, C, y.data_ptr()), 2)  # noqa: B023
-                               / 1e3))
+                old = lambda: base(t.id, x.data_ptr(), raw.data_ptr(), HEAD, C, y.data_ptr())  # noqa: B023, E731
+                o.append(gb / (ms(old, 2) / 1e3))
         mp = statistics.median(p)
         line = f"{name:6} {raw.numel() / 1e6:5.0f} {spread(p):>17} {spread(n):>17} {statistics.median(n) / mp:5.2f}"
         if base:
@@ -122,7 +122,6 @@ def head(a, names, rng) -> None:
             line += (f" {spread(o):>17} {statistics.median(o) / mp:5.2f} "
                      f"{statistics.median(n) / statistics.median(o):7.2f}x {'same' if same else 'DIFF':>5}")
         print(line)
-        del raw
 
 
 def one_token(a, names, rng) -> None:

@@ -783,7 +783,8 @@ static inline __attribute__((always_inline)) __m512i gv_q45k_z(const uint8_t *x,
     __m128i v = _mm_loadu_si128((const __m128i *)(x + 4)); /* a, b, c (and 4 bytes of qs) */
     __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x98), _mm_setr_epi32(0, 0, 0, 4)),
                                _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2),
+                               _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
     __m128i sm = _mm_or_si128(lo, hi); /* bytes: scales 0-7, mins 0-7 */
     *mins = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)), _mm_loadu_si128((const __m128i *)pz));
     const __m512i sv = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm));
@@ -955,11 +956,56 @@ static float gv_row_q6k(const GVJob *j, const uint8_t *row) {
     return sumf;
 }
 
+#if GV_Z
+/* Q2_K's super-block in 4 vectors of 64 codes, as Q6_K's: V_j byte 32n + i is value 128n + 32j + i (bits 2j of the
+ * 64 bytes of qs at their place), lane L of V_j group 8(L >> 1) + 2j + (L & 1), x permuted as Q6_K's (qz). Returns
+ * the 16 int32 partial sums of sumi; *mins: the 8 of summ (the mins as int16 dots with x's sums per 16, bz). */
+static inline __attribute__((always_inline)) __m512i gv_q2k_z(const uint8_t *x, const int8_t *qz, const int16_t *bz,
+                                                              __m256i *mins) {
+    const __m128i sm = _mm_loadu_si128((const __m128i *)x), m4 = _mm_set1_epi8(0x0f);
+    __m256i s16 = _mm256_cvtepu8_epi16(_mm_and_si128(sm, m4));
+    *mins = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), m4)),
+                              _mm256_loadu_si256((const __m256i *)bz));
+    __m512i s = _mm512_shuffle_i64x2(_mm512_castsi256_si512(s16), _mm512_castsi256_si512(s16), 0x50);
+    __m512i q = _mm512_loadu_si512((const void *)(x + 16)), acc = _mm512_setzero_si512();
+    for (int k = 0; k < 4; k++) { /* lane L's int16 word 2k + (L & 1) of its 8 scales, in every word */
+        const __m512i pick = _mm512_add_epi8(_mm512_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k)),
+                                             _mm512_setr_epi64(0, 0, 0x0202020202020202LL, 0x0202020202020202LL, 0,
+                                                               0, 0x0202020202020202LL, 0x0202020202020202LL));
+        __m512i u = _mm512_and_si512(_mm512_srli_epi16(q, 2 * k), _mm512_set1_epi8(3));
+        acc = gv_madd_sc_z(acc, u, qz + 64 * k, _mm512_shuffle_epi8(s, pick));
+    }
+    return acc;
+}
+static inline __m128i gv_hsum4_y(__m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d)); /* per half: a b c d */
+    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+#endif
+
 /* Q2_K: value 128n + 32j + i is bits 2j of qs[32n + i], in group g = 8n + 2j + i / 16 of scale (x[g] & 15) and min
  * (x[g] >> 4): w = d * sc * q - dmin * m, so the sum is d * dx * sum_g sc_g (q . xq)_g - dmin * dx * sum_g m_g bs_g */
 static float gv_row_q2k(const GVJob *j, const uint8_t *row) {
     float sumf = 0.0f;
-    for (int64_t b = 0; b < j->cols / 256; b++) {
+    int64_t b = 0;
+#if GV_Z
+    for (; b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
+        const uint8_t *x = row + b * 84;
+        for (int l = 0; l < 336; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        __m512i a[4];
+        __m256i m[4];
+        for (int i = 0; i < 4; i++) a[i] = gv_q2k_z(x + 84 * i, j->qz + 256 * (b + i), j->bz + 16 * (b + i), &m[i]);
+        int32_t si[4], sm[4];
+        _mm_storeu_si128((__m128i *)si, gv_hsum4_z(a[0], a[1], a[2], a[3]));
+        _mm_storeu_si128((__m128i *)sm, gv_hsum4_y(m[0], m[1], m[2], m[3]));
+        for (int i = 0; i < 4; i++) {
+            float dx = j->d[b + i];
+            sumf += gguf_h2f(x + 84 * i + 80) * dx * (float)si[i];
+            sumf -= gguf_h2f(x + 84 * i + 82) * dx * (float)sm[i];
+        }
+    }
+#endif
+    for (; b < j->cols / 256; b++) {
         const uint8_t *x = row + b * 84, *qs = x + 16;
         const int8_t *qb = j->q + 256 * b;
         const int32_t *bs = j->bs + 16 * b;
@@ -993,11 +1039,55 @@ static float gv_row_q2k(const GVJob *j, const uint8_t *row) {
     return sumf;
 }
 
+#if GV_Z
+/* Q3_K's super-block as Q2_K's 4 vectors, the third bits from [hmask, hmask >> 4] (bit j of half n: bit 4n + j) by
+ * immediate shifts; the 16 signed scales unpacked in SIMD words (lo: s[0-7] & 15, s[0-7] >> 4; hi: s[8-11] >> 2k,
+ * dword k), the codes' -4 as Q6_K's -32 (bz: -2 x x's sums per 16, each group twice). Exact: sumi - 4 sumb. */
+static inline __attribute__((always_inline)) __m512i gv_q3k_z(const uint8_t *x, const int8_t *qz, const int16_t *bz) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i a = _mm_loadl_epi64((const __m128i *)(x + 96));
+    __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(a, m4), _mm_and_si128(_mm_srli_epi16(a, 4), m4));
+    __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)gv_u32(x + 104)), _mm_setr_epi32(0, 2, 4, 6)),
+                               _mm_set1_epi8(3));
+    __m128i sc = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+    __m256i s16 = _mm256_cvtepi8_epi16(sc);
+    __m512i s = _mm512_shuffle_i64x2(_mm512_castsi256_si512(s16), _mm512_castsi256_si512(s16), 0x50);
+    __m512i acc = _mm512_madd_epi16(s, _mm512_loadu_si512((const void *)bz));
+    __m256i hm = _mm256_loadu_si256((const __m256i *)x);
+    __m512i h = gv_z2(hm, _mm256_srli_epi16(hm, 4)), q = _mm512_loadu_si512((const void *)(x + 32));
+    const __m512i b4 = _mm512_set1_epi8(4);
+    for (int k = 0; k < 4; k++) { /* lane L's int16 word 2k + (L & 1) of its 8 scales, in every word */
+        const __m512i pick = _mm512_add_epi8(_mm512_set1_epi16((short)(0x0100 * (4 * k + 1) + 4 * k)),
+                                             _mm512_setr_epi64(0, 0, 0x0202020202020202LL, 0x0202020202020202LL, 0,
+                                                               0, 0x0202020202020202LL, 0x0202020202020202LL));
+        __m512i t = k == 0 ? _mm512_slli_epi16(h, 2) : k == 1 ? _mm512_slli_epi16(h, 1) : k == 2 ? h
+                                                                                            : _mm512_srli_epi16(h, 1);
+        __m512i u = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q, 2 * k), _mm512_set1_epi8(3)),
+                                    _mm512_and_si512(t, b4));
+        acc = gv_madd_sc_z(acc, u, qz + 64 * k, _mm512_shuffle_epi8(s, pick));
+    }
+    return acc;
+}
+#endif
+
 /* Q3_K: value 128n + 32j + i has 2 bits (2j of qs[32n + i]) and a third (bit 4n + j of hmask[i]; clear: less 4),
  * in group g = 8n + 2j + i / 16 of 6-bit signed scale sc_g: the codes 0..7 summed, less 4 x sum_g sc_g bs_g */
 static float gv_row_q3k(const GVJob *j, const uint8_t *row) {
     float sumf = 0.0f;
-    for (int64_t b = 0; b < j->cols / 256; b++) {
+    int64_t b = 0;
+#if GV_Z
+    for (; b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
+        const uint8_t *x = row + b * 110;
+        for (int l = 0; l < 440; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        int32_t v[4];
+        _mm_storeu_si128((__m128i *)v, gv_hsum4_z(gv_q3k_z(x, j->qz + 256 * b, j->bz + 32 * b),
+                                                  gv_q3k_z(x + 110, j->qz + 256 * b + 256, j->bz + 32 * b + 32),
+                                                  gv_q3k_z(x + 220, j->qz + 256 * b + 512, j->bz + 32 * b + 64),
+                                                  gv_q3k_z(x + 330, j->qz + 256 * b + 768, j->bz + 32 * b + 96)));
+        for (int i = 0; i < 4; i++) sumf += gguf_h2f(x + 110 * i + 108) * j->d[b + i] * (float)v[i];
+    }
+#endif
+    for (; b < j->cols / 256; b++) {
         const uint8_t *x = row + b * 110, *hm = x, *qs = x + 32, *s = x + 96;
         const int8_t *qb = j->q + 256 * b;
         const int32_t *bs = j->bs + 16 * b;
@@ -1156,7 +1246,8 @@ static void gv_prep_z(int type, int64_t cols, const int8_t *q, const int32_t *bs
                 nz[16 * b + i] = -(qz[64 * b + 4 * i] + qz[64 * b + 4 * i + 1] + qz[64 * b + 4 * i + 2] +
                                    qz[64 * b + 4 * i + 3]);
         }
-    if (type == 12 || type == 13) /* Q4_K / Q5_K: qz[256b + 128c + 64h + 32t + l] = q[256b + 128c + 64t + 32h + l]; bz: sums per 32 */
+    /* Q4_K / Q5_K: qz[256b + 128c + 64h + 32t + l] = q[256b + 128c + 64t + 32h + l]; bz: x's sums per 32 */
+    if (type == 12 || type == 13)
         for (int64_t b = 0; b < cols / 256; b++) {
             for (int c = 0; c < 2; c++)
                 for (int h = 0; h < 2; h++)
@@ -1164,11 +1255,15 @@ static void gv_prep_z(int type, int64_t cols, const int8_t *q, const int32_t *bs
                         memcpy(qz + 256 * b + 128 * c + 64 * h + 32 * t, q + 256 * b + 128 * c + 64 * t + 32 * h, 32);
             for (int i = 0; i < 8; i++) bz[8 * b + i] = (int16_t)(bs[16 * b + 2 * i] + bs[16 * b + 2 * i + 1]);
         }
-    if (type == 14)
+    if (type == 10) /* Q2_K: bz its sums per 16 */
+        for (int64_t g = 0; g < cols / 16; g++) bz[g] = (int16_t)bs[g];
+    /* Q6_K, Q2_K, Q3_K: qz[256b + 64k + 32n + l] = q[256b + 128n + 32k + l] */
+    if (type == 14 || type == 10 || type == 11)
         for (int64_t b = 0; b < cols / 256; b++) {
             for (int k = 0; k < 4; k++)
                 for (int n = 0; n < 2; n++) memcpy(qz + 256 * b + 64 * k + 32 * n, q + 256 * b + 128 * n + 32 * k, 32);
-            for (int i = 0; i < 32; i++) bz[32 * b + i] = (int16_t)(-16 * bs[16 * b + (i >> 4) * 8 + (i & 7)]);
+            for (int i = 0; i < 32 && type != 10; i++) /* -16 (Q6_K) or -2 (Q3_K) x its sums per 16, each twice */
+                bz[32 * b + i] = (int16_t)((type == 14 ? -16 : -2) * bs[16 * b + (i >> 4) * 8 + (i & 7)]);
         }
 }
 #endif
