@@ -1127,11 +1127,62 @@ static float gv_row_q3k(const GVJob *j, const uint8_t *row) {
     return sumf;
 }
 
+#if GV_Z && defined(__AVX512VNNI__)
+/* IQ4_XS's super-block in 4 vectors: 64 bytes of qs are sub-blocks 4c .. 4c + 3, lane i of their low nibbles values
+ * 0-15 of sub-block 4c + i, of their high ones 16-31 (x permuted to match: qz); the codebook plus 128 (unsigned) by
+ * vpshufb, vpdpbusd, times the lane's scale as int32; the 128's term once per super-block from x's sums per 32 (bz).
+ * Exact: sumi. */
+static inline __attribute__((always_inline)) __m512i gv_iq4xs_z(const uint8_t *x, const int8_t *qz, const int16_t *bz,
+                                                                __m128i *off) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)gguf_iq4),
+                                                             _mm_set1_epi8((char)0x80)));
+    __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)gv_u32(x + 4)),
+                                                    _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                  _mm256_set1_epi32(15));
+    __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(x[2] | x[3] << 8),
+                                                    _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                  _mm256_set1_epi32(3));
+    __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    /* -128 x sum_ib ls_ib x (x's sum over sub-block ib), as int16 dots: 4 int32 */
+    __m128i l16 = _mm_packs_epi32(_mm256_castsi256_si128(ls), _mm256_extracti128_si256(ls, 1));
+    *off = _mm_madd_epi16(l16, _mm_loadu_si128((const __m128i *)bz));
+    __m512i acc = _mm512_setzero_si512();
+    for (int c = 0; c < 2; c++) {
+        __m512i p = _mm512_loadu_si512((const void *)(x + 8 + 64 * c));
+        __m512i sc = _mm512_permutexvar_epi32(
+            _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 2,
+                              4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3),
+            _mm512_castsi256_si512(ls));
+        __m512i ul = _mm512_shuffle_epi8(lut, _mm512_and_si512(p, m4));
+        __m512i uh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(p, 4), m4));
+        __m512i v = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ul, _mm512_loadu_si512((const void *)(qz + 128 * c)));
+        v = _mm512_dpbusd_epi32(v, uh, _mm512_loadu_si512((const void *)(qz + 128 * c + 64)));
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(v, sc));
+    }
+    return acc;
+}
+#endif
+
 /* IQ4_XS: 8 sub-blocks of 32 (IQ4_NL's codebook, nibbles as IQ4_NL's), each with a 6-bit scale less 32; signed
  * codebook values times x (the sign trick), exact integer sums scaled per sub-block, one fp32 step per 256 */
 static float gv_row_iq4xs(const GVJob *j, const uint8_t *row) {
     float sumf = 0.0f;
-    for (int64_t b = 0; b < j->cols / 256; b++) {
+    int64_t b = 0;
+#if GV_Z && defined(__AVX512VNNI__)
+    for (; b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
+        const uint8_t *x = row + b * 136;
+        for (int l = 0; l < 544; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        __m512i a[4];
+        __m128i m[4];
+        for (int i = 0; i < 4; i++) a[i] = gv_iq4xs_z(x + 136 * i, j->qz + 256 * (b + i), j->bz + 8 * (b + i), &m[i]);
+        int32_t si[4], so[4];
+        _mm_storeu_si128((__m128i *)si, gv_hsum4_z(a[0], a[1], a[2], a[3]));
+        _mm_storeu_si128((__m128i *)so, _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3])));
+        for (int i = 0; i < 4; i++) sumf += gguf_h2f(x + 136 * i) * j->d[b + i] * (float)(si[i] - 128 * so[i]);
+    }
+#endif
+    for (; b < j->cols / 256; b++) {
         const uint8_t *x = row + b * 136;
         const int8_t *qb = j->q + 256 * b;
         int sh = x[2] | (x[3] << 8);
@@ -1245,6 +1296,15 @@ static void gv_prep_z(int type, int64_t cols, const int8_t *q, const int32_t *bs
             for (int i = 0; i < 16; i++)
                 nz[16 * b + i] = -(qz[64 * b + 4 * i] + qz[64 * b + 4 * i + 1] + qz[64 * b + 4 * i + 2] +
                                    qz[64 * b + 4 * i + 3]);
+        }
+    /* IQ4_XS: qz[256b + 128c + 64h + 16i + l] = q[256b + 128c + 32i + 16h + l]; bz: x's sums per 32 */
+    if (type == 23)
+        for (int64_t b = 0; b < cols / 256; b++) {
+            for (int c = 0; c < 2; c++)
+                for (int h = 0; h < 2; h++)
+                    for (int i = 0; i < 4; i++)
+                        memcpy(qz + 256 * b + 128 * c + 64 * h + 16 * i, q + 256 * b + 128 * c + 32 * i + 16 * h, 16);
+            for (int i = 0; i < 8; i++) bz[8 * b + i] = (int16_t)(bs[16 * b + 2 * i] + bs[16 * b + 2 * i + 1]);
         }
     /* Q4_K / Q5_K: qz[256b + 128c + 64h + 32t + l] = q[256b + 128c + 64t + 32h + l]; bz: x's sums per 32 */
     if (type == 12 || type == 13)
