@@ -189,6 +189,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.moechat_moe_decode.argtypes = [i32, p, i32, p, p, i64, i64, i64, i64, i64, i64, i64, i32, i32,
                                        ctypes.c_float, ctypes.c_float, i64]
     lib.moechat_moe_decode.restype = i32
+    lib.moechat_rms_norm.argtypes = [p, i32, i64, i64, p, i32, ctypes.c_float, p]
+    lib.moechat_rms_norm.restype = i32
     lib.moechat_set_threads.argtypes = [i32]
     lib.moechat_set_threads.restype = None
     lib.moechat_set_int8_i16.argtypes = [i32]
@@ -431,6 +433,22 @@ def attn_decode(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: i
     _check(lib.moechat_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), nkv, G, D,
                                    first, end, scale, out.data_ptr()), "attention")
     return out
+
+
+# -- RMSNorm of a decode step's rows (native_norm.c) --------------------------------------------------------------
+NORM_NONE, NORM_AFTER, NORM_FP32_W = 0, 1, 2  # no weight; weight on the rounded y (transformers); fp32 weight before
+
+
+def rms_norm(lib, x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind: int) -> torch.Tensor:
+    """x [..., n] (bf16 or fp32, contiguous) -> its RMSNorm in x's dtype (native_norm.c, transformers' order;
+    `kind` NORM_*, the weight [n] bf16 with a bf16 x under NORM_AFTER, else fp32)."""
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    rc = lib.moechat_rms_norm(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // n, n,
+                              weight.data_ptr() if weight is not None else None, kind, eps, y.data_ptr())
+    if rc:
+        _check(rc, "rms_norm")
+    return y
 
 
 # -- one token through a layer's experts (decode): one call for all its routed experts ------------------------------
