@@ -818,7 +818,7 @@ static inline __attribute__((always_inline)) float gv_row_q45k_z(const GVJob *j,
     for (; b < j->cols / 256; b += 4) {
         const uint8_t *x = row + b * nb;
         const int n = j->cols / 256 - b < 4 ? (int)(j->cols / 256 - b) : 4;
-        for (int l = 0; l < 4 * nb; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        for (int l = 0; l < n * nb; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
         __m512i a[4];
         __m128i m[4];
         for (int i = 0; i < 4; i++) {
@@ -989,16 +989,20 @@ static float gv_row_q2k(const GVJob *j, const uint8_t *row) {
     float sumf = 0.0f;
     int64_t b = 0;
 #if GV_Z
-    for (; b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
+    for (; b < j->cols / 256; b += 4) { /* 4 super-blocks' sums (the last 1-3) in one reduction, their float steps */
         const uint8_t *x = row + b * 84;
-        for (int l = 0; l < 336; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        const int n = j->cols / 256 - b < 4 ? (int)(j->cols / 256 - b) : 4;
+        for (int l = 0; l < 84 * n; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
         __m512i a[4];
         __m256i m[4];
-        for (int i = 0; i < 4; i++) a[i] = gv_q2k_z(x + 84 * i, j->qz + 256 * (b + i), j->bz + 16 * (b + i), &m[i]);
+        for (int i = 0; i < 4; i++) {
+            if (i < n) a[i] = gv_q2k_z(x + 84 * i, j->qz + 256 * (b + i), j->bz + 16 * (b + i), &m[i]);
+            else a[i] = _mm512_setzero_si512(), m[i] = _mm256_setzero_si256();
+        }
         int32_t si[4], sm[4];
         _mm_storeu_si128((__m128i *)si, gv_hsum4_z(a[0], a[1], a[2], a[3]));
         _mm_storeu_si128((__m128i *)sm, gv_hsum4_y(m[0], m[1], m[2], m[3]));
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < n; i++) {
             float dx = j->d[b + i];
             sumf += gguf_h2f(x + 84 * i + 80) * dx * (float)si[i];
             sumf -= gguf_h2f(x + 84 * i + 82) * dx * (float)sm[i];
@@ -1076,15 +1080,16 @@ static float gv_row_q3k(const GVJob *j, const uint8_t *row) {
     float sumf = 0.0f;
     int64_t b = 0;
 #if GV_Z
-    for (; b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
+    for (; b < j->cols / 256; b += 4) { /* as Q2_K's */
         const uint8_t *x = row + b * 110;
-        for (int l = 0; l < 440; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        const int n = j->cols / 256 - b < 4 ? (int)(j->cols / 256 - b) : 4;
+        for (int l = 0; l < 110 * n; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        __m512i a[4];
+        for (int i = 0; i < 4; i++)
+            a[i] = i < n ? gv_q3k_z(x + 110 * i, j->qz + 256 * (b + i), j->bz + 32 * (b + i)) : _mm512_setzero_si512();
         int32_t v[4];
-        _mm_storeu_si128((__m128i *)v, gv_hsum4_z(gv_q3k_z(x, j->qz + 256 * b, j->bz + 32 * b),
-                                                  gv_q3k_z(x + 110, j->qz + 256 * b + 256, j->bz + 32 * b + 32),
-                                                  gv_q3k_z(x + 220, j->qz + 256 * b + 512, j->bz + 32 * b + 64),
-                                                  gv_q3k_z(x + 330, j->qz + 256 * b + 768, j->bz + 32 * b + 96)));
-        for (int i = 0; i < 4; i++) sumf += gguf_h2f(x + 110 * i + 108) * j->d[b + i] * (float)v[i];
+        _mm_storeu_si128((__m128i *)v, gv_hsum4_z(a[0], a[1], a[2], a[3]));
+        for (int i = 0; i < n; i++) sumf += gguf_h2f(x + 110 * i + 108) * j->d[b + i] * (float)v[i];
     }
 #endif
     for (; b < j->cols / 256; b++) {
@@ -1170,16 +1175,20 @@ static float gv_row_iq4xs(const GVJob *j, const uint8_t *row) {
     float sumf = 0.0f;
     int64_t b = 0;
 #if GV_Z && defined(__AVX512VNNI__)
-    for (; b + 3 < j->cols / 256; b += 4) { /* 4 super-blocks' sums in one reduction, then their float steps */
+    for (; b < j->cols / 256; b += 4) { /* as Q2_K's */
         const uint8_t *x = row + b * 136;
-        for (int l = 0; l < 544; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
+        const int n = j->cols / 256 - b < 4 ? (int)(j->cols / 256 - b) : 4;
+        for (int l = 0; l < 136 * n; l += 64) _mm_prefetch((const char *)(x + GV_AHEAD + l), _MM_HINT_T1);
         __m512i a[4];
         __m128i m[4];
-        for (int i = 0; i < 4; i++) a[i] = gv_iq4xs_z(x + 136 * i, j->qz + 256 * (b + i), j->bz + 8 * (b + i), &m[i]);
+        for (int i = 0; i < 4; i++) {
+            if (i < n) a[i] = gv_iq4xs_z(x + 136 * i, j->qz + 256 * (b + i), j->bz + 8 * (b + i), &m[i]);
+            else a[i] = _mm512_setzero_si512(), m[i] = _mm_setzero_si128();
+        }
         int32_t si[4], so[4];
         _mm_storeu_si128((__m128i *)si, gv_hsum4_z(a[0], a[1], a[2], a[3]));
         _mm_storeu_si128((__m128i *)so, _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3])));
-        for (int i = 0; i < 4; i++) sumf += gguf_h2f(x + 136 * i) * j->d[b + i] * (float)(si[i] - 128 * so[i]);
+        for (int i = 0; i < n; i++) sumf += gguf_h2f(x + 136 * i) * j->d[b + i] * (float)(si[i] - 128 * so[i]);
     }
 #endif
     for (; b < j->cols / 256; b++) {
@@ -1244,7 +1253,9 @@ static int gv_share(void *ctx, int64_t a, int64_t b) {
     }
 #endif
 #if GV_SIMD
-    if (!GV_Z && (j->type == 12 || j->type == 13)) { /* Q4_K / Q5_K: rows by 4, then pairs (the same bits) */
+    /* Q4_K / Q5_K: rows by 4, then pairs (the same bits); with AVX-512 only for rows of 1-2 super-blocks (a row at a
+     * time measured slower there, faster from 3) */
+    if ((j->type == 12 || j->type == 13) && (!GV_Z || j->cols < 768)) {
         for (; a + 3 < b; a += 4) {
             if (j->type == 12) gv_rows4_q45k_t(j, j->w + a * j->row_bytes, 12, j->y + a);
             else gv_rows4_q45k_t(j, j->w + a * j->row_bytes, 13, j->y + a);
