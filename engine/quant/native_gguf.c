@@ -559,9 +559,17 @@ static inline __attribute__((always_inline)) void gv_rows_32z(const GVJob *j, co
             hs |= (uint64_t)h << (16 * r);
         }
         for (int r = 0; r < R; r++) _mm_prefetch((const char *)(x + (r + GV_AHEAD_ROWS) * rb), _MM_HINT_T1);
-        __m128 dd = type == 39 ? _mm_setr_ps(gv_e8m0(x[0]), gv_e8m0(x[rb]), R > 2 ? gv_e8m0(x[2 * rb]) : 0.0f,
-                                             R > 2 ? gv_e8m0(x[3 * rb]) : 0.0f)
-                               : _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hs));
+        __m128 dd;
+        if (type == 39) { /* gv_e8m0 of the rows' bytes in 32-bit lanes: (e - 1) << 23 from e = 2, else 1 << (21 + e) */
+            uint32_t eb = x[0] | (uint32_t)x[rb] << 8;
+            if (R > 2) eb |= (uint32_t)x[2 * rb] << 16 | (uint32_t)x[3 * rb] << 24;
+            __m128i e = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)eb));
+            __m128i nrm = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+            __m128i sub = _mm_sllv_epi32(_mm_set1_epi32(1), _mm_add_epi32(e, _mm_set1_epi32(21)));
+            dd = _mm_castsi128_ps(_mm_blendv_epi8(sub, nrm, _mm_cmpgt_epi32(e, _mm_set1_epi32(1))));
+        } else {
+            dd = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)hs));
+        }
         dd = _mm_mul_ps(dd, _mm_set1_ps(dx));
         for (int p = 0; p < R / 2; p++) {
             const uint8_t *x0 = x + 2 * p * rb, *x1 = x0 + rb;

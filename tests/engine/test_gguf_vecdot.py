@@ -227,6 +227,24 @@ def test_every_build_writes_the_same_bits(builds, name, rows, cols):
         assert torch.equal(y, want), build
 
 
+def test_mxfp4_scales_subnormal_to_large_write_the_same_bits(builds):
+    """MXFP4's E8M0 scales over their range (0 and 1: the subnormal forms of gv_e8m0, 2 the first normal) in every
+    build, and as the emulation."""
+    rows, cols = 11, 512
+    raw, x = _case("MXFP4", rows, cols, seed=7)
+    e = torch.tensor([0, 1, 2, 3, 60, 127, 128, 200, 0, 1, 2], dtype=torch.uint8)  # one a row: no row's sum hides it
+    raw.view(rows, cols // 32, 17)[:, :, 0] = e[:, None]
+    t = TYPES["MXFP4"]
+    want = vecdot(x, raw, t, cols)
+    scale = x.abs().double() @ torch.from_numpy(np.abs(quants.dequantize(raw.numpy(), Q["MXFP4"]))).double().t()
+    err = (want.double() - vecdot_reference(x, raw, t, cols)).abs()
+    assert torch.all(err <= 1e-5 * scale + 1e-40)  # fp32 rounding, and subnormal results' absolute steps
+    for build, fn in builds.items():
+        y = torch.empty(1, rows)
+        assert fn(t.id, x.data_ptr(), raw.data_ptr(), rows, cols, y.data_ptr()) == 0
+        assert torch.equal(y, want), build
+
+
 @pytest.mark.parametrize("name", KINDS)
 def test_each_row_is_the_same_alone_as_in_a_group(name):
     """A row's bits do not depend on the rows beside it (the AVX-512 loops take 4 or 2 at a time, the rest alone)."""
