@@ -544,7 +544,7 @@ static inline __attribute__((always_inline)) void gv_rows_32z(const GVJob *j, co
                                    : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
     const __m512i idx1 = _mm512_add_epi32(idx0, _mm512_set1_epi32(2));
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    float summ[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    __m128 summ = _mm_setzero_ps();
     for (int64_t b = 0; b < j->cols / 32; b++) {
         const uint8_t *x = r0 + b * nb;
         const float dx = j->d[b];
@@ -593,11 +593,19 @@ static inline __attribute__((always_inline)) void gv_rows_32z(const GVJob *j, co
             __m512 ddv = _mm512_permutexvar_ps(p ? idx1 : idx0, _mm512_castps128_ps512(dd));
             acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(ddv, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, u, qz))));
         }
-        if (type == 3 || type == 7) {
-            float bsum = (float)(j->bs[2 * b] + j->bs[2 * b + 1]);
-            for (int r = 0; r < R; r++) summ[r] += gguf_h2f(x + r * rb + 2) * dx * bsum;
+        if (type == 3 || type == 7) { /* the 4 rows' mins in lanes: summ_r += m_r * dx * (x's block sum), in order */
+            uint64_t ms = 0;
+            for (int r = 0; r < R; r++) {
+                uint16_t h;
+                memcpy(&h, x + r * rb + 2, 2);
+                ms |= (uint64_t)h << (16 * r);
+            }
+            __m128 m = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)ms)), _mm_set1_ps(dx));
+            summ = _mm_add_ps(summ, _mm_mul_ps(m, _mm_set1_ps((float)(j->bs[2 * b] + j->bs[2 * b + 1]))));
         }
     }
+    float sm[4];
+    _mm_storeu_ps(sm, summ);
     for (int p = 0; p < R / 2; p++) {
         float l[16], s0 = 0.0f, s1 = 0.0f;
         _mm512_storeu_ps(l, acc[p]);
@@ -606,8 +614,8 @@ static inline __attribute__((always_inline)) void gv_rows_32z(const GVJob *j, co
             s0 += l[k0];
             s1 += l[k1];
         }
-        y[2 * p] = type == 3 || type == 7 ? s0 + summ[2 * p] : s0;
-        y[2 * p + 1] = type == 3 || type == 7 ? s1 + summ[2 * p + 1] : s1;
+        y[2 * p] = type == 3 || type == 7 ? s0 + sm[2 * p] : s0;
+        y[2 * p + 1] = type == 3 || type == 7 ? s1 + sm[2 * p + 1] : s1;
     }
 }
 /* a type's rows [a, b) by 4, then 2: the rest left to gv_row */
