@@ -766,10 +766,10 @@ static inline __attribute__((always_inline)) void gv_rows4_q45k_t(const GVJob *j
             const uint8_t *x = r0 + r * rb + b * nb, *ahead = x + 4 * rb;
             /* the next 4 rows' same super-block: without it the 4 interleaved streams run at half the memory
              * bandwidth of one row after another (measured, a matrix out of cache) */
-            _mm_prefetch((const char *)ahead, _MM_HINT_T1);
-            _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T1);
-            _mm_prefetch((const char *)(ahead + 128), _MM_HINT_T1);
-            _mm_prefetch((const char *)(ahead + nb - 1), _MM_HINT_T1);
+            _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+            _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ahead + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ahead + nb - 1), _MM_HINT_T0);
             uint8_t sc[8], mn[8];
             gv_scales_k4(x + 4, sc, mn);
             t[r] = _mm256_hadd_epi32(gv_acc_q45k(x, qb, sc, type), gv_mins_q45k(pr, mn));
