@@ -65,6 +65,7 @@ async def test_the_tuning_is_saved_per_model_and_restored_at_its_next_load(build
         await fakes.wait_for(pilot, lambda: engine.policy == "lfu", what="the policy")
         knob = screen.query_one("#slots")
         knob.focus()
+        await fakes.wait_for(pilot, lambda: knob.has_focus, what="the slots knob to take the focus")  # not the prompt's
         knob.value = "8"
         await pilot.press("enter")
         await fakes.wait_for(pilot, lambda: app.settings.tuning("/models/fake-moe").get("slots") == 8,
