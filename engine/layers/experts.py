@@ -205,7 +205,12 @@ def _native_moe(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: 
 
 
 def _put(contrib: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
-    """contrib[idx] = w * y in fp32: each (token, k) pair's weighted expert output in its own row."""
+    """contrib[idx] = w * y in fp32: each (token, k) pair's weighted expert output in its own row (a CPU chunk's
+    through native_scatter.c in one pass over the pool, the same bits as the torch ops)."""
+    if contrib.is_cpu and y.is_cpu and y.dtype in (torch.bfloat16, torch.float32) and contrib.is_contiguous() \
+            and y.dim() == 2 and (lib := native.library()) is not None:
+        native.scatter_weighted(lib, contrib, idx, y, w)
+        return
     contrib.index_copy_(0, idx, y.float() * w.float()[:, None])
 
 

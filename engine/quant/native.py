@@ -191,6 +191,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.moechat_moe_decode.restype = i32
     lib.moechat_rms_norm.argtypes = [p, i32, i64, i64, p, i32, ctypes.c_float, p]
     lib.moechat_rms_norm.restype = i32
+    lib.moechat_scatter_weighted.argtypes = [p, i32, p, p, i64, i64, p, i64]
+    lib.moechat_scatter_weighted.restype = i32
     lib.moechat_set_threads.argtypes = [i32]
     lib.moechat_set_threads.restype = None
     lib.moechat_set_int8_i16.argtypes = [i32]
@@ -449,6 +451,16 @@ def rms_norm(lib, x: torch.Tensor, weight: torch.Tensor | None, eps: float, kind
     if rc:
         _check(rc, "rms_norm")
     return y
+
+
+def scatter_weighted(lib, contrib: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
+    """contrib[idx] = y * w[:, None] in fp32 (native_scatter.c, rows over the pool): y [P, H] bf16 or fp32, idx [P]
+    int64, w [P], contrib [rows, H] fp32, all contiguous CPU tensors."""
+    _threads(lib)
+    yc, ic, wc = y.contiguous(), idx.to(torch.int64).contiguous(), w.float().contiguous()
+    _check(lib.moechat_scatter_weighted(yc.data_ptr(), yc.dtype == torch.bfloat16, ic.data_ptr(), wc.data_ptr(),
+                                        yc.shape[0], yc.shape[1], contrib.data_ptr(), contrib.shape[0]),
+           "expert outputs' scatter")
 
 
 # -- one token through a layer's experts (decode): one call for all its routed experts ------------------------------

@@ -140,36 +140,49 @@ async def test_stopped_while_thinking_keeps_the_thinking_open(build_app, fakes):
         assert engine.sends[1].history == [{"role": "user", "content": "hard one"}]
 
 
-async def test_reasoning_effort_from_the_command_line_then_the_dialog(build_app, fakes, app_env):
-    engine = fakes.Engine(template_variables=frozenset({"reasoning_effort"}),
+# (make_app keyword, its value, the template variable, the dialog's Select id, its shown value, the value picked there,
+#  the variable's value so picked, the settings field)
+CHOICES = {
+    "effort": ("reasoning_effort", "high", "reasoning_effort", "#param-reasoning_effort", "high", "low", "low",
+               "reasoning_effort"),
+    "thinking": ("thinking", False, "enable_thinking", "#param-thinking", "off", "on", True, "thinking"),
+}
+
+
+@pytest.mark.parametrize("choice", sorted(CHOICES))
+async def test_a_template_choice_from_the_command_line_then_the_dialog(build_app, fakes, app_env, choice):
+    # --reasoning-effort (gpt-oss) and --thinking (the enable_thinking switch): this session only, then a pick in the
+    # sampling dialog replaces it and is saved; "Model defaults" clears it, and nothing is passed any more
+    arg, cli, variable, select_id, shown, picked, sent, field = CHOICES[choice]
+    engine = fakes.Engine(template_variables=frozenset({variable}),
                           replies=[fakes.Reply(["a"]), fakes.Reply(["b"]), fakes.Reply(["c"])])
-    app, _ = build_app(engine, reasoning_effort="high")
+    app, _ = build_app(engine, **{arg: cli})
     async with app.run_test(size=SIZE) as pilot:
         screen = await _ready(pilot)
-        assert screen.info.reads_reasoning_effort
+        assert screen.info.reads_reasoning_effort == (choice == "effort")
+        assert screen.info.thinking_switch == (choice == "thinking")
         await _send(pilot, "one")
         await fakes.wait_for(pilot, lambda: _done(screen))
-        assert engine.sends[0].template_kwargs == {"reasoning_effort": "high"}
-        assert app.settings.reasoning_effort is None  # --reasoning-effort is for this session only
+        assert engine.sends[0].template_kwargs == {variable: cli}
+        assert getattr(app.settings, field) is None  # the command line's is for this session only
         await pilot.press("f3")
         await pilot.pause()
-        effort = app.screen.query_one("#param-reasoning_effort", Select)
-        assert effort.value == "high"
-        effort.value = "low"
+        select = app.screen.query_one(select_id, Select)
+        assert select.value == shown
+        select.value = picked
         await pilot.click("#save")
         await pilot.pause()
-        assert app.settings.reasoning_effort == "low" and app.reasoning_effort is None
-        assert Settings.load(app_env / "settings.toml").reasoning_effort == "low"
+        assert getattr(app.settings, field) == sent and getattr(app, arg) is None
+        assert getattr(Settings.load(app_env / "settings.toml"), field) == sent
         await _send(pilot, "two")
         await fakes.wait_for(pilot, lambda: len(engine.sends) == 2 and _done(screen))
-        assert engine.sends[1].template_kwargs == {"reasoning_effort": "low"}
-        # "Model defaults" clears it: the template's own default applies, so nothing is passed.
+        assert engine.sends[1].template_kwargs == {variable: sent}
         await pilot.press("f3")
         await pilot.pause()
         await pilot.click("#reset")
         await pilot.click("#save")
         await pilot.pause()
-        assert app.settings.reasoning_effort is None
+        assert getattr(app.settings, field) is None
         await _send(pilot, "three")
         await fakes.wait_for(pilot, lambda: len(engine.sends) == 3 and _done(screen))
         assert engine.sends[2].template_kwargs == {}
@@ -191,42 +204,6 @@ async def test_reasoning_effort_is_not_offered_or_sent_to_a_template_without_it(
         await pilot.click("#save")
         await pilot.pause()
         assert app.settings.reasoning_effort == "high"  # kept for the models that read it
-
-
-async def test_thinking_switch_from_the_command_line_then_the_dialog(build_app, fakes, app_env):
-    engine = fakes.Engine(template_variables=frozenset({"enable_thinking"}),
-                          replies=[fakes.Reply(["a"]), fakes.Reply(["b"]), fakes.Reply(["c"])])
-    app, _ = build_app(engine, thinking=False)  # moechat chat --thinking off
-    async with app.run_test(size=SIZE) as pilot:
-        screen = await _ready(pilot)
-        assert screen.info.thinking_switch and not screen.info.reads_reasoning_effort
-        await _send(pilot, "one")
-        await fakes.wait_for(pilot, lambda: _done(screen))
-        assert engine.sends[0].template_kwargs == {"enable_thinking": False}
-        assert app.settings.thinking is None  # --thinking is for this session only
-        await pilot.press("f3")
-        await pilot.pause()
-        assert not app.screen.query("#param-reasoning_effort")
-        switch = app.screen.query_one("#param-thinking", Select)
-        assert switch.value == "off"
-        switch.value = "on"
-        await pilot.click("#save")
-        await pilot.pause()
-        assert app.settings.thinking is True and app.thinking is None
-        assert Settings.load(app_env / "settings.toml").thinking is True
-        await _send(pilot, "two")
-        await fakes.wait_for(pilot, lambda: len(engine.sends) == 2 and _done(screen))
-        assert engine.sends[1].template_kwargs == {"enable_thinking": True}
-        # "Model defaults" clears it: the template's own default applies, so nothing is passed.
-        await pilot.press("f3")
-        await pilot.pause()
-        await pilot.click("#reset")
-        await pilot.click("#save")
-        await pilot.pause()
-        assert app.settings.thinking is None
-        await _send(pilot, "three")
-        await fakes.wait_for(pilot, lambda: len(engine.sends) == 3 and _done(screen))
-        assert engine.sends[2].template_kwargs == {}
 
 
 async def test_thinking_switch_is_not_offered_or_sent_to_a_template_without_it(build_app, fakes, app_env):
