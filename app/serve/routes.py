@@ -166,23 +166,28 @@ class Server:
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
             raise BadRequest("response_format other than text is not supported (no constrained decoding)",
                              "response_format")
-        effort = body.get("reasoning_effort")
+        extra = self._chat_template_kwargs(body.get("chat_template_kwargs"))
+        effort, param = body.get("reasoning_effort"), "reasoning_effort"
+        if "reasoning_effort" in extra:  # the same variable may come in either field, once
+            if effort is not None and effort != extra["reasoning_effort"]:
+                raise BadRequest("reasoning_effort and chat_template_kwargs.reasoning_effort differ",
+                                 "chat_template_kwargs")
+            effort, param = extra.pop("reasoning_effort"), "chat_template_kwargs"
         if effort is not None:
             from moechat.engine.text.reasoning import REASONING_EFFORTS
 
             if effort not in REASONING_EFFORTS:
-                raise BadRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
-                                 "reasoning_effort")
+                raise BadRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", param)
             if engine.template_reads("reasoning_effort"):
                 kwargs["reasoning_effort"] = effort
-        kwargs.update(self._chat_template_kwargs(body.get("chat_template_kwargs"), kwargs))
+        kwargs.update(extra)
         return kwargs
 
-    def _chat_template_kwargs(self, extra, kwargs: dict) -> dict:
-        """`chat_template_kwargs` (as vLLM, SGLang and llama-server take it): the thinking switch and the reasoning
-        effort, passed where the template reads them. Other variables are refused by name: a client sets no
-        template variable (bos_token, messages...) that moechat does not know the meaning of."""
-        from moechat.engine.text.reasoning import REASONING_EFFORTS, THINKING_SWITCHES
+    def _chat_template_kwargs(self, extra) -> dict:
+        """`chat_template_kwargs` (as vLLM, SGLang and llama-server take it): the thinking switch, as the variable
+        this template reads, and the reasoning effort (checked with the top-level field's). Other variables are
+        refused by name: a client sets no template variable (bos_token, messages...) moechat does not know."""
+        from moechat.engine.text.reasoning import THINKING_SWITCHES
 
         if extra is None:
             return {}
@@ -200,14 +205,8 @@ class Server:
             if not all(isinstance(v, bool) for v in switches) or len(set(switches)) > 1:
                 raise BadRequest(f"{where}: enable_thinking (or thinking) must be true or false", where)
             out.update(self.worker.engine.thinking_kwargs(switches[0]))
-        effort = extra.get("reasoning_effort")
-        if effort is not None:
-            if effort not in REASONING_EFFORTS:
-                raise BadRequest(f"{where}: reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", where)
-            if kwargs.get("reasoning_effort", effort) != effort:
-                raise BadRequest(f"reasoning_effort and {where}.reasoning_effort differ", where)
-            if self.worker.engine.template_reads("reasoning_effort"):
-                out["reasoning_effort"] = effort
+        if extra.get("reasoning_effort") is not None:
+            out["reasoning_effort"] = extra["reasoning_effort"]
         return out
 
 

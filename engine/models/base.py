@@ -42,6 +42,15 @@ _NORM_MAX_ELEMENTS = 16384  # a decode step's rows (a token's hidden state, its 
 _NORM_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                     fp32_weight: bool) -> torch.Tensor | None:
+    """x's RMSNorm by native_norm.c where x is a decode step's rows on a CPU, else None (torch's ops)."""
+    if x.device.type != "cpu" or x.numel() > _NORM_MAX_ELEMENTS or (lib := native.library()) is None:
+        return None
+    kind = _norm_kind(x, weight, fp32_weight)
+    return None if kind is None else native.rms_norm(lib, x, weight, eps, kind)
+
+
 def _norm_kind(x: torch.Tensor, weight: torch.Tensor | None, fp32_weight: bool) -> int | None:
     """native_norm.c's kind for a contiguous CPU x of a decode step and its weight, or None (torch's ops)."""
     if x.dtype not in _NORM_DTYPES or not x.is_contiguous():
@@ -62,9 +71,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     decode step (its internal dtype round trip), more than the layer's attention GEMMs. A decode step's rows take
     native_norm.c (one call for 7-8 torch ops of dispatch: 4 norms a layer a token).
     """
-    if x.device.type == "cpu" and x.numel() <= _NORM_MAX_ELEMENTS and (lib := native.library()) is not None \
-            and (kind := _norm_kind(x, weight, False)) is not None:
-        return native.rms_norm(lib, x, weight, eps, kind)
+    if (y := _native_rms_norm(x, weight, eps, False)) is not None:
+        return y
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return y if weight is None else weight * y
@@ -72,9 +80,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """GPT-OSS's order: the weight (kept in fp32) multiplies the fp32 normalised input, then one cast."""
-    if x.device.type == "cpu" and x.numel() <= _NORM_MAX_ELEMENTS and (lib := native.library()) is not None \
-            and (kind := _norm_kind(x, weight, True)) is not None:
-        return native.rms_norm(lib, x, weight, eps, kind)
+    if (y := _native_rms_norm(x, weight, eps, True)) is not None:
+        return y
     xf = x.float()
     return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 

@@ -44,6 +44,7 @@ from ..errors import (
 )
 from ..io.checkpoint import read_json
 from ..io.validate import check_generation_config
+from ..layers.experts import forget_views
 from ..layers.kv_cache import KVCache
 from ..layers.moe import ExpertProvider
 from ..load.loader import LoadedModel, load_model
@@ -224,8 +225,6 @@ class Engine:
         if quiesce is not None:
             quiesce()
         self.save_routing_profile()
-        from ..layers.experts import forget_views
-
         forget_views()  # the memoised per-expert views hold this engine's buffers (~a model's experts a load)
 
     # -- text <-> ids ---------------------------------------------------------------------------

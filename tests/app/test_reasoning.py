@@ -188,37 +188,21 @@ async def test_a_template_choice_from_the_command_line_then_the_dialog(build_app
         assert engine.sends[2].template_kwargs == {}
 
 
-async def test_reasoning_effort_is_not_offered_or_sent_to_a_template_without_it(build_app, fakes, app_env):
-    settings = Settings(path=app_env / "settings.toml", reasoning_effort="high")
+@pytest.mark.parametrize("choice", sorted(CHOICES))
+async def test_a_template_choice_is_not_offered_or_sent_to_a_template_without_it(build_app, fakes, app_env, choice):
+    _, _, _, select_id, _, _, saved, field = CHOICES[choice]
+    settings = Settings(path=app_env / "settings.toml", **{field: saved})
     engine = fakes.Engine(replies=[fakes.Reply(["a"])])
     app, _ = build_app(engine, settings=settings)
     async with app.run_test(size=SIZE) as pilot:
         screen = await _ready(pilot)
-        assert not screen.info.reads_reasoning_effort
+        assert not screen.info.reads_reasoning_effort and not screen.info.thinking_switch
         await _send(pilot, "one")
         await fakes.wait_for(pilot, lambda: _done(screen))
         assert engine.sends[0].template_kwargs == {}
         await pilot.press("f3")
         await pilot.pause()
-        assert not app.screen.query("#param-reasoning_effort")
+        assert not app.screen.query(select_id)
         await pilot.click("#save")
         await pilot.pause()
-        assert app.settings.reasoning_effort == "high"  # kept for the models that read it
-
-
-async def test_thinking_switch_is_not_offered_or_sent_to_a_template_without_it(build_app, fakes, app_env):
-    settings = Settings(path=app_env / "settings.toml", thinking=False)
-    engine = fakes.Engine(replies=[fakes.Reply(["a"])])
-    app, _ = build_app(engine, settings=settings)
-    async with app.run_test(size=SIZE) as pilot:
-        screen = await _ready(pilot)
-        assert not screen.info.thinking_switch
-        await _send(pilot, "one")
-        await fakes.wait_for(pilot, lambda: _done(screen))
-        assert engine.sends[0].template_kwargs == {}
-        await pilot.press("f3")
-        await pilot.pause()
-        assert not app.screen.query("#param-thinking")
-        await pilot.click("#save")
-        await pilot.pause()
-        assert app.settings.thinking is False  # kept for the models that have the switch
+        assert getattr(app.settings, field) == saved  # kept for the models that read it

@@ -10,14 +10,6 @@ from moechat.engine.models import base
 from moechat.engine.quant import native
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = native.library()
-    if lib is None:
-        pytest.skip(native.status())
-    return lib
-
-
 def _torch(x, weight, eps, fp32_weight=False):
     xf = x.float()
     t = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -10,14 +10,6 @@ from moechat.engine.layers import experts
 from moechat.engine.quant import native
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = native.library()
-    if lib is None:
-        pytest.skip(native.status())
-    return lib
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("P", "H", "rows"), [(1, 64, 1), (7, 96, 16), (1024, 2048, 1024), (37, 2880, 40)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
