@@ -1,7 +1,7 @@
 """Mamba-2 (the SSM layers of Nemotron-H / Nemotron-3): a selective state space with a [P, N] state per head.
 
 Per token t and head h (head dim P, state N, B/C shared by the heads of a group):
-dt = clamp(softplus(dt_raw + dt_bias), time_step_min);  S <- exp(dt A) S + dt x_t B_t^T;  y_t = S C_t + D x_t,
+dt = clamp(softplus(dt_raw + dt_bias), *time_step_limit);  S <- exp(dt A) S + dt x_t B_t^T;  y_t = S C_t + D x_t,
 after a depthwise causal conv1d (kernel 4, with bias) and SiLU over [x | B | C]. Nemotron-3-Nano-30B-A3B: 64 heads
 x 64 x 128 fp32 = 2 MiB per layer (+ a [6144, 3] conv window), 46 MiB for its 23 Mamba layers at any context.
 
@@ -29,9 +29,11 @@ from . import gated_deltanet as gd
 CHUNK = 64
 
 
-def discretize(dt_raw: torch.Tensor, dt_bias: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
-    """dt_raw [T, H] -> the time step [T, H] fp32."""
-    return F.softplus(dt_raw.float() + dt_bias.float()).clamp(min=floor)
+def discretize(dt_raw: torch.Tensor, dt_bias: torch.Tensor, floor: float = 0.0,
+               ceil: float = float("inf")) -> torch.Tensor:
+    """dt_raw [T, H] -> the time step [T, H] fp32, clamped to [floor, ceil]."""
+    dt = F.softplus(dt_raw.float() + dt_bias.float())
+    return dt.clamp(min=floor) if ceil == float("inf") else dt.clamp(min=floor, max=ceil)
 
 
 def _heads(B: torch.Tensor, H: int) -> torch.Tensor:

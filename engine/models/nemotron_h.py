@@ -78,7 +78,10 @@ class NemotronHArgs(BaseModelArgs):
     use_conv_bias: bool = True
     use_bias: bool = False
     mamba_hidden_act: str = "silu"
-    time_step_min: float = 0.001
+    time_step_min: float = 0.001  # the dt initialisation's range (training only)
+    # dt = clamp(softplus(dt_raw + dt_bias), *time_step_limit), as transformers >= 5.25 reads it (5.24 and older
+    # clamped at time_step_min); the Hub's config has no such key: [0, inf), no clamp. hi may be Infinity (json)
+    time_step_limit: list | None = None
     residual_in_fp32: bool = False
     num_nextn_predict_layers: int = 0  # MTP layers (`mtp.*`): in some checkpoints, never loaded
 
@@ -114,6 +117,13 @@ class NemotronHArgs(BaseModelArgs):
                                         "yet; moechat runs nemotron_h models whose experts take the hidden state")
         if self.residual_in_fp32:
             raise UnsupportedModelError("config.json: residual_in_fp32 true is not supported yet (nemotron_h)")
+        limit = self.time_step_limit if self.time_step_limit is not None else (0.0, float("inf"))
+        if (not isinstance(limit, (list, tuple)) or len(limit) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit)
+                or not 0 <= limit[0] < limit[1] or limit[0] == float("inf")):
+            raise ConfigError(f"config.json: time_step_limit = {self.time_step_limit!r} is not allowed: two numbers "
+                              "[lo, hi] with 0 <= lo < hi (hi may be Infinity)", key="time_step_limit")
+        self.time_step_limit = (float(limit[0]), float(limit[1]))
         if self.mamba_num_heads % self.n_groups:
             raise ConfigError(f"config.json: mamba_num_heads {self.mamba_num_heads} is not a multiple of n_groups "
                               f"{self.n_groups}", key="n_groups")
@@ -195,9 +205,9 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedGroupNorm(self.inner)
         self.out_proj = nn.Linear(self.inner, H, bias=args.use_bias)
         self.eps = args.rms_norm_eps
-        # transformers' time_step_limit = (time_step_min, inf), applied by its chunked scan; its one-token step skips
-        # it, so a step there differs only where softplus(dt) < time_step_min: here every token is clamped alike
-        self.floor = args.time_step_min
+        # time_step_limit, which transformers applies in its chunked scan and its one-token step skips (the same
+        # with the default [0, inf): softplus is never below 0): here every token is clamped alike
+        self.floor, self.ceil = args.time_step_limit
 
     def finalize(self) -> None:
         self.in_t = _in_out(self.in_proj.weight.detach())  # [H, Im + C + nH]
@@ -233,7 +243,7 @@ class Mamba2Mixer(nn.Module):
         conv = gd.causal_conv1d_reference if self.reference else gd.causal_conv1d
         xbc = conv(xbc, self.conv_w, state["conv"], self.conv_b)  # [T, C], silu(conv) as transformers
         xs, B, C = xbc.split([self.inner, self.G * self.N, self.G * self.N], dim=-1)
-        dt = mamba2.discretize(dt_raw, self.dt, self.floor)  # [T, nH] fp32
+        dt = mamba2.discretize(dt_raw, self.dt, self.floor, self.ceil)  # [T, nH] fp32
         scan = mamba2.ssd_reference if self.reference else mamba2.ssd
         y = scan(xs.reshape(T, self.nH, self.P), dt, self.A, B.reshape(T, self.G, self.N),
                  C.reshape(T, self.G, self.N), self.Dskip, state["ssm"])  # [T, nH, P] fp32

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moechat.engine.cache.provider import CacheConfig
-from moechat.engine.errors import CheckpointError
+from moechat.engine.errors import CheckpointError, ConfigError
 from moechat.engine.layers import experts
 from moechat.engine.layers.moe import RELU2, SWIGLU, ExpertBatch, moe_reference
 from moechat.engine.quant.registry import get_format
@@ -95,6 +95,32 @@ def test_logits_match_transformers_prefill_and_decode(tiny):
             err = (logits - theirs).abs().max().item()
             assert err < 1e-4, f"decode step {step}: {err:.2e}"
             logits = engine._forward(seq, [int(logits.argmax())])
+
+
+def test_a_time_step_limit_in_the_config_clamps_dt_as_transformers_prefill_does(tmp_path):
+    """time_step_limit = [lo, hi] in config.json clamps every token's dt: transformers' chunked scan (a prompt) applies
+    it too, so prefill logits agree; without the clamp they would not (the limit is set inside dt's range here)."""
+    import transformers
+
+    path = tmp_path / "limited"
+    ref = build(path, seed=3, time_step_limit=(0.5, 1.5))
+    raw = json.loads((path / "config.json").read_text())
+    raw["time_step_limit"] = [0.5, 1.5]
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    ids = _prompt(9, seed=9)
+    engine = Engine.load(path, dtype="float32")
+    with torch.inference_mode():
+        ours = engine._forward(engine.new_sequence(), ids)
+        theirs = ref(torch.tensor([ids])).logits[0, -1]
+        unclamped = transformers.AutoModelForCausalLM.from_pretrained(path, time_step_limit=(0.0, float("inf")))
+        loose = unclamped.eval()(torch.tensor([ids])).logits[0, -1]
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert (ours - loose).abs().max().item() > 1e-3  # the clamp changed something
+    for bad in ([1.0], [0.2, 0.1], ["a", 1.0], -1):
+        raw["time_step_limit"] = bad
+        (path / "config.json").write_text(json.dumps(raw, indent=2))
+        with pytest.raises(ConfigError, match="time_step_limit"):
+            Engine.load(path, dtype="float32")
 
 
 def test_greedy_tokens_match_transformers_generate(tiny):

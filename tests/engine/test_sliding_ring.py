@@ -64,12 +64,14 @@ def test_the_ring_gives_the_whole_context_logits(name, chunk, gpt_oss, tiny_mode
         seq, whole = engine.new_sequence(), _whole_context(engine)
         assert any(seq.kv.ring) and not any(whole.kv.ring)
         ours, before = engine._forward(seq, ids), engine._forward(whole, ids)
-        assert (ours - before).abs().max().item() < 1e-5
+        # fp32 sums over the ring's slots against the whole context's, in another order: 1.2e-5 seen on a Zen 2
+        # (AVX2) core for logits of ~2; a wrong position or a stale slot is off by far more
+        assert (ours - before).abs().max().item() < 5e-5
         assert (ours - _reference_logits(ref, ids)).abs().max().item() < 1e-4
         for step in range(9):  # decode on past the window's wrap
             token = [int(ours.argmax())]
             ours, before = engine._forward(seq, token), engine._forward(whole, token)
-            assert (ours - before).abs().max().item() < 1e-5, step
+            assert (ours - before).abs().max().item() < 5e-5, step
         assert (ours - _reference_logits(ref, seq.tokens)).abs().max().item() < 1e-4
 
 

@@ -20,7 +20,8 @@ NESTED = ("{% for i in range(100000) %}{% for j in range(100000) %}{% for k in r
 HOSTILE = {
     "repeat": ("{{ 'x' * 10**9 }}", "a repeated string would be 1,000,000,000 characters"),
     "list repeat": ("{{ ([1] * 100000) * 100000 }}", "a repeated list would hold 10,000,000,000 items"),
-    "nested loops": (NESTED, "template lines without finishing"),
+    # the line cap (2M lines, ~7 s on a Zen 2 core), or the 10 s deadline first on a busy machine: either stops it
+    "nested loops": (NESTED, ("template lines without finishing", "ran for more than 10 s")),
     "doubling +": ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
                    "a concatenation would be"),
     "doubling ~": ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
@@ -46,8 +47,9 @@ def test_hostile_templates_fail_fast_with_a_typed_error(name):
     t0 = time.monotonic()
     with pytest.raises(ChatTemplateError, match="was stopped") as e:
         ChatTemplate(source).render(HI, max_chars=4_000_000)
-    assert message in str(e.value) and "\n" not in str(e.value)
-    assert time.monotonic() - t0 < 30  # in practice well under 3 s; generous for a loaded CI machine
+    messages = (message,) if isinstance(message, str) else message
+    assert any(m in str(e.value) for m in messages) and "\n" not in str(e.value)
+    assert time.monotonic() - t0 < 30  # under 3 s for most, ~7 s for the nested loops on a Zen 2 core; generous
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 1600  # never the gigabytes the unbounded render takes
 
@@ -188,7 +190,8 @@ def test_a_filter_or_operator_is_refused_before_it_builds(name):
     t0 = time.monotonic()
     with pytest.raises(ChatTemplateError, match="was stopped") as e:
         ChatTemplate(source).render(HI)
-    assert message in str(e.value) and "\n" not in str(e.value)
+    messages = (message,) if isinstance(message, str) else message
+    assert any(m in str(e.value) for m in messages) and "\n" not in str(e.value)
     assert time.monotonic() - t0 < 2
 
 

@@ -118,7 +118,9 @@ def test_interpreted_kernel_decodes_exactly_and_stays_within_the_bound(interpret
     for case, (exact, excess) in cases.items():
         assert exact == 1, case  # the in-register decode is dequantize, bit for bit
         assert excess <= 1.0, case  # within cols 2^-24 sum |x w|
-        assert excess < 0.01, case  # and far inside it (a wrong block or row would be far outside)
+        # and far inside it: a wrong block or row lands far outside (>> 1), while fp32 sums in any order stay within a
+        # few hundredths (Q4_K's 37 x 256 case with a bf16 x: 0.012 under Triton 3.9's interpreter)
+        assert excess < 0.05, case
 
 
 @pytest.mark.slow
