@@ -76,3 +76,48 @@ def test_a_bf16_model_decodes_through_it_and_stays_close_to_torch(lib, tiny_mode
     native.reset()
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3
+
+
+@pytest.fixture(scope="module")
+def pair_builds(tmp_path_factory):
+    """native.c built for AVX2 (x86-64-v3) with the two-row loop on and off (BF16_PAIRS), and for scalar C."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    if "avx2" not in native._cpu_flags().split():
+        pytest.skip("an AVX2 build does not run on this CPU")
+    d = tmp_path_factory.mktemp("bf16_builds")
+    out = {}
+    for name, flags in (("pairs", ["-march=x86-64-v3", "-DBF16_PAIRS=1"]),
+                        ("rows", ["-march=x86-64-v3", "-DBF16_PAIRS=0"]), ("scalar", ["-DMOECHAT_SCALAR"])):
+        so = d / f"{name}.so"
+        subprocess.run([cc, "-O2", *flags, "-shared", "-fPIC", "-fno-math-errno", "-o", str(so), str(native.SOURCE),
+                        "-lm", "-lpthread"], check=True, capture_output=True, timeout=120)
+        fn = ctypes.CDLL(str(so)).moechat_bf16_gemv
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        out[name] = fn
+    return out
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 64), (2, 40), (3, 2048), (97, 7), (98, 96), (4099, 512)])
+def test_two_rows_a_step_write_each_rows_bits(pair_builds, rows, cols):
+    """The two-row loop keeps each row's one-row sums (the same four accumulators over the same elements), so it
+    writes the one-row loop's bits at odd and even row counts, with and without a tail of columns; the scalar build
+    sums in another order and stays within fp32 rounding of both."""
+    g = torch.Generator().manual_seed(rows * 7 + cols)
+    w = torch.randn(rows, cols, generator=g).to(torch.bfloat16)  # [out, in]
+    x = torch.randn(1, cols, generator=g).to(torch.bfloat16)
+    got = {}
+    for name, fn in pair_builds.items():
+        y = torch.empty(1, rows)
+        assert fn(x.data_ptr(), 1, w.data_ptr(), rows, cols, y.data_ptr()) == 0
+        got[name] = y
+    assert torch.equal(got["pairs"], got["rows"])
+    want = x.float() @ w.float().T
+    bound = 1e-5 * (x.float().abs() @ w.float().abs().T) + 1e-7
+    assert ((got["pairs"] - want).abs() <= bound).all() and ((got["scalar"] - want).abs() <= bound).all()
