@@ -59,8 +59,14 @@ def split_addmm(x: torch.Tensor, w_t: torch.Tensor, add: torch.Tensor | None = N
     CPU x of many tokens, computed as two GEMMs over the two halves of the output columns, side by side on two
     threads where native.c's pool has two and torch's ops run on one (plan/hardware/cores.py: up to 2 compute
     threads torch is kept to one thread, and a prompt's attention projections then ran on one core of two).
-    The halves are the same at any thread count, so the bits do not depend on it; other shapes take one GEMM."""
+    The halves are the same at any thread count, so the bits do not depend on it; other shapes take one GEMM.
+    Where torch has no fast bf16 GEMM (an AVX2-only CPU: prefill.slow_torch_bf16), a bf16 x of several tokens goes
+    through native_prefill_bf16.c's fp32 tiles instead (rows over native.c's pool, the same bits at any count), the
+    addend added to the fp32 sums and rounded once, as addmm does."""
     T, cols = x.shape[0], w_t.shape[1]
+    if T > 1 and x.dtype == torch.bfloat16 and x.dim() == 2 and prefill.slow_torch_bf16() \
+            and prefill.bf16_path(x, w := w_t.t(), lib := native.decode_library()):
+        return prefill.finish(prefill.bf16(lib, x, w), x.dtype, add)
     if not (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and T >= SPLIT_MIN_TOKENS
             and cols >= SPLIT_MIN_COLUMNS) or os.environ.get(SPLIT_ENV) == "0":
         return x @ w_t if add is None else torch.addmm(add, x, w_t)

@@ -242,8 +242,8 @@ def _isa_parts(lib) -> list[str]:
     if i16 is not None and (name := _I16_ISA.get(i16())):
         parts.append(name)
     bf16 = getattr(lib, "moechat_prefill_bf16_isa", None)
-    if bf16 is not None and bf16():
-        parts.append("bf16 prefill in AVX-512 BF16")
+    if bf16 is not None and (isa := bf16()):
+        parts.append("bf16 prefill in AVX-512 BF16" if isa == 1 else "bf16 prefill in fp32 FMA tiles")
     return parts
 
 

@@ -14,9 +14,15 @@
  * (below 2^-126) as zero and flushes subnormal results, which the bound's smallest-normal term covers. The order is
  * a function of (t, r) alone, so the same bits at any thread count, any token batching and any row split.
  *
- * Only where the compiler targets AVX-512 BF16 (Zen 4 and later, Intel Cooper Lake / Sapphire Rapids and later:
- * native.py builds with -march=native); elsewhere moechat_prefill_bf16_isa() says 0 and quant/prefill.py keeps
- * torch's GEMM. */
+ * Where the compiler targets AVX-512 BF16 (Zen 4 and later, Intel Cooper Lake / Sapphire Rapids and later: native.py
+ * builds with -march=native) that kernel; else, where it targets AVX2 + FMA, the same products in fp32 FMAs
+ * (`ftile`): x widened to fp32 once per call (exact), each weight widened in registers by a shift (exact), BR = 4
+ * rows x FT = 3 tokens = 12 ymm accumulators, the x operands straight from memory; lane i adds elements 8j + i in
+ * order, one rounding a step, then a fixed tree over the 8 lanes: within the same `bound`, the same bits at any thread
+ * count and row split. It is there for CPUs whose torch has no fast bf16 GEMM: torch 2.13 on an AVX2-only CPU multiplies
+ * bf16 through `bf16_dot_with_fp32_arith`, 63% of a 128-token Qwen3-30B-A3B-shaped prefill on a Zen 2 core
+ * (bench/prefill_bf16_avx2 figures: docs/benchmarks.md). moechat_prefill_bf16_isa(): 1 AVX-512 BF16, 2 the fp32
+ * tiles, 0 none (quant/prefill.py then keeps torch's GEMM). */
 
 #include <stdint.h>
 
@@ -94,8 +100,77 @@ static int bshare(void *ctx, int64_t a, int64_t b) { /* rows [a, b) */
 }
 #endif
 
+#if !BF_ISA && defined(__AVX2__) && defined(__FMA__) && !defined(MOECHAT_SCALAR)
+#define BF_F32 1
+#include <immintrin.h>
+#include <stdlib.h>
+#define FR 4 /* rows a tile */
+#define FT 3 /* tokens a tile: 12 accumulators + 4 widened weights of 16 ymm registers, x from memory */
+#ifndef FF_AHEAD
+#define FF_AHEAD 1 /* prefetch the next tile's rows while the first token tile streams these in */
+#endif
+
+typedef struct {
+    const float *x; /* [T, cols] fp32: x widened once */
+    const uint16_t *w;
+    int64_t T, rows, cols, ldy;
+    float *y;
+} FJob;
+
+static inline __attribute__((always_inline)) __m256 fw8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __attribute__((always_inline)) float fsum8(__m256 v) { /* a fixed tree over the 8 lanes */
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+static inline __attribute__((always_inline)) void ftile(const FJob *J, int64_t r0, int nr, int64_t t0, const int NT) {
+    const int64_t cols = J->cols;
+    const uint16_t *wr[FR];
+    for (int i = 0; i < FR; i++) wr[i] = J->w + (r0 + (i < nr ? i : 0)) * cols;  /* a short tile repeats a row */
+    const float *xr[FT];
+    for (int t = 0; t < NT; t++) xr[t] = J->x + (t0 + t) * cols;
+    __m256 acc[FR][FT];
+    for (int i = 0; i < FR; i++)
+        for (int t = 0; t < NT; t++) acc[i][t] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < cols; k += 8) {
+        if (FF_AHEAD && t0 == 0 && (k & 31) == 0)  /* one line in 64 bytes of each row */
+            for (int i = 0; i < FR; i++) _mm_prefetch((const char *)(wr[i] + k) + 2 * FR * cols, _MM_HINT_T1);
+        __m256 wv[FR];
+        for (int i = 0; i < FR; i++) wv[i] = fw8(wr[i] + k);
+        for (int t = 0; t < NT; t++) {
+            __m256 xv = _mm256_loadu_ps(xr[t] + k);
+            for (int i = 0; i < FR; i++) acc[i][t] = _mm256_fmadd_ps(wv[i], xv, acc[i][t]);
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int i = 0; i < nr; i++) J->y[(t0 + t) * J->ldy + r0 + i] = fsum8(acc[i][t]);
+}
+
+static int fshare(void *ctx, int64_t a, int64_t b) { /* rows [a, b) */
+    const FJob *J = ctx;
+    for (int64_t r0 = a; r0 < b; r0 += FR) {
+        int nr = (int)(b - r0 < FR ? b - r0 : FR);
+        for (int64_t t0 = 0; t0 < J->T; t0 += FT) {
+            int nt = (int)(J->T - t0 < FT ? J->T - t0 : FT);
+            switch (nt) { /* a constant token count per instance: the accumulators stay in registers */
+                case 1: ftile(J, r0, nr, t0, 1); break;
+                case 2: ftile(J, r0, nr, t0, 2); break;
+                default: ftile(J, r0, nr, t0, FT); break;
+            }
+        }
+    }
+    return 0;
+}
+#else
+#define BF_F32 0
+#endif
+
 /* x [T, cols] bf16, w [rows, cols] bf16 (both contiguous, cols a multiple of 32) -> y [T, ldy] fp32. 0; -1 for a
- * shape it does not take or a build without AVX-512 BF16. */
+ * shape it does not take or a build with neither kernel. */
 int moechat_prefill_bf16(const uint16_t *x, int64_t T, const uint16_t *w, int64_t rows, int64_t cols, float *y,
                          int64_t ldy) {
 #if BF_ISA
@@ -104,11 +179,23 @@ int moechat_prefill_bf16(const uint16_t *x, int64_t T, const uint16_t *w, int64_
     BJob J = {.x = x, .w = w, .T = T, .rows = rows, .cols = cols, .ldy = ldy, .y = y};
     /* the pool's "bytes": the weights once per 6 tokens, at the fp32 tile kernel's rate per multiply-add x 2 */
     return moechat_parallel_for(bshare, &J, rows, BR, rows * cols / 8 * T);
+#elif BF_F32
+    if (T < 0 || rows < 0 || cols <= 0 || cols % 32 || ldy < rows) return -1;
+    if (T == 0 || rows == 0) return 0;
+    float *xf = malloc(sizeof(float) * (size_t)(T * cols));
+    if (!xf) return -2;
+    for (int64_t i = 0; i < T * cols; i += 8)  /* bf16 -> fp32: the bits moved up, exact */
+        _mm256_storeu_ps(xf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                     _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i))), 16)));
+    FJob J = {.x = xf, .w = w, .T = T, .rows = rows, .cols = cols, .ldy = ldy, .y = y};
+    int rc = moechat_parallel_for(fshare, &J, rows, FR, rows * cols / 8 * T);
+    free(xf);
+    return rc;
 #else
     (void)x, (void)T, (void)w, (void)rows, (void)cols, (void)y, (void)ldy;
     return -1;
 #endif
 }
 
-/* 1 where this build has the kernel (AVX-512 BF16), else 0 */
-int moechat_prefill_bf16_isa(void) { return BF_ISA; }
+/* 1 where this build has the AVX-512 BF16 kernel, 2 the fp32 tiles (AVX2 + FMA), else 0 */
+int moechat_prefill_bf16_isa(void) { return BF_ISA ? 1 : BF_F32 ? 2 : 0; }

@@ -40,7 +40,9 @@ a bf16 x to the decoded-tile kernel (the A/B).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -214,17 +216,30 @@ def int8_integer(x: torch.Tensor, q: torch.Tensor, lib) -> bool:
 
 
 def has_bf16(lib) -> bool:
-    """Whether `lib` has the bf16 many-token kernel (native_prefill_bf16.c: a build targeting AVX-512 BF16)."""
+    """Whether bf16 many-token products take native_prefill_bf16.c: its AVX-512 BF16 kernel, or its fp32 tiles where
+    torch has no fast bf16 GEMM (`slow_torch_bf16`: torch's fallback runs a 128-token prompt's bf16 GEMMs several times
+    slower than these tiles on a Zen 2 core; where oneDNN takes bf16 (AVX-512 BW) torch's GEMM is kept, unmeasured)."""
     if lib is None or not hasattr(lib, "moechat_prefill_bf16_isa"):
         return False
     if not getattr(lib, _TYPED, False):
         _type(lib)
-    return bool(lib.moechat_prefill_bf16_isa())
+    isa = lib.moechat_prefill_bf16_isa()
+    return isa == 1 or (isa == 2 and slow_torch_bf16())
+
+
+@functools.cache
+def slow_torch_bf16() -> bool:
+    """torch multiplies bf16 through its scalar-ish fallback here: oneDNN's bf16 matmul needs AVX-512 BW/VL/DQ (or
+    AMX / AVX-512 BF16), which this CPU lacks (an AVX2-only x86 CPU: Zen 1-3, Intel client cores to date)."""
+    from . import native
+
+    flags = set(native._cpu_flags().split())
+    return platform.machine().lower() in ("x86_64", "amd64") and not {"avx512bw", "avx512vl", "avx512dq"} <= flags
 
 
 def bf16_path(x: torch.Tensor, w: torch.Tensor, lib) -> bool:
     """Whether x [T, in] @ w^T takes the bf16 kernel: more than one bf16 token on the CPU, a contiguous bf16 w whose
-    input is a multiple of 32, the kernels on (`available`) and built with AVX-512 BF16."""
+    input is a multiple of 32, the kernels on (`available`) and the bf16 kernel in use (`has_bf16`)."""
     return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 1
             and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous() and w.shape[1] % 32 == 0
             and x.shape[1] == w.shape[1] and available(lib) and has_bf16(lib))

@@ -2,7 +2,9 @@
 fp64 at odd shapes (rows not a multiple of its 4-row tile, token counts around its 6-token tile), the same bits at
 1, 2, 3 threads and in any batch, NaN and infinity carried, the dispatch (bf16 experts' few-token products in a CPU
 prefill take it, one token the bf16 GEMV, MOECHAT_PREFILL_KERNEL=0 torch's GEMM) and an engine's bf16 prefill the
-same tokens through it as through torch's GEMM. Skips where this CPU build has no AVX-512 BF16."""
+same tokens through it as through torch's GEMM. Those skip where this machine takes neither of its kernels (AVX-512
+BF16; the fp32 tiles where torch has no fast bf16 GEMM); the fp32 tiles are also built for AVX2 and checked on any
+x86-64 CPU that runs AVX2, and a prompt's attention projections take them where torch's bf16 GEMM is slow."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 @pytest.fixture(scope="module")
 def bf16_lib(lib):
     if not prefill.has_bf16(lib):
-        pytest.skip("this CPU build has no AVX-512 BF16: torch's GEMM runs")
+        pytest.skip("this machine takes neither bf16 kernel (AVX-512 BF16; the fp32 tiles where torch's bf16 GEMM is "
+                    "slow): torch's GEMM runs")
     return lib
 
 
@@ -131,4 +134,77 @@ def test_a_bf16_engine_prefills_the_same_tokens_through_it(tiny_models, monkeypa
     monkeypatch.setenv(prefill.ENV, "0")
     calls.clear()
     assert run() == with_kernel
+    assert not calls
+
+
+_SERIAL_POOL = """#include <stdint.h>
+int moechat_parallel_for(int (*fn)(void *, int64_t, int64_t), void *ctx, int64_t units, int64_t align,
+                         int64_t bytes) { (void)align; (void)bytes; int64_t h = units / 2 / 4 * 4;
+                         int rc = fn(ctx, h, units); return rc ? rc : fn(ctx, 0, h); }
+"""
+
+
+@pytest.fixture(scope="module")
+def avx2_tiles(tmp_path_factory):
+    """native_prefill_bf16.c built for AVX2 (x86-64-v3: its fp32 tiles, whatever this CPU's own build takes), beside a
+    pool that runs a call's rows as two shares, the second half first."""
+    import ctypes
+    import subprocess
+
+    if "avx2" not in native._cpu_flags().split() or "fma" not in native._cpu_flags().split():
+        pytest.skip("an AVX2 build does not run on this CPU")
+    d = tmp_path_factory.mktemp("bf16_tiles")
+    (d / "pool.c").write_text(_SERIAL_POOL)
+    so = d / "tiles.so"
+    subprocess.run(["cc", "-O2", "-march=x86-64-v3", "-shared", "-fPIC", "-fno-math-errno", "-o", str(so),
+                    str(native.SOURCE.with_name("native_prefill_bf16.c")), str(d / "pool.c")], check=True,
+                   capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(so))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.moechat_prefill_bf16.argtypes = [p, i64, p, i64, i64, p, i64]
+    lib.moechat_prefill_bf16.restype = ctypes.c_int
+    assert lib.moechat_prefill_bf16_isa() == 2
+    return lib
+
+
+def _tiles(lib, x, w):
+    y = torch.full((x.shape[0], w.shape[0]), float("nan"))
+    assert lib.moechat_prefill_bf16(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], w.shape[1], y.data_ptr(),
+                                    y.stride(0)) == 0
+    return y
+
+
+@pytest.mark.parametrize("T", [2, 3, 4, 7, 16])
+@pytest.mark.parametrize("rows,cols", [(37, 64), (4, 32), (3, 96), (130, 2048)])
+def test_the_fp32_tiles_are_within_the_bound_and_batch_free(avx2_tiles, T, rows, cols):
+    """The AVX2 tiles (4 rows x 3 tokens): within `bound` of the fp64 product at rows and tokens off the tile, every
+    output written, and each token's row the same bits alone as in the batch (the order is a function of (t, r))."""
+    x, w = _xw(T, rows, cols, T * rows + cols + 1)
+    got = _tiles(avx2_tiles, x, w)
+    err = (got.double() - F.linear(x.double(), w.double())).abs()
+    assert (err <= prefill.bound(x, w).double()).all()
+    for t in (0, T - 1):
+        assert torch.equal(_tiles(avx2_tiles, x[t : t + 1], w)[0], got[t])
+    assert avx2_tiles.moechat_prefill_bf16(x.data_ptr(), T, w.data_ptr(), rows, 33, got.data_ptr(), rows) == -1
+
+
+def test_a_prompts_attention_projection_takes_the_tiles_where_torchs_bf16_gemm_is_slow(lib, monkeypatch):
+    """quant/cpu.py split_addmm: with prefill.slow_torch_bf16() the bf16 x of a prompt goes through the kernel, the
+    bias or residual added to the fp32 sums and rounded once; otherwise torch's addmm (the split halves)."""
+    from moechat.engine.quant import cpu
+
+    if lib.moechat_prefill_bf16_isa() == 0:
+        pytest.skip("this build has no bf16 kernel")
+    x, w = _xw(20, 1024, 64, 9)
+    w_t = w.t()  # [in, out], a view, as the attention keeps it
+    residual = torch.randn(20, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    calls = []
+    real = prefill.bf16
+    monkeypatch.setattr(prefill, "bf16", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(prefill, "slow_torch_bf16", lambda: True)
+    got = cpu.split_addmm(x, w_t, residual)
+    assert calls and torch.equal(got, (real(lib, x, w) + residual.float()).to(torch.bfloat16))
+    calls.clear()
+    monkeypatch.setattr(prefill, "slow_torch_bf16", lambda: False)
+    cpu.split_addmm(x, w_t, residual)
     assert not calls
