@@ -912,8 +912,9 @@ static inline __m256 bf16_w8(const uint16_t *p) {
 }
 #endif
 
-/* Two rows a step where measured faster (BF16_PAIRS: AVX2 builds without AVX-512; a Zen 2 core, C harness, [201088,
- * 2880], one thread, its other core busy: 16.3 vs 14.6 GB/s against a 16.8 GB/s read probe): each x load serves both
+/* Two rows a step where measured faster (BF16_PAIRS: AVX2 builds without AVX-512; a Zen 2 core, [201088, 2880]:
+ * 15.4 vs 13.6 GB/s on one thread, 28.6 vs 25.0 on two; bench/bf16_cpu.py; not measured on an AVX-512 core, which
+ * keeps one row a step): each x load serves both
  * rows and both rows' next bytes are prefetched, and each row keeps the one-row loop's four accumulators over the same
  * elements in the same order, so every row's bits are the one-row loop's (any split of rows, any thread count). */
 #ifndef BF16_PAIRS

@@ -21,7 +21,7 @@
  * order, one rounding a step, then a fixed tree over the 8 lanes: within the same `bound`, the same bits at any thread
  * count and row split. It is there for CPUs whose torch has no fast bf16 GEMM: torch 2.13 on an AVX2-only CPU multiplies
  * bf16 through `bf16_dot_with_fp32_arith`, 63% of a 128-token Qwen3-30B-A3B-shaped prefill on a Zen 2 core
- * (bench/prefill_bf16_avx2 figures: docs/benchmarks.md). moechat_prefill_bf16_isa(): 1 AVX-512 BF16, 2 the fp32
+ * (bench/bf16_cpu.py; figures in docs/benchmarks.md). moechat_prefill_bf16_isa(): 1 AVX-512 BF16, 2 the fp32
  * tiles, 0 none (quant/prefill.py then keeps torch's GEMM). */
 
 #include <stdint.h>

@@ -11,8 +11,6 @@ wrong slot shows; a case with `pairs` points the left-out pairs at real slots, s
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +18,11 @@ import torch
 
 from moechat.engine.layers.moe import ExpertActivation, moe_reference
 from moechat.engine.quant import mxfp4
+
+try:
+    from tests.engine.quant import interpreter
+except ImportError:  # run as a script (the interpreter's cases): this folder is on sys.path
+    import interpreter
 
 # T = tokens, K = top-k, E = experts, C = slots, H = hidden, I = intermediate
 
@@ -220,15 +223,16 @@ def _packed_twins_error() -> float:
 def _interpreted_main() -> None:
     """Run as a script under TRITON_INTERPRET=1: one line per case, its name and its error's `excess`."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for case in INTERPRETED:
+    for case in interpreter.shard(INTERPRETED):
         got, want = run_case(case)
         print(case.name, excess(case, got, want), flush=True)
-    for case in MOVED:
+    for case in interpreter.shard(MOVED):
         got, _ = run_case(case)
         moved, _ = run_case(case, moved=1)
         print(f"moved-{case.name}", float(not torch.equal(got, moved)), flush=True)
-    print("e2m1-as-e4m3", _e2m1_as_e4m3_error(), flush=True)
-    print("packed-twins", _packed_twins_error(), flush=True)
+    if interpreter.first_shard():
+        print("e2m1-as-e4m3", _e2m1_as_e4m3_error(), flush=True)
+        print("packed-twins", _packed_twins_error(), flush=True)
 
 
 if __name__ == "__main__":
@@ -264,11 +268,8 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, float]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
     errors = {}
-    for line in result.stdout.splitlines():
+    for line in interpreter.run(__file__, timeout=900):
         name, err = line.split()
         errors[name] = float(err)
     return errors

@@ -11,8 +11,6 @@ experts sit in shuffled slots of a pool larger than E whose other slots hold jun
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -22,6 +20,11 @@ from moechat.engine.layers.moe import ExpertActivation, ExpertBatch, moe_referen
 from moechat.engine.quant import get_format
 from moechat.engine.quant.fp8 import fp8_format, quantize_blocks
 from moechat.engine.quant.kernels import has_triton
+
+try:
+    from tests.engine.quant import interpreter
+except ImportError:  # run as a script (the interpreter's cases): this folder is on sys.path
+    import interpreter
 
 # T = tokens, K = top-k, E = experts, C = slots, H = hidden, I = intermediate
 
@@ -217,10 +220,10 @@ MOVED = [Case("int8", "swiglu", 3, "gemv", "all", True, torch.bfloat16, K=3),
 def _interpreted_main() -> None:
     """Run as a script under TRITON_INTERPRET=1: one line per case, its name and its error's `excess`."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for case in INTERPRETED:
+    for case in interpreter.shard(INTERPRETED):
         got, want = run_case(case)
         print(case.name, excess(case, got, want), flush=True)
-    for case in MOVED:
+    for case in interpreter.shard(MOVED):
         got, _ = run_case(case)
         moved, _ = run_case(case, moved=1)
         print(f"moved-{case.name}", float(not torch.equal(got, moved)), flush=True)
@@ -233,11 +236,8 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, float]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
     errors = {}
-    for line in result.stdout.splitlines():
+    for line in interpreter.run(__file__, timeout=900):
         name, err = line.split()
         errors[name] = float(err)
     return errors

@@ -11,8 +11,6 @@ tensors, in a subprocess (this file as a script) so the flag never reaches the r
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,11 @@ import torch
 from moechat.engine.cache.slots import SlotPool
 from moechat.engine.layers.moe import ExpertActivation, ExpertBatch, moe_reference
 from moechat.engine.quant import get_format, mxfp4
+
+try:
+    from tests.engine.quant import interpreter
+except ImportError:  # run as a script (the interpreter's cases): this folder is on sys.path
+    import interpreter
 
 # T = tokens, K = top-k, E = experts per layer, C = slots, H = hidden, I = intermediate
 E, C, H, I, K, LAYER = 8, 7, 64, 64, 2, 1
@@ -104,7 +107,7 @@ def _interpreted_main() -> None:
     the map output's error against the reference as a fraction of the tolerance, and its equality with the
     first placement's."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    for case in CASES:
+    for case in interpreter.shard(CASES):
         first = None
         for placement in PLACEMENTS:
             got_map, got_ids, want = run_case(case, placement)
@@ -122,10 +125,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, tuple[float, ...]]:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return {name: tuple(map(float, rest)) for name, *rest in (line.split() for line in result.stdout.splitlines())}
+    return {name: tuple(map(float, rest)) for name, *rest in (line.split() for line in interpreter.run(__file__, 600))}
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

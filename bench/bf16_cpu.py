@@ -1,0 +1,162 @@
+"""bf16 on an AVX2 CPU: the one-token GEMV (native.c, one row a step against two) and the many-token products
+(native_prefill_bf16.c's fp32 tiles against torch's bf16 GEMM), at Qwen3-30B-A3B and GPT-OSS-20B shapes, 1 and 2
+threads, interleaved, medians and spread.
+
+    python bench/bf16_cpu.py [--reps 7] [--threads 1,2] [--parts gemv,prefill]
+
+GEMV: native.c built twice from this tree for AVX2 (-march=x86-64-v3, BF16_PAIRS=0 and =1), each loaded with
+ctypes and called straight on the raw pointers; the LM heads [151936, 2048] and [201088, 2880] (one matrix, 0.6 and
+1.2 GB: read from RAM), and a read probe (numpy's sum over the same bytes as int64, one thread; two threads each
+summing a half) in the same rounds. GB/s = the matrix's bytes / the call's time. Both builds' outputs are checked bit
+for bit against each other (the pairs keep each row's sums).
+
+Prefill: the product of T bf16 tokens with a bf16 weight [R, in] as moechat's CPU prefill makes it: an expert's w13
+[1536, 2048] and w2 [2048, 768] at 8 tokens (128 prompt tokens x top-8 / 128 experts), the same at 32, and the
+attention's qkv [5120, 2048] and o [2048, 4096] at 128 tokens; the tiles through quant/prefill.py `bf16` (this
+machine's build: it says which kernel it has) against torch's `x @ w.t()` in bf16 (on an AVX2-only CPU torch 2.13
+takes its `bf16_dot_with_fp32_arith` fallback) and against the fp32 GEMM of the widened operands (MKL, the widening
+counted). Weights cycle over enough distinct matrices (96 MB) that each call reads them from RAM, as a prefill does.
+No timing is asserted anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moechat.engine.quant import native, prefill
+
+HEADS = {"qwen3 head": (151936, 2048), "gpt-oss head": (201088, 2880)}
+PRODUCTS = {"w13 T=8": (8, 1536, 2048), "w2 T=8": (8, 2048, 768), "w13 T=32": (32, 1536, 2048),
+            "qkv T=128": (128, 5120, 2048), "o T=128": (128, 2048, 4096)}
+
+
+def _build(out: Path, *flags: str) -> ctypes.CDLL:
+    cc = shutil.which("cc")
+    if cc is None:
+        raise SystemExit("no C compiler")
+    subprocess.run([cc, "-O3", "-march=x86-64-v3", *flags, "-shared", "-fPIC", "-fno-math-errno", "-o", str(out),
+                    str(native.SOURCE), "-lm", "-lpthread"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    lib.moechat_bf16_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p]
+    lib.moechat_bf16_gemv.restype = ctypes.c_int
+    lib.moechat_set_threads.argtypes = [ctypes.c_int]
+    return lib
+
+
+def _probe(a: np.ndarray, threads: int) -> float:
+    """Seconds to sum the array's bytes as int64 on `threads` threads (numpy releases the GIL)."""
+    parts = np.array_split(a, threads)
+    t0 = time.perf_counter()
+    if threads == 1:
+        parts[0].sum()
+    else:
+        ts = [threading.Thread(target=p.sum) for p in parts]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    return time.perf_counter() - t0
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):6.1f} ({min(xs):.1f}-{max(xs):.1f})"
+
+
+def gemv(reps: int, threads: list[int]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        builds = {"one row": _build(Path(d) / "rows.so", "-DBF16_PAIRS=0"),
+                  "two rows": _build(Path(d) / "pairs.so", "-DBF16_PAIRS=1")}
+        print(f"\nbf16 GEMV, one token (native.c for AVX2), GB/s median (min-max) over {reps} interleaved rounds")
+        print("| matrix | threads | read probe | one row | two rows | two / one |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, (rows, cols) in HEADS.items():
+            g = torch.Generator().manual_seed(rows)
+            w = (torch.randn(rows, cols, generator=g) * 0.02).bfloat16()
+            x = torch.randn(1, cols, generator=g).bfloat16()
+            nbytes = w.numel() * 2
+            flat = w.view(torch.int16).numpy().reshape(-1).view(np.int64)
+            outs = {}
+            for T in threads:
+                res = {k: [] for k in ("probe", *builds)}
+                for _ in range(reps):
+                    res["probe"].append(nbytes / _probe(flat, T) / 1e9)
+                    for k, lib in builds.items():
+                        lib.moechat_set_threads(T)
+                        y = torch.empty(1, rows)
+                        t0 = time.perf_counter()
+                        rc = lib.moechat_bf16_gemv(x.data_ptr(), 1, w.data_ptr(), rows, cols, y.data_ptr())
+                        res[k].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                        assert rc == 0
+                        outs[k] = y
+                assert torch.equal(outs["one row"], outs["two rows"]), "the builds' bits differ"
+                ratio = statistics.median(res["two rows"]) / statistics.median(res["one row"])
+                print(f"| {name} [{rows}, {cols}] | {T} | {_med(res['probe'])} | {_med(res['one row'])} | "
+                      f"{_med(res['two rows'])} | {ratio:.2f}x |", flush=True)
+
+
+def products(reps: int, threads: list[int]) -> None:
+    lib = native.decode_library()
+    if lib is None or not prefill.has_bf16(lib):
+        print(f"\nprefill: this machine takes no bf16 kernel ({native.status()}); skipped")
+        return
+    kind = {1: "AVX-512 BF16", 2: "fp32 FMA tiles"}[lib.moechat_prefill_bf16_isa()]
+    print(f"\nbf16 products of a prefill, ms median (min-max) over {reps} interleaved rounds; the kernel: {kind}")
+    print("| product | threads | kernel | GMAC/s | torch bf16 | torch fp32 (widened) | torch bf16 / kernel |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for T in threads:
+        native.pin_threads(lib, T)
+        torch.set_num_threads(T)
+        for name, (tokens, rows, cols) in PRODUCTS.items():
+            g = torch.Generator().manual_seed(rows + cols)
+            ws = [(torch.randn(rows, cols, generator=g) * 0.02).bfloat16()
+                  for _ in range(max(2, 96_000_000 // (rows * cols * 2)))]
+            x = torch.randn(tokens, cols, generator=g).bfloat16()
+            res = {"kernel": [], "bf16": [], "fp32": []}
+            for i in range(reps):
+                w = ws[i % len(ws)]
+                t0 = time.perf_counter()
+                prefill.bf16(lib, x, w)
+                res["kernel"].append((time.perf_counter() - t0) * 1e3)
+                w = ws[(i + 1) % len(ws)]
+                t0 = time.perf_counter()
+                x @ w.t()
+                res["bf16"].append((time.perf_counter() - t0) * 1e3)
+                w = ws[(i + 2) % len(ws)]
+                t0 = time.perf_counter()
+                x.float() @ w.float().t()
+                res["fp32"].append((time.perf_counter() - t0) * 1e3)
+            k = statistics.median(res["kernel"])
+            print(f"| {name} [{rows}, {cols}] | {T} | {_med(res['kernel'])} | {tokens * rows * cols / k / 1e6:.1f} | "
+                  f"{_med(res['bf16'])} | {_med(res['fp32'])} | {statistics.median(res['bf16']) / k:.1f}x |",
+                  flush=True)
+    native.pin_threads(lib, None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--parts", default="gemv,prefill")
+    a = ap.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    print(f"{native.status()}; torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    if "gemv" in a.parts:
+        gemv(a.reps, threads)
+    if "prefill" in a.parts:
+        products(a.reps, threads)
+
+
+if __name__ == "__main__":
+    main()
