@@ -16,8 +16,8 @@
  *
  * Where the compiler targets AVX-512 BF16 (Zen 4 and later, Intel Cooper Lake / Sapphire Rapids and later: native.py
  * builds with -march=native) that kernel; else, where it targets AVX2 + FMA, the same products in fp32 FMAs
- * (`ftile`): x widened to fp32 once per call (exact), each weight widened in registers by a shift (exact), BR = 4
- * rows x FT = 3 tokens = 12 ymm accumulators, the x operands straight from memory; lane i adds elements 8j + i in
+ * (`ftile`): x widened to fp32 once per call (exact), each weight widened in registers by a shift (exact), FR = 3
+ * rows x FT = 4 tokens = 12 ymm accumulators, each x load serving the 3 rows; lane i adds elements 8j + i in
  * order, one rounding a step, then a fixed tree over the 8 lanes: within the same `bound`, the same bits at any thread
  * count and row split. It is there for CPUs whose torch has no fast bf16 GEMM: torch 2.13 on an AVX2-only CPU multiplies
  * bf16 through `bf16_dot_with_fp32_arith`, 63% of a 128-token Qwen3-30B-A3B-shaped prefill on a Zen 2 core
@@ -104,8 +104,9 @@ static int bshare(void *ctx, int64_t a, int64_t b) { /* rows [a, b) */
 #define BF_F32 1
 #include <immintrin.h>
 #include <stdlib.h>
-#define FR 4 /* rows a tile */
-#define FT 3 /* tokens a tile: 12 accumulators + 4 widened weights of 16 ymm registers, x from memory */
+#define FR 3 /* rows a tile */
+#define FT 4 /* tokens a tile: 12 accumulators + 3 widened weights + one x of 16 ymm registers; 3 x 4 ran 1.1-1.25x
+              * 4 x 3's GMAC/s at 8 tokens (an expert's share of a prompt) on a Zen 2 core, the same at 128 */
 #ifndef FF_AHEAD
 #define FF_AHEAD 1 /* prefetch the next tile's rows while the first token tile streams these in */
 #endif
@@ -159,6 +160,7 @@ static int fshare(void *ctx, int64_t a, int64_t b) { /* rows [a, b) */
             switch (nt) { /* a constant token count per instance: the accumulators stay in registers */
                 case 1: ftile(J, r0, nr, t0, 1); break;
                 case 2: ftile(J, r0, nr, t0, 2); break;
+                case 3: ftile(J, r0, nr, t0, 3); break;
                 default: ftile(J, r0, nr, t0, FT); break;
             }
         }
