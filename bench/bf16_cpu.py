@@ -2,7 +2,7 @@
 (native_prefill_bf16.c's fp32 tiles against torch's bf16 GEMM), at Qwen3-30B-A3B and GPT-OSS-20B shapes, 1 and 2
 threads, interleaved, medians and spread.
 
-    python bench/bf16_cpu.py [--reps 7] [--threads 1,2] [--parts gemv,prefill]
+    python bench/bf16_cpu.py [--reps 7] [--threads 1,2] [--parts gemv,prefill,engine] [--engine DIR,...]
 
 GEMV: native.c built twice from this tree for AVX2 (-march=x86-64-v3, BF16_PAIRS=0 and =1), each loaded with
 ctypes and called straight on the raw pointers; the LM heads [151936, 2048] and [201088, 2880] (one matrix, 0.6 and
@@ -16,6 +16,12 @@ attention's qkv [5120, 2048] and o [2048, 4096] at 128 tokens; the tiles through
 machine's build: it says which kernel it has) against torch's `x @ w.t()` in bf16 (on an AVX2-only CPU torch 2.13
 takes its `bf16_dot_with_fp32_arith` fallback) and against the fp32 GEMM of the widened operands (MKL, the widening
 counted). Weights cycle over enough distinct matrices (96 MB) that each call reads them from RAM, as a prefill does.
+
+Engine (`--engine DIR,...`: model folders with bf16 dense weights, such as bench/vs_llamacpp.py's Qwen3-30B-A3B- and
+GPT-OSS-20B-shaped checkpoints): each a fresh process per run (load, one warm-up generation, then a `--prompt`-token
+prompt and `--tokens` greedy tokens), the tiles on and off (MOECHAT_BF16_TILES=0: torch's bf16 GEMM where they would
+run) alternating, `--rounds` rounds: prefill and decode tok/s medians, and whether both gave the same tokens.
+
 No timing is asserted anywhere.
 """
 
@@ -23,9 +29,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
+import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -144,18 +153,76 @@ def products(reps: int, threads: list[int]) -> None:
     native.pin_threads(lib, None)
 
 
+def _engine_run(model: str, threads: int, prompt: int, tokens: int) -> dict:
+    """One generation in this process (the --worker side): load, a warm-up, the measured one; a JSON line."""
+    from moechat.engine.plan.hardware.cores import set_threads
+
+    set_threads(torch, threads)
+    from moechat.engine.runtime.generate import Engine
+    from moechat.engine.runtime.sampling import SamplingParams
+
+    engine = Engine.load(model, dtype="bfloat16", context=prompt + tokens + 8)
+    vocab = engine.args.vocab_size
+    greedy = SamplingParams(temperature=0.0, do_sample=False)
+    for _ in engine.generate([(i * 104729 + 7) % vocab for i in range(prompt)], sampling=greedy, max_tokens=2,
+                             stop_on_eos=False):
+        pass
+    last, ids = None, []
+    for chunk in engine.generate([(i * 7919 + 13) % vocab for i in range(prompt)], sampling=greedy,
+                                 max_tokens=tokens, stop_on_eos=False):
+        last = chunk
+        ids += chunk.token_ids
+    return {"prefill": last.prefill_tokens_per_s, "decode": last.decode_tokens_per_s, "tokens": ids}
+
+
+def engine(models: list[str], threads: list[int], rounds: int, prompt: int, tokens: int) -> None:
+    print(f"\nwhole engine, bf16 dense weights: {prompt}-token prompt, {tokens} greedy tokens, tok/s median (min-max) "
+          f"over {rounds} rounds, the tiles on and off alternating")
+    print("| model | threads | prefill: torch bf16 GEMM | prefill: tiles | tiles / torch | decode: torch | decode: "
+          "tiles | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for model in models:
+        for T in threads:
+            res = {"0": [], "1": []}
+            toks = {}
+            for r in range(rounds):
+                for tiles in (("0", "1") if r % 2 == 0 else ("1", "0")):
+                    env = dict(os.environ, MOECHAT_BF16_TILES=tiles)
+                    out = subprocess.run([sys.executable, __file__, "--worker", model, "--threads", str(T),
+                                          "--prompt", str(prompt), "--tokens", str(tokens)], env=env,
+                                         capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+                    one = json.loads(out)
+                    res[tiles].append(one)
+                    toks.setdefault(tiles, one["tokens"])
+            pre = {k: [r["prefill"] for r in v] for k, v in res.items()}
+            dec = {k: [r["decode"] for r in v] for k, v in res.items()}
+            ratio = statistics.median(pre["1"]) / statistics.median(pre["0"])
+            print(f"| {Path(model).name} | {T} | {_med(pre['0'])} | {_med(pre['1'])} | {ratio:.2f}x | "
+                  f"{_med(dec['0'])} | {_med(dec['1'])} | {'yes' if toks['0'] == toks['1'] else 'NO'} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--parts", default="gemv,prefill")
+    ap.add_argument("--engine", default="", help="model folders for the engine part (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=2, help="engine rounds")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
+    if a.worker:
+        print(json.dumps(_engine_run(a.worker, threads[0], a.prompt, a.tokens)))
+        return
     print(f"{native.status()}; torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     if "gemv" in a.parts:
         gemv(a.reps, threads)
     if "prefill" in a.parts:
         products(a.reps, threads)
+    if a.engine:
+        engine(a.engine.split(","), threads, a.rounds, a.prompt, a.tokens)
 
 
 if __name__ == "__main__":

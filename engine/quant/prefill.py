@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 ENV = "MOECHAT_PREFILL_KERNEL"
+TILES_ENV = "MOECHAT_BF16_TILES"  # "0": torch's bf16 GEMM where the fp32 tiles would run (the A/B)
 INT_ENV = "MOECHAT_PREFILL_INT"  # "0": a bf16/fp16 x takes the decoded-tile kernel too
 _TYPED = "moechat_prefill_typed"
 INT_DTYPES = (torch.bfloat16, torch.float16)  # the compute dtypes that take the integer kernels (fp32 stays exact)
@@ -224,7 +225,7 @@ def has_bf16(lib) -> bool:
     if not getattr(lib, _TYPED, False):
         _type(lib)
     isa = lib.moechat_prefill_bf16_isa()
-    return isa == 1 or (isa == 2 and slow_torch_bf16())
+    return isa == 1 or (isa == 2 and slow_torch_bf16() and os.environ.get(TILES_ENV, "1") != "0")
 
 
 @functools.cache

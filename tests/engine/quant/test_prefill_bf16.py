@@ -208,3 +208,21 @@ def test_a_prompts_attention_projection_takes_the_tiles_where_torchs_bf16_gemm_i
     monkeypatch.setattr(prefill, "slow_torch_bf16", lambda: False)
     cpu.split_addmm(x, w_t, residual)
     assert not calls
+
+
+def test_the_tiles_switch_and_where_they_apply(lib, monkeypatch):
+    """The fp32 tiles are taken only where torch's bf16 GEMM is the slow fallback (an x86 CPU without AVX-512
+    BW/VL/DQ), and MOECHAT_BF16_TILES=0 turns them off there (the bench's A/B); AVX-512 BF16's kernel is not affected."""
+    import platform
+
+    flags = set(native._cpu_flags().split())
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    assert prefill.slow_torch_bf16() == (x86 and not {"avx512bw", "avx512vl", "avx512dq"} <= flags)
+    isa = lib.moechat_prefill_bf16_isa()
+    monkeypatch.setattr(prefill, "slow_torch_bf16", lambda: True)
+    assert prefill.has_bf16(lib) == (isa != 0)
+    monkeypatch.setenv(prefill.TILES_ENV, "0")
+    assert prefill.has_bf16(lib) == (isa == 1)
+    monkeypatch.delenv(prefill.TILES_ENV)
+    monkeypatch.setattr(prefill, "slow_torch_bf16", lambda: False)
+    assert prefill.has_bf16(lib) == (isa == 1)
