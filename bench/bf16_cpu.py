@@ -13,7 +13,8 @@ for bit against each other (the pairs keep each row's sums).
 Prefill: the product of T bf16 tokens with a bf16 weight [R, in] as moechat's CPU prefill makes it: an expert's w13
 [1536, 2048] and w2 [2048, 768] at 8 tokens (128 prompt tokens x top-8 / 128 experts), the same at 32, and the
 attention's qkv [5120, 2048] and o [2048, 4096] at 128 tokens; the tiles through quant/prefill.py `bf16` (this
-machine's build: it says which kernel it has) against torch's `x @ w.t()` in bf16 (on an AVX2-only CPU torch 2.13
+machine's build: it says which kernel it has; the pool on T threads, torch's own ops on one, as the engine runs
+them) against torch's `x @ w.t()` in bf16 on T threads (on an AVX2-only CPU torch 2.13
 takes its `bf16_dot_with_fp32_arith` fallback) and against the fp32 GEMM of the widened operands (MKL, the widening
 counted). Weights cycle over enough distinct matrices (96 MB) that each call reads them from RAM, as a prefill does.
 
@@ -125,8 +126,8 @@ def products(reps: int, threads: list[int]) -> None:
     print("| product | threads | kernel | GMAC/s | torch bf16 | torch fp32 (widened) | torch bf16 / kernel |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for T in threads:
-        native.pin_threads(lib, T)
-        torch.set_num_threads(T)
+        native.pin_threads(lib, T)  # the pool on T threads; torch's own ops on one, as the engine runs them (an
+        # OpenMP team left spinning on the other core would take it from the pool's worker)
         for name, (tokens, rows, cols) in PRODUCTS.items():
             g = torch.Generator().manual_seed(rows + cols)
             ws = [(torch.randn(rows, cols, generator=g) * 0.02).bfloat16()
@@ -134,10 +135,12 @@ def products(reps: int, threads: list[int]) -> None:
             x = torch.randn(tokens, cols, generator=g).bfloat16()
             res = {"kernel": [], "bf16": [], "fp32": []}
             for i in range(reps):
+                torch.set_num_threads(1)
                 w = ws[i % len(ws)]
                 t0 = time.perf_counter()
                 prefill.bf16(lib, x, w)
                 res["kernel"].append((time.perf_counter() - t0) * 1e3)
+                torch.set_num_threads(T)  # torch's GEMMs on all T threads: their best
                 w = ws[(i + 1) % len(ws)]
                 t0 = time.perf_counter()
                 x @ w.t()
@@ -146,6 +149,7 @@ def products(reps: int, threads: list[int]) -> None:
                 t0 = time.perf_counter()
                 x.float() @ w.float().t()
                 res["fp32"].append((time.perf_counter() - t0) * 1e3)
+            torch.set_num_threads(1)
             k = statistics.median(res["kernel"])
             print(f"| {name} [{rows}, {cols}] | {T} | {_med(res['kernel'])} | {tokens * rows * cols / k / 1e6:.1f} | "
                   f"{_med(res['bf16'])} | {_med(res['fp32'])} | {statistics.median(res['bf16']) / k:.1f}x |",
