@@ -202,8 +202,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._sent = 0
         url = urlparse(self.path)
         self.url_path, self.query = unquote(url.path), parse_qs(url.query)
-        req = Request(self.origin, method, self.url_path, None, self.headers.get("Range"), 0, 0,
-                      "Authorization" in self.headers)
+        req = self._req = Request(self.origin, method, self.url_path, None, self.headers.get("Range"), 0, 0,
+                                  "Authorization" in self.headers)
         self.hub.record(req)
         try:
             if self.origin == "cdn":
@@ -218,6 +218,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply(self, status: int, body: bytes = b"", headers: dict | None = None, content_type="application/json"):
         self._status = status
+        # the log knows the file before the client has its answer: a test that reads the log right after its download
+        # returned must not race this thread to the `finally` of _dispatch
+        self._req.file, self._req.status = self._file, status
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -310,6 +313,7 @@ class _Handler(BaseHTTPRequestHandler):
             canned = Canned(canned.status, {**canned.headers, "Content-Encoding": "gzip"}, gzip.compress(canned.body),
                             canned.length)
         self._status = canned.status
+        self._req.file = self._file  # logged before the answer (see _reply)
         self.send_response(canned.status)
         sent = {k.lower(): v for k, v in canned.headers.items()}
         sent.setdefault("content-type", "application/json")
@@ -376,6 +380,7 @@ class _Handler(BaseHTTPRequestHandler):
             digest = repo.sha256(file)
             size = len(repo.files[file])
             self._status = 302
+            self._req.file = self._file  # logged before the answer (see _reply)
             self.send_response(302)
             etag = self.hub.faults.etag.get(file, digest)
             for k, v in {**common, "Location": f"{self.hub.cdn_url}/blobs/{digest}?expires=never",
@@ -425,6 +430,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)  # the network is gone: no answer at all
             return
         self._status = status
+        self._req.file, self._req.status = self._file, status  # logged before the body (see _reply)
         self.send_response(status)
         for k, v in {**headers, "Content-Type": "application/octet-stream", "Content-Length": str(len(body)),
                      "Connection": "close"}.items():
