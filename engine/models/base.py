@@ -26,7 +26,6 @@ from ..layers.kv_cache import KVCache
 from ..layers.moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
 from ..quant import native, prefill
 from ..quant.cpu import split_addmm
-from ..quant.dense import bf16_linear
 from .config import ROPE_TYPES, BaseModelArgs, ExpertNaming, rope_frequencies  # noqa: F401 - re-exported
 
 # T = tokens, S = positions in the KV cache, H = hidden size, D = head dim, E = experts, K = top-k
@@ -392,10 +391,10 @@ class SparseMoeBlock(nn.Module):
                 router_logits = native.bf16_gemv(lib, x, self.gate_weight, x.dtype)  # [1, E]
             else:
                 router_logits = (native.bf16_gemv(lib, x, self.gate_weight) + self.gate_bias.float()).to(x.dtype)
-        elif x.shape[0] > 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and prefill.slow_torch_bf16():
+        elif prefill.tiles_for_torch(x, self.gate_weight, lib := native.decode_library()):
             # a prompt's router where torch's bf16 GEMM is the slow fallback: the bf16 tiles (6% of an int8 model's
             # 128-token prefill on a Zen 2 went to torch's 128 x 128 x 2048 router GEMM)
-            router_logits = bf16_linear(x, self.gate_weight, self.gate_bias)  # [T, E]
+            router_logits = prefill.finish(prefill.bf16(lib, x, self.gate_weight), x.dtype, self.gate_bias)  # [T, E]
         else:
             router_logits = F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
         return softmax_topk(router_logits, self.top_k, self.renormalize)

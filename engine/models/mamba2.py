@@ -32,8 +32,7 @@ CHUNK = 64
 def discretize(dt_raw: torch.Tensor, dt_bias: torch.Tensor, floor: float = 0.0,
                ceil: float = float("inf")) -> torch.Tensor:
     """dt_raw [T, H] -> the time step [T, H] fp32, clamped to [floor, ceil]."""
-    dt = F.softplus(dt_raw.float() + dt_bias.float())
-    return dt.clamp(min=floor) if ceil == float("inf") else dt.clamp(min=floor, max=ceil)
+    return F.softplus(dt_raw.float() + dt_bias.float()).clamp(min=floor, max=ceil)
 
 
 def _heads(B: torch.Tensor, H: int) -> torch.Tensor:

@@ -64,8 +64,7 @@ def split_addmm(x: torch.Tensor, w_t: torch.Tensor, add: torch.Tensor | None = N
     through native_prefill_bf16.c's fp32 tiles instead (rows over native.c's pool, the same bits at any count), the
     addend added to the fp32 sums and rounded once, as addmm does."""
     T, cols = x.shape[0], w_t.shape[1]
-    if T > 1 and x.dtype == torch.bfloat16 and x.dim() == 2 and prefill.slow_torch_bf16() \
-            and prefill.bf16_path(x, w := w_t.t(), lib := native.decode_library()):
+    if prefill.tiles_for_torch(x, w := w_t.t(), lib := native.decode_library()):
         return prefill.finish(prefill.bf16(lib, x, w), x.dtype, add)
     if not (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and T >= SPLIT_MIN_TOKENS
             and cols >= SPLIT_MIN_COLUMNS) or os.environ.get(SPLIT_ENV) == "0":

@@ -238,6 +238,12 @@ def slow_torch_bf16() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and not {"avx512bw", "avx512vl", "avx512dq"} <= flags
 
 
+def tiles_for_torch(x: torch.Tensor, w: torch.Tensor, lib) -> bool:
+    """Whether x [T, in] @ w^T, which takes torch's bf16 GEMM on other CPUs (a prompt's attention projections and
+    router), takes this kernel here instead: torch's bf16 GEMM is the slow fallback and `bf16_path` holds."""
+    return x.shape[0] > 1 and x.dtype == torch.bfloat16 and slow_torch_bf16() and bf16_path(x, w, lib)
+
+
 def bf16_path(x: torch.Tensor, w: torch.Tensor, lib) -> bool:
     """Whether x [T, in] @ w^T takes the bf16 kernel: more than one bf16 token on the CPU, a contiguous bf16 w whose
     input is a multiple of 32, the kernels on (`available`) and the bf16 kernel in use (`has_bf16`)."""

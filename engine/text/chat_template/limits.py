@@ -3,10 +3,11 @@
 Rendering is bounded, because a template is code from the Hub. Every size bound (the caps below) is checked
 *before* the value is built (``measure.py``, ``checks.py``), since one C call, such as str() of a list or a sort,
 cannot be interrupted. Work is bounded by template lines: a trace function on the template's frames only (~0.3 us a
-line, ~3.6 us where the line calls a filter with the trace on, on a Zen 2 core; a 400-message chat through GLM-4.6's template runs ~12k lines, the cap is 2M) counts them into the render's
-``_Budget``, and one watchdog thread flags the 10 s deadline, the memory cap and the caller's cancel event, checked
-at every template line and sandbox hook. Three nested ``range(100000)`` loops that print fail in ~7 s on a Zen 2 core
-(the line cap), or at the deadline on a busy one.
+line, ~3.6 us where the line calls a filter with the trace on, on a Zen 2 core; a 400-message chat through GLM-4.6's
+template runs ~12k lines, the cap is 2M) counts them into the render's ``_Budget``, and one watchdog thread flags
+the 10 s deadline, the memory cap and the caller's cancel event, checked at every template line and sandbox hook.
+Three nested ``range(100000)`` loops that print fail in ~7 s on a Zen 2 core (the line cap), or at the deadline on a
+busy one.
 """
 
 from __future__ import annotations

@@ -212,7 +212,8 @@ def test_a_prompts_attention_projection_takes_the_tiles_where_torchs_bf16_gemm_i
 
 def test_the_tiles_switch_and_where_they_apply(lib, monkeypatch):
     """The fp32 tiles are taken only where torch's bf16 GEMM is the slow fallback (an x86 CPU without AVX-512
-    BW/VL/DQ), and MOECHAT_BF16_TILES=0 turns them off there (the bench's A/B); AVX-512 BF16's kernel is not affected."""
+    BW/VL/DQ), and MOECHAT_BF16_TILES=0 turns them off there (the bench's A/B); AVX-512 BF16's kernel is not
+    affected."""
     import platform
 
     flags = set(native._cpu_flags().split())
