@@ -83,6 +83,22 @@ def test_the_int4_weight_rounding_and_size():
     assert (lin.weight() - w).abs().mean() > (int8.weight() - w).abs().mean()  # coarser, as it should be
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantizing_a_block_of_rows_at_a_time_gives_the_whole_matrix_bits(monkeypatch, fmt):
+    # the LM head is quantized in row blocks (fp32 temporaries in cache, not 1.2 GB each): the same codes and scales
+    from moechat.engine.quant import dense_quant
+
+    w = torch.randn(1000, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    w[7] *= 40  # rows of very different ranges, one straddling a block edge
+    whole = dense_quant._FORMATS[fmt].quantize(w)
+    monkeypatch.setattr(dense_quant, "QUANTIZE_BLOCK_BYTES", 96 * 4 * 7)  # 7 rows a block: 143 blocks, a short last
+    blocks = dense_quant.quantize_rows(dense_quant._FORMATS[fmt], w)
+    assert blocks.keys() == whole.keys()
+    for k in whole:
+        assert blocks[k].dtype == whole[k].dtype and torch.equal(blocks[k], whole[k]), k
+    assert torch.equal(QuantLinear(w, None, fmt).q, whole["q"])
+
+
 def test_the_formats_are_checked():
     assert DENSE_FORMATS == ("native", "int8", "int4") and LM_HEAD_FORMAT == "int8"
     assert check_dense_format("int4", torch.device("cpu")) == "int4"
