@@ -33,11 +33,12 @@ One token on the CPU with packed experts (int4, int8, MXFP4, FP8) is one native 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 import torch.nn.functional as F
 
-from ..quant import native
+from ..quant import native, prefill
 from ..quant.base import ExpertFormat
 from ..quant.dense import bf16_linear
 from .moe import SWIGLU, ExpertActivation, ExpertBatch, combine  # noqa: F401 - combine re-exported
@@ -214,6 +215,51 @@ def _put(contrib: torch.Tensor, idx: torch.Tensor, y: torch.Tensor, w: torch.Ten
     contrib.index_copy_(0, idx, y.float() * w.float()[:, None])
 
 
+# -- a prefill chunk on the CPU: the layer's experts in one native call (quant/native.py moe_prefill) -----------------
+LAYER_PREFILL_ENV = "MOECHAT_LAYER_PREFILL"  # "0": the per-expert path below (the A/B; the same bits)
+_LAYER_PREFILL_KINDS = ("int4", "mxfp4", "int8")  # the formats with integer (Q8) prefill kernels
+
+
+def _q8_layer(x: torch.Tensor, fmt: ExpertFormat, act: ExpertActivation):
+    """The library where a chunk of bf16 tokens in this format and activation takes the integer kernels for each
+    projection (quant/prefill.py `integer_path`) and the layer call can do the same work in one go, else None."""
+    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or fmt.name not in _LAYER_PREFILL_KINDS
+            or not act.gated or act.kind not in native.ACT_KINDS):
+        return None
+    lib = native.decode_library()
+    return lib if prefill.available(lib) and prefill.integer_path(x, lib) else None
+
+
+def _layer_prefill(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch, act, contrib,
+                   slots: torch.Tensor, idx: torch.Tensor, K: int) -> bool:
+    """The pairs idx (flat t*K + k, sorted by their slots `slots`) of a CPU chunk through native.moe_prefill into their
+    contrib rows; False (nothing done) where it does not take this batch: the per-expert path then runs, with the same
+    bits (each projection the same integer kernel, whose sums depend only on (token, row); the activation as torch's;
+    tested)."""
+    fmt = batch.format
+    if (os.environ.get(LAYER_PREFILL_ENV, "1") == "0" or not contrib.is_contiguous()
+            or (lib := _q8_layer(hidden_states, fmt, act)) is None):
+        return False
+    used, counts = torch.unique_consecutive(slots, return_counts=True)
+    rows = _cached_views(f"moe-{fmt.name}", batch, lambda ts: _moe_rows(fmt, ts))[0]
+    entries = [rows[s] for s in used.tolist()]
+    if any(e is None for e in entries):
+        return False
+    kind, hidden, inter, group13, group2, _, bias_kind = entries[0][1]
+    vec = native.vector_step(hidden_states.dtype)
+    if (contrib.shape[1] != hidden or hidden % prefill.Q8_BLOCK or inter % prefill.Q8_BLOCK
+            or (vec and inter % vec)  # torch's activation: vectorised over each whole row, as the native one
+            or (fmt.name == "int4" and not group13 == group2 == prefill.Q8_BLOCK)):
+        return False
+    ptrs = torch.tensor([e[0] for e in entries], dtype=torch.int64)  # [n, 6]
+    start = torch.zeros(len(entries) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=start[1:])
+    wt = topk_weights.reshape(-1).float().index_select(0, idx.to(topk_weights.device)).cpu().contiguous()
+    native.moe_prefill(lib, kind, hidden_states.contiguous(), ptrs, start, (idx // K).contiguous(), idx.contiguous(),
+                       wt, inter, bias_kind, native.ACT_KINDS[act.kind], act.limit, act.alpha, contrib)
+    return True
+
+
 def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, act,
                      contrib: torch.Tensor | None = None) -> torch.Tensor | None:
     """Any format, biases, any activation: per used slot, its tokens through the format's linear."""
@@ -241,7 +287,13 @@ def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, 
     idx = torch.arange(T * K) if batch.pairs is None else batch.pairs.cpu()  # [P] flat (t, k)
     flat = flat.index_select(0, idx)
     order = torch.argsort(flat, stable=True)
-    sorted_slots, idx = flat[order].tolist(), idx[order]
+    sorted_flat, idx = flat[order], idx[order]
+    if contrib is not None and _layer_prefill(hidden_states, topk_weights, batch, act, contrib, sorted_flat, idx, K):
+        return None
+    sorted_slots = sorted_flat.tolist()
+    # a lone token of an expert goes through the many-token kernels as a pair (itself twice, row 0 kept), as the
+    # layer call computes it, wherever that call would take this format: the same bits either way
+    lone = T > 1 and _q8_layer(hidden_states, batch.format, act) is not None
     device_idx = idx.to(hidden_states.device)
     token_idx = device_idx // K  # [P]
     x_sorted = hidden_states.index_select(0, token_idx)  # [P, H]
@@ -253,7 +305,10 @@ def _general_compute(hidden_states, topk_weights, batch: ExpertBatch, residual, 
         end = start
         while end < len(sorted_slots) and sorted_slots[end] == s:
             end += 1
-        y_sorted[start:end] = _expert(x_sorted[start:end], batch.format, views[s], act)
+        if lone and end - start == 1:
+            y_sorted[start:end] = _expert(x_sorted[start:end].expand(2, -1), batch.format, views[s], act)[:1]
+        else:
+            y_sorted[start:end] = _expert(x_sorted[start:end], batch.format, views[s], act)
         start = end
     if contrib is not None:
         _put(contrib, device_idx, y_sorted, w_sorted)

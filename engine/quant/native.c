@@ -1327,6 +1327,14 @@ int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, 
     return run_job_chunks(&j, bytes, pool.want);
 }
 
+/* the same, cut into `per_thread` pieces a thread that the threads claim as they finish (units of unequal work) */
+int moechat_parallel_for_chunks(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, int64_t units, int64_t align,
+                                int64_t bytes, int64_t per_thread) {
+    if (!fn || units < 0 || align < 1 || per_thread < 1) return -1;
+    Job j = {.kind = 8, .rows = units, .align = align, .fn = fn, .ctx = ctx};
+    return run_job_chunks(&j, bytes, pool.want * per_thread);
+}
+
 int moechat_int4_gemv(const void *x, int flags, const uint8_t *q, const uint16_t *scale, int64_t rows, int64_t cols,
                       int64_t group, void *y) {
     if (group <= 0) return -1;
@@ -1704,6 +1712,12 @@ static void moe_activation(const float *gu, int64_t I, int act, int bf16, int64_
     }
 }
 
+/* For native_prefill_int.c's many-token layer call: one pair's gate/up row g [2I] (fp32 sums) + the expert's w13 bias
+ * (or none), rounded to x's dtype, then the activation into a [I] (bf16 bit patterns or fp32): the one-token layer
+ * call's steps below, so the same bits as the torch ops on that row. */
+void moechat_moe_act_row(float *g, const void *b13, int bias_kind, int64_t I, int act, int bf16, int64_t vec,
+                         float limit, float alpha, void *a);
+
 /* a row range of one matrix of the layer call: rows [0, rows) of w (scale s) times x into y, in units of `align`
  * rows (FP8: its row block, so every share starts on a scale row) */
 typedef struct {
@@ -1725,6 +1739,30 @@ typedef struct {
 static float bias_at(const void *b, int kind, int64_t r) {
     return kind == 1 ? bf16_to_f32(((const uint16_t *)b)[r]) : kind == 2 ? f16_to_f32(((const uint16_t *)b)[r])
                                                                           : ((const float *)b)[r];
+}
+
+void moechat_moe_act_row(float *g, const void *b13, int bias_kind, int64_t I, int act, int bf16, int64_t vec,
+                         float limit, float alpha, void *a) {
+    int64_t r = 0;
+#if SIMD
+    if (!b13 || bias_kind == 0)  /* fp32 bias or none: eight at a time */
+        for (; r + 8 <= 2 * I; r += 8) {
+            __m256 v = _mm256_loadu_ps(g + r);
+            if (b13) v = _mm256_add_ps(v, _mm256_loadu_ps((const float *)b13 + r));
+            _mm256_storeu_ps(g + r, round8(v, bf16));
+        }
+#endif
+    for (; r < 2 * I; r++) {
+        float v = g[r];
+        if (b13) v = v + bias_at(b13, bias_kind, r);
+        g[r] = round_to(v, bf16);
+    }
+    moe_activation(g, I, act, bf16, vec, limit, alpha, a);
+}
+
+/* a bias row (fp32, bf16 or fp16: bias_kind 0, 1, 2) as fp32 */
+void moechat_bias_row(const void *b, int bias_kind, int64_t n, float *out) {
+    for (int64_t r = 0; r < n; r++) out[r] = bias_at(b, bias_kind, r);
 }
 
 static int moe_share(void *vctx, int64_t ua, int64_t ub) {
@@ -1811,25 +1849,9 @@ int moechat_moe_decode(int kind, const void *x, int x_bf16, const int64_t *ptrs,
     int rc = run_job(&j1, bytes);
     if (rc) return rc;
     /* the activations, on this thread (n x I elements: ~1% of the GEMVs' time) */
-    for (int64_t k = 0; k < n; k++) {
-        const void *b13 = (const void *)(intptr_t)ptrs[7 * k + 4];
-        float *g = gu + k * 2 * I;
-        int64_t r = 0;
-#if SIMD
-        if (!b13 || bias_kind == 0)  /* fp32 bias or none: eight at a time */
-            for (; r + 8 <= 2 * I; r += 8) {
-                __m256 v = _mm256_loadu_ps(g + r);
-                if (b13) v = _mm256_add_ps(v, _mm256_loadu_ps((const float *)b13 + r));
-                _mm256_storeu_ps(g + r, round8(v, x_bf16));
-            }
-#endif
-        for (; r < 2 * I; r++) {
-            float v = g[r];
-            if (b13) v = v + bias_at(b13, bias_kind, r);
-            g[r] = round_to(v, x_bf16);
-        }
-        moe_activation(g, I, act, x_bf16, vec, limit, alpha, acts + k * abytes);
-    }
+    for (int64_t k = 0; k < n; k++)
+        moechat_moe_act_row(gu + k * 2 * I, (const void *)(intptr_t)ptrs[7 * k + 4], bias_kind, I, act, x_bf16, vec,
+                            limit, alpha, acts + k * abytes);
     /* phase 2: every expert's down rows, each finished into its output row */
     MoeSeg *seg2 = seg + ns;
     u = 0;

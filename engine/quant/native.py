@@ -189,6 +189,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.moechat_moe_decode.argtypes = [i32, p, i32, p, p, i64, i64, i64, i64, i64, i64, i64, i32, i32,
                                        ctypes.c_float, ctypes.c_float, i64]
     lib.moechat_moe_decode.restype = i32
+    lib.moechat_moe_prefill_q8.argtypes = [i32, p, i64, p, p, i64, p, p, p, i64, i64, i32, i32, ctypes.c_float,
+                                           ctypes.c_float, i64, p, i64]
+    lib.moechat_moe_prefill_q8.restype = i32
     lib.moechat_rms_norm.argtypes = [p, i32, i64, i64, p, i32, ctypes.c_float, p]
     lib.moechat_rms_norm.restype = i32
     lib.moechat_scatter_weighted.argtypes = [p, i32, p, p, i64, i64, p, i64]
@@ -487,6 +490,20 @@ def moe_decode(lib, kind: int, x: torch.Tensor, ptrs, weights, n: int, hidden: i
     _check(lib.moechat_moe_decode(kind, x.data_ptr(), int(x.dtype == torch.bfloat16), ptrs, weights, n, hidden,
                                   inter, group13, group2, block[0], block[1], bias_kind, act, limit, alpha,
                                   vector_step(x.dtype)), "expert layer")
+
+
+def moe_prefill(lib, kind: int, x: torch.Tensor, ptrs: torch.Tensor, start: torch.Tensor, tok: torch.Tensor,
+                dst: torch.Tensor, wt: torch.Tensor, inter: int, bias_kind: int, act: int, limit: float, alpha: float,
+                out: torch.Tensor) -> None:
+    """A prefill chunk's pairs through a layer's experts in one call (native_prefill_int.c moechat_moe_prefill_q8):
+    x [T, H] bf16; ptrs int64 [n, 6] (each expert's w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0);
+    expert k takes the pairs start[k]..start[k+1]-1 (int64 [n + 1]); pair p is token tok[p] with weight wt[p] (fp32),
+    written to row dst[p] of out (fp32 [rows, H]); all contiguous CPU tensors (engine/layers/experts.py builds them)."""
+    _threads(lib)
+    _check(lib.moechat_moe_prefill_q8(kind, x.data_ptr(), x.shape[0], ptrs.data_ptr(), start.data_ptr(),
+                                      ptrs.shape[0], tok.data_ptr(), dst.data_ptr(), wt.data_ptr(), x.shape[1], inter,
+                                      bias_kind, act, limit, alpha, vector_step(x.dtype), out.data_ptr(),
+                                      out.shape[0]), "expert layer prefill")
 
 
 # -- the recurrent layers' one-token steps (native_recurrent.c; engine/models/gated_deltanet.py, mamba2.py): fp32 or

@@ -59,6 +59,10 @@
 
 int moechat_parallel_for(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, int64_t units, int64_t align,
                          int64_t bytes);
+int moechat_parallel_for_chunks(int (*fn)(void *ctx, int64_t a, int64_t b), void *ctx, int64_t units, int64_t align,
+                                int64_t bytes, int64_t per_thread);
+void moechat_moe_act_row(float *g, const void *b13, int bias_kind, int64_t I, int act, int bf16, int64_t vec,
+                         float limit, float alpha, void *a);
 
 /* the code -> unsigned byte maps (the weight is (u - offset) x the block's scale) */
 static const uint8_t U_INT4[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -81,7 +85,7 @@ typedef struct {
     const float *xs;   /* [T, G] */
     const int32_t *xc; /* [T, G]: -offset x sum of the block's q */
     float *y;
-    float e8m0[256];   /* MXFP4: 2^(s - 128) */
+    const float *e8m0; /* MXFP4: [256] 2^(s - 128) */
 } QJob;
 
 static inline float q_f16(uint16_t h) { /* an fp16 bit pattern -> its fp32 value, exactly (the scalar build's) */
@@ -417,30 +421,40 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
 #endif
 }
 
+/* tokens [t0, t1) of the decoded group of rows [r0, r0 + nr) */
+static void qtokens(const QJob *J, const uint8_t *W, const float *WS, int64_t t0, int64_t t1, int64_t r0, int nr) {
+    for (; t0 < t1; t0 += TBQ) {
+        int nt = (int)(t1 - t0 < TBQ ? t1 - t0 : TBQ);
+        switch (nt) { /* a constant token count per instance: the accumulators stay in registers */
+            case 1: qtile(J, W, WS, t0, 1, r0, nr); break;
+            case 2: qtile(J, W, WS, t0, 2, r0, nr); break;
+            case 3: qtile(J, W, WS, t0, 3, r0, nr); break;
+#if TBQ == 8
+            case 4: qtile(J, W, WS, t0, 4, r0, nr); break;
+            case 5: qtile(J, W, WS, t0, 5, r0, nr); break;
+            case 6: qtile(J, W, WS, t0, 6, r0, nr); break;
+            case 7: qtile(J, W, WS, t0, 7, r0, nr); break;
+#endif
+            default: qtile(J, W, WS, t0, TBQ, r0, nr); break;
+        }
+    }
+}
+
+/* a thread's decoded-group scratch for inputs of `cols`: W [G][8][RG][4] bytes then WS [G][RG] fp32 */
+static uint8_t *group_scratch(int64_t cols) {
+    size_t wbytes = (size_t)(RG * cols), sbytes = sizeof(float) * (size_t)(cols / 32 * RG);
+    return aligned_alloc(64, (wbytes + sbytes + 63) / 64 * 64);  /* RG x cols is a multiple of 64: WS aligned */
+}
+
 static int qshare(void *ctx, int64_t a, int64_t b) {
     const QJob *J = ctx;
-    size_t wbytes = (size_t)(RG * J->cols), sbytes = sizeof(float) * (size_t)(J->G * RG);
-    uint8_t *W = aligned_alloc(64, (wbytes + sbytes + 63) / 64 * 64);
+    uint8_t *W = group_scratch(J->cols);
     if (!W) return -2;
-    float *WS = (float *)(W + wbytes);  /* RG x cols is a multiple of 64: aligned */
+    float *WS = (float *)(W + RG * J->cols);
     for (int64_t r0 = a; r0 < b; r0 += RG) {
         int nr = (int)(b - r0 < RG ? b - r0 : RG);
         decode_group(J, r0, nr, W, WS);
-        for (int64_t t0 = 0; t0 < J->T; t0 += TBQ) {
-            int nt = (int)(J->T - t0 < TBQ ? J->T - t0 : TBQ);
-            switch (nt) { /* a constant token count per instance: the accumulators stay in registers */
-                case 1: qtile(J, W, WS, t0, 1, r0, nr); break;
-                case 2: qtile(J, W, WS, t0, 2, r0, nr); break;
-                case 3: qtile(J, W, WS, t0, 3, r0, nr); break;
-#if TBQ == 8
-                case 4: qtile(J, W, WS, t0, 4, r0, nr); break;
-                case 5: qtile(J, W, WS, t0, 5, r0, nr); break;
-                case 6: qtile(J, W, WS, t0, 6, r0, nr); break;
-                case 7: qtile(J, W, WS, t0, 7, r0, nr); break;
-#endif
-                default: qtile(J, W, WS, t0, TBQ, r0, nr); break;
-            }
-        }
+        qtokens(J, W, WS, 0, J->T, r0, nr);
     }
     free(W);
     return 0;
@@ -466,6 +480,13 @@ static int run_q8(QJob *J, const float *x, int offset) {
     return rc;
 }
 
+static void e8m0_table(float *t) {
+    for (int s = 0; s < 256; s++) { /* 2^(s - 128) from its bits: a normal from s = 2, subnormals 2^-127, 2^-128 */
+        uint32_t bits = s >= 2 ? (uint32_t)(s - 1) << 23 : (uint32_t)1 << (21 + s);
+        memcpy(&t[s], &bits, 4);
+    }
+}
+
 /* -- exported: x [T, cols] fp32 contiguous (cols a multiple of 32), y [T, ldy] fp32. 0, -1 for a shape they do not
  * take, -2 where memory cannot be had. */
 int moechat_prefill_q8_int4(const float *x, int64_t T, const uint8_t *q, const uint16_t *scale, int64_t rows,
@@ -476,11 +497,10 @@ int moechat_prefill_q8_int4(const float *x, int64_t T, const uint8_t *q, const u
 
 int moechat_prefill_q8_mxfp4(const float *x, int64_t T, const uint8_t *blocks, const uint8_t *scales, int64_t rows,
                              int64_t cols, float *y, int64_t ldy) {
-    QJob J = {.fmt = Q_MXFP4, .w = blocks, .s = scales, .rows = rows, .cols = cols, .T = T, .y = y, .ldy = ldy};
-    for (int s = 0; s < 256; s++) { /* 2^(s - 128) from its bits: a normal from s = 2, subnormals 2^-127, 2^-128 */
-        uint32_t bits = s >= 2 ? (uint32_t)(s - 1) << 23 : (uint32_t)1 << (21 + s);
-        memcpy(&J.e8m0[s], &bits, 4);
-    }
+    float e8m0[256];
+    e8m0_table(e8m0);
+    QJob J = {.fmt = Q_MXFP4, .w = blocks, .s = scales, .rows = rows, .cols = cols, .T = T, .y = y, .ldy = ldy,
+              .e8m0 = e8m0};
     return run_q8(&J, x, 12);
 }
 
@@ -490,6 +510,199 @@ int moechat_prefill_q8_int8(const float *x, int64_t T, const int8_t *q, const fl
     QJob J = {.fmt = Q_INT8, .w = (const uint8_t *)q, .s = scale, .rows = rows, .cols = cols, .T = T, .y = y,
               .ldy = ldy};
     return run_q8(&J, x, INT8_OFFSET);
+}
+
+/* -- a layer's routed experts over a prefill chunk in one call: moechat_moe_prefill_q8 --------------------------------
+ * n experts; expert k takes the pairs [start[k], start[k + 1]); pair p is token tok[p] of x (bf16 [T, H]) with the
+ * routing weight wt[p], written to row dst[p] of out (fp32 [rows_out, H]): out[dst[p]] = wt[p] x down(act(gate_up(x)))
+ * in fp32. Each projection goes through the integer kernel above (x quantized to Q8 blocks once per pair, the
+ * activations once per pair), its fp32 sums + bias rounded to bf16 once (as prefill.finish does), the activation as
+ * native.c's one-token layer call computes it (torch's bits: moechat_moe_act_row), the product by the weight in fp32
+ * (as native_scatter.c). So bit for bit the per-expert path (layers/experts.py `_general_compute`: per expert, the
+ * format's `linear` of w13, the activation, `linear` of w2, the scatter), in four passes over native.c's pool instead
+ * of ~10 Python-driven kernel calls and torch ops an expert (each call a pool wake and a wait, the torch ops on one
+ * core: ~13% of a 2-thread int8 prefill). A projection pass is cut into units of (expert, group of RG rows, block of
+ * TBQ tokens), equal work each, that the threads claim in chunks, so an expert with 40 tokens weighs what it costs
+ * beside one with 2; a group is decoded once per chunk that reaches it. */
+typedef struct {
+    int fmt, offset, perm, phase, act, bias_kind;
+    int64_t n, H, I, vec, rows_out;
+    float limit, alpha;
+    const uint16_t *x;    /* bf16 [T, H] */
+    const int64_t *ptrs;  /* [n, 6]: w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0 */
+    const int64_t *start; /* [n + 1] */
+    const int64_t *ustart; /* [n + 1]: the pass's units before expert k */
+    const int64_t *tok, *dst;
+    const float *wt;
+    int8_t *xq;           /* the pass's input per pair: [P, cols] (each block in the packed order) */
+    float *xs;            /* [P, cols / 32] */
+    int32_t *xc;          /* [P, cols / 32] */
+    float *gu;            /* [P, 2I] */
+    float *y2;            /* [P, H] */
+    float *out;
+    const float *e8m0;
+} LJob;
+
+static inline float bf16_bits(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float round_bf16(float v) { /* to nearest even, NaN -> 0x7FC0 (native.c's f32_to_bf16), as fp32 */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = v != v ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static inline float lbias(const void *b, int kind, int64_t r) { /* native.c's bias_at */
+    return kind == 1 ? bf16_bits(((const uint16_t *)b)[r]) : kind == 2 ? q_f16(((const uint16_t *)b)[r])
+                                                                       : ((const float *)b)[r];
+}
+
+/* pairs [a, b): the pair's row of x, quantized */
+static int lx(void *ctx, int64_t a, int64_t b) {
+    const LJob *L = ctx;
+    const int64_t H = L->H, G = H / 32;
+    float v[32];
+    for (int64_t p = a; p < b; p++) {
+        const uint16_t *row = L->x + L->tok[p] * H;
+        for (int64_t g = 0; g < G; g++) {
+            for (int i = 0; i < 32; i++) v[i] = bf16_bits(row[g * 32 + i]);
+            quantize_block(v, L->offset, L->perm, L->xq + p * H + g * 32, L->xs + p * G + g, L->xc + p * G + g);
+        }
+    }
+    return 0;
+}
+
+/* pairs [a, b): gate/up rounded (+ bias), the activation in bf16, quantized for the down projection */
+static int lact(void *ctx, int64_t a, int64_t b) {
+    const LJob *L = ctx;
+    const int64_t I = L->I, G = I / 32;
+    uint16_t *act = malloc(sizeof(uint16_t) * (size_t)I);
+    if (!act) return -2;
+    float v[32];
+    int64_t k = 0;
+    for (int64_t p = a; p < b; p++) {
+        while (p >= L->start[k + 1]) k++;
+        const int64_t *pt = L->ptrs + 6 * k;
+        moechat_moe_act_row(L->gu + p * 2 * I, (const void *)(intptr_t)pt[4], L->bias_kind, I, L->act, 1, L->vec,
+                            L->limit, L->alpha, act);
+        for (int64_t g = 0; g < G; g++) {
+            for (int i = 0; i < 32; i++) v[i] = bf16_bits(act[g * 32 + i]);
+            quantize_block(v, L->offset, L->perm, L->xq + p * I + g * 32, L->xs + p * G + g, L->xc + p * G + g);
+        }
+    }
+    free(act);
+    return 0;
+}
+
+/* units [a, b) of a projection pass (phase 1: gate/up into gu; 2: down, each finished into its output rows) */
+static int lrows(void *ctx, int64_t a, int64_t b) {
+    const LJob *L = ctx;
+    const int down = L->phase == 2;
+    const int64_t R = down ? L->H : 2 * L->I, cols = down ? L->I : L->H, G = cols / 32;
+    uint8_t *W = group_scratch(cols);
+    if (!W) return -2;
+    float *WS = (float *)(W + RG * cols);
+    int64_t k = 0, nb = 1, decoded = -1;
+    QJob J = {0};
+    const void *bias = NULL;
+    for (int64_t u = a; u < b; u++) {
+        if (decoded == -1 || u >= L->ustart[k + 1]) {
+            while (u >= L->ustart[k + 1]) k++;
+            const int64_t p0 = L->start[k], m = L->start[k + 1] - p0, *pt = L->ptrs + 6 * k;
+            nb = (m + TBQ - 1) / TBQ;
+            J = (QJob){.fmt = L->fmt, .w = (const uint8_t *)(intptr_t)pt[down ? 2 : 0],
+                       .s = (const void *)(intptr_t)pt[down ? 3 : 1], .rows = R, .cols = cols, .G = G, .T = m,
+                       .ldy = R, .xq = L->xq + p0 * cols, .xs = L->xs + p0 * G, .xc = L->xc + p0 * G,
+                       .y = (down ? L->y2 : L->gu) + p0 * R, .e8m0 = L->e8m0};
+            bias = (const void *)(intptr_t)pt[5];
+            decoded = -2;
+        }
+        const int64_t v = u - L->ustart[k], g = v / nb, t0 = v % nb * TBQ, t1 = t0 + TBQ < J.T ? t0 + TBQ : J.T;
+        const int64_t r0 = g * RG;
+        const int nr = (int)(R - r0 < RG ? R - r0 : RG);
+        if (g != decoded) {
+            decode_group(&J, r0, nr, W, WS);
+            decoded = g;
+        }
+        qtokens(&J, W, WS, t0, t1, r0, nr);
+        if (down)
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t p = L->start[k] + t;
+                const float *y = J.y + t * R, w = L->wt[p];
+                float *o = L->out + L->dst[p] * L->H;
+                for (int64_t r = r0; r < r0 + nr; r++) {
+                    float s = y[r];
+                    if (bias) s = s + lbias(bias, L->bias_kind, r);
+                    o[r] = round_bf16(s) * w;
+                }
+            }
+    }
+    free(W);
+    return 0;
+}
+
+/* the units of a projection pass with R rows an expert; ustart [n + 1] */
+static int64_t pass_units(const LJob *L, int64_t R, int64_t *ustart) {
+    ustart[0] = 0;
+    for (int64_t k = 0; k < L->n; k++)
+        ustart[k + 1] = ustart[k] + (R + RG - 1) / RG * ((L->start[k + 1] - L->start[k] + TBQ - 1) / TBQ);
+    return ustart[L->n];
+}
+
+#define LAYER_CHUNKS 8 /* pieces a thread of a projection pass */
+
+/* kind: native.c's Job kinds (0 int4 in groups of 32, 1 MXFP4, 3 int8); ptrs [n, 6] as LJob's; bias_kind 0 fp32,
+ * 1 bf16, 2 fp16; act 0 SwiGLU, 1 GPT-OSS's clamped one (with limit, alpha); vec: torch's vector step for the
+ * activation's exp (native.py vector_step). 0; -1 for a shape or an index it does not take (nothing written); -2
+ * where memory cannot be had. */
+int moechat_moe_prefill_q8(int kind, const uint16_t *x, int64_t T, const int64_t *ptrs, const int64_t *start,
+                           int64_t n, const int64_t *tok, const int64_t *dst, const float *wt, int64_t H, int64_t I,
+                           int bias_kind, int act, float limit, float alpha, int64_t vec, float *out,
+                           int64_t rows_out) {
+    if (n <= 0) return n == 0 ? 0 : -1;
+    if ((kind != 0 && kind != 1 && kind != 3) || H <= 0 || I <= 0 || H % 32 || I % 32 || T <= 0
+        || (act != 0 && act != 1) || bias_kind < 0 || bias_kind > 2 || start[0] != 0)
+        return -1;
+    for (int64_t k = 0; k < n; k++)
+        if (start[k + 1] < start[k]) return -1;
+    const int64_t P = start[n];
+    for (int64_t p = 0; p < P; p++)
+        if (tok[p] < 0 || tok[p] >= T || dst[p] < 0 || dst[p] >= rows_out) return -1;
+    if (P == 0) return 0;
+    float e8m0[256];
+    e8m0_table(e8m0);
+    const int64_t wide = H > I ? H : I;
+    LJob L = {.fmt = kind == 0 ? Q_INT4 : kind == 1 ? Q_MXFP4 : Q_INT8, .act = act, .bias_kind = bias_kind, .n = n,
+              .H = H, .I = I, .vec = vec, .rows_out = rows_out, .limit = limit, .alpha = alpha, .x = x, .ptrs = ptrs,
+              .start = start, .tok = tok, .dst = dst, .wt = wt, .out = out, .e8m0 = e8m0};
+    L.offset = kind == 0 ? 8 : kind == 1 ? 12 : INT8_OFFSET;
+    L.perm = kind != 3;
+    int64_t *ustart = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    L.xq = malloc((size_t)(P * wide));
+    L.xs = malloc(sizeof(float) * (size_t)(P * wide / 32));
+    L.xc = malloc(sizeof(int32_t) * (size_t)(P * wide / 32));
+    L.gu = malloc(sizeof(float) * (size_t)(P * 2 * I));
+    L.y2 = malloc(sizeof(float) * (size_t)(P * H));
+    L.ustart = ustart;
+    int rc = -2;
+    if (ustart && L.xq && L.xs && L.xc && L.gu && L.y2) {
+        rc = moechat_parallel_for(lx, &L, P, 1, P * H * 4);
+        L.phase = 1;
+        int64_t units = pass_units(&L, 2 * I, ustart);
+        if (rc == 0) rc = moechat_parallel_for_chunks(lrows, &L, units, 1, P * 2 * I * H / 16, LAYER_CHUNKS);
+        if (rc == 0) rc = moechat_parallel_for(lact, &L, P, 1, P * 2 * I * 16);
+        L.phase = 2;
+        units = pass_units(&L, H, ustart);
+        if (rc == 0) rc = moechat_parallel_for_chunks(lrows, &L, units, 1, P * H * I / 16, LAYER_CHUNKS);
+    }
+    free(ustart), free(L.xq), free(L.xs), free(L.xc), free(L.gu), free(L.y2);
+    return rc;
 }
 
 /* which build this is: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2 (maddubs), 0 scalar */
