@@ -313,6 +313,42 @@ def _native_prefill():
     return fn, lib
 
 
+# the types whose rows the integer prefill kernel reads as the file stores them (native_prefill_int.c): blocks of 32
+# with one scale each, symmetric
+Q8_PREFILL_TYPES = frozenset({"Q8_0", "Q4_0", "MXFP4"})
+
+
+def prefill_q8(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor | None:
+    """x [T, cols] -> [T, rows] fp32 by native_prefill_int.c's integer dots over the rows as the file stores them
+    (Q8_0, Q4_0, MXFP4): x rounded to int8 per block of 32 once per call (as `vecdot` and llama.cpp round it), each
+    block's dot an exact int32, times the two scales, summed in fp32 over the blocks in order: within
+    quant/prefill.py `bound_q8` of F.linear(x, dequantize(W)), the same bits at any thread count and in any batch.
+    For bf16 / fp16 x only (`prefill.integer_path`; an fp32 run keeps the exact `prefill`); None where it does not
+    apply."""
+    from . import native
+    from . import prefill as q8
+
+    if not (t.name in Q8_PREFILL_TYPES and x.dim() == 2 and x.shape[0] > 1 and x.shape[1] == cols
+            and x.device.type == "cpu" and raw.device.type == "cpu" and raw.dtype == torch.uint8 and raw.dim() == 2
+            and raw.is_contiguous() and raw.shape[-1] == t.row_bytes(cols) and cols % 32 == 0
+            and os.environ.get(PREFILL_ENV, "1") != "0"):
+        return None
+    lib = native.decode_library()
+    if not (q8.available(lib) and q8.integer_path(x, lib) and hasattr(lib, "moechat_prefill_q8_gguf")):
+        return None
+    fn = lib.moechat_prefill_q8_gguf
+    if fn.argtypes is None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ctypes.c_int, p, i64, p, i64, i64, i64, p, i64]
+        fn.restype = ctypes.c_int
+    xf = x.float().contiguous()
+    rows = raw.shape[0]
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32)  # [T, rows]
+    native._threads(lib)
+    rc = fn(t.id, xf.data_ptr(), x.shape[0], raw.data_ptr(), rows, cols, raw.shape[1], y.data_ptr(), rows)
+    return y if rc == 0 else None
+
+
 def prefill(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor | None:
     """x [T, cols] -> [T, rows] fp32 by native_gguf.c's many-token kernel: each 4-row block of W decoded once (bit for
     bit `dequantize`) into a cache-resident fp32 scratch and multiplied there by every token with fp32 FMAs, so each
@@ -378,7 +414,9 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int,
         return y.to(out_dtype)
     if x.shape[0] == 1 and use_vecdot(x) and (y1 := vecdot(x, raw, t, cols)) is not None:
         return (y1 + bias.float() if bias is not None else y1).to(out_dtype)
-    y = prefill(x, raw, t, cols)
+    y = prefill_q8(x, raw, t, cols)
+    if y is None:
+        y = prefill(x, raw, t, cols)
     if y is None:
         rows = raw.shape[0]
         xf = x.float()

@@ -67,7 +67,12 @@ void moechat_moe_act_row(float *g, const void *b13, int bias_kind, int64_t I, in
 /* the code -> unsigned byte maps (the weight is (u - offset) x the block's scale) */
 static const uint8_t U_INT4[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const uint8_t U_MXFP4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* 2 x E2M1 + 12 */
-enum { Q_INT4, Q_MXFP4, Q_INT8 };
+/* the GGUF block types: rows of blocks of 32 as the file stores them (Q8_0: fp16 d + 32 int8; Q4_0: fp16 d + 16
+ * bytes, element i in the low nibble of byte i, element 16 + i in its high one, code - 8; MXFP4: an E8M0 byte + 16
+ * such bytes of E2M1 codes), each element in order (x unpermuted) */
+enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4 };
+#define SIGNED_Q(f) ((f) == Q_INT8 || (f) == Q_G8_0) /* int8 codes: the AVX2 build multiplies them signed */
+#define GGUF_Q(f) ((f) >= Q_G8_0)
 /* int8 weights: VNNI and scalar builds take u = q + 128 (offset 128); the AVX2 build keeps q signed (offset 0) and
  * multiplies |q| by x with q's sign (vpsignb), since u8 pairs of 255 x 127 would saturate vpmaddubsw's int16 */
 #if IQ_ISA == 1
@@ -81,6 +86,7 @@ typedef struct {
     const uint8_t *w;  /* codes [rows, cols / 2]; int8: [rows, cols] */
     const void *s;     /* int4: fp16 [rows, G]; MXFP4: E8M0 bytes [rows, G]; int8: fp32 [rows] */
     int64_t rows, cols, G, T, ldy;
+    int64_t rb;        /* GGUF: bytes a row */
     const int8_t *xq;  /* [T, cols], each block permuted to the packed order */
     const float *xs;   /* [T, G] */
     const int32_t *xc; /* [T, G]: -offset x sum of the block's q */
@@ -256,10 +262,91 @@ static void decode_group_int8(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
 #endif
 }
 
+/* GGUF rows [r0, r0 + nr) -> W, WS as the other decoders lay them out: per block, each row's 32 codes as unsigned
+ * bytes in element order (Q8_0: q + 128, or q itself in the AVX2 build; Q4_0: the code; MXFP4: 2 x E2M1 + 12),
+ * loaded from the blocks where they lie and transposed in registers (Q4_0 / MXFP4: dword m of the 16 code bytes
+ * holds elements 4m..4m+3 in its low nibbles and 16 + 4m.. in its high ones: chunks m and 4 + m) */
+static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, float *WS) {
+    const int64_t G = J->G, bs = J->fmt == Q_G8_0 ? 34 : J->fmt == Q_G4_0 ? 18 : 17;
+    const int qoff = J->fmt == Q_GMXFP4 ? 1 : 2;
+    const uint8_t *base[RG], *rp[RG];
+    for (int i = 0; i < RG; i++) base[i] = i < nr ? J->w + (r0 + i) * J->rb : NULL;
+    const uint8_t *map = J->fmt == Q_G4_0 ? U_INT4 : U_MXFP4;
+#if IQ_ISA
+    const __m128i tab128 = _mm_loadu_si128((const __m128i *)map);
+#if IQ_ISA == 3
+    const __m512i tab = _mm512_broadcast_i32x4(tab128), m0f = _mm512_set1_epi8(0x0F);
+    const __m512i flip = _mm512_set1_epi8((char)(INT8_OFFSET ? 0x80 : 0));
+#else
+    const __m256i tab = _mm256_broadcastsi128_si256(tab128), m0f = _mm256_set1_epi8(0x0F);
+    const __m256i flip = _mm256_set1_epi8((char)(INT8_OFFSET ? 0x80 : 0));
+#endif
+#endif
+    for (int64_t b = 0; b < G; b++, W += 8 * RG * 4) {
+        uint16_t h[RG];
+        for (int i = 0; i < RG; i++) {
+            rp[i] = base[i] ? base[i] + b * bs + qoff : NULL;
+            h[i] = 0;
+            if (base[i] && J->fmt != Q_GMXFP4) memcpy(&h[i], base[i] + b * bs, 2);
+        }
+        if (J->fmt == Q_GMXFP4) {
+            for (int i = 0; i < RG; i++) WS[b * RG + i] = base[i] ? J->e8m0[base[i][b * bs]] : 0.0f;
+        } else {
+#if IQ_ISA == 3
+            _mm512_store_ps(WS + b * RG, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+#elif IQ_ISA
+            _mm256_store_ps(WS + b * RG, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+#else
+            for (int i = 0; i < RG; i++) WS[b * RG + i] = q_f16(h[i]);
+#endif
+        }
+#if IQ_ISA
+        RV D[4];
+        if (J->fmt == Q_G8_0) {
+            for (int hh = 0; hh < 2; hh++) {
+                rows_dwords(rp, 16 * hh, D);
+                for (int m = 0; m < 4; m++)
+#if IQ_ISA == 3
+                    _mm512_store_si512((__m512i *)(W + (4 * hh + m) * 64), _mm512_xor_si512(D[m], flip));
+#else
+                    _mm256_store_si256((__m256i *)(W + (4 * hh + m) * 32), _mm256_xor_si256(D[m], flip));
+#endif
+            }
+        } else {
+            rows_dwords(rp, 0, D);
+            for (int m = 0; m < 4; m++) {
+#if IQ_ISA == 3
+                __m512i lo = _mm512_and_si512(D[m], m0f), hi = _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f);
+                _mm512_store_si512((__m512i *)(W + m * 64), _mm512_shuffle_epi8(tab, lo));
+                _mm512_store_si512((__m512i *)(W + (4 + m) * 64), _mm512_shuffle_epi8(tab, hi));
+#else
+                __m256i lo = _mm256_and_si256(D[m], m0f), hi = _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f);
+                _mm256_store_si256((__m256i *)(W + m * 32), _mm256_shuffle_epi8(tab, lo));
+                _mm256_store_si256((__m256i *)(W + (4 + m) * 32), _mm256_shuffle_epi8(tab, hi));
+#endif
+            }
+        }
+#else
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < RG; i++)
+                for (int k = 0; k < 4; k++) {
+                    uint8_t u = 0;
+                    if (rp[i] && J->fmt == Q_G8_0) u = (uint8_t)(rp[i][4 * j + k] ^ 0x80);
+                    else if (rp[i]) u = map[j < 4 ? rp[i][4 * j + k] & 15 : rp[i][4 * (j - 4) + k] >> 4];
+                    W[(j * RG + i) * 4 + k] = u;
+                }
+#endif
+    }
+}
+
 /* rows [r0, r0 + nr) (nr <= RG; the rest zero) -> W [G][8][RG][4] bytes, WS [G][RG] fp32 */
 static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *WS) {
     if (J->fmt == Q_INT8) {
         decode_group_int8(J, r0, nr, W, WS);
+        return;
+    }
+    if (GGUF_Q(J->fmt)) {
+        decode_group_gguf(J, r0, nr, W, WS);
         return;
     }
     const int64_t G = J->G, half = J->cols / 2;
@@ -369,7 +456,7 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
                 ai[t] = _mm256_dpbusd_avx_epi32(ai[t], w, _mm256_set1_epi32(word(xb + t * cols + 4 * j)));
         }
 #else
-        if (J->fmt == Q_INT8) { /* signed q: |q| x (x with q's sign), a pair <= 2 x 128 x 127 = 32512, widened at once */
+        if (SIGNED_Q(J->fmt)) { /* signed q: |q| x (x with q's sign), a pair <= 2 x 128 x 127 = 32512, widened at once */
             for (int j = 0; j < 8; j++) {
                 __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32)), aw = _mm256_abs_epi8(w);
                 for (int t = 0; t < NT; t++) {
@@ -469,7 +556,7 @@ static int run_q8(QJob *J, const float *x, int offset) {
     int32_t *xc = malloc(sizeof(int32_t) * (size_t)(J->T * J->G));
     int rc = -2;
     if (xq && xs && xc) {
-        XJob X = {.x = x, .cols = J->cols, .G = J->G, .offset = offset, .perm = J->fmt != Q_INT8, .xq = xq, .xs = xs,
+        XJob X = {.x = x, .cols = J->cols, .G = J->G, .offset = offset, .perm = J->fmt < Q_INT8, .xq = xq, .xs = xs,
                   .xc = xc};
         rc = moechat_parallel_for(xshare, &X, J->T, 1, J->T * J->cols * 4);  /* x's fp32 bytes: over the pool too */
         J->xq = xq, J->xs = xs, J->xc = xc;
@@ -703,6 +790,19 @@ int moechat_moe_prefill_q8(int kind, const uint16_t *x, int64_t T, const int64_t
     }
     free(ustart), free(L.xq), free(L.xs), free(L.xc), free(L.gu), free(L.y2);
     return rc;
+}
+
+/* GGUF rows as the file stores them: raw [rows, row_bytes] of `type` (ggml's ids: 8 Q8_0, 2 Q4_0, 39 MXFP4) */
+int moechat_prefill_q8_gguf(int type, const float *x, int64_t T, const uint8_t *raw, int64_t rows, int64_t cols,
+                            int64_t row_bytes, float *y, int64_t ldy) {
+    int fmt = type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : -1;
+    int64_t bs = type == 8 ? 34 : type == 2 ? 18 : 17;
+    if (fmt < 0 || cols % 32 || row_bytes != cols / 32 * bs) return -1;
+    float e8m0[256];
+    e8m0_table(e8m0);
+    QJob J = {.fmt = fmt, .w = raw, .rows = rows, .cols = cols, .rb = row_bytes, .T = T, .y = y, .ldy = ldy,
+              .e8m0 = e8m0};
+    return run_q8(&J, x, fmt == Q_G8_0 ? INT8_OFFSET : fmt == Q_G4_0 ? 8 : 12);
 }
 
 /* which build this is: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2 (maddubs), 0 scalar */
