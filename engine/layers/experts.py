@@ -220,14 +220,42 @@ LAYER_PREFILL_ENV = "MOECHAT_LAYER_PREFILL"  # "0": the per-expert path below (t
 _LAYER_PREFILL_KINDS = ("int4", "mxfp4", "int8")  # the formats with integer (Q8) prefill kernels
 
 
+def _gguf_q8(fmt: ExpertFormat) -> bool:
+    """A GGUF format whose rows the layer call reads as the file stores them: gate and up apart (not interleaved, not
+    fused), each projection in Q8_0, Q4_0 or MXFP4, gate's type up's."""
+    from ..quant.gguf import Q8_PREFILL_TYPES, GGUFFormat
+
+    return (isinstance(fmt, GGUFFormat) and not fmt.interleaved and set(fmt.types) == {"w1", "w3", "w2"}
+            and fmt.types["w1"] == fmt.types["w3"] and all(t.name in Q8_PREFILL_TYPES for t in fmt.types.values()))
+
+
 def _q8_layer(x: torch.Tensor, fmt: ExpertFormat, act: ExpertActivation):
     """The library where a chunk of bf16 tokens in this format and activation takes the integer kernels for each
-    projection (quant/prefill.py `integer_path`) and the layer call can do the same work in one go, else None."""
-    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or fmt.name not in _LAYER_PREFILL_KINDS
-            or not act.gated or act.kind not in native.ACT_KINDS):
+    projection (quant/prefill.py `integer_path`, quant/gguf.py `prefill_q8`) and the layer call can do the same work
+    in one go, else None."""
+    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or not act.gated or act.kind not in native.ACT_KINDS
+            or not (fmt.name in _LAYER_PREFILL_KINDS or (act.kind == "swiglu" and _gguf_q8(fmt)))):
+        return None
+    if fmt.name not in _LAYER_PREFILL_KINDS and os.environ.get("MOECHAT_GGUF_PREFILL", "1") == "0":
         return None
     lib = native.decode_library()
     return lib if prefill.available(lib) and prefill.integer_path(x, lib) else None
+
+
+def _gguf_rows(fmt: ExpertFormat, ts) -> tuple[list]:
+    """Per slot, its gate, up and down rows' addresses (and no scales or biases) and the layer's (H, I, gate/up's
+    and down's ggml type ids), as `_moe_rows` gives them for the safetensors formats; None: a slot not taken."""
+    w1, w3, w2 = ts["w1"], ts["w3"], ts["w2"]
+    C = w1.shape[0]
+    if "w1_bias" in ts or not all(t.device.type == "cpu" and t.dtype == torch.uint8 and t[0].is_contiguous()
+                                  for t in (w1, w3, w2)):
+        return ([None] * C,)
+    t13, t2 = fmt.types["w1"], fmt.types["w2"]
+    hidden, inter = w1.shape[2] // t13.nbytes * t13.block, w1.shape[1]
+    if w2.shape[1:] != (hidden, t2.row_bytes(inter)) or w3.shape != w1.shape:
+        return ([None] * C,)
+    meta = (hidden, inter, t13.id, t2.id)
+    return ([((w1[s].data_ptr(), w3[s].data_ptr(), w2[s].data_ptr(), 0, 0, 0), meta) for s in range(C)],)
 
 
 def _layer_prefill(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batch: ExpertBatch, act, contrib,
@@ -240,12 +268,16 @@ def _layer_prefill(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
     if (os.environ.get(LAYER_PREFILL_ENV, "1") == "0" or not contrib.is_contiguous()
             or (lib := _q8_layer(hidden_states, fmt, act)) is None):
         return False
+    gguf = fmt.name not in _LAYER_PREFILL_KINDS
     used, counts = torch.unique_consecutive(slots, return_counts=True)
-    rows = _cached_views(f"moe-{fmt.name}", batch, lambda ts: _moe_rows(fmt, ts))[0]
+    rows = _cached_views(f"moe-{fmt.name}", batch, lambda ts: (_gguf_rows if gguf else _moe_rows)(fmt, ts))[0]
     entries = [rows[s] for s in used.tolist()]
     if any(e is None for e in entries):
         return False
-    kind, hidden, inter, group13, group2, _, bias_kind = entries[0][1]
+    if gguf:
+        hidden, inter, type13, type2 = entries[0][1]
+    else:
+        kind, hidden, inter, group13, group2, _, bias_kind = entries[0][1]
     vec = native.vector_step(hidden_states.dtype)
     if (contrib.shape[1] != hidden or hidden % prefill.Q8_BLOCK or inter % prefill.Q8_BLOCK
             or (vec and inter % vec)  # torch's activation: vectorised over each whole row, as the native one
@@ -255,8 +287,12 @@ def _layer_prefill(hidden_states: torch.Tensor, topk_weights: torch.Tensor, batc
     start = torch.zeros(len(entries) + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=start[1:])
     wt = topk_weights.reshape(-1).float().index_select(0, idx.to(topk_weights.device)).cpu().contiguous()
-    native.moe_prefill(lib, kind, hidden_states.contiguous(), ptrs, start, (idx // K).contiguous(), idx.contiguous(),
-                       wt, inter, bias_kind, native.ACT_KINDS[act.kind], act.limit, act.alpha, contrib)
+    x, tok, dst = hidden_states.contiguous(), (idx // K).contiguous(), idx.contiguous()
+    if gguf:
+        native.moe_prefill_gguf(lib, type13, type2, x, ptrs, start, tok, dst, wt, inter, contrib)
+    else:
+        native.moe_prefill(lib, kind, x, ptrs, start, tok, dst, wt, inter, bias_kind, native.ACT_KINDS[act.kind],
+                           act.limit, act.alpha, contrib)
     return True
 
 

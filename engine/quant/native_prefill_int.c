@@ -87,6 +87,8 @@ typedef struct {
     const void *s;     /* int4: fp16 [rows, G]; MXFP4: E8M0 bytes [rows, G]; int8: fp32 [rows] */
     int64_t rows, cols, G, T, ldy;
     int64_t rb;        /* GGUF: bytes a row */
+    const uint8_t *w_hi; /* GGUF: rows from `split` on come from here (up's rows after gate's), else NULL */
+    int64_t split;
     const int8_t *xq;  /* [T, cols], each block permuted to the packed order */
     const float *xs;   /* [T, G] */
     const int32_t *xc; /* [T, G]: -offset x sum of the block's q */
@@ -270,7 +272,10 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
     const int64_t G = J->G, bs = J->fmt == Q_G8_0 ? 34 : J->fmt == Q_G4_0 ? 18 : 17;
     const int qoff = J->fmt == Q_GMXFP4 ? 1 : 2;
     const uint8_t *base[RG], *rp[RG];
-    for (int i = 0; i < RG; i++) base[i] = i < nr ? J->w + (r0 + i) * J->rb : NULL;
+    for (int i = 0; i < RG; i++) {
+        const int64_t r = r0 + i;
+        base[i] = i >= nr ? NULL : J->w_hi && r >= J->split ? J->w_hi + (r - J->split) * J->rb : J->w + r * J->rb;
+    }
     const uint8_t *map = J->fmt == Q_G4_0 ? U_INT4 : U_MXFP4;
 #if IQ_ISA
     const __m128i tab128 = _mm_loadu_si128((const __m128i *)map);
@@ -612,11 +617,12 @@ int moechat_prefill_q8_int8(const float *x, int64_t T, const int8_t *q, const fl
  * TBQ tokens), equal work each, that the threads claim in chunks, so an expert with 40 tokens weighs what it costs
  * beside one with 2; a group is decoded once per chunk that reaches it. */
 typedef struct {
-    int fmt, offset, perm, phase, act, bias_kind;
-    int64_t n, H, I, vec, rows_out;
+    int fmt13, fmt2, offset13, offset2, perm13, perm2, phase, act, bias_kind;
+    int64_t n, H, I, vec, rows_out, rb13, rb2; /* rb: GGUF's bytes a row (gate's and up's, down's) */
     float limit, alpha;
     const uint16_t *x;    /* bf16 [T, H] */
-    const int64_t *ptrs;  /* [n, 6]: w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0 */
+    const int64_t *ptrs;  /* [n, 6]: w13, w13 scale, w2, w2 scale, w13 bias or 0, w2 bias or 0 (GGUF: gate, up,
+                           * down, 0, 0, 0) */
     const int64_t *start; /* [n + 1] */
     const int64_t *ustart; /* [n + 1]: the pass's units before expert k */
     const int64_t *tok, *dst;
@@ -659,7 +665,7 @@ static int lx(void *ctx, int64_t a, int64_t b) {
         const uint16_t *row = L->x + L->tok[p] * H;
         for (int64_t g = 0; g < G; g++) {
             for (int i = 0; i < 32; i++) v[i] = bf16_bits(row[g * 32 + i]);
-            quantize_block(v, L->offset, L->perm, L->xq + p * H + g * 32, L->xs + p * G + g, L->xc + p * G + g);
+            quantize_block(v, L->offset13, L->perm13, L->xq + p * H + g * 32, L->xs + p * G + g, L->xc + p * G + g);
         }
     }
     return 0;
@@ -680,7 +686,7 @@ static int lact(void *ctx, int64_t a, int64_t b) {
                             L->limit, L->alpha, act);
         for (int64_t g = 0; g < G; g++) {
             for (int i = 0; i < 32; i++) v[i] = bf16_bits(act[g * 32 + i]);
-            quantize_block(v, L->offset, L->perm, L->xq + p * I + g * 32, L->xs + p * G + g, L->xc + p * G + g);
+            quantize_block(v, L->offset2, L->perm2, L->xq + p * I + g * 32, L->xs + p * G + g, L->xc + p * G + g);
         }
     }
     free(act);
@@ -703,10 +709,14 @@ static int lrows(void *ctx, int64_t a, int64_t b) {
             while (u >= L->ustart[k + 1]) k++;
             const int64_t p0 = L->start[k], m = L->start[k + 1] - p0, *pt = L->ptrs + 6 * k;
             nb = (m + TBQ - 1) / TBQ;
-            J = (QJob){.fmt = L->fmt, .w = (const uint8_t *)(intptr_t)pt[down ? 2 : 0],
+            const int fmt = down ? L->fmt2 : L->fmt13;
+            J = (QJob){.fmt = fmt, .w = (const uint8_t *)(intptr_t)pt[down ? 2 : 0],
                        .s = (const void *)(intptr_t)pt[down ? 3 : 1], .rows = R, .cols = cols, .G = G, .T = m,
-                       .ldy = R, .xq = L->xq + p0 * cols, .xs = L->xs + p0 * G, .xc = L->xc + p0 * G,
-                       .y = (down ? L->y2 : L->gu) + p0 * R, .e8m0 = L->e8m0};
+                       .ldy = R, .rb = down ? L->rb2 : L->rb13, .split = R, .xq = L->xq + p0 * cols,
+                       .xs = L->xs + p0 * G, .xc = L->xc + p0 * G, .y = (down ? L->y2 : L->gu) + p0 * R,
+                       .e8m0 = L->e8m0};
+            if (GGUF_Q(fmt) && !down) /* gate's rows, then up's from their own tensor */
+                J.w_hi = (const uint8_t *)(intptr_t)pt[1], J.s = NULL, J.split = L->I;
             bias = (const void *)(intptr_t)pt[5];
             decoded = -2;
         }
@@ -744,6 +754,45 @@ static int64_t pass_units(const LJob *L, int64_t R, int64_t *ustart) {
 
 #define LAYER_CHUNKS 8 /* pieces a thread of a projection pass */
 
+static int layer_run(LJob *L, int64_t T, int64_t n, const int64_t *start) {
+    const int64_t H = L->H, I = L->I;
+    if (n <= 0) return n == 0 ? 0 : -1;
+    if (H <= 0 || I <= 0 || H % 32 || I % 32 || T <= 0 || (L->act != 0 && L->act != 1) || L->bias_kind < 0
+        || L->bias_kind > 2 || start[0] != 0)
+        return -1;
+    for (int64_t k = 0; k < n; k++)
+        if (start[k + 1] < start[k]) return -1;
+    const int64_t P = start[n];
+    for (int64_t p = 0; p < P; p++)
+        if (L->tok[p] < 0 || L->tok[p] >= T || L->dst[p] < 0 || L->dst[p] >= L->rows_out) return -1;
+    if (P == 0) return 0;
+    float e8m0[256];
+    e8m0_table(e8m0);
+    L->e8m0 = e8m0;
+    L->n = n, L->start = start;
+    const int64_t wide = H > I ? H : I;
+    int64_t *ustart = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    L->xq = malloc((size_t)(P * wide));
+    L->xs = malloc(sizeof(float) * (size_t)(P * wide / 32));
+    L->xc = malloc(sizeof(int32_t) * (size_t)(P * wide / 32));
+    L->gu = malloc(sizeof(float) * (size_t)(P * 2 * I));
+    L->y2 = malloc(sizeof(float) * (size_t)(P * H));
+    L->ustart = ustart;
+    int rc = -2;
+    if (ustart && L->xq && L->xs && L->xc && L->gu && L->y2) {
+        rc = moechat_parallel_for(lx, L, P, 1, P * H * 4);
+        L->phase = 1;
+        int64_t units = pass_units(L, 2 * I, ustart);
+        if (rc == 0) rc = moechat_parallel_for_chunks(lrows, L, units, 1, P * 2 * I * H / 16, LAYER_CHUNKS);
+        if (rc == 0) rc = moechat_parallel_for(lact, L, P, 1, P * 2 * I * 16);
+        L->phase = 2;
+        units = pass_units(L, H, ustart);
+        if (rc == 0) rc = moechat_parallel_for_chunks(lrows, L, units, 1, P * H * I / 16, LAYER_CHUNKS);
+    }
+    free(ustart), free(L->xq), free(L->xs), free(L->xc), free(L->gu), free(L->y2);
+    return rc;
+}
+
 /* kind: native.c's Job kinds (0 int4 in groups of 32, 1 MXFP4, 3 int8); ptrs [n, 6] as LJob's; bias_kind 0 fp32,
  * 1 bf16, 2 fp16; act 0 SwiGLU, 1 GPT-OSS's clamped one (with limit, alpha); vec: torch's vector step for the
  * activation's exp (native.py vector_step). 0; -1 for a shape or an index it does not take (nothing written); -2
@@ -752,57 +801,52 @@ int moechat_moe_prefill_q8(int kind, const uint16_t *x, int64_t T, const int64_t
                            int64_t n, const int64_t *tok, const int64_t *dst, const float *wt, int64_t H, int64_t I,
                            int bias_kind, int act, float limit, float alpha, int64_t vec, float *out,
                            int64_t rows_out) {
-    if (n <= 0) return n == 0 ? 0 : -1;
-    if ((kind != 0 && kind != 1 && kind != 3) || H <= 0 || I <= 0 || H % 32 || I % 32 || T <= 0
-        || (act != 0 && act != 1) || bias_kind < 0 || bias_kind > 2 || start[0] != 0)
-        return -1;
+    if (kind != 0 && kind != 1 && kind != 3) return -1;
+    const int fmt = kind == 0 ? Q_INT4 : kind == 1 ? Q_MXFP4 : Q_INT8, offset = kind == 0 ? 8 : kind == 1 ? 12
+                                                                                                   : INT8_OFFSET;
+    LJob L = {.fmt13 = fmt, .fmt2 = fmt, .offset13 = offset, .offset2 = offset, .perm13 = kind != 3,
+              .perm2 = kind != 3, .act = act, .bias_kind = bias_kind, .H = H, .I = I, .vec = vec,
+              .rows_out = rows_out, .limit = limit, .alpha = alpha, .x = x, .ptrs = ptrs, .tok = tok, .dst = dst,
+              .wt = wt, .out = out};
+    return layer_run(&L, T, n, start);
+}
+
+static int gguf_fmt(int type, int *offset, int64_t *block_bytes) {
+    *offset = type == 8 ? INT8_OFFSET : type == 2 ? 8 : 12;
+    *block_bytes = type == 8 ? 34 : type == 2 ? 18 : 17;
+    return type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : -1;
+}
+
+/* The same for GGUF experts as the file stores them: gate's and up's rows of ggml type `type13`, down's of `type2`
+ * (8 Q8_0, 2 Q4_0, 39 MXFP4); ptrs [n, 6] each expert's gate, up and down rows then three zeros (no biases); SwiGLU
+ * (gate's rows, then up's: not interleaved). */
+int moechat_moe_prefill_q8_gguf(int type13, int type2, const uint16_t *x, int64_t T, const int64_t *ptrs,
+                                const int64_t *start, int64_t n, const int64_t *tok, const int64_t *dst,
+                                const float *wt, int64_t H, int64_t I, int64_t vec, float *out, int64_t rows_out) {
+    int o13, o2;
+    int64_t b13, b2;
+    const int f13 = gguf_fmt(type13, &o13, &b13), f2 = gguf_fmt(type2, &o2, &b2);
+    if (f13 < 0 || f2 < 0) return -1;
+    LJob L = {.fmt13 = f13, .fmt2 = f2, .offset13 = o13, .offset2 = o2, .act = 0, .H = H, .I = I, .vec = vec,
+              .rows_out = rows_out, .rb13 = H / 32 * b13, .rb2 = I / 32 * b2, .x = x, .ptrs = ptrs, .tok = tok,
+              .dst = dst, .wt = wt, .out = out};
     for (int64_t k = 0; k < n; k++)
-        if (start[k + 1] < start[k]) return -1;
-    const int64_t P = start[n];
-    for (int64_t p = 0; p < P; p++)
-        if (tok[p] < 0 || tok[p] >= T || dst[p] < 0 || dst[p] >= rows_out) return -1;
-    if (P == 0) return 0;
-    float e8m0[256];
-    e8m0_table(e8m0);
-    const int64_t wide = H > I ? H : I;
-    LJob L = {.fmt = kind == 0 ? Q_INT4 : kind == 1 ? Q_MXFP4 : Q_INT8, .act = act, .bias_kind = bias_kind, .n = n,
-              .H = H, .I = I, .vec = vec, .rows_out = rows_out, .limit = limit, .alpha = alpha, .x = x, .ptrs = ptrs,
-              .start = start, .tok = tok, .dst = dst, .wt = wt, .out = out, .e8m0 = e8m0};
-    L.offset = kind == 0 ? 8 : kind == 1 ? 12 : INT8_OFFSET;
-    L.perm = kind != 3;
-    int64_t *ustart = malloc(sizeof(int64_t) * (size_t)(n + 1));
-    L.xq = malloc((size_t)(P * wide));
-    L.xs = malloc(sizeof(float) * (size_t)(P * wide / 32));
-    L.xc = malloc(sizeof(int32_t) * (size_t)(P * wide / 32));
-    L.gu = malloc(sizeof(float) * (size_t)(P * 2 * I));
-    L.y2 = malloc(sizeof(float) * (size_t)(P * H));
-    L.ustart = ustart;
-    int rc = -2;
-    if (ustart && L.xq && L.xs && L.xc && L.gu && L.y2) {
-        rc = moechat_parallel_for(lx, &L, P, 1, P * H * 4);
-        L.phase = 1;
-        int64_t units = pass_units(&L, 2 * I, ustart);
-        if (rc == 0) rc = moechat_parallel_for_chunks(lrows, &L, units, 1, P * 2 * I * H / 16, LAYER_CHUNKS);
-        if (rc == 0) rc = moechat_parallel_for(lact, &L, P, 1, P * 2 * I * 16);
-        L.phase = 2;
-        units = pass_units(&L, H, ustart);
-        if (rc == 0) rc = moechat_parallel_for_chunks(lrows, &L, units, 1, P * H * I / 16, LAYER_CHUNKS);
-    }
-    free(ustart), free(L.xq), free(L.xs), free(L.xc), free(L.gu), free(L.y2);
-    return rc;
+        if (ptrs[6 * k + 3] || ptrs[6 * k + 4] || ptrs[6 * k + 5]) return -1; /* no biases here */
+    return layer_run(&L, T, n, start);
 }
 
 /* GGUF rows as the file stores them: raw [rows, row_bytes] of `type` (ggml's ids: 8 Q8_0, 2 Q4_0, 39 MXFP4) */
 int moechat_prefill_q8_gguf(int type, const float *x, int64_t T, const uint8_t *raw, int64_t rows, int64_t cols,
                             int64_t row_bytes, float *y, int64_t ldy) {
-    int fmt = type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : -1;
-    int64_t bs = type == 8 ? 34 : type == 2 ? 18 : 17;
+    int offset;
+    int64_t bs;
+    const int fmt = gguf_fmt(type, &offset, &bs);
     if (fmt < 0 || cols % 32 || row_bytes != cols / 32 * bs) return -1;
     float e8m0[256];
     e8m0_table(e8m0);
-    QJob J = {.fmt = fmt, .w = raw, .rows = rows, .cols = cols, .rb = row_bytes, .T = T, .y = y, .ldy = ldy,
-              .e8m0 = e8m0};
-    return run_q8(&J, x, fmt == Q_G8_0 ? INT8_OFFSET : fmt == Q_G4_0 ? 8 : 12);
+    QJob J = {.fmt = fmt, .w = raw, .rows = rows, .cols = cols, .rb = row_bytes, .split = rows, .T = T, .y = y,
+              .ldy = ldy, .e8m0 = e8m0};
+    return run_q8(&J, x, offset);
 }
 
 /* which build this is: 3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2 (maddubs), 0 scalar */

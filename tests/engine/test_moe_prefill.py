@@ -151,3 +151,58 @@ def test_a_bad_index_is_refused_before_any_write():
     native.moe_prefill(lib, native.MOE_KINDS["int8"], x, ptrs, start, torch.tensor([0, 1, 2]), torch.tensor([5, 0, 3]),
                        wt, 32, 0, 0, 7.0, 1.702, out)
     assert (out[[5, 0, 3]].abs().sum(1) > 0).all() and out[[1, 2, 4]].abs().sum() == 0
+
+
+def _gguf_experts(types: tuple[str, str, str], C: int, H: int, I: int, seed: int, interleaved: bool = False):
+    pytest.importorskip("gguf")
+    from moechat.engine.quant.gguf import GGUFFormat
+    from tests.engine.test_gguf_quant import random_blocks
+
+    fmt = GGUFFormat(*types, interleaved=interleaved)
+    per = {p: torch.stack([torch.from_numpy(random_blocks(fmt.types[p].name, rows, cols, seed=seed + 7 * e + i))
+                           for e in range(C)])
+           for i, (p, (rows, cols)) in enumerate((("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))))}
+    return per, fmt
+
+
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q4_0", "Q8_0"), ("MXFP4", "MXFP4", "Q4_0")])
+def test_gguf_experts_one_call_is_the_per_expert_path(monkeypatch, types):
+    """GGUF experts as the file stores them (gate and up apart): the same bits as gguf_linear per projection."""
+    C, T, K, H, I = 6, 11, 2, 128, 96
+    tensors, fmt = _gguf_experts(types, C, H, I, seed=3)
+    ids, weights = _routing(T, K, C, seed=9)
+    x = (torch.randn(T, H, generator=torch.Generator().manual_seed(2)) * 2).bfloat16()
+    batch = _batch(tensors, fmt, ids)
+    want = _run(x, weights, batch, SWIGLU, False, monkeypatch)
+    calls = []
+    real = native.moe_prefill_gguf
+    monkeypatch.setattr(native, "moe_prefill_gguf", lambda *a: calls.append(1) or real(*a))
+    got = _run(x, weights, batch, SWIGLU, True, monkeypatch)
+    assert calls and want.abs().sum() > 0
+    _same(got, want)
+    monkeypatch.undo()
+    before = torch.get_num_threads()
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            _same(_run(x, weights, batch, SWIGLU, True, monkeypatch), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gguf_experts_it_does_not_take_fall_back(monkeypatch):
+    """Interleaved gate/up (gpt-oss's GGUF), a k-quant, the clamped activation: the per-expert path, no call."""
+    H, I = 256, 256
+    cases = [(("Q8_0", "Q8_0", "Q8_0"), True, SWIGLU), (("Q4_K", "Q4_K", "Q6_K"), False, SWIGLU),
+             (("MXFP4", "MXFP4", "MXFP4"), False, CLAMPED)]
+    for types, interleaved, act in cases:
+        tensors, fmt = _gguf_experts(types, 3, H, I, seed=1, interleaved=interleaved)
+        ids, weights = _routing(5, 2, 3, seed=2)
+        x = torch.randn(5, H).bfloat16()
+        calls = []
+        real = native.moe_prefill_gguf
+        monkeypatch.setattr(native, "moe_prefill_gguf", lambda *a, calls=calls, real=real: calls.append(1) or real(*a))
+        got = _run(x, weights, _batch(tensors, fmt, ids), act, True, monkeypatch)
+        assert not calls, types
+        _same(got, _run(x, weights, _batch(tensors, fmt, ids), act, False, monkeypatch))
+        monkeypatch.undo()
