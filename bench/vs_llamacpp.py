@@ -5,7 +5,8 @@ Two models at real widths with fewer layers (flags give the issue's or the full 
     bf16 / int8 / int4 experts in moechat (int8 with `dense_format="int8"`, int4 with `dense_format="int4"`:
     attention in 4 bits and the LM head in int8, as llama.cpp's Q4_0 keeps attention in Q4_0 and its output matrix
     in Q6_K; bf16 with native dense) against llama.cpp's BF16 / Q8_0 / Q4_0 (or `--q4 Q4_K_M`) of the same
-    checkpoint;
+    checkpoint; and with `--formats ...,gguf-q8,gguf-q4` moechat on llama.cpp's own Q8_0 / Q4_0 file (experts in the
+    file's types, attention dequantized to bf16 at load, the output matrix kept packed);
   - GPT-OSS-20B-shaped (hidden 2880, 32 experts of 2880, top-4, vocabulary 201,088, sliding window, sinks,
     biases), experts in MXFP4 as shipped (random codes and scales: speed does not depend on the values), dense in
     bf16: moechat's native MXFP4 against the GGUF llama.cpp's converter makes from it (MXFP4 experts, bf16 rest).
@@ -78,8 +79,10 @@ GPT_OSS = {
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
 }
 # row -> (moechat expert_format, moechat dense_format, llama.cpp type); "q4" is filled from --q4
+# gguf-*: moechat runs the GGUF llama.cpp runs (experts in the file's types, attention dequantized to bf16 at load, the
+# output matrix kept packed)
 ROWS = {"bf16": (None, "native", "BF16"), "int8": ("int8", "int8", "Q8_0"), "int4": ("int4", "int4", "q4"),
-        "mxfp4": (None, "native", "MXFP4")}
+        "mxfp4": (None, "native", "MXFP4"), "gguf-q8": (None, "native", "Q8_0"), "gguf-q4": (None, "native", "q4")}
 
 
 class BenchError(Exception):
@@ -461,7 +464,9 @@ def main() -> None:
     ap.add_argument("--qwen-layers", type=int, default=4, help="of Qwen3-30B-A3B's 48 (the issue: 8)")
     ap.add_argument("--gpt-oss-layers", type=int, default=4, help="of GPT-OSS-20B's 24 (the issue: 12)")
     ap.add_argument("--models", default="qwen3,gpt-oss")
-    ap.add_argument("--formats", default="bf16,int8,int4", help="Qwen3-shaped rows (GPT-OSS runs MXFP4)")
+    ap.add_argument("--formats", default="bf16,int8,int4",
+                    help="Qwen3-shaped rows (GPT-OSS runs MXFP4); gguf-q8 / gguf-q4: moechat on llama.cpp's Q8_0 / "
+                         "--q4 file")
     ap.add_argument("--q4", choices=["Q4_0", "Q4_K_M"], default="Q4_0", help="llama.cpp's type beside int4")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
@@ -509,7 +514,10 @@ def run(args) -> None:
         rows = args.formats.split(",") if name == "qwen3" else ["mxfp4"]
         for row in rows:
             if row not in ROWS or row == "mxfp4" and name == "qwen3":
-                raise BenchError(f"--formats knows bf16, int8 and int4, not {row!r}")
+                raise BenchError(f"--formats knows bf16, int8, int4, gguf-q8 and gguf-q4, not {row!r}")
+            if row.startswith("gguf") and llama is None:
+                print(f"{row} skipped: moechat runs llama.cpp's own GGUF there, and there is no llama.cpp", flush=True)
+                continue
             ltype = args.q4 if ROWS[row][2] == "q4" else ROWS[row][2]
             gguf = None
             if llama is not None:
@@ -522,8 +530,11 @@ def run(args) -> None:
             cases.append(Case(name, row, hf, gguf, ltype))
 
     cache = work / "moechat-cache"
+    def source(c: Case) -> Path:  # what moechat loads: the checkpoint, or for the gguf rows llama.cpp's own file
+        return c.gguf if c.row.startswith("gguf") else c.hf
+
     for c in cases:  # warm-up: repack int8/int4 experts once, and page the files in, outside the rounds
-        moechat_bench(c.hf, c.row, threads[0], 8, 2, cache)
+        moechat_bench(source(c), c.row, threads[0], 8, 2, cache)
         if llama is not None:
             llama_bench(llama, c.gguf, threads[0], 8, 2)
     results: dict[tuple, dict[str, list]] = {}
@@ -534,7 +545,8 @@ def run(args) -> None:
             for t in threads:
                 engines = ["moechat", "llama.cpp"] if llama is not None else ["moechat"]
                 for engine in engines if r % 2 == 0 else engines[::-1]:  # ABBA: neither always goes first
-                    rec = moechat_bench(c.hf, c.row, t, args.prompt, args.tokens, cache) if engine == "moechat" else \
+                    rec = moechat_bench(source(c), c.row, t, args.prompt, args.tokens, cache) if engine == "moechat" \
+                        else \
                         llama_bench(llama, c.gguf, t, args.prompt, args.tokens)
                     info = rec.pop("info", info)
                     slot = results.setdefault((c.model, c.row, t, engine), {})
