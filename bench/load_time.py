@@ -14,6 +14,7 @@ Variants (`--variants`, moechat only): `native` (the build), `torch` (MOECHAT_NA
 check, as before issue 27), `4k` (resident experts in plain 4 KB pages instead of hostmem's huge pages).
 
     python bench/load_time.py --model DIR [--gguf FILE] [--rounds 3] [--threads 1,2] [--variants native,torch,4k]
+                              [--expert-format int4 --dense-format int4]
     python bench/load_time.py --work /tmp/lt --layers 2    # writes a Qwen3-30B-A3B-shaped model (and its GGUF)
 
 llama.cpp as bench/vs_llamacpp.py finds it (`--llama-cpp DIR` or MOECHAT_LLAMA_CPP; its converter makes the GGUF
@@ -76,13 +77,14 @@ def worker(args) -> None:
 
     t0 = time.perf_counter()
     load_model(args.worker, dtype="bfloat16", max_positions=256, expert_format=args.expert_format,
-               repack_dir=args.repack_dir)
+               repack_dir=args.repack_dir, dense_format=args.dense_format)
     print(json.dumps({"load_s": time.perf_counter() - t0}))
 
 
 def moechat_load(model: Path, threads: int, variant: str, args) -> float:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     fmt = ["--expert-format", args.expert_format, "--repack-dir", str(args.repack_dir)] if args.expert_format else []
+    fmt += ["--dense-format", args.dense_format] if args.dense_format else []
     if variant == "torch":
         env["MOECHAT_NATIVE"] = "0"
     out = subprocess.run([sys.executable, __file__, "--worker", str(model), "--threads", str(threads), "--variant",
@@ -119,6 +121,8 @@ def main() -> None:
     ap.add_argument("--expert-format", default=None, help="int8 / int4: moechat loads the repacked experts "
                     "(written once by the warm-up); pass --gguf of the matching llama.cpp type (Q8_0, Q4_0)")
     ap.add_argument("--repack-dir", type=Path, default=None, help="where the repacked experts go (default: --work)")
+    ap.add_argument("--dense-format", default=None, help="int8 / int4: attention and the LM head quantized at load, "
+                    "as bench/vs_llamacpp.py's int8 / int4 rows run them")
     ap.add_argument("--cold", action="store_true", help="drop each file from the page cache before each load")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="native", help=argparse.SUPPRESS)

@@ -49,7 +49,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from . import native
-from .intq import Int4Format, Int8Format
+from .intq import Int4Format, Int8Format, int4_group
 
 DENSE_FORMATS = ("native", "int8", "int4")
 LM_HEAD_FORMAT = "int8"  # under every quantized dense format (see the module docstring)
@@ -115,10 +115,42 @@ class QuantLinear:
 QUANTIZE_BLOCK_BYTES = 8 << 20  # fp32 bytes of the weight one block of rows is widened to while it is quantized
 
 
+def _native_quantize(fmt, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """`fmt.quantize(w)` by native_quantize.c (a row a pass over the pool, the same bits as intq.py's torch ops), or
+    None where it does not apply (no library, another dtype, a shape it does not take, a non-finite weight or an int4
+    scale past fp16: the torch path then runs, and raises the typed error where there is one)."""
+    lib = native.library()
+    rows, cols = w.shape
+    if (lib is None or w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32)
+            or not w.is_contiguous() or cols > 65536 or not hasattr(lib, "moechat_quantize_int8")):
+        return None
+    import ctypes
+
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    if lib.moechat_quantize_int8.argtypes is None:
+        lib.moechat_quantize_int8.argtypes = [p, ctypes.c_int, i64, i64, p, p]
+        lib.moechat_quantize_int4.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p]
+        lib.moechat_quantize_int8.restype = lib.moechat_quantize_int4.restype = ctypes.c_int
+    native._threads(lib)
+    bf16 = int(w.dtype == torch.bfloat16)
+    if fmt.name == "int8":
+        q, scale = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, dtype=torch.float32)
+        rc = lib.moechat_quantize_int8(w.data_ptr(), bf16, rows, cols, q.data_ptr(), scale.data_ptr())
+    else:
+        group = int4_group(cols)
+        q, scale = torch.empty(rows, cols // 2, dtype=torch.uint8), torch.empty(rows, cols // group,
+                                                                                dtype=torch.float16)
+        rc = lib.moechat_quantize_int4(w.data_ptr(), bf16, rows, cols, group, q.data_ptr(), scale.data_ptr())
+    return {"q": q, "scale": scale} if rc == 0 else None
+
+
 def quantize_rows(fmt, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`fmt.quantize(w)` a block of rows at a time (both formats quantize each row on its own: the same bits), so
-    the fp32 temporaries stay ~8 MB, in cache, instead of several copies of the whole matrix: a 151,936 x 2,048 LM
-    head widened whole took 1.2 GB per temporary and raised a load's peak RSS by 3.7 GB."""
+    """`fmt.quantize(w)`: natively where it can (`_native_quantize`), else a block of rows at a time (both formats
+    quantize each row on its own: the same bits), so the fp32 temporaries stay ~8 MB, in cache, instead of several
+    copies of the whole matrix: a 151,936 x 2,048 LM head widened whole took 1.2 GB per temporary and raised a load's
+    peak RSS by 3.7 GB."""
+    if (out := _native_quantize(fmt, w)) is not None:
+        return out
     rows, cols = w.shape
     step = max(1, QUANTIZE_BLOCK_BYTES // (4 * max(cols, 1)))
     if rows <= step:

@@ -99,6 +99,36 @@ def test_quantizing_a_block_of_rows_at_a_time_gives_the_whole_matrix_bits(monkey
     assert torch.equal(QuantLinear(w, None, fmt).q, whole["q"])
 
 
+@pytest.mark.parametrize("build", ["lib", "scalar_lib"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_native_quantizer_is_intq_bit_for_bit(monkeypatch, request, build, fmt):
+    # native_quantize.c against intq.py's torch ops: bf16 and fp32 rows, a zero row, tiny and huge ones, int4 groups
+    # of 32, 16 and 8 (cols 2048, 80, 40), the AVX2 loops' tails; a non-finite weight is left to torch
+    from moechat.engine.quant import dense_quant
+
+    lib = request.getfixturevalue(build)
+    monkeypatch.setattr(native, "library", lambda: lib)
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        for cols in (2048, 80, 40):
+            w = (torch.randn(64, cols, generator=g) * torch.rand(64, 1, generator=g) * 3).to(dtype)
+            w[0] = 0
+            w[1, :5] = 1e-30
+            w[2] *= 1e-6
+            w[3, ::7] = 0
+            w[4] *= 3e4
+            got = dense_quant._native_quantize(dense_quant._FORMATS[fmt], w)
+            want = dense_quant._FORMATS[fmt].quantize(w)
+            assert got is not None and got.keys() == want.keys()
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (dtype, cols, k)
+    bad = torch.randn(4, 64)
+    bad[2, 5] = float("inf")
+    assert dense_quant._native_quantize(dense_quant._FORMATS[fmt], bad) is None
+    if fmt == "int4":
+        assert dense_quant._native_quantize(dense_quant._FORMATS[fmt], torch.full((2, 64), 6e5)) is None  # past fp16
+
+
 def test_the_formats_are_checked():
     assert DENSE_FORMATS == ("native", "int8", "int4") and LM_HEAD_FORMAT == "int8"
     assert check_dense_format("int4", torch.device("cpu")) == "int4"
