@@ -25,10 +25,13 @@ loops, bit for bit the reference in every build) and computes `linear` three way
   batch. Against the tile path on the same w13 and machine (minima): T = 4 1.4-1.7x for every type (0.8-1.0 ms
   against 1.3-1.5), T = 32 1.2-1.3x where neither run was preempted (2.7-2.9 ms against 3.3-3.5), T = 128 about
   even (18-28 ms both: torch's GEMM on a decoded tile is as fast there).
-* many bf16 / fp16 tokens of Q8_0, Q4_0 and MXFP4 (`prefill_q8`): native_prefill_int.c's integer dots over the rows
-  as the file stores them, x rounded to int8 per block of 32 once per call (as the one-token dots and llama.cpp round
-  it), within quant/prefill.py `bound_q8`; and a chunk's experts of those types (gate and up apart, SwiGLU, no biases)
-  in one call a layer (engine/layers/experts.py `_layer_prefill`, the same bits). A Qwen3-30B-A3B-shaped GGUF (2
+* many bf16 / fp16 tokens of Q8_0, Q4_0, MXFP4 and Q4_K (`prefill_q8`): native_prefill_int.c's integer dots over the
+  rows as the file stores them, x rounded to int8 per block of 32 once per call (as the one-token dots and llama.cpp
+  round it; Q4_K's mins through x's block sums), within quant/prefill.py `bound_q8` (observed 0.07-0.36 of it); and a
+  chunk's experts of those types (gate and up apart, SwiGLU, no biases) in one call a layer
+  (engine/layers/experts.py `_layer_prefill`, the same bits). Q4_K_M's Q6_K down projections keep `prefill`: its
+  16-value sub-blocks and 6-bit codes do not fit the kernel's int16 sums (Q4_K_M prefill 198 -> 217 tok/s, 0.58x
+  llama.cpp's, one thread). A Qwen3-30B-A3B-shaped GGUF (2
   layers, 128-token prompt, Zen 2): Q4_0 202 -> 286 tok/s on one thread and 367 -> 509 on two, Q8_0 195 -> 241 and
   328 -> 447. fp32 tokens keep `prefill` (exact to fp32 sums).
 * on CUDA: kernels/gguf_matmul.py's Triton kernel, the blocks decoded in registers (bit for bit `dequantize`) and
@@ -321,7 +324,7 @@ def _native_prefill():
 
 # the types whose rows the integer prefill kernel reads as the file stores them (native_prefill_int.c): blocks of 32
 # with one scale each, symmetric
-Q8_PREFILL_TYPES = frozenset({"Q8_0", "Q4_0", "MXFP4"})
+Q8_PREFILL_TYPES = frozenset({"Q8_0", "Q4_0", "MXFP4", "Q4_K"})
 
 
 def prefill_q8(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor | None:

@@ -70,7 +70,11 @@ static const uint8_t U_MXFP4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 
 /* the GGUF block types: rows of blocks of 32 as the file stores them (Q8_0: fp16 d + 32 int8; Q4_0: fp16 d + 16
  * bytes, element i in the low nibble of byte i, element 16 + i in its high one, code - 8; MXFP4: an E8M0 byte + 16
  * such bytes of E2M1 codes), each element in order (x unpermuted) */
-enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4 };
+enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4, Q_G4K };
+/* Q4_K: super-blocks of 256 in 144 bytes (fp16 d, dmin, 12 bytes of 6-bit scales and mins, then 128 bytes: values
+ * 64c.. in the low nibbles of bytes 32c.., 64c + 32.. in their high ones), w = d sc_j q - dmin m_j per 32 (sub-block
+ * j): each 32 a block here, its codes u = q (offset 0), WS = d sc_j, and a second term per block, - (dmin m_j) x
+ * (xs x sum q) from x's block sum (quantize_block with offset -1 leaves +sum q in xc) */
 #define SIGNED_Q(f) ((f) == Q_INT8 || (f) == Q_G8_0) /* int8 codes: the AVX2 build multiplies them signed */
 #define GGUF_Q(f) ((f) >= Q_G8_0)
 /* int8 weights: VNNI and scalar builds take u = q + 128 (offset 128); the AVX2 build keeps q signed (offset 0) and
@@ -268,6 +272,8 @@ static void decode_group_int8(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
  * bytes in element order (Q8_0: q + 128, or q itself in the AVX2 build; Q4_0: the code; MXFP4: 2 x E2M1 + 12),
  * loaded from the blocks where they lie and transposed in registers (Q4_0 / MXFP4: dword m of the 16 code bytes
  * holds elements 4m..4m+3 in its low nibbles and 16 + 4m.. in its high ones: chunks m and 4 + m) */
+static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t *W, float *WS);
+
 static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, float *WS) {
     const int64_t G = J->G, bs = J->fmt == Q_G8_0 ? 34 : J->fmt == Q_G4_0 ? 18 : 17;
     const int qoff = J->fmt == Q_GMXFP4 ? 1 : 2;
@@ -275,6 +281,10 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
     for (int i = 0; i < RG; i++) {
         const int64_t r = r0 + i;
         base[i] = i >= nr ? NULL : J->w_hi && r >= J->split ? J->w_hi + (r - J->split) * J->rb : J->w + r * J->rb;
+    }
+    if (J->fmt == Q_G4K) {
+        decode_group_q4k(J, base, W, WS);
+        return;
     }
     const uint8_t *map = J->fmt == Q_G4_0 ? U_INT4 : U_MXFP4;
 #if IQ_ISA
@@ -340,6 +350,56 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
                     else if (rp[i]) u = map[j < 4 ? rp[i][4 * j + k] & 15 : rp[i][4 * (j - 4) + k] >> 4];
                     W[(j * RG + i) * 4 + k] = u;
                 }
+#endif
+    }
+}
+
+/* Q4_K rows (base[i], NULL past the group) -> W as the others, WS = d sc_j and WM = dmin m_j per block of 32 */
+static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t *W, float *WS) {
+    const int64_t G = J->G;
+    float *WM = WS + G * RG;
+    const uint8_t *rp[RG];
+#if IQ_ISA == 3
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+#elif IQ_ISA
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+#endif
+    for (int64_t b = 0; b < G; b++, W += 8 * RG * 4) {
+        const int64_t sb = b / 8;
+        const int j = (int)(b % 8);
+        for (int i = 0; i < RG; i++) {
+            if (!base[i]) {
+                rp[i] = NULL, WS[b * RG + i] = 0.0f, WM[b * RG + i] = 0.0f;
+                continue;
+            }
+            const uint8_t *blk = base[i] + sb * 144, *sc = blk + 4;
+            int s6, m6;
+            if (j < 4) s6 = sc[j] & 63, m6 = sc[j + 4] & 63;
+            else s6 = (sc[j + 4] & 0xF) | (sc[j - 4] >> 6) << 4, m6 = (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
+            WS[b * RG + i] = q_f16((uint16_t)(blk[0] | blk[1] << 8)) * (float)s6;
+            WM[b * RG + i] = q_f16((uint16_t)(blk[2] | blk[3] << 8)) * (float)m6;
+            rp[i] = blk + 16 + 32 * (j / 2);
+        }
+        const int hi = j & 1;
+#if IQ_ISA
+        for (int h = 0; h < 2; h++) {
+            RV D[4];
+            rows_dwords(rp, 16 * h, D);
+            for (int m = 0; m < 4; m++) {
+#if IQ_ISA == 3
+                __m512i u = hi ? _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f) : _mm512_and_si512(D[m], m0f);
+                _mm512_store_si512((__m512i *)(W + (4 * h + m) * 64), u);
+#else
+                __m256i u = hi ? _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f) : _mm256_and_si256(D[m], m0f);
+                _mm256_store_si256((__m256i *)(W + (4 * h + m) * 32), u);
+#endif
+            }
+        }
+#else
+        for (int c = 0; c < 8; c++)
+            for (int i = 0; i < RG; i++)
+                for (int k = 0; k < 4; k++)
+                    W[(c * RG + i) * 4 + k] = rp[i] ? (uint8_t)(hi ? rp[i][4 * c + k] >> 4 : rp[i][4 * c + k] & 15) : 0;
 #endif
     }
 }
@@ -426,12 +486,14 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
     const int8_t *xq = J->xq + t0 * cols;
     const float *xs = J->xs + t0 * G;
     const int32_t *xc = J->xc + t0 * G;
+    const int mins = J->fmt == Q_G4K;
+    const float *WM = WS + G * RG;
 #if IQ_ISA == 3
     __m512 af[TBQ];
     for (int t = 0; t < NT; t++) af[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < G; b++, W += 8 * 64) {
         __m512i ai[TBQ];
-        for (int t = 0; t < NT; t++) ai[t] = _mm512_set1_epi32(xc[t * G + b]);
+        for (int t = 0; t < NT; t++) ai[t] = _mm512_set1_epi32(mins ? 0 : xc[t * G + b]);
         const int8_t *xb = xq + b * 32;
         for (int j = 0; j < 8; j++) {
             __m512i w = _mm512_load_si512((const __m512i *)(W + j * 64));
@@ -441,6 +503,11 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
         __m512 ws = _mm512_load_ps(WS + b * RG);
         for (int t = 0; t < NT; t++)
             af[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[t * G + b])), af[t]);
+        if (mins) {
+            __m512 wm = _mm512_load_ps(WM + b * RG);
+            for (int t = 0; t < NT; t++)
+                af[t] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(xs[t * G + b] * (float)xc[t * G + b]), af[t]);
+        }
     }
     __mmask16 keep = (__mmask16)(nr >= 16 ? 0xFFFF : (1u << nr) - 1);
     for (int t = 0; t < NT; t++) _mm512_mask_storeu_ps(J->y + (t0 + t) * J->ldy + r0, keep, af[t]);
@@ -452,7 +519,7 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
 #endif
     for (int64_t b = 0; b < G; b++, W += 8 * 32) {
         __m256i ai[TBQ];
-        for (int t = 0; t < NT; t++) ai[t] = _mm256_set1_epi32(xc[t * G + b]);
+        for (int t = 0; t < NT; t++) ai[t] = _mm256_set1_epi32(mins ? 0 : xc[t * G + b]);
         const int8_t *xb = xq + b * 32;
 #if IQ_ISA == 2
         for (int j = 0; j < 8; j++) {
@@ -485,6 +552,11 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
         __m256 ws = _mm256_load_ps(WS + b * RG);
         for (int t = 0; t < NT; t++)
             af[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[t * G + b])), af[t]);
+        if (mins) {
+            __m256 wm = _mm256_load_ps(WM + b * RG);
+            for (int t = 0; t < NT; t++)
+                af[t] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(xs[t * G + b] * (float)xc[t * G + b]), af[t]);
+        }
     }
     for (int t = 0; t < NT; t++) {
         float *yr = J->y + (t0 + t) * J->ldy + r0;
@@ -500,13 +572,14 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
         for (int i = 0; i < nr; i++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < G; b++) {
-                int32_t isum = xc[t * G + b];
+                int32_t isum = mins ? 0 : xc[t * G + b];
                 const uint8_t *wb = W + b * 8 * RG * 4 + i * 4;
                 const int8_t *xb = xq + t * cols + b * 32;
                 for (int j = 0; j < 8; j++)
                     for (int k = 0; k < 4; k++) isum += (int32_t)wb[j * RG * 4 + k] * xb[4 * j + k];
                 float d = WS[b * RG + i] * xs[t * G + b];
                 acc = fmaf((float)isum, d, acc);
+                if (mins) acc = fmaf(-WM[b * RG + i], xs[t * G + b] * (float)xc[t * G + b], acc);
             }
             J->y[(t0 + t) * J->ldy + r0 + i] = acc;
         }
@@ -533,8 +606,8 @@ static void qtokens(const QJob *J, const uint8_t *W, const float *WS, int64_t t0
 }
 
 /* a thread's decoded-group scratch for inputs of `cols`: W [G][8][RG][4] bytes then WS [G][RG] fp32 */
-static uint8_t *group_scratch(int64_t cols) {
-    size_t wbytes = (size_t)(RG * cols), sbytes = sizeof(float) * (size_t)(cols / 32 * RG);
+static uint8_t *group_scratch(int64_t cols) { /* ... and WM [G][RG] after WS: Q4_K's mins */
+    size_t wbytes = (size_t)(RG * cols), sbytes = 2 * sizeof(float) * (size_t)(cols / 32 * RG);
     return aligned_alloc(64, (wbytes + sbytes + 63) / 64 * 64);  /* RG x cols is a multiple of 64: WS aligned */
 }
 
@@ -811,10 +884,12 @@ int moechat_moe_prefill_q8(int kind, const uint16_t *x, int64_t T, const int64_t
     return layer_run(&L, T, n, start);
 }
 
+/* ggml's type id -> the format, the offset x's quantization takes (Q4_K: -1, its block sums), and the bytes of 32
+ * values (Q4_K: of 256) */
 static int gguf_fmt(int type, int *offset, int64_t *block_bytes) {
-    *offset = type == 8 ? INT8_OFFSET : type == 2 ? 8 : 12;
-    *block_bytes = type == 8 ? 34 : type == 2 ? 18 : 17;
-    return type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : -1;
+    *offset = type == 8 ? INT8_OFFSET : type == 2 ? 8 : type == 12 ? -1 : 12;
+    *block_bytes = type == 8 ? 34 : type == 2 ? 18 : type == 12 ? 144 : 17;
+    return type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : type == 12 ? Q_G4K : -1;
 }
 
 /* The same for GGUF experts as the file stores them: gate's and up's rows of ggml type `type13`, down's of `type2`
@@ -827,8 +902,10 @@ int moechat_moe_prefill_q8_gguf(int type13, int type2, const uint16_t *x, int64_
     int64_t b13, b2;
     const int f13 = gguf_fmt(type13, &o13, &b13), f2 = gguf_fmt(type2, &o2, &b2);
     if (f13 < 0 || f2 < 0) return -1;
+    const int64_t per13 = f13 == Q_G4K ? 256 : 32, per2 = f2 == Q_G4K ? 256 : 32;
+    if (H % per13 || I % per2) return -1;
     LJob L = {.fmt13 = f13, .fmt2 = f2, .offset13 = o13, .offset2 = o2, .act = 0, .H = H, .I = I, .vec = vec,
-              .rows_out = rows_out, .rb13 = H / 32 * b13, .rb2 = I / 32 * b2, .x = x, .ptrs = ptrs, .tok = tok,
+              .rows_out = rows_out, .rb13 = H / per13 * b13, .rb2 = I / per2 * b2, .x = x, .ptrs = ptrs, .tok = tok,
               .dst = dst, .wt = wt, .out = out};
     for (int64_t k = 0; k < n; k++)
         if (ptrs[6 * k + 3] || ptrs[6 * k + 4] || ptrs[6 * k + 5]) return -1; /* no biases here */
@@ -841,7 +918,8 @@ int moechat_prefill_q8_gguf(int type, const float *x, int64_t T, const uint8_t *
     int offset;
     int64_t bs;
     const int fmt = gguf_fmt(type, &offset, &bs);
-    if (fmt < 0 || cols % 32 || row_bytes != cols / 32 * bs) return -1;
+    const int64_t per = fmt == Q_G4K ? 256 : 32;
+    if (fmt < 0 || cols % per || row_bytes != cols / per * bs) return -1;
     float e8m0[256];
     e8m0_table(e8m0);
     QJob J = {.fmt = fmt, .w = raw, .rows = rows, .cols = cols, .rb = row_bytes, .split = rows, .T = T, .y = y,

@@ -26,6 +26,7 @@ from moechat.engine.quant.gguf import (  # noqa: E402
     decode_rows,
     gguf_linear,
     prefill,
+    prefill_q8,
 )
 from tests.engine.test_gguf_quant import random_blocks  # noqa: E402
 from tests.engine.test_gguf_vecdot import _SERIAL_POOL  # noqa: E402
@@ -97,7 +98,11 @@ def test_format_linear_many_tokens_is_prefill_and_the_switch_turns_it_off(monkey
         tensors[part] = torch.from_numpy(random_blocks(fmt.types[part].name, shape[0], H if part != "w2" else inter,
                                                        seed=20 + i))
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(4)).to(dtype)
-    want = torch.cat([prefill(x, tensors[p], fmt.types[p], H) for p in ("w1", "w3")], dim=-1).to(dtype)
+    # bf16 tokens of the types the integer kernel reads (Q4_K here) take it (tests/engine/test_gguf_prefill_q8.py)
+    many = [prefill_q8(x, tensors[p], fmt.types[p], H) for p in ("w1", "w3")]
+    assert (many[0] is not None) == (dtype == torch.bfloat16) and many[1] is None  # Q5_0: the fp32 kernel
+    want = torch.cat([y if y is not None else prefill(x, tensors[p], fmt.types[p], H)
+                      for y, p in zip(many, ("w1", "w3"), strict=True)], dim=-1).to(dtype)
     assert torch.equal(fmt.linear(x, tensors, "w13"), want)
     monkeypatch.setenv(PREFILL_ENV, "0")
     assert prefill(x, tensors["w1"], fmt.types["w1"], H) is None

@@ -1,4 +1,4 @@
-"""GGUF Q8_0, Q4_0 and MXFP4 rows through the integer prefill kernel as the file stores them
+"""GGUF Q8_0, Q4_0, MXFP4 and Q4_K rows through the integer prefill kernel as the file stores them
 (native_prefill_int.c `moechat_prefill_q8_gguf`, quant/gguf.py `prefill_q8`): within quant/prefill.py's `bound_q8` of
 x @ W^T with W the gguf package's own dequantization, on odd row counts (a ragged last row group); the scalar, AVX2
 and this machine's builds write the same bits; the same bits at 1, 2 and 3 threads and whatever other tokens share
@@ -25,7 +25,12 @@ from tests.engine.quant.test_prefill_int import avx2_lib  # noqa: E402, F401 - a
 from tests.engine.test_gguf_quant import random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fp32 paths run")
-NAMES = ["Q8_0", "Q4_0", "MXFP4"]
+NAMES = ["Q8_0", "Q4_0", "MXFP4", "Q4_K"]
+
+
+def _c(name: str, cols: int) -> int:
+    """A width for the type: Q4_K's rows are super-blocks of 256 (8 blocks of 32 a step of cols)."""
+    return cols * 8 if name == "Q4_K" else cols
 
 
 def _call(lib, name: str, x: torch.Tensor, raw: torch.Tensor, cols: int) -> torch.Tensor:
@@ -52,6 +57,7 @@ def _x(T: int, cols: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("rows,cols,T", [(37, 96, 2), (16, 64, 5), (23, 480, 17), (9, 256, 64)])
 def test_within_the_bound_of_the_package_dequantization(lib, name, rows, cols, T):
+    cols = _c(name, cols)
     raw = torch.from_numpy(random_blocks(name, rows, cols, seed=rows + T))
     w, x = _w(name, raw), _x(T, cols, seed=cols)
     got = prefill_q8(x, raw, TYPES[name], cols)
@@ -64,26 +70,28 @@ def test_within_the_bound_of_the_package_dequantization(lib, name, rows, cols, T
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_build_writes_the_same_bits(lib, scalar_lib, avx2_lib, name):  # noqa: F811 - the fixture
-    raw = torch.from_numpy(random_blocks(name, 45, 320, seed=3))
-    x = _x(13, 320, 4)
-    want = _call(scalar_lib, name, x, raw, 320)
-    assert torch.equal(_call(lib, name, x, raw, 320), want)
-    assert torch.equal(_call(avx2_lib, name, x, raw, 320), want)
+    cols = _c(name, 320)
+    raw = torch.from_numpy(random_blocks(name, 45, cols, seed=3))
+    x = _x(13, cols, 4)
+    want = _call(scalar_lib, name, x, raw, cols)
+    assert torch.equal(_call(lib, name, x, raw, cols), want)
+    assert torch.equal(_call(avx2_lib, name, x, raw, cols), want)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_same_bits_at_any_thread_count_and_in_any_batch(lib, name):
-    raw = torch.from_numpy(random_blocks(name, 517, 512, seed=7))
-    x = _x(64, 512, 2)
+    cols = 512 if name != "Q4_K" else 1024
+    raw = torch.from_numpy(random_blocks(name, 517, cols, seed=7))
+    x = _x(64, cols, 2)
     before = torch.get_num_threads()
     try:
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(_call(lib, name, x, raw, 512))
+            outs.append(_call(lib, name, x, raw, cols))
         assert all(torch.equal(outs[0], o) for o in outs[1:])
         torch.set_num_threads(1)
-        alone = torch.cat([_call(lib, name, x[i : i + 1].repeat(2, 1), raw, 512)[:1] for i in range(0, 64, 9)])
+        alone = torch.cat([_call(lib, name, x[i : i + 1].repeat(2, 1), raw, cols)[:1] for i in range(0, 64, 9)])
         assert torch.equal(alone, outs[0][0:64:9])
     finally:
         torch.set_num_threads(before)
@@ -93,18 +101,19 @@ def test_same_bits_at_any_thread_count_and_in_any_batch(lib, name):
 def test_gguf_linear_takes_it_for_bf16_tokens_only(monkeypatch, name):
     for env in (PREFILL_ENV, prefill.INT_ENV):
         monkeypatch.delenv(env, raising=False)
-    raw = torch.from_numpy(random_blocks(name, 40, 128, seed=5))
-    x = _x(6, 128, 6)
+    c = _c(name, 128)
+    raw = torch.from_numpy(random_blocks(name, 40, c, seed=5))
+    x = _x(6, c, 6)
     t = TYPES[name]
-    assert torch.equal(gguf_linear(x, raw, t, 128), prefill_q8(x, raw, t, 128).bfloat16())
-    assert torch.equal(gguf_linear(x.float(), raw, t, 128), fp32_prefill(x.float(), raw, t, 128))  # fp32: exact
-    assert prefill_q8(x.float(), raw, t, 128) is None and prefill_q8(x[:1], raw, t, 128) is None
+    assert torch.equal(gguf_linear(x, raw, t, c), prefill_q8(x, raw, t, c).bfloat16())
+    assert torch.equal(gguf_linear(x.float(), raw, t, c), fp32_prefill(x.float(), raw, t, c))  # fp32: exact
+    assert prefill_q8(x.float(), raw, t, c) is None and prefill_q8(x[:1], raw, t, c) is None
     monkeypatch.setenv(prefill.INT_ENV, "0")
-    assert prefill_q8(x, raw, t, 128) is None
-    assert torch.equal(gguf_linear(x, raw, t, 128), fp32_prefill(x, raw, t, 128).bfloat16())
+    assert prefill_q8(x, raw, t, c) is None
+    assert torch.equal(gguf_linear(x, raw, t, c), fp32_prefill(x, raw, t, c).bfloat16())
     monkeypatch.delenv(prefill.INT_ENV)
     monkeypatch.setenv(PREFILL_ENV, "0")
-    assert prefill_q8(x, raw, t, 128) is None
+    assert prefill_q8(x, raw, t, c) is None
 
 
 def test_shapes_it_does_not_take_are_refused(lib):
@@ -113,9 +122,10 @@ def test_shapes_it_does_not_take_are_refused(lib):
     y = torch.empty(3, 4)
     fn = lib.moechat_prefill_q8_gguf
     _call(lib, "Q8_0", x, raw, 64)  # typed
-    assert fn(12, x.data_ptr(), 3, raw.data_ptr(), 4, 64, 68, y.data_ptr(), 4) == -1  # Q4_K: not this kernel's
+    assert fn(14, x.data_ptr(), 3, raw.data_ptr(), 4, 64, 68, y.data_ptr(), 4) == -1  # Q6_K: not this kernel's
+    assert fn(12, x.data_ptr(), 3, raw.data_ptr(), 4, 64, 36, y.data_ptr(), 4) == -1  # Q4_K: not whole super-blocks
     assert fn(8, x.data_ptr(), 3, raw.data_ptr(), 4, 64, 67, y.data_ptr(), 4) == -1  # a row of the wrong size
     assert fn(8, x.data_ptr(), 3, raw.data_ptr(), 4, 48, 51, y.data_ptr(), 4) == -1  # not whole blocks
     assert prefill_q8(x.bfloat16(), raw[:, :60].contiguous(), TYPES["Q8_0"], 64) is None
-    assert prefill_q8(x.bfloat16(), raw, TYPES["Q4_K"], 64) is None
+    assert prefill_q8(x.bfloat16(), raw, TYPES["Q6_K"], 64) is None
     assert native.library() is not None
