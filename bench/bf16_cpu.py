@@ -157,15 +157,18 @@ def products(reps: int, threads: list[int]) -> None:
     native.pin_threads(lib, None)
 
 
-def _engine_run(model: str, threads: int, prompt: int, tokens: int) -> dict:
-    """One generation in this process (the --worker side): load, a warm-up, the measured one; a JSON line."""
+def _engine_run(model: str, threads: int, prompt: int, tokens: int, expert_format: str | None = None,
+                dense_format: str | None = None) -> dict:
+    """One generation in this process (the --worker side; bench/layer_prefill.py's too): load, a warm-up, the
+    measured one; prefill and decode tok/s and the greedy tokens."""
     from moechat.engine.plan.hardware.cores import set_threads
 
     set_threads(torch, threads)
     from moechat.engine.runtime.generate import Engine
     from moechat.engine.runtime.sampling import SamplingParams
 
-    engine = Engine.load(model, dtype="bfloat16", context=prompt + tokens + 8)
+    engine = Engine.load(model, dtype="bfloat16", context=prompt + tokens + 8, expert_format=expert_format,
+                         dense_format=dense_format)
     vocab = engine.args.vocab_size
     greedy = SamplingParams(temperature=0.0, do_sample=False)
     for _ in engine.generate([(i * 104729 + 7) % vocab for i in range(prompt)], sampling=greedy, max_tokens=2,

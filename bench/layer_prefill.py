@@ -31,29 +31,12 @@ FORMATS = {"int8": ("int8", "int8"), "int4": ("int4", "int4"), "native": (None, 
 
 
 def _run(model: str, fmt: str, threads: int, prompt: int, tokens: int) -> dict:
-    """One generation in this process (the --worker side): a JSON line."""
-    import torch
-
-    from moechat.engine.plan.hardware.cores import set_threads
-
-    set_threads(torch, threads)
-    from moechat.engine.runtime.generate import Engine
-    from moechat.engine.runtime.sampling import SamplingParams
+    """One generation in this process (the --worker side), as bench/bf16_cpu.py's engine part runs one."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bf16_cpu import _engine_run
 
     experts, dense = FORMATS[fmt]
-    engine = Engine.load(model, dtype="bfloat16", expert_format=experts, dense_format=dense,
-                         context=prompt + tokens + 8)
-    vocab = engine.args.vocab_size
-    greedy = SamplingParams(temperature=0.0, do_sample=False)
-    for _ in engine.generate([(i * 104729 + 7) % vocab for i in range(prompt)], sampling=greedy, max_tokens=2,
-                             stop_on_eos=False):
-        pass
-    last, ids = None, []
-    for chunk in engine.generate([(i * 7919 + 13) % vocab for i in range(prompt)], sampling=greedy,
-                                 max_tokens=tokens, stop_on_eos=False):
-        last = chunk
-        ids += chunk.token_ids
-    return {"prefill": last.prefill_tokens_per_s, "decode": last.decode_tokens_per_s, "tokens": ids}
+    return _engine_run(model, threads, prompt, tokens, experts, dense)
 
 
 def _med(xs: list[float]) -> str:

@@ -268,6 +268,17 @@ static void decode_group_int8(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
 #endif
 }
 
+/* RG fp16 scales -> their fp32 values in WS (exact) */
+static inline void halves_to_ws(const uint16_t *h, float *ws) {
+#if IQ_ISA == 3
+    _mm512_store_ps(ws, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+#elif IQ_ISA
+    _mm256_store_ps(ws, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+#else
+    for (int i = 0; i < RG; i++) ws[i] = q_f16(h[i]);
+#endif
+}
+
 /* GGUF rows [r0, r0 + nr) -> W, WS as the other decoders lay them out: per block, each row's 32 codes as unsigned
  * bytes in element order (Q8_0: q + 128, or q itself in the AVX2 build; Q4_0: the code; MXFP4: 2 x E2M1 + 12),
  * loaded from the blocks where they lie and transposed in registers (Q4_0 / MXFP4: dword m of the 16 code bytes
@@ -307,13 +318,7 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
         if (J->fmt == Q_GMXFP4) {
             for (int i = 0; i < RG; i++) WS[b * RG + i] = base[i] ? J->e8m0[base[i][b * bs]] : 0.0f;
         } else {
-#if IQ_ISA == 3
-            _mm512_store_ps(WS + b * RG, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
-#elif IQ_ISA
-            _mm256_store_ps(WS + b * RG, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
-#else
-            for (int i = 0; i < RG; i++) WS[b * RG + i] = q_f16(h[i]);
-#endif
+            halves_to_ws(h, WS + b * RG);
         }
 #if IQ_ISA
         RV D[4];
@@ -422,13 +427,7 @@ static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *W
         for (int64_t b = 0; b < G; b++) {
             uint16_t h[RG];
             for (int i = 0; i < RG; i++) h[i] = i < nr ? sc[i * G + b] : 0;
-#if IQ_ISA == 3
-            _mm512_store_ps(WS + b * RG, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
-#elif IQ_ISA
-            _mm256_store_ps(WS + b * RG, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
-#else
-            for (int i = 0; i < RG; i++) WS[b * RG + i] = q_f16(h[i]);
-#endif
+            halves_to_ws(h, WS + b * RG);
         }
     } else {
         const uint8_t *sc = (const uint8_t *)J->s + r0 * G;
