@@ -46,8 +46,13 @@ def _workspace(spec: ModelSpec, context: int, chunk: int, on_gpu: bool) -> tuple
     T = min(chunk, context)
     H, I, K = spec.hidden_size, spec.expert_intermediate, spec.top_k
     # fp32 upper bound: ~8 [T, H] tensors (hidden, residual, norm, q/k/v, attention out) + the K experts' [T, 2I]
-    # gate/up intermediates, twice for the SwiGLU product
-    act = 4 * T * (8 * H + 4 * K * I)
+    # gate/up intermediates, twice for the SwiGLU product; on a CPU at least what the layer call holds at once
+    # (engine/layers/experts.py: each pair's fp32 contrib row [TK, H], and native_prefill_int.c's gate/up [TK, 2I],
+    # down [TK, H] fp32 and the pairs' quantized inputs [TK, max(H, I)] bytes)
+    experts = 4 * T * 4 * K * I
+    if not on_gpu:
+        experts = max(experts, 4 * T * K * (2 * I + 2 * H) + T * K * max(H, I))
+    act = 4 * T * 8 * H + experts
     # CPU prefill: SDPA's flash kernel tiles the scores (a [32, 1024, 8192] fp32 score tensor would be 1 GiB; the
     # call grows the process by 44 MiB), but the keys and values it reads are expanded to every query head, one
     # layer at a time, for the whole context (engine/models/base.py, mla.py)
