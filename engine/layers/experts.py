@@ -222,7 +222,7 @@ _LAYER_PREFILL_KINDS = ("int4", "mxfp4", "int8")  # the formats with integer (Q8
 
 def _gguf_q8(fmt: ExpertFormat) -> bool:
     """A GGUF format whose rows the layer call reads as the file stores them: gate and up apart (not interleaved, not
-    fused), each projection in Q8_0, Q4_0 or MXFP4, gate's type up's."""
+    fused), each projection in a type of gguf.Q8_PREFILL_TYPES (Q8_0, Q4_0, MXFP4, Q4_K), gate's type up's."""
     from ..quant.gguf import Q8_PREFILL_TYPES, GGUFFormat
 
     return (isinstance(fmt, GGUFFormat) and not fmt.interleaved and set(fmt.types) == {"w1", "w3", "w2"}
@@ -236,7 +236,9 @@ def _q8_layer(x: torch.Tensor, fmt: ExpertFormat, act: ExpertActivation):
     if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or not act.gated or act.kind not in native.ACT_KINDS
             or not (fmt.name in _LAYER_PREFILL_KINDS or (act.kind == "swiglu" and _gguf_q8(fmt)))):
         return None
-    if fmt.name not in _LAYER_PREFILL_KINDS and os.environ.get("MOECHAT_GGUF_PREFILL", "1") == "0":
+    from ..quant.gguf import PREFILL_ENV as GGUF_PREFILL_ENV
+
+    if fmt.name not in _LAYER_PREFILL_KINDS and os.environ.get(GGUF_PREFILL_ENV, "1") == "0":
         return None
     lib = native.decode_library()
     return lib if prefill.available(lib) and prefill.integer_path(x, lib) else None

@@ -120,17 +120,9 @@ def _native_quantize(fmt, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
     None where it does not apply (no library, another dtype, a shape it does not take, a non-finite weight or an int4
     scale past fp16: the torch path then runs, and raises the typed error where there is one)."""
     lib = native.library()
-    rows, cols = w.shape
-    if (lib is None or w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32)
-            or not w.is_contiguous() or cols > 65536 or not hasattr(lib, "moechat_quantize_int8")):
+    if lib is None or w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32) or not w.is_contiguous():
         return None
-    import ctypes
-
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    if lib.moechat_quantize_int8.argtypes is None:
-        lib.moechat_quantize_int8.argtypes = [p, ctypes.c_int, i64, i64, p, p]
-        lib.moechat_quantize_int4.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p]
-        lib.moechat_quantize_int8.restype = lib.moechat_quantize_int4.restype = ctypes.c_int
+    rows, cols = w.shape
     native._threads(lib)
     bf16 = int(w.dtype == torch.bfloat16)
     if fmt.name == "int8":

@@ -29,11 +29,10 @@ loops, bit for bit the reference in every build) and computes `linear` three way
   rows as the file stores them, x rounded to int8 per block of 32 once per call (as the one-token dots and llama.cpp
   round it; Q4_K's mins through x's block sums), within quant/prefill.py `bound_q8` (observed 0.07-0.36 of it); and a
   chunk's experts of those types (gate and up apart, SwiGLU, no biases) in one call a layer
-  (engine/layers/experts.py `_layer_prefill`, the same bits). Q4_K_M's Q6_K down projections keep `prefill`: its
-  16-value sub-blocks and 6-bit codes do not fit the kernel's int16 sums (Q4_K_M prefill 198 -> 217 tok/s, 0.58x
-  llama.cpp's, one thread). A Qwen3-30B-A3B-shaped GGUF (2
-  layers, 128-token prompt, Zen 2): Q4_0 202 -> 286 tok/s on one thread and 367 -> 509 on two, Q8_0 195 -> 241 and
-  328 -> 447. fp32 tokens keep `prefill` (exact to fp32 sums).
+  (engine/layers/experts.py `_layer_prefill`, the same bits). fp32 tokens keep `prefill` (exact to fp32 sums). A
+  Qwen3-30B-A3B-shaped GGUF (2 layers, 128-token prompt, Zen 2): Q4_0 202 -> 286 tok/s on one thread and 367 -> 509
+  on two, Q8_0 195 -> 241 and 328 -> 447. Q4_K_M's Q6_K down projections keep `prefill`: its 16-value sub-blocks and
+  6-bit codes do not fit the kernel's int16 sums (Q4_K_M prefill 198 -> 217 tok/s, 0.58x llama.cpp's, one thread).
 * on CUDA: kernels/gguf_matmul.py's Triton kernel, the blocks decoded in registers (bit for bit `dequantize`) and
   fp32 dots, for any token count (MOECHAT_GGUF_TRITON=0 decodes tiles instead; =1 runs it on CPU tensors too, which
   is how the tests drive it under the Triton interpreter).
@@ -323,13 +322,13 @@ def _native_prefill():
 
 
 # the types whose rows the integer prefill kernel reads as the file stores them (native_prefill_int.c): blocks of 32
-# with one scale each, symmetric
+# with one scale each (Q4_K: per 32 of its super-block a scale and a min)
 Q8_PREFILL_TYPES = frozenset({"Q8_0", "Q4_0", "MXFP4", "Q4_K"})
 
 
 def prefill_q8(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor | None:
     """x [T, cols] -> [T, rows] fp32 by native_prefill_int.c's integer dots over the rows as the file stores them
-    (Q8_0, Q4_0, MXFP4): x rounded to int8 per block of 32 once per call (as `vecdot` and llama.cpp round it), each
+    (`Q8_PREFILL_TYPES`): x rounded to int8 per block of 32 once per call (as `vecdot` and llama.cpp round it), each
     block's dot an exact int32, times the two scales, summed in fp32 over the blocks in order: within
     quant/prefill.py `bound_q8` of F.linear(x, dequantize(W)), the same bits at any thread count and in any batch.
     For bf16 / fp16 x only (`prefill.integer_path`; an fp32 run keeps the exact `prefill`); None where it does not
@@ -343,7 +342,7 @@ def prefill_q8(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> to
             and os.environ.get(PREFILL_ENV, "1") != "0"):
         return None
     lib = native.decode_library()
-    if not (q8.available(lib) and q8.integer_path(x, lib) and hasattr(lib, "moechat_prefill_q8_gguf")):
+    if not (q8.available(lib) and q8.integer_path(x, lib)):
         return None
     fn = lib.moechat_prefill_q8_gguf
     if fn.argtypes is None:

@@ -1760,11 +1760,6 @@ void moechat_moe_act_row(float *g, const void *b13, int bias_kind, int64_t I, in
     moe_activation(g, I, act, bf16, vec, limit, alpha, a);
 }
 
-/* a bias row (fp32, bf16 or fp16: bias_kind 0, 1, 2) as fp32 */
-void moechat_bias_row(const void *b, int bias_kind, int64_t n, float *out) {
-    for (int64_t r = 0; r < n; r++) out[r] = bias_at(b, bias_kind, r);
-}
-
 static int moe_share(void *vctx, int64_t ua, int64_t ub) {
     const MoeCtx *c = vctx;
     for (int i = 0; i < c->nseg; i++) {

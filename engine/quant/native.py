@@ -194,6 +194,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.moechat_moe_prefill_q8.restype = i32
     lib.moechat_moe_prefill_q8_gguf.argtypes = [i32, i32, p, i64, p, p, i64, p, p, p, i64, i64, i64, p, i64]
     lib.moechat_moe_prefill_q8_gguf.restype = i32
+    lib.moechat_quantize_int8.argtypes = [p, i32, i64, i64, p, p]
+    lib.moechat_quantize_int4.argtypes = [p, i32, i64, i64, i64, p, p]
+    lib.moechat_quantize_int8.restype = lib.moechat_quantize_int4.restype = i32
     lib.moechat_rms_norm.argtypes = [p, i32, i64, i64, p, i32, ctypes.c_float, p]
     lib.moechat_rms_norm.restype = i32
     lib.moechat_scatter_weighted.argtypes = [p, i32, p, p, i64, i64, p, i64]
@@ -511,7 +514,7 @@ def moe_prefill(lib, kind: int, x: torch.Tensor, ptrs: torch.Tensor, start: torc
 def moe_prefill_gguf(lib, type13: int, type2: int, x: torch.Tensor, ptrs: torch.Tensor, start: torch.Tensor,
                      tok: torch.Tensor, dst: torch.Tensor, wt: torch.Tensor, inter: int, out: torch.Tensor) -> None:
     """`moe_prefill` for GGUF experts as the file stores them (moechat_moe_prefill_q8_gguf): gate's and up's rows of
-    ggml type `type13`, down's of `type2` (Q8_0, Q4_0 or MXFP4 ids); ptrs int64 [n, 6]: each expert's gate, up and
+    ggml type `type13`, down's of `type2` (Q8_0, Q4_0, MXFP4 or Q4_K ids); ptrs int64 [n, 6]: each expert's gate, up and
     down rows, then zeros; SwiGLU, no biases."""
     _threads(lib)
     _check(lib.moechat_moe_prefill_q8_gguf(type13, type2, x.data_ptr(), x.shape[0], ptrs.data_ptr(),

@@ -427,6 +427,23 @@ static inline void gv_codes32(const int type, const uint8_t *x, int8_t *w) {
     }
 }
 
+#if GV_SIMD
+/* one block x of a 32-value type's row times x's block qb, scaled by dd, into the 8 fp32 lanes acc */
+static inline __attribute__((always_inline)) __m256 gv_block32(const uint8_t *x, const int8_t *qb, float dd,
+                                                               const int type, __m256 acc) {
+    __m256i wv;
+    if (type == 8) {
+        wv = _mm256_loadu_si256((const __m256i *)(x + 2));
+    } else {
+        int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2;
+        wv = gv_nibbles(x + o, type == 20 ? gguf_iq4 : type == 39 ? gguf_fp4x2 : NULL);
+        if (type == 6 || type == 7) wv = _mm256_or_si256(wv, gv_bit5(gv_u32(x + o - 4)));
+        if (type == 2 || type == 6) wv = _mm256_sub_epi8(wv, _mm256_set1_epi8(type == 2 ? 8 : 16));
+    }
+    return gv_lanes_ss(wv, qb, dd, acc);
+}
+#endif
+
 static inline __attribute__((always_inline)) float gv_row32(const GVJob *j, const uint8_t *row, const int type,
                                                              const int64_t nb) {
     const int8_t *q = j->q;
@@ -438,16 +455,7 @@ static inline __attribute__((always_inline)) float gv_row32(const GVJob *j, cons
         const uint8_t *x = row + b * nb;
         float dx = j->d[b], dd = (type == 39 ? gv_e8m0(x[0]) : gguf_h2f(x)) * dx;
 #if GV_SIMD
-        __m256i wv;
-        if (type == 8) {
-            wv = _mm256_loadu_si256((const __m256i *)(x + 2));
-        } else {
-            int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2;
-            wv = gv_nibbles(x + o, type == 20 ? gguf_iq4 : type == 39 ? gguf_fp4x2 : NULL);
-            if (type == 6 || type == 7) wv = _mm256_or_si256(wv, gv_bit5(gv_u32(x + o - 4)));
-            if (type == 2 || type == 6) wv = _mm256_sub_epi8(wv, _mm256_set1_epi8(type == 2 ? 8 : 16));
-        }
-        acc = gv_lanes_ss(wv, q + 32 * b, dd, acc);
+        acc = gv_block32(x, q + 32 * b, dd, type, acc);
 #else
         int8_t w[32];
         gv_codes32(type, x, w);
@@ -642,7 +650,6 @@ static inline __attribute__((always_inline)) void gv_rows32_4(const GVJob *j, co
                                                               const int64_t nb, float *y) {
     const int8_t *q = j->q;
     const int64_t rb = j->row_bytes;
-    const int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     float summ[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t b = 0; b < j->cols / 32; b++) {
@@ -651,15 +658,7 @@ static inline __attribute__((always_inline)) void gv_rows32_4(const GVJob *j, co
             const uint8_t *x = r0 + r * rb + b * nb;
             if ((b * nb & 63) < nb) _mm_prefetch((const char *)(x + 4 * rb), _MM_HINT_T1); /* a new line below */
             const float dd = (type == 39 ? gv_e8m0(x[0]) : gguf_h2f(x)) * dx;
-            __m256i wv;
-            if (type == 8) {
-                wv = _mm256_loadu_si256((const __m256i *)(x + 2));
-            } else {
-                wv = gv_nibbles(x + o, type == 20 ? gguf_iq4 : type == 39 ? gguf_fp4x2 : NULL);
-                if (type == 6 || type == 7) wv = _mm256_or_si256(wv, gv_bit5(gv_u32(x + o - 4)));
-                if (type == 2 || type == 6) wv = _mm256_sub_epi8(wv, _mm256_set1_epi8(type == 2 ? 8 : 16));
-            }
-            acc[r] = gv_lanes_ss(wv, q + 32 * b, dd, acc[r]);
+            acc[r] = gv_block32(x, q + 32 * b, dd, type, acc[r]);
             if (type == 3 || type == 7) summ[r] += gguf_h2f(x + 2) * dx * (float)(j->bs[2 * b] + j->bs[2 * b + 1]);
         }
     }
@@ -671,9 +670,12 @@ static inline __attribute__((always_inline)) void gv_rows32_4(const GVJob *j, co
     }
 }
 
-static inline __attribute__((always_inline)) int64_t gv_share_32_4(const GVJob *j, int64_t a, int64_t b,
-                                                                   const int type, const int nb) {
-    for (; a + 3 < b; a += 4) gv_rows32_4(j, j->w + a * j->row_bytes, type, nb, j->y + a);
+/* the row groups' loop under the name the AVX-512 build's has (gv_share's one switch); MXFP4 a row at a time here:
+ * measured faster (0.43 vs 0.40 of the probe) */
+static inline __attribute__((always_inline)) int64_t gv_share_32z(const GVJob *j, int64_t a, int64_t b,
+                                                                  const int type, const int nb) {
+    if (type != 39)
+        for (; a + 3 < b; a += 4) gv_rows32_4(j, j->w + a * j->row_bytes, type, nb, j->y + a);
     return a;
 }
 #endif
@@ -1304,8 +1306,8 @@ static float gv_row(const GVJob *j, const uint8_t *row) {
 
 static int gv_share(void *ctx, int64_t a, int64_t b) {
     const GVJob *j = (const GVJob *)ctx;
-#if GV_ZV
-    switch (j->type) { /* the 32-value types: rows by 4, then 2 (the same bits as one at a time) */
+#if GV_SIMD
+    switch (j->type) { /* the 32-value types: rows by 4 (AVX-512: then 2), the same bits as one at a time */
         case 8: a = gv_share_32z(j, a, b, 8, 34); break;
         case 2: a = gv_share_32z(j, a, b, 2, 18); break;
         case 3: a = gv_share_32z(j, a, b, 3, 20); break;
@@ -1314,17 +1316,6 @@ static int gv_share(void *ctx, int64_t a, int64_t b) {
         case 20: a = gv_share_32z(j, a, b, 20, 18); break;
         case 39: a = gv_share_32z(j, a, b, 39, 17); break;
         default: break;
-    }
-#endif
-#if GV_SIMD && !GV_ZV
-    switch (j->type) { /* the 32-value types: rows by 4 (the same bits as one at a time) */
-        case 8: a = gv_share_32_4(j, a, b, 8, 34); break;
-        case 2: a = gv_share_32_4(j, a, b, 2, 18); break;
-        case 3: a = gv_share_32_4(j, a, b, 3, 20); break;
-        case 6: a = gv_share_32_4(j, a, b, 6, 22); break;
-        case 7: a = gv_share_32_4(j, a, b, 7, 24); break;
-        case 20: a = gv_share_32_4(j, a, b, 20, 18); break;
-        default: break; /* MXFP4: a row at a time measured faster (0.43 vs 0.40 of the probe) */
     }
 #endif
 #if GV_SIMD

@@ -279,12 +279,60 @@ static inline void halves_to_ws(const uint16_t *h, float *ws) {
 #endif
 }
 
+/* Q4_K rows (base[i], NULL past the group) -> W as the others, WS = d sc_j and WM = dmin m_j per block of 32 */
+static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t *W, float *WS) {
+    const int64_t G = J->G;
+    float *WM = WS + G * RG;
+    const uint8_t *rp[RG];
+#if IQ_ISA == 3
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+#elif IQ_ISA
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+#endif
+    for (int64_t b = 0; b < G; b++, W += 8 * RG * 4) {
+        const int64_t sb = b / 8;
+        const int j = (int)(b % 8);
+        for (int i = 0; i < RG; i++) {
+            if (!base[i]) {
+                rp[i] = NULL, WS[b * RG + i] = 0.0f, WM[b * RG + i] = 0.0f;
+                continue;
+            }
+            const uint8_t *blk = base[i] + sb * 144, *sc = blk + 4;
+            int s6, m6;
+            if (j < 4) s6 = sc[j] & 63, m6 = sc[j + 4] & 63;
+            else s6 = (sc[j + 4] & 0xF) | (sc[j - 4] >> 6) << 4, m6 = (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
+            WS[b * RG + i] = q_f16((uint16_t)(blk[0] | blk[1] << 8)) * (float)s6;
+            WM[b * RG + i] = q_f16((uint16_t)(blk[2] | blk[3] << 8)) * (float)m6;
+            rp[i] = blk + 16 + 32 * (j / 2);
+        }
+        const int hi = j & 1;
+#if IQ_ISA
+        for (int h = 0; h < 2; h++) {
+            RV D[4];
+            rows_dwords(rp, 16 * h, D);
+            for (int m = 0; m < 4; m++) {
+#if IQ_ISA == 3
+                __m512i u = hi ? _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f) : _mm512_and_si512(D[m], m0f);
+                _mm512_store_si512((__m512i *)(W + (4 * h + m) * 64), u);
+#else
+                __m256i u = hi ? _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f) : _mm256_and_si256(D[m], m0f);
+                _mm256_store_si256((__m256i *)(W + (4 * h + m) * 32), u);
+#endif
+            }
+        }
+#else
+        for (int c = 0; c < 8; c++)
+            for (int i = 0; i < RG; i++)
+                for (int k = 0; k < 4; k++)
+                    W[(c * RG + i) * 4 + k] = rp[i] ? (uint8_t)(hi ? rp[i][4 * c + k] >> 4 : rp[i][4 * c + k] & 15) : 0;
+#endif
+    }
+}
+
 /* GGUF rows [r0, r0 + nr) -> W, WS as the other decoders lay them out: per block, each row's 32 codes as unsigned
  * bytes in element order (Q8_0: q + 128, or q itself in the AVX2 build; Q4_0: the code; MXFP4: 2 x E2M1 + 12),
  * loaded from the blocks where they lie and transposed in registers (Q4_0 / MXFP4: dword m of the 16 code bytes
  * holds elements 4m..4m+3 in its low nibbles and 16 + 4m.. in its high ones: chunks m and 4 + m) */
-static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t *W, float *WS);
-
 static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, float *WS) {
     const int64_t G = J->G, bs = J->fmt == Q_G8_0 ? 34 : J->fmt == Q_G4_0 ? 18 : 17;
     const int qoff = J->fmt == Q_GMXFP4 ? 1 : 2;
@@ -355,56 +403,6 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
                     else if (rp[i]) u = map[j < 4 ? rp[i][4 * j + k] & 15 : rp[i][4 * (j - 4) + k] >> 4];
                     W[(j * RG + i) * 4 + k] = u;
                 }
-#endif
-    }
-}
-
-/* Q4_K rows (base[i], NULL past the group) -> W as the others, WS = d sc_j and WM = dmin m_j per block of 32 */
-static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t *W, float *WS) {
-    const int64_t G = J->G;
-    float *WM = WS + G * RG;
-    const uint8_t *rp[RG];
-#if IQ_ISA == 3
-    const __m512i m0f = _mm512_set1_epi8(0x0F);
-#elif IQ_ISA
-    const __m256i m0f = _mm256_set1_epi8(0x0F);
-#endif
-    for (int64_t b = 0; b < G; b++, W += 8 * RG * 4) {
-        const int64_t sb = b / 8;
-        const int j = (int)(b % 8);
-        for (int i = 0; i < RG; i++) {
-            if (!base[i]) {
-                rp[i] = NULL, WS[b * RG + i] = 0.0f, WM[b * RG + i] = 0.0f;
-                continue;
-            }
-            const uint8_t *blk = base[i] + sb * 144, *sc = blk + 4;
-            int s6, m6;
-            if (j < 4) s6 = sc[j] & 63, m6 = sc[j + 4] & 63;
-            else s6 = (sc[j + 4] & 0xF) | (sc[j - 4] >> 6) << 4, m6 = (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
-            WS[b * RG + i] = q_f16((uint16_t)(blk[0] | blk[1] << 8)) * (float)s6;
-            WM[b * RG + i] = q_f16((uint16_t)(blk[2] | blk[3] << 8)) * (float)m6;
-            rp[i] = blk + 16 + 32 * (j / 2);
-        }
-        const int hi = j & 1;
-#if IQ_ISA
-        for (int h = 0; h < 2; h++) {
-            RV D[4];
-            rows_dwords(rp, 16 * h, D);
-            for (int m = 0; m < 4; m++) {
-#if IQ_ISA == 3
-                __m512i u = hi ? _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f) : _mm512_and_si512(D[m], m0f);
-                _mm512_store_si512((__m512i *)(W + (4 * h + m) * 64), u);
-#else
-                __m256i u = hi ? _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f) : _mm256_and_si256(D[m], m0f);
-                _mm256_store_si256((__m256i *)(W + (4 * h + m) * 32), u);
-#endif
-            }
-        }
-#else
-        for (int c = 0; c < 8; c++)
-            for (int i = 0; i < RG; i++)
-                for (int k = 0; k < 4; k++)
-                    W[(c * RG + i) * 4 + k] = rp[i] ? (uint8_t)(hi ? rp[i][4 * c + k] >> 4 : rp[i][4 * c + k] & 15) : 0;
 #endif
     }
 }
@@ -728,38 +726,38 @@ static inline float lbias(const void *b, int kind, int64_t r) { /* native.c's bi
                                                                        : ((const float *)b)[r];
 }
 
+/* a bf16 row of `cols` quantized as row p of [P, cols] int8 (its blocks' scales and sums in xs, xc [P, cols / 32]) */
+static void quantize_bf16_row(const uint16_t *row, int64_t cols, int offset, int perm, int8_t *xq, float *xs,
+                              int32_t *xc, int64_t p) {
+    const int64_t G = cols / 32;
+    float v[32];
+    for (int64_t g = 0; g < G; g++) {
+        for (int i = 0; i < 32; i++) v[i] = bf16_bits(row[g * 32 + i]);
+        quantize_block(v, offset, perm, xq + p * cols + g * 32, xs + p * G + g, xc + p * G + g);
+    }
+}
+
 /* pairs [a, b): the pair's row of x, quantized */
 static int lx(void *ctx, int64_t a, int64_t b) {
     const LJob *L = ctx;
-    const int64_t H = L->H, G = H / 32;
-    float v[32];
-    for (int64_t p = a; p < b; p++) {
-        const uint16_t *row = L->x + L->tok[p] * H;
-        for (int64_t g = 0; g < G; g++) {
-            for (int i = 0; i < 32; i++) v[i] = bf16_bits(row[g * 32 + i]);
-            quantize_block(v, L->offset13, L->perm13, L->xq + p * H + g * 32, L->xs + p * G + g, L->xc + p * G + g);
-        }
-    }
+    for (int64_t p = a; p < b; p++)
+        quantize_bf16_row(L->x + L->tok[p] * L->H, L->H, L->offset13, L->perm13, L->xq, L->xs, L->xc, p);
     return 0;
 }
 
 /* pairs [a, b): gate/up rounded (+ bias), the activation in bf16, quantized for the down projection */
 static int lact(void *ctx, int64_t a, int64_t b) {
     const LJob *L = ctx;
-    const int64_t I = L->I, G = I / 32;
+    const int64_t I = L->I;
     uint16_t *act = malloc(sizeof(uint16_t) * (size_t)I);
     if (!act) return -2;
-    float v[32];
     int64_t k = 0;
     for (int64_t p = a; p < b; p++) {
         while (p >= L->start[k + 1]) k++;
         const int64_t *pt = L->ptrs + 6 * k;
         moechat_moe_act_row(L->gu + p * 2 * I, (const void *)(intptr_t)pt[4], L->bias_kind, I, L->act, 1, L->vec,
                             L->limit, L->alpha, act);
-        for (int64_t g = 0; g < G; g++) {
-            for (int i = 0; i < 32; i++) v[i] = bf16_bits(act[g * 32 + i]);
-            quantize_block(v, L->offset2, L->perm2, L->xq + p * I + g * 32, L->xs + p * G + g, L->xc + p * G + g);
-        }
+        quantize_bf16_row(act, I, L->offset2, L->perm2, L->xq, L->xs, L->xc, p);
     }
     free(act);
     return 0;

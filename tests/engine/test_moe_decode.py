@@ -135,13 +135,19 @@ def test_threads_change_nothing(monkeypatch, name):
     x = torch.randn(1, H, generator=torch.Generator().manual_seed(3)).bfloat16()
     weights = torch.softmax(torch.randn(1, 4), -1)
     batch = _batch(tensors, fmt, [0, 1, 2, 3])
+    at_thread_counts(lambda: _run(x, weights, batch, SWIGLU, False, monkeypatch),
+                     lambda: _run(x, weights, batch, SWIGLU, True, monkeypatch))
+
+
+def at_thread_counts(off, on, counts=(2, 3, 1)) -> None:
+    """off() at one thread, then on() at each of `counts` threads: each the same bits (torch's count restored)."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        want = _run(x, weights, batch, SWIGLU, False, monkeypatch)
-        for n in (2, 3, 1):
+        want = off()
+        for n in counts:
             torch.set_num_threads(n)
-            _same(_run(x, weights, batch, SWIGLU, True, monkeypatch), want)
+            _same(on(), want)
     finally:
         torch.set_num_threads(before)
 

@@ -17,7 +17,7 @@ from moechat.engine.layers.experts import expert_compute
 from moechat.engine.layers.moe import SWIGLU, ExpertActivation, ExpertBatch
 from moechat.engine.quant import native
 
-from .test_moe_decode import _experts, _same
+from .test_moe_decode import _experts, _same, at_thread_counts
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch paths run")
 
@@ -47,10 +47,11 @@ def _run(x, weights, batch, act, layer: bool, monkeypatch) -> torch.Tensor:
     return contrib
 
 
-def _spy(monkeypatch) -> list:
+def _spy(monkeypatch, name: str = "moe_prefill") -> list:
+    """The calls of native.`name` from here on (each still made)."""
     calls = []
-    real = native.moe_prefill
-    monkeypatch.setattr(native, "moe_prefill", lambda *a: calls.append(1) or real(*a))
+    real = getattr(native, name)
+    monkeypatch.setattr(native, name, lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -105,15 +106,8 @@ def test_threads_change_nothing(monkeypatch, name):
     ids, weights = _routing(T, K, 6, seed=5)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).bfloat16()
     batch = _batch(tensors, fmt, ids)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        want = _run(x, weights, batch, SWIGLU, False, monkeypatch)
-        for n in (2, 3, 1):
-            torch.set_num_threads(n)
-            _same(_run(x, weights, batch, SWIGLU, True, monkeypatch), want)
-    finally:
-        torch.set_num_threads(before)
+    at_thread_counts(lambda: _run(x, weights, batch, SWIGLU, False, monkeypatch),
+                     lambda: _run(x, weights, batch, SWIGLU, True, monkeypatch))
 
 
 def test_shapes_it_does_not_take_fall_back(monkeypatch):
@@ -177,20 +171,12 @@ def test_gguf_experts_one_call_is_the_per_expert_path(monkeypatch, types):
     x = (torch.randn(T, H, generator=torch.Generator().manual_seed(2)) * 2).bfloat16()
     batch = _batch(tensors, fmt, ids)
     want = _run(x, weights, batch, SWIGLU, False, monkeypatch)
-    calls = []
-    real = native.moe_prefill_gguf
-    monkeypatch.setattr(native, "moe_prefill_gguf", lambda *a: calls.append(1) or real(*a))
+    calls = _spy(monkeypatch, "moe_prefill_gguf")
     got = _run(x, weights, batch, SWIGLU, True, monkeypatch)
     assert calls and want.abs().sum() > 0
     _same(got, want)
     monkeypatch.undo()
-    before = torch.get_num_threads()
-    try:
-        for n in (2, 3):
-            torch.set_num_threads(n)
-            _same(_run(x, weights, batch, SWIGLU, True, monkeypatch), want)
-    finally:
-        torch.set_num_threads(before)
+    at_thread_counts(lambda: want, lambda: _run(x, weights, batch, SWIGLU, True, monkeypatch), counts=(2, 3))
 
 
 def test_gguf_experts_it_does_not_take_fall_back(monkeypatch):
@@ -203,9 +189,7 @@ def test_gguf_experts_it_does_not_take_fall_back(monkeypatch):
         tensors, fmt = _gguf_experts(types, 3, H, I, seed=1, interleaved=interleaved)
         ids, weights = _routing(5, 2, 3, seed=2)
         x = torch.randn(5, H).bfloat16()
-        calls = []
-        real = native.moe_prefill_gguf
-        monkeypatch.setattr(native, "moe_prefill_gguf", lambda *a, calls=calls, real=real: calls.append(1) or real(*a))
+        calls = _spy(monkeypatch, "moe_prefill_gguf")
         got = _run(x, weights, _batch(tensors, fmt, ids), act, True, monkeypatch)
         assert not calls, types
         _same(got, _run(x, weights, _batch(tensors, fmt, ids), act, False, monkeypatch))
