@@ -47,6 +47,9 @@
 #endif
 #if IQ_ISA
 #include <immintrin.h>
+/* v held in a register at this point: keeps the compiler from reassociating a chain of integer adds into a tree of
+ * independent products (the AVX2 tiles below spilled their partial sums to the stack that way) */
+#define KEEP(v) __asm__ volatile("" : "+x"(v))
 #endif
 
 #if IQ_ISA == 3
@@ -77,6 +80,7 @@ enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4, Q_G4K };
  * (xs x sum q) from x's block sum (quantize_block with offset -1 leaves +sum q in xc) */
 #define SIGNED_Q(f) ((f) == Q_INT8 || (f) == Q_G8_0) /* int8 codes: the AVX2 build multiplies them signed */
 #define GGUF_Q(f) ((f) >= Q_G8_0)
+#define CODES_15(f) ((f) == Q_INT4 || (f) == Q_G4_0 || (f) == Q_G4K) /* unsigned codes 0..15 */
 /* int8 weights: VNNI and scalar builds take u = q + 128 (offset 128); the AVX2 build keeps q signed (offset 0) and
  * multiplies |q| by x with q's sign (vpsignb), since u8 pairs of 255 x 127 would saturate vpmaddubsw's int16 */
 #if IQ_ISA == 1
@@ -268,15 +272,58 @@ static void decode_group_int8(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
 #endif
 }
 
-/* RG fp16 scales -> their fp32 values in WS (exact) */
-static inline void halves_to_ws(const uint16_t *h, float *ws) {
-#if IQ_ISA == 3
-    _mm512_store_ps(ws, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
-#elif IQ_ISA
-    _mm256_store_ps(ws, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+/* the fp16 at p[i] (0 where p[i] is NULL) for RG rows -> their fp32 values in ws (exact). Built in a register
+ * (a 16-bit store per row then a vector load of them stalls on store forwarding, ~1/5 of a group's decode) */
+static inline uint16_t ld16(const uint8_t *p) {
+    uint16_t h = 0;
+    if (p) memcpy(&h, p, 2);
+    return h;
+}
+
+static inline void halves_to_ws(const uint8_t *const *p, float *ws) {
+#if IQ_ISA
+    for (int i = 0; i < RG; i += 8) {
+        __m128i h = _mm_setr_epi16((short)ld16(p[i]), (short)ld16(p[i + 1]), (short)ld16(p[i + 2]),
+                                   (short)ld16(p[i + 3]), (short)ld16(p[i + 4]), (short)ld16(p[i + 5]),
+                                   (short)ld16(p[i + 6]), (short)ld16(p[i + 7]));
+        _mm256_store_ps(ws + i, _mm256_cvtph_ps(h));
+    }
 #else
-    for (int i = 0; i < RG; i++) ws[i] = q_f16(h[i]);
+    for (int i = 0; i < RG; i++) ws[i] = q_f16(ld16(p[i]));
 #endif
+}
+
+/* int4's fp16 scales of rows [0, nr) of sc [rows, G] -> WS [G][RG] fp32 (rows past nr 0): 8 blocks of 8 rows at a
+ * time transposed in registers, the rest (G % 8) row by row */
+static void int4_scales(const uint16_t *sc, int64_t G, int nr, float *WS) {
+    int64_t b = 0;
+#if IQ_ISA
+    for (; b + 8 <= G; b += 8)
+        for (int i0 = 0; i0 < RG; i0 += 8) {
+            __m128i r[8], t[8], u[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = i0 + i < nr ? _mm_loadu_si128((const __m128i *)(sc + (i0 + i) * G + b)) : _mm_setzero_si128();
+            for (int i = 0; i < 8; i += 2)
+                t[i] = _mm_unpacklo_epi16(r[i], r[i + 1]), t[i + 1] = _mm_unpackhi_epi16(r[i], r[i + 1]);
+            /* t[2q]: rows 2q, 2q + 1 of blocks 0..3; t[2q + 1]: of blocks 4..7 */
+            for (int q = 0; q < 2; q++)
+                for (int hb = 0; hb < 2; hb++) {
+                    const __m128i a = t[4 * q + hb], c = t[4 * q + 2 + hb];
+                    u[4 * q + 2 * hb] = _mm_unpacklo_epi32(a, c), u[4 * q + 2 * hb + 1] = _mm_unpackhi_epi32(a, c);
+                }
+            /* u[4q + m]: rows 4q..4q + 3 of blocks 2m, 2m + 1 */
+            for (int m = 0; m < 4; m++) {
+                __m128i lo = _mm_unpacklo_epi64(u[m], u[4 + m]), hi = _mm_unpackhi_epi64(u[m], u[4 + m]);
+                _mm256_store_ps(WS + (b + 2 * m) * RG + i0, _mm256_cvtph_ps(lo));
+                _mm256_store_ps(WS + (b + 2 * m + 1) * RG + i0, _mm256_cvtph_ps(hi));
+            }
+        }
+#endif
+    for (; b < G; b++) {
+        const uint8_t *p[RG];
+        for (int i = 0; i < RG; i++) p[i] = i < nr ? (const uint8_t *)(sc + i * G + b) : NULL;
+        halves_to_ws(p, WS + b * RG);
+    }
 }
 
 /* Q4_K rows (base[i], NULL past the group) -> W as the others, WS = d sc_j and WM = dmin m_j per block of 32 */
@@ -346,6 +393,8 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
         return;
     }
     const uint8_t *map = J->fmt == Q_G4_0 ? U_INT4 : U_MXFP4;
+    const int ident = map == U_INT4; /* the code is the byte: no table */
+    (void)ident;
 #if IQ_ISA
     const __m128i tab128 = _mm_loadu_si128((const __m128i *)map);
 #if IQ_ISA == 3
@@ -357,16 +406,15 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
 #endif
 #endif
     for (int64_t b = 0; b < G; b++, W += 8 * RG * 4) {
-        uint16_t h[RG];
+        const uint8_t *hp[RG];
         for (int i = 0; i < RG; i++) {
             rp[i] = base[i] ? base[i] + b * bs + qoff : NULL;
-            h[i] = 0;
-            if (base[i] && J->fmt != Q_GMXFP4) memcpy(&h[i], base[i] + b * bs, 2);
+            hp[i] = base[i] ? base[i] + b * bs : NULL;
         }
         if (J->fmt == Q_GMXFP4) {
             for (int i = 0; i < RG; i++) WS[b * RG + i] = base[i] ? J->e8m0[base[i][b * bs]] : 0.0f;
         } else {
-            halves_to_ws(h, WS + b * RG);
+            halves_to_ws(hp, WS + b * RG);
         }
 #if IQ_ISA
         RV D[4];
@@ -385,12 +433,12 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
             for (int m = 0; m < 4; m++) {
 #if IQ_ISA == 3
                 __m512i lo = _mm512_and_si512(D[m], m0f), hi = _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f);
-                _mm512_store_si512((__m512i *)(W + m * 64), _mm512_shuffle_epi8(tab, lo));
-                _mm512_store_si512((__m512i *)(W + (4 + m) * 64), _mm512_shuffle_epi8(tab, hi));
+                _mm512_store_si512((__m512i *)(W + m * 64), ident ? lo : _mm512_shuffle_epi8(tab, lo));
+                _mm512_store_si512((__m512i *)(W + (4 + m) * 64), ident ? hi : _mm512_shuffle_epi8(tab, hi));
 #else
                 __m256i lo = _mm256_and_si256(D[m], m0f), hi = _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f);
-                _mm256_store_si256((__m256i *)(W + m * 32), _mm256_shuffle_epi8(tab, lo));
-                _mm256_store_si256((__m256i *)(W + (4 + m) * 32), _mm256_shuffle_epi8(tab, hi));
+                _mm256_store_si256((__m256i *)(W + m * 32), ident ? lo : _mm256_shuffle_epi8(tab, lo));
+                _mm256_store_si256((__m256i *)(W + (4 + m) * 32), ident ? hi : _mm256_shuffle_epi8(tab, hi));
 #endif
             }
         }
@@ -421,18 +469,15 @@ static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *W
     const uint8_t *rp[RG];
     for (int i = 0; i < RG; i++) rp[i] = i < nr ? J->w + (r0 + i) * half : NULL;
     if (J->fmt == Q_INT4) {
-        const uint16_t *sc = (const uint16_t *)J->s + r0 * G;
-        for (int64_t b = 0; b < G; b++) {
-            uint16_t h[RG];
-            for (int i = 0; i < RG; i++) h[i] = i < nr ? sc[i * G + b] : 0;
-            halves_to_ws(h, WS + b * RG);
-        }
+        int4_scales((const uint16_t *)J->s + r0 * G, G, nr, WS);
     } else {
         const uint8_t *sc = (const uint8_t *)J->s + r0 * G;
         for (int64_t b = 0; b < G; b++)
             for (int i = 0; i < RG; i++) WS[b * RG + i] = i < nr ? J->e8m0[sc[i * G + b]] : 0.0f;
     }
     const uint8_t *map = J->fmt == Q_INT4 ? U_INT4 : U_MXFP4;
+    const int ident = map == U_INT4; /* the code is the byte: no table */
+    (void)ident;
 #if IQ_ISA
     const __m128i tab128 = _mm_loadu_si128((const __m128i *)map), m0f128 = _mm_set1_epi8(0x0F);
 #if IQ_ISA == 3
@@ -442,8 +487,8 @@ static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *W
         rows_dwords(rp, b * 16, D);
         for (int m = 0; m < 4; m++) {
             __m512i lo = _mm512_and_si512(D[m], m0f), hi = _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f);
-            _mm512_store_si512((__m512i *)(W + m * 64), _mm512_shuffle_epi8(tab, lo));
-            _mm512_store_si512((__m512i *)(W + (4 + m) * 64), _mm512_shuffle_epi8(tab, hi));
+            _mm512_store_si512((__m512i *)(W + m * 64), ident ? lo : _mm512_shuffle_epi8(tab, lo));
+            _mm512_store_si512((__m512i *)(W + (4 + m) * 64), ident ? hi : _mm512_shuffle_epi8(tab, hi));
         }
     }
 #else
@@ -453,8 +498,8 @@ static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *W
         rows_dwords(rp, b * 16, D);
         for (int m = 0; m < 4; m++) {
             __m256i lo = _mm256_and_si256(D[m], m0f), hi = _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f);
-            _mm256_store_si256((__m256i *)(W + m * 32), _mm256_shuffle_epi8(tab, lo));
-            _mm256_store_si256((__m256i *)(W + (4 + m) * 32), _mm256_shuffle_epi8(tab, hi));
+            _mm256_store_si256((__m256i *)(W + m * 32), ident ? lo : _mm256_shuffle_epi8(tab, lo));
+            _mm256_store_si256((__m256i *)(W + (4 + m) * 32), ident ? hi : _mm256_shuffle_epi8(tab, hi));
         }
     }
 #endif
@@ -470,20 +515,48 @@ static void decode_group(const QJob *J, int64_t r0, int nr, uint8_t *W, float *W
 #endif
 }
 
+/* rows [r0, r0 + nr) of J's weights (codes and scales) prefetched into L2: called for the next group while this one's
+ * tokens run, so its decode reads from cache rather than waiting on RAM (an expert's rows are read once a prompt) */
+static void prefetch_group(const QJob *J, int64_t r0, int nr) {
+#if IQ_ISA
+    for (int i = 0; i < nr; i++) {
+        const int64_t r = r0 + i;
+        const uint8_t *p;
+        int64_t n;
+        if (GGUF_Q(J->fmt)) {
+            p = J->w_hi && r >= J->split ? J->w_hi + (r - J->split) * J->rb : J->w + r * J->rb, n = J->rb;
+        } else {
+            n = J->fmt == Q_INT8 ? J->cols : J->cols / 2, p = J->w + r * n;
+            const int64_t sb = J->fmt == Q_INT8 ? 0 : J->G * (J->fmt == Q_INT4 ? 2 : 1); /* the row's scales */
+            for (int64_t o = 0; o < sb; o += 64) _mm_prefetch((const char *)J->s + r * sb + o, _MM_HINT_T1);
+        }
+        for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
+    }
+#else
+    (void)J, (void)r0, (void)nr;
+#endif
+}
+
 static inline int32_t word(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
 }
 
+/* a tile's inner loop, a constant in each instance (no branch on the format inside it, where the compiler would
+ * hoist the shared loads above the branch and spill them): unsigned codes (MXFP4: 4 chunks summed in int16 on AVX2),
+ * unsigned codes <= 15 (int4, Q4_0: all 8), those with Q4_K's mins, signed int8 codes */
+enum { M_U, M_C15, M_K, M_S };
+
 /* y[t0 + t, r0 + i] for t < NT, i < nr from the decoded group */
 static inline __attribute__((always_inline)) void qtile(const QJob *J, const uint8_t *W, const float *WS, int64_t t0,
-                                                        const int NT, int64_t r0, int nr) {
+                                                        const int NT, const int mode, int64_t r0, int nr) {
     const int64_t G = J->G, cols = J->cols;
     const int8_t *xq = J->xq + t0 * cols;
     const float *xs = J->xs + t0 * G;
     const int32_t *xc = J->xc + t0 * G;
-    const int mins = J->fmt == Q_G4K;
+    const int mins = mode == M_K, c15 = IQ_ISA == 1 && (mode == M_C15 || mode == M_K);
+    (void)c15;
     const float *WM = WS + G * RG;
 #if IQ_ISA == 3
     __m512 af[TBQ];
@@ -525,25 +598,30 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
                 ai[t] = _mm256_dpbusd_avx_epi32(ai[t], w, _mm256_set1_epi32(word(xb + t * cols + 4 * j)));
         }
 #else
-        if (SIGNED_Q(J->fmt)) { /* signed q: |q| x (x with q's sign), a pair <= 2 x 128 x 127 = 32512, widened at once */
+        if (mode == M_S) { /* signed q: |q| x (x with q's sign), a pair <= 2 x 128 x 127 = 32512, widened at once */
             for (int j = 0; j < 8; j++) {
                 __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32)), aw = _mm256_abs_epi8(w);
                 for (int t = 0; t < NT; t++) {
                     __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(word(xb + t * cols + 4 * j)), w);
                     ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+                    KEEP(ai[t]);
                 }
             }
-        } else
-        for (int h = 0; h < 8; h += 4) {  /* 4 chunks summed in int16 (<= 24384), then widened */
-            __m256i p[TBQ];
-            for (int j = h; j < h + 4; j++) {
-                __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32));
-                for (int t = 0; t < NT; t++) {
-                    __m256i d = _mm256_maddubs_epi16(w, _mm256_set1_epi32(word(xb + t * cols + 4 * j)));
-                    p[t] = j == h ? d : _mm256_add_epi16(p[t], d);
+        } else { /* unsigned codes: chunks summed in int16 then widened; codes <= 15, all 8 (<= 8 x 2 x 15 x 127 =
+                  * 30480: 9 ops a token on Zen 2's one multiply port, not 10), else 4 at a time (<= 4 x 2 x 24 x 127) */
+            const int span = c15 ? 8 : 4;
+            for (int h = 0; h < 8; h += span) {
+                __m256i p[TBQ];
+                for (int t = 0; t < NT; t++) p[t] = _mm256_setzero_si256();
+                for (int j = h; j < h + span; j++) {
+                    __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32));
+                    for (int t = 0; t < NT; t++) {
+                        p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(word(xb + t * cols + 4 * j))));
+                        KEEP(p[t]);
+                    }
                 }
+                for (int t = 0; t < NT; t++) ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(p[t], ones));
             }
-            for (int t = 0; t < NT; t++) ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(p[t], ones));
         }
 #endif
         __m256 ws = _mm256_load_ps(WS + b * RG);
@@ -585,20 +663,27 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
 
 /* tokens [t0, t1) of the decoded group of rows [r0, r0 + nr) */
 static void qtokens(const QJob *J, const uint8_t *W, const float *WS, int64_t t0, int64_t t1, int64_t r0, int nr) {
+    const int mode = SIGNED_Q(J->fmt) ? M_S : J->fmt == Q_G4K ? M_K : CODES_15(J->fmt) ? M_C15 : M_U;
     for (; t0 < t1; t0 += TBQ) {
         int nt = (int)(t1 - t0 < TBQ ? t1 - t0 : TBQ);
+#define QT(n)                                                                                                          \
+    (mode == M_S     ? qtile(J, W, WS, t0, n, M_S, r0, nr)                                                             \
+     : mode == M_K   ? qtile(J, W, WS, t0, n, M_K, r0, nr)                                                             \
+     : mode == M_C15 ? qtile(J, W, WS, t0, n, M_C15, r0, nr)                                                           \
+                     : qtile(J, W, WS, t0, n, M_U, r0, nr))
         switch (nt) { /* a constant token count per instance: the accumulators stay in registers */
-            case 1: qtile(J, W, WS, t0, 1, r0, nr); break;
-            case 2: qtile(J, W, WS, t0, 2, r0, nr); break;
-            case 3: qtile(J, W, WS, t0, 3, r0, nr); break;
+            case 1: QT(1); break;
+            case 2: QT(2); break;
+            case 3: QT(3); break;
 #if TBQ == 8
-            case 4: qtile(J, W, WS, t0, 4, r0, nr); break;
-            case 5: qtile(J, W, WS, t0, 5, r0, nr); break;
-            case 6: qtile(J, W, WS, t0, 6, r0, nr); break;
-            case 7: qtile(J, W, WS, t0, 7, r0, nr); break;
+            case 4: QT(4); break;
+            case 5: QT(5); break;
+            case 6: QT(6); break;
+            case 7: QT(7); break;
 #endif
-            default: qtile(J, W, WS, t0, TBQ, r0, nr); break;
+            default: QT(TBQ); break;
         }
+#undef QT
     }
 }
 
@@ -616,6 +701,7 @@ static int qshare(void *ctx, int64_t a, int64_t b) {
     for (int64_t r0 = a; r0 < b; r0 += RG) {
         int nr = (int)(b - r0 < RG ? b - r0 : RG);
         decode_group(J, r0, nr, W, WS);
+        if (r0 + RG < b) prefetch_group(J, r0 + RG, (int)(b - r0 - RG < RG ? b - r0 - RG : RG));
         qtokens(J, W, WS, 0, J->T, r0, nr);
     }
     free(W);
@@ -796,6 +882,7 @@ static int lrows(void *ctx, int64_t a, int64_t b) {
         if (g != decoded) {
             decode_group(&J, r0, nr, W, WS);
             decoded = g;
+            if (r0 + RG < R) prefetch_group(&J, r0 + RG, (int)(R - r0 - RG < RG ? R - r0 - RG : RG));
         }
         qtokens(&J, W, WS, t0, t1, r0, nr);
         if (down)

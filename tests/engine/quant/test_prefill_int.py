@@ -96,7 +96,7 @@ def test_within_the_bound_of_the_reference(build, name, rows, cols, T):
 
 @settings(max_examples=30, deadline=2000, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(name=st.sampled_from(["int4", "mxfp4", "int8"]), rows=st.integers(1, 40), blocks=st.integers(1, 6),
+@given(name=st.sampled_from(["int4", "mxfp4", "int8"]), rows=st.integers(1, 40), blocks=st.integers(1, 20),
        T=st.integers(1, 20), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 300.0]))
 def test_any_shape_within_the_bound_and_as_the_scalar_build(lib, scalar_lib, name, rows, blocks, T, seed, scale):
     w, run = _packed(name, rows, 32 * blocks, seed)
