@@ -322,8 +322,8 @@ def _native_prefill():
 
 
 # the types whose rows the integer prefill kernel reads as the file stores them (native_prefill_int.c): blocks of 32
-# with one scale each (Q4_K: per 32 of its super-block a scale and a min)
-Q8_PREFILL_TYPES = frozenset({"Q8_0", "Q4_0", "MXFP4", "Q4_K"})
+# with one scale each (Q4_K: per 32 of its super-block a scale and a min; Q6_K: a scale per 16)
+Q8_PREFILL_TYPES = frozenset({"Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q6_K"})
 
 
 def prefill_q8(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor | None:

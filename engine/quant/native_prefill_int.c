@@ -73,13 +73,18 @@ static const uint8_t U_MXFP4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 
 /* the GGUF block types: rows of blocks of 32 as the file stores them (Q8_0: fp16 d + 32 int8; Q4_0: fp16 d + 16
  * bytes, element i in the low nibble of byte i, element 16 + i in its high one, code - 8; MXFP4: an E8M0 byte + 16
  * such bytes of E2M1 codes), each element in order (x unpermuted) */
-enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4, Q_G4K };
+enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4, Q_G4K, Q_G6K };
 /* Q4_K: super-blocks of 256 in 144 bytes (fp16 d, dmin, 12 bytes of 6-bit scales and mins, then 128 bytes: values
  * 64c.. in the low nibbles of bytes 32c.., 64c + 32.. in their high ones), w = d sc_j q - dmin m_j per 32 (sub-block
  * j): each 32 a block here, its codes u = q (offset 0), WS = d sc_j, and a second term per block, - (dmin m_j) x
- * (xs x sum q) from x's block sum (quantize_block with offset -1 leaves +sum q in xc) */
+ * (xs x sum q) from x's block sum (quantize_block with offset -1 leaves +sum q in xc).
+ * Q6_K: super-blocks of 256 in 210 bytes (ql[128]: low 4 bits, qh[64]: high 2, int8 scales[16] one per 16 values,
+ * fp16 d), w = d sc (q - 32), q 0..63: each 32 a block here, u = q, its two halves' scales WS = d sc_2j (inputs
+ * 0..15) and WM = d sc_2j+1 (16..31), each half's int sum started at -32 x its x sum (quantize_block with offset -2
+ * packs the two 16-element sums of q into xc, low then high int16) and scaled apart: two FMAs a block */
 #define SIGNED_Q(f) ((f) == Q_INT8 || (f) == Q_G8_0) /* int8 codes: the AVX2 build multiplies them signed */
 #define GGUF_Q(f) ((f) >= Q_G8_0)
+#define KQ(f) ((f) == Q_G4K || (f) == Q_G6K) /* super-blocks of 256 */
 #define CODES_15(f) ((f) == Q_INT4 || (f) == Q_G4_0 || (f) == Q_G4K) /* unsigned codes 0..15 */
 /* int8 weights: VNNI and scalar builds take u = q + 128 (offset 128); the AVX2 build keeps q signed (offset 0) and
  * multiplies |q| by x with q's sign (vpsignb), since u8 pairs of 255 x 127 would saturate vpmaddubsw's int16 */
@@ -116,6 +121,14 @@ static inline float q_f16(uint16_t h) { /* an fp16 bit pattern -> its fp32 value
     float f;
     memcpy(&f, &b, 4);
     return f;
+}
+
+static inline float h2f(uint16_t h) { /* q_f16 by the F16C instruction where the build has it (the same value) */
+#if IQ_ISA
+    return _cvtsh_ss(h);
+#else
+    return q_f16(h);
+#endif
 }
 
 /* x [T, cols] fp32 -> q int8 (the block's elements in the packed order: even ones, then odd ones; in order for int8
@@ -175,13 +188,16 @@ static void quantize_block(const float *v, int offset, int perm, int8_t *o, floa
         for (int k = 0; k < 32; k++) q[k] = (int32_t)nearbyintf(v[k] * inv);
 #endif
     }
+    int32_t lo = 0; /* elements 0..15 (Q6_K's first half) */
     for (int p = 0; p < 16; p++) {
         o[perm ? p : 2 * p] = (int8_t)q[2 * p];
         o[perm ? 16 + p : 2 * p + 1] = (int8_t)q[2 * p + 1];
         sum += q[2 * p] + q[2 * p + 1];
+        if (p == 7) lo = sum;
     }
     *xs = amax / 127.0f;
-    *xc = -offset * sum;
+    *xc = offset == -2 ? (int32_t)((uint32_t)(uint16_t)(int16_t)lo | (uint32_t)(uint16_t)(int16_t)(sum - lo) << 16)
+                       : -offset * sum;
 }
 
 typedef struct {
@@ -336,6 +352,7 @@ static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t 
 #elif IQ_ISA
     const __m256i m0f = _mm256_set1_epi8(0x0F);
 #endif
+    float d[RG], dmin[RG]; /* the super-block's, per row */
     for (int64_t b = 0; b < G; b++, W += 8 * RG * 4) {
         const int64_t sb = b / 8;
         const int j = (int)(b % 8);
@@ -345,11 +362,12 @@ static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t 
                 continue;
             }
             const uint8_t *blk = base[i] + sb * 144, *sc = blk + 4;
+            if (j == 0) d[i] = h2f((uint16_t)(blk[0] | blk[1] << 8)), dmin[i] = h2f((uint16_t)(blk[2] | blk[3] << 8));
             int s6, m6;
             if (j < 4) s6 = sc[j] & 63, m6 = sc[j + 4] & 63;
             else s6 = (sc[j + 4] & 0xF) | (sc[j - 4] >> 6) << 4, m6 = (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
-            WS[b * RG + i] = q_f16((uint16_t)(blk[0] | blk[1] << 8)) * (float)s6;
-            WM[b * RG + i] = q_f16((uint16_t)(blk[2] | blk[3] << 8)) * (float)m6;
+            WS[b * RG + i] = d[i] * (float)s6;
+            WM[b * RG + i] = dmin[i] * (float)m6;
             rp[i] = blk + 16 + 32 * (j / 2);
         }
         const int hi = j & 1;
@@ -376,6 +394,57 @@ static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t 
     }
 }
 
+/* Q6_K rows (base[i], NULL past the group) -> W as the others (u = q, 0..63), WS and WM the halves' d x sc */
+static void decode_group_q6k(const QJob *J, const uint8_t *const *base, uint8_t *W, float *WS) {
+    const int64_t G = J->G;
+    float *WM = WS + G * RG;
+    _Alignas(64) uint8_t u[RG][32]; /* each row's 32 codes of the block, in element order */
+    const uint8_t *up[RG];
+    for (int i = 0; i < RG; i++) up[i] = base[i] ? u[i] : NULL;
+    float dr[RG]; /* the super-block's d, per row */
+    for (int64_t b = 0; b < G; b++, W += 8 * RG * 4) {
+        const int64_t sb = b / 8;
+        const int j = (int)(b % 8), n = j / 4, m = j % 4; /* values 128n + 32m + l: ql[64n + 32(m & 1) + l], its
+                                                             * high nibble from m = 2; qh[32n + l] >> 2m */
+        for (int i = 0; i < RG; i++) {
+            if (!base[i]) {
+                WS[b * RG + i] = 0.0f, WM[b * RG + i] = 0.0f;
+                continue;
+            }
+            const uint8_t *blk = base[i] + sb * 210, *ql = blk + 64 * n + 32 * (m & 1), *qh = blk + 128 + 32 * n;
+            const int8_t *sc = (const int8_t *)(blk + 192) + 8 * n + 2 * m;
+            if (j == 0) dr[i] = h2f((uint16_t)(blk[208] | blk[209] << 8));
+            WS[b * RG + i] = dr[i] * (float)sc[0], WM[b * RG + i] = dr[i] * (float)sc[1]; /* exact: 11 x 8 bits */
+#if IQ_ISA
+            const __m256i l = _mm256_loadu_si256((const __m256i *)ql), h = _mm256_loadu_si256((const __m256i *)qh);
+            const __m256i lo = _mm256_and_si256(m >= 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+            const __m256i hi = _mm256_and_si256(m == 3 ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 4 - 2 * m),
+                                                _mm256_set1_epi8(0x30));
+            _mm256_store_si256((__m256i *)u[i], _mm256_or_si256(lo, hi));
+#else
+            for (int k = 0; k < 32; k++)
+                u[i][k] = (uint8_t)(((m >= 2 ? ql[k] >> 4 : ql[k]) & 15) | ((qh[k] >> (2 * m)) & 3) << 4);
+#endif
+        }
+#if IQ_ISA
+        for (int hh = 0; hh < 2; hh++) {
+            RV D[4];
+            rows_dwords(up, 16 * hh, D);
+            for (int q = 0; q < 4; q++)
+#if IQ_ISA == 3
+                _mm512_store_si512((__m512i *)(W + (4 * hh + q) * 64), D[q]);
+#else
+                _mm256_store_si256((__m256i *)(W + (4 * hh + q) * 32), D[q]);
+#endif
+        }
+#else
+        for (int c = 0; c < 8; c++)
+            for (int i = 0; i < RG; i++)
+                for (int k = 0; k < 4; k++) W[(c * RG + i) * 4 + k] = up[i] ? u[i][4 * c + k] : 0;
+#endif
+    }
+}
+
 /* GGUF rows [r0, r0 + nr) -> W, WS as the other decoders lay them out: per block, each row's 32 codes as unsigned
  * bytes in element order (Q8_0: q + 128, or q itself in the AVX2 build; Q4_0: the code; MXFP4: 2 x E2M1 + 12),
  * loaded from the blocks where they lie and transposed in registers (Q4_0 / MXFP4: dword m of the 16 code bytes
@@ -390,6 +459,10 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
     }
     if (J->fmt == Q_G4K) {
         decode_group_q4k(J, base, W, WS);
+        return;
+    }
+    if (J->fmt == Q_G6K) {
+        decode_group_q6k(J, base, W, WS);
         return;
     }
     const uint8_t *map = J->fmt == Q_G4_0 ? U_INT4 : U_MXFP4;
@@ -545,34 +618,45 @@ static inline int32_t word(const int8_t *p) {
 
 /* a tile's inner loop, a constant in each instance (no branch on the format inside it, where the compiler would
  * hoist the shared loads above the branch and spill them): unsigned codes (MXFP4: 4 chunks summed in int16 on AVX2),
- * unsigned codes <= 15 (int4, Q4_0: all 8), those with Q4_K's mins, signed int8 codes */
-enum { M_U, M_C15, M_K, M_S };
+ * unsigned codes <= 15 (int4, Q4_0: all 8), those with Q4_K's mins, signed int8 codes, Q6_K's two half blocks */
+enum { M_U, M_C15, M_K, M_S, M_6 };
 
 /* y[t0 + t, r0 + i] for t < NT, i < nr from the decoded group */
+static inline int32_t half_sum(int32_t xc, int hf) { /* Q6_K: x's sum of q over the block's half hf */
+    return hf ? (int32_t)(int16_t)(uint16_t)((uint32_t)xc >> 16) : (int32_t)(int16_t)(uint16_t)((uint32_t)xc & 0xFFFF);
+}
+
+/* a block's (half's) integer sum starts at x's offset term: -offset x sum q (xc), none for Q4_K (its mins after the
+ * sum), -32 x the half's sum for Q6_K */
+static inline int32_t isum0(const int mode, int32_t xc, int hf) {
+    return mode == M_6 ? -32 * half_sum(xc, hf) : mode == M_K ? 0 : xc;
+}
+
 static inline __attribute__((always_inline)) void qtile(const QJob *J, const uint8_t *W, const float *WS, int64_t t0,
                                                         const int NT, const int mode, int64_t r0, int nr) {
     const int64_t G = J->G, cols = J->cols;
     const int8_t *xq = J->xq + t0 * cols;
     const float *xs = J->xs + t0 * G;
     const int32_t *xc = J->xc + t0 * G;
-    const int mins = mode == M_K, c15 = IQ_ISA == 1 && (mode == M_C15 || mode == M_K);
-    (void)c15;
+    const int mins = mode == M_K, halves = mode == M_6 ? 2 : 1, per = 8 / halves; /* chunks a half */
     const float *WM = WS + G * RG;
 #if IQ_ISA == 3
     __m512 af[TBQ];
     for (int t = 0; t < NT; t++) af[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < G; b++, W += 8 * 64) {
-        __m512i ai[TBQ];
-        for (int t = 0; t < NT; t++) ai[t] = _mm512_set1_epi32(mins ? 0 : xc[t * G + b]);
         const int8_t *xb = xq + b * 32;
-        for (int j = 0; j < 8; j++) {
-            __m512i w = _mm512_load_si512((const __m512i *)(W + j * 64));
+        for (int hf = 0; hf < halves; hf++) {
+            __m512i ai[TBQ];
+            for (int t = 0; t < NT; t++) ai[t] = _mm512_set1_epi32(isum0(mode, xc[t * G + b], hf));
+            for (int j = hf * per; j < hf * per + per; j++) {
+                __m512i w = _mm512_load_si512((const __m512i *)(W + j * 64));
+                for (int t = 0; t < NT; t++)
+                    ai[t] = _mm512_dpbusd_epi32(ai[t], w, _mm512_set1_epi32(word(xb + t * cols + 4 * j)));
+            }
+            __m512 ws = _mm512_load_ps((hf ? WM : WS) + b * RG);
             for (int t = 0; t < NT; t++)
-                ai[t] = _mm512_dpbusd_epi32(ai[t], w, _mm512_set1_epi32(word(xb + t * cols + 4 * j)));
+                af[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[t * G + b])), af[t]);
         }
-        __m512 ws = _mm512_load_ps(WS + b * RG);
-        for (int t = 0; t < NT; t++)
-            af[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[t * G + b])), af[t]);
         if (mins) {
             __m512 wm = _mm512_load_ps(WM + b * RG);
             for (int t = 0; t < NT; t++)
@@ -586,47 +670,50 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
     for (int t = 0; t < NT; t++) af[t] = _mm256_setzero_ps();
 #if IQ_ISA == 1
     const __m256i ones = _mm256_set1_epi16(1);
+    /* unsigned codes: chunks summed in int16, then widened: codes <= 15, a block's 8 (<= 8 x 2 x 15 x 127 = 30480:
+     * 9 ops a token on Zen 2's one multiply port, not 10); Q6_K's <= 63, 2 (<= 32004); MXFP4's <= 24, 4 */
+    const int span = mode == M_C15 || mode == M_K ? 8 : mode == M_6 ? 2 : 4;
 #endif
     for (int64_t b = 0; b < G; b++, W += 8 * 32) {
-        __m256i ai[TBQ];
-        for (int t = 0; t < NT; t++) ai[t] = _mm256_set1_epi32(mins ? 0 : xc[t * G + b]);
         const int8_t *xb = xq + b * 32;
+        for (int hf = 0; hf < halves; hf++) {
+            __m256i ai[TBQ];
+            for (int t = 0; t < NT; t++) ai[t] = _mm256_set1_epi32(isum0(mode, xc[t * G + b], hf));
 #if IQ_ISA == 2
-        for (int j = 0; j < 8; j++) {
-            __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32));
-            for (int t = 0; t < NT; t++)
-                ai[t] = _mm256_dpbusd_avx_epi32(ai[t], w, _mm256_set1_epi32(word(xb + t * cols + 4 * j)));
-        }
-#else
-        if (mode == M_S) { /* signed q: |q| x (x with q's sign), a pair <= 2 x 128 x 127 = 32512, widened at once */
-            for (int j = 0; j < 8; j++) {
-                __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32)), aw = _mm256_abs_epi8(w);
-                for (int t = 0; t < NT; t++) {
-                    __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(word(xb + t * cols + 4 * j)), w);
-                    ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
-                    KEEP(ai[t]);
-                }
+            for (int j = hf * per; j < hf * per + per; j++) {
+                __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32));
+                for (int t = 0; t < NT; t++)
+                    ai[t] = _mm256_dpbusd_avx_epi32(ai[t], w, _mm256_set1_epi32(word(xb + t * cols + 4 * j)));
             }
-        } else { /* unsigned codes: chunks summed in int16 then widened; codes <= 15, all 8 (<= 8 x 2 x 15 x 127 =
-                  * 30480: 9 ops a token on Zen 2's one multiply port, not 10), else 4 at a time (<= 4 x 2 x 24 x 127) */
-            const int span = c15 ? 8 : 4;
-            for (int h = 0; h < 8; h += span) {
-                __m256i p[TBQ];
-                for (int t = 0; t < NT; t++) p[t] = _mm256_setzero_si256();
-                for (int j = h; j < h + span; j++) {
-                    __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32));
+#else
+            if (mode == M_S) { /* signed q: |q| x (x with q's sign), a pair <= 2 x 128 x 127 = 32512, widened at once */
+                for (int j = 0; j < 8; j++) {
+                    __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32)), aw = _mm256_abs_epi8(w);
                     for (int t = 0; t < NT; t++) {
-                        p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(word(xb + t * cols + 4 * j))));
-                        KEEP(p[t]);
+                        __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(word(xb + t * cols + 4 * j)), w);
+                        ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+                        KEEP(ai[t]);
                     }
                 }
-                for (int t = 0; t < NT; t++) ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(p[t], ones));
+            } else {
+                for (int h = hf * per; h < hf * per + per; h += span) {
+                    __m256i p[TBQ];
+                    for (int t = 0; t < NT; t++) p[t] = _mm256_setzero_si256();
+                    for (int j = h; j < h + span; j++) {
+                        __m256i w = _mm256_load_si256((const __m256i *)(W + j * 32));
+                        for (int t = 0; t < NT; t++) {
+                            p[t] = _mm256_add_epi16(p[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(word(xb + t * cols + 4 * j))));
+                            KEEP(p[t]);
+                        }
+                    }
+                    for (int t = 0; t < NT; t++) ai[t] = _mm256_add_epi32(ai[t], _mm256_madd_epi16(p[t], ones));
+                }
             }
-        }
 #endif
-        __m256 ws = _mm256_load_ps(WS + b * RG);
-        for (int t = 0; t < NT; t++)
-            af[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[t * G + b])), af[t]);
+            __m256 ws = _mm256_load_ps((hf ? WM : WS) + b * RG);
+            for (int t = 0; t < NT; t++)
+                af[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ai[t]), _mm256_mul_ps(ws, _mm256_set1_ps(xs[t * G + b])), af[t]);
+        }
         if (mins) {
             __m256 wm = _mm256_load_ps(WM + b * RG);
             for (int t = 0; t < NT; t++)
@@ -647,13 +734,14 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
         for (int i = 0; i < nr; i++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < G; b++) {
-                int32_t isum = mins ? 0 : xc[t * G + b];
                 const uint8_t *wb = W + b * 8 * RG * 4 + i * 4;
                 const int8_t *xb = xq + t * cols + b * 32;
-                for (int j = 0; j < 8; j++)
-                    for (int k = 0; k < 4; k++) isum += (int32_t)wb[j * RG * 4 + k] * xb[4 * j + k];
-                float d = WS[b * RG + i] * xs[t * G + b];
-                acc = fmaf((float)isum, d, acc);
+                for (int hf = 0; hf < halves; hf++) {
+                    int32_t isum = isum0(mode, xc[t * G + b], hf);
+                    for (int j = hf * per; j < hf * per + per; j++)
+                        for (int k = 0; k < 4; k++) isum += (int32_t)wb[j * RG * 4 + k] * xb[4 * j + k];
+                    acc = fmaf((float)isum, (hf ? WM : WS)[b * RG + i] * xs[t * G + b], acc);
+                }
                 if (mins) acc = fmaf(-WM[b * RG + i], xs[t * G + b] * (float)xc[t * G + b], acc);
             }
             J->y[(t0 + t) * J->ldy + r0 + i] = acc;
@@ -663,11 +751,13 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
 
 /* tokens [t0, t1) of the decoded group of rows [r0, r0 + nr) */
 static void qtokens(const QJob *J, const uint8_t *W, const float *WS, int64_t t0, int64_t t1, int64_t r0, int nr) {
-    const int mode = SIGNED_Q(J->fmt) ? M_S : J->fmt == Q_G4K ? M_K : CODES_15(J->fmt) ? M_C15 : M_U;
+    const int mode = SIGNED_Q(J->fmt) ? M_S : J->fmt == Q_G4K ? M_K : J->fmt == Q_G6K ? M_6 : CODES_15(J->fmt) ? M_C15
+                                                                                                         : M_U;
     for (; t0 < t1; t0 += TBQ) {
         int nt = (int)(t1 - t0 < TBQ ? t1 - t0 : TBQ);
 #define QT(n)                                                                                                          \
     (mode == M_S     ? qtile(J, W, WS, t0, n, M_S, r0, nr)                                                             \
+     : mode == M_6   ? qtile(J, W, WS, t0, n, M_6, r0, nr)                                                             \
      : mode == M_K   ? qtile(J, W, WS, t0, n, M_K, r0, nr)                                                             \
      : mode == M_C15 ? qtile(J, W, WS, t0, n, M_C15, r0, nr)                                                           \
                      : qtile(J, W, WS, t0, n, M_U, r0, nr))
@@ -688,7 +778,7 @@ static void qtokens(const QJob *J, const uint8_t *W, const float *WS, int64_t t0
 }
 
 /* a thread's decoded-group scratch for inputs of `cols`: W [G][8][RG][4] bytes then WS [G][RG] fp32 */
-static uint8_t *group_scratch(int64_t cols) { /* ... and WM [G][RG] after WS: Q4_K's mins */
+static uint8_t *group_scratch(int64_t cols) { /* ... and WM [G][RG] after WS: Q4_K's mins, Q6_K's second halves */
     size_t wbytes = (size_t)(RG * cols), sbytes = 2 * sizeof(float) * (size_t)(cols / 32 * RG);
     return aligned_alloc(64, (wbytes + sbytes + 63) / 64 * 64);  /* RG x cols is a multiple of 64: WS aligned */
 }
@@ -968,16 +1058,17 @@ int moechat_moe_prefill_q8(int kind, const uint16_t *x, int64_t T, const int64_t
     return layer_run(&L, T, n, start);
 }
 
-/* ggml's type id -> the format, the offset x's quantization takes (Q4_K: -1, its block sums), and the bytes of 32
- * values (Q4_K: of 256) */
+/* ggml's type id -> the format, the offset x's quantization takes (Q4_K: -1, its block sums; Q6_K: -2, its halves'),
+ * and the bytes of 32 values (Q4_K, Q6_K: of 256) */
 static int gguf_fmt(int type, int *offset, int64_t *block_bytes) {
-    *offset = type == 8 ? INT8_OFFSET : type == 2 ? 8 : type == 12 ? -1 : 12;
-    *block_bytes = type == 8 ? 34 : type == 2 ? 18 : type == 12 ? 144 : 17;
-    return type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : type == 12 ? Q_G4K : -1;
+    *offset = type == 8 ? INT8_OFFSET : type == 2 ? 8 : type == 12 ? -1 : type == 14 ? -2 : 12;
+    *block_bytes = type == 8 ? 34 : type == 2 ? 18 : type == 12 ? 144 : type == 14 ? 210 : 17;
+    return type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : type == 12 ? Q_G4K : type == 14 ? Q_G6K
+                                                                                                          : -1;
 }
 
 /* The same for GGUF experts as the file stores them: gate's and up's rows of ggml type `type13`, down's of `type2`
- * (8 Q8_0, 2 Q4_0, 39 MXFP4); ptrs [n, 6] each expert's gate, up and down rows then three zeros (no biases); SwiGLU
+ * (8 Q8_0, 2 Q4_0, 39 MXFP4, 12 Q4_K, 14 Q6_K); ptrs [n, 6] each expert's gate, up and down rows then three zeros (no biases); SwiGLU
  * (gate's rows, then up's: not interleaved). */
 int moechat_moe_prefill_q8_gguf(int type13, int type2, const uint16_t *x, int64_t T, const int64_t *ptrs,
                                 const int64_t *start, int64_t n, const int64_t *tok, const int64_t *dst,
@@ -986,7 +1077,7 @@ int moechat_moe_prefill_q8_gguf(int type13, int type2, const uint16_t *x, int64_
     int64_t b13, b2;
     const int f13 = gguf_fmt(type13, &o13, &b13), f2 = gguf_fmt(type2, &o2, &b2);
     if (f13 < 0 || f2 < 0) return -1;
-    const int64_t per13 = f13 == Q_G4K ? 256 : 32, per2 = f2 == Q_G4K ? 256 : 32;
+    const int64_t per13 = KQ(f13) ? 256 : 32, per2 = KQ(f2) ? 256 : 32;
     if (H % per13 || I % per2) return -1;
     LJob L = {.fmt13 = f13, .fmt2 = f2, .offset13 = o13, .offset2 = o2, .act = 0, .H = H, .I = I, .vec = vec,
               .rows_out = rows_out, .rb13 = H / per13 * b13, .rb2 = I / per2 * b2, .x = x, .ptrs = ptrs, .tok = tok,
@@ -996,13 +1087,14 @@ int moechat_moe_prefill_q8_gguf(int type13, int type2, const uint16_t *x, int64_
     return layer_run(&L, T, n, start);
 }
 
-/* GGUF rows as the file stores them: raw [rows, row_bytes] of `type` (ggml's ids: 8 Q8_0, 2 Q4_0, 39 MXFP4) */
+/* GGUF rows as the file stores them: raw [rows, row_bytes] of `type` (ggml's ids: 8 Q8_0, 2 Q4_0, 39 MXFP4, 12 Q4_K,
+ * 14 Q6_K) */
 int moechat_prefill_q8_gguf(int type, const float *x, int64_t T, const uint8_t *raw, int64_t rows, int64_t cols,
                             int64_t row_bytes, float *y, int64_t ldy) {
     int offset;
     int64_t bs;
     const int fmt = gguf_fmt(type, &offset, &bs);
-    const int64_t per = fmt == Q_G4K ? 256 : 32;
+    const int64_t per = KQ(fmt) ? 256 : 32;
     if (fmt < 0 || cols % per || row_bytes != cols / per * bs) return -1;
     float e8m0[256];
     e8m0_table(e8m0);

@@ -1,4 +1,4 @@
-"""GGUF Q8_0, Q4_0, MXFP4 and Q4_K rows through the integer prefill kernel as the file stores them
+"""GGUF Q8_0, Q4_0, MXFP4, Q4_K and Q6_K rows through the integer prefill kernel as the file stores them
 (native_prefill_int.c `moechat_prefill_q8_gguf`, quant/gguf.py `prefill_q8`): within quant/prefill.py's `bound_q8` of
 x @ W^T with W the gguf package's own dequantization, on odd row counts (a ragged last row group); the scalar, AVX2
 and this machine's builds write the same bits; the same bits at 1, 2 and 3 threads and whatever other tokens share
@@ -25,12 +25,13 @@ from tests.engine.quant.test_prefill_int import avx2_lib  # noqa: E402, F401 - a
 from tests.engine.test_gguf_quant import random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fp32 paths run")
-NAMES = ["Q8_0", "Q4_0", "MXFP4", "Q4_K"]
+NAMES = ["Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q6_K"]
+K_QUANTS = ("Q4_K", "Q6_K")  # super-blocks of 256
 
 
 def _c(name: str, cols: int) -> int:
-    """A width for the type: Q4_K's rows are super-blocks of 256 (8 blocks of 32 a step of cols)."""
-    return cols * 8 if name == "Q4_K" else cols
+    """A width for the type: a k-quant's rows are super-blocks of 256 (8 blocks of 32 a step of cols)."""
+    return cols * 8 if name in K_QUANTS else cols
 
 
 def _call(lib, name: str, x: torch.Tensor, raw: torch.Tensor, cols: int) -> torch.Tensor:
@@ -80,7 +81,7 @@ def test_every_build_writes_the_same_bits(lib, scalar_lib, avx2_lib, name):  # n
 
 @pytest.mark.parametrize("name", NAMES)
 def test_same_bits_at_any_thread_count_and_in_any_batch(lib, name):
-    cols = 512 if name != "Q4_K" else 1024
+    cols = 512 if name not in K_QUANTS else 1024
     raw = torch.from_numpy(random_blocks(name, 517, cols, seed=7))
     x = _x(64, cols, 2)
     before = torch.get_num_threads()
@@ -122,10 +123,11 @@ def test_shapes_it_does_not_take_are_refused(lib):
     y = torch.empty(3, 4)
     fn = lib.moechat_prefill_q8_gguf
     _call(lib, "Q8_0", x, raw, 64)  # typed
-    assert fn(14, x.data_ptr(), 3, raw.data_ptr(), 4, 64, 68, y.data_ptr(), 4) == -1  # Q6_K: not this kernel's
+    assert fn(10, x.data_ptr(), 3, raw.data_ptr(), 4, 256, 84, y.data_ptr(), 4) == -1  # Q2_K: not this kernel's
     assert fn(12, x.data_ptr(), 3, raw.data_ptr(), 4, 64, 36, y.data_ptr(), 4) == -1  # Q4_K: not whole super-blocks
+    assert fn(14, x.data_ptr(), 3, raw.data_ptr(), 4, 64, 68, y.data_ptr(), 4) == -1  # Q6_K: not whole super-blocks
     assert fn(8, x.data_ptr(), 3, raw.data_ptr(), 4, 64, 67, y.data_ptr(), 4) == -1  # a row of the wrong size
     assert fn(8, x.data_ptr(), 3, raw.data_ptr(), 4, 48, 51, y.data_ptr(), 4) == -1  # not whole blocks
     assert prefill_q8(x.bfloat16(), raw[:, :60].contiguous(), TYPES["Q8_0"], 64) is None
-    assert prefill_q8(x.bfloat16(), raw, TYPES["Q6_K"], 64) is None
+    assert prefill_q8(x.bfloat16(), raw, TYPES["Q2_K"], 64) is None
     assert native.library() is not None
