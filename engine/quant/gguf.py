@@ -25,14 +25,15 @@ loops, bit for bit the reference in every build) and computes `linear` three way
   batch. Against the tile path on the same w13 and machine (minima): T = 4 1.4-1.7x for every type (0.8-1.0 ms
   against 1.3-1.5), T = 32 1.2-1.3x where neither run was preempted (2.7-2.9 ms against 3.3-3.5), T = 128 about
   even (18-28 ms both: torch's GEMM on a decoded tile is as fast there).
-* many bf16 / fp16 tokens of Q8_0, Q4_0, MXFP4 and Q4_K (`prefill_q8`): native_prefill_int.c's integer dots over the
-  rows as the file stores them, x rounded to int8 per block of 32 once per call (as the one-token dots and llama.cpp
-  round it; Q4_K's mins through x's block sums), within quant/prefill.py `bound_q8` (observed 0.07-0.36 of it); and a
+* many bf16 / fp16 tokens of Q8_0, Q4_0, MXFP4, Q4_K and Q6_K (`prefill_q8`): native_prefill_int.c's integer dots
+  over the rows as the file stores them, x rounded to int8 per block of 32 once per call (as the one-token dots and
+  llama.cpp round it; Q4_K's mins through x's block sums; Q6_K's two 16-value halves a block summed and scaled apart,
+  the -32 through x's half sums), within quant/prefill.py `bound_q8` (observed 0.07-0.36 of it); and a
   chunk's experts of those types (gate and up apart, SwiGLU, no biases) in one call a layer
   (engine/layers/experts.py `_layer_prefill`, the same bits). fp32 tokens keep `prefill` (exact to fp32 sums). A
   Qwen3-30B-A3B-shaped GGUF (2 layers, 128-token prompt, Zen 2): Q4_0 202 -> 286 tok/s on one thread and 367 -> 509
-  on two, Q8_0 195 -> 241 and 328 -> 447. Q4_K_M's Q6_K down projections keep `prefill`: its 16-value sub-blocks and
-  6-bit codes do not fit the kernel's int16 sums (Q4_K_M prefill 198 -> 217 tok/s, 0.58x llama.cpp's, one thread).
+  on two, Q8_0 195 -> 241 and 328 -> 447. Q4_K_M (Q4_K gate/up, Q6_K down): 198 -> 217 tok/s on one thread with
+  Q4_K alone, 227 -> 263 (and 420 -> 484 on two) once Q6_K and its layer call joined (stop 41).
 * on CUDA: kernels/gguf_matmul.py's Triton kernel, the blocks decoded in registers (bit for bit `dequantize`) and
   fp32 dots, for any token count (MOECHAT_GGUF_TRITON=0 decodes tiles instead; =1 runs it on CPU tensors too, which
   is how the tests drive it under the Triton interpreter).

@@ -27,9 +27,14 @@
  *
  * Dispatch at compile time, as native.py's -march=native targets the CPU: AVX-512 F+BW+VNNI (zmm vpdpbusd, 16 rows x
  * 8 tokens), else AVX2 with AVX-VNNI (ymm vpdpbusd, 8 rows x 4 tokens), else AVX2 (vpmaddubsw + vpmaddwd: u8 x s8
- * pairs into int16, at most 4 x 2 x 24 x 127 = 24384 before they widen, so never saturating; int8 there keeps q
- * signed and multiplies |q| by x carrying q's sign (vpsignb), a pair at most 2 x 128 x 127, widened at once), else scalar C
- * (MOECHAT_SCALAR forces it). Threads: row groups over native.c's pool (moechat_parallel_for). */
+ * pairs into int16, summed in int16 as far as they cannot saturate (codes <= 15: a block's 8 chunks, 8 x 2 x 15 x 127
+ * = 30480; MXFP4's <= 24: 4; Q6_K's <= 63: 2) before one vpmaddwd widens them: on Zen 2 both multiplies issue on one
+ * port, so 9 of them a token and block instead of 10 is 9% of the int4 tile; int8 there keeps q signed and multiplies
+ * |q| by x carrying q's sign (vpsignb), a pair at most 2 x 128 x 127, widened at once), else scalar C (MOECHAT_SCALAR
+ * forces it). Each tile's inner loop is one instance per format kind (no branch inside it) with a register barrier on
+ * its int16 chains: otherwise GCC hoists the loads shared by the kinds above the branch and re-associates the chains
+ * into trees, and the tile spilled its sums to the stack (1.23x on the int4 tile at 128 tokens once fixed). Threads:
+ * row groups over native.c's pool (moechat_parallel_for). */
 
 #include <math.h>
 #include <stdint.h>
