@@ -273,6 +273,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
         model = cls(args)
     # GGUF: output/embedding matrices kept in their quant type (load/gguf.py), meta in the state until keep_packed
     packed = ckpt.packed_dense(cls, device, torch_dtype) if hasattr(ckpt, "packed_dense") else {}
+    if hasattr(ckpt, "packed_attention") and hasattr(model, "packable_attention"):  # and attention's projections
+        packed.update(ckpt.packed_attention(model.packable_attention(), device, torch_dtype))
     for name, matrix in packed.items():
         matrix.check_finite(name, ckpt.info(name).file)  # as each dequantized weight is checked
     state = {name: torch.empty(dense[name], dtype=torch_dtype, device="meta") if name in packed else
@@ -282,7 +284,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     # The RoPE table and any KV cache built on this model cover at most the model's own context.
     model.finalize(min(max_positions or args.max_position_embeddings, args.max_position_embeddings))
     if packed:
-        model.keep_packed(packed.get("model.embed_tokens.weight"), packed.get("lm_head.weight"))
+        model.keep_packed(packed.get("model.embed_tokens.weight"), packed.get("lm_head.weight"), packed)
     model.quantize_dense(dense_format)  # int8 attention projections and LM head, or nothing
     model.eval()
     if getattr(ckpt, "layer_formats", None):  # GGUF, expert types by layer (Q4_K_M): resident, a format per layer

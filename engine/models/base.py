@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import CheckpointError
 from ..layers.experts import HostJob, combine, expert_compute
 from ..layers.kv_cache import KVCache
 from ..layers.moe import SWIGLU, ExpertActivation, ExpertProvider, softmax_topk
@@ -163,9 +164,29 @@ class Attention(nn.Module):
             self.sink_logits = self.sinks.detach().view(self.n_kv, self.n_heads // self.n_kv, 1)
         self.qkv_q = self.o_q = None  # int8 / int4 projections (`quantize_dense`)
 
+    def keep_packed(self, q, k, v, o) -> None:
+        """q/k/v and o as a GGUF file stores them (quant/gguf_dense.py `GGUFProjection`, their weights loaded as meta):
+        held as `quantize_dense`'s are, the biases in the compute dtype beside them."""
+        from ..quant.gguf_dense import GGUFProjection
+
+        nH, nKV, D = self.n_heads, self.n_kv, self.head_dim
+        want = ((nH * D, None), (nKV * D, None), (nKV * D, None), (None, nH * D))
+        for m, (rows, cols) in zip((q, k, v, o), want, strict=True):
+            if (rows is not None and m.shape[0] != rows) or (cols is not None and m.shape[1] != cols):
+                raise CheckpointError(f"layer {self.layer}: a packed attention projection of {list(m.shape)} does "
+                                      f"not fit {nH} heads of {D} ({nKV} for k and v)")
+        self.qkv_q = GGUFProjection([q, k, v], self.qkv_bias)
+        self.o_q = GGUFProjection([o], self.o_bias)
+        self.qkv_t = self.o_weight_t = None
+        del self.o_proj
+
     def quantize_dense(self, name: str = "int8") -> None:
-        """q/k/v and o in `name` (int8 or int4, quant/dense_quant.py); the full-precision copies are freed."""
+        """q/k/v and o in `name` (int8 or int4, quant/dense_quant.py); the full-precision copies are freed. Kept
+        packed from a GGUF (`keep_packed`), they stay as the file has them."""
         from ..quant.dense_quant import QuantLinear
+
+        if self.qkv_t is None:
+            return
 
         self.qkv_q = QuantLinear(self.qkv_t.t(), self.qkv_bias, name)
         self.o_q = QuantLinear(self.o_weight_t.t(), self.o_bias, name)
@@ -537,9 +558,21 @@ class MoEForCausalLM(nn.Module):
         self.lm_q = None  # the LM head in int8 (`quantize_dense`), or kept packed (`keep_packed`)
         self.dense_format = "native"
 
-    def keep_packed(self, embed=None, lm_head=None) -> None:
+    def packable_attention(self) -> list[int]:
+        """The layers whose attention a GGUF may keep packed (load/gguf.py `packed_attention`): the plain `Attention`
+        (MLA, the recurrent layers and every subclass keep their own layouts), in a model finalized as this one is."""
+        if type(self).finalize is not MoEForCausalLM.finalize:
+            return []
+        return [i for i, layer in enumerate(self.model.layers) if type(layer.self_attn) is Attention]
+
+    def keep_packed(self, embed=None, lm_head=None, attention: dict | None = None) -> None:
         """A GGUF's token_embd / output matrices kept in their quant type (quant/gguf_dense.py `GGUFMatrix`, loaded as
-        meta here): `embed` gives the rows of the ids, `lm_head` (or a tied `embed`) is the LM head as `lm_q` is."""
+        meta here): `embed` gives the rows of the ids, `lm_head` (or a tied `embed`) is the LM head as `lm_q` is;
+        `attention` (engine name -> GGUFMatrix) a layer's q/k/v/o projections (`Attention.keep_packed`)."""
+        for i, layer in enumerate(self.model.layers):
+            mats = [(attention or {}).get(f"model.layers.{i}.self_attn.{p}_proj.weight") for p in "qkvo"]
+            if all(m is not None for m in mats):
+                layer.self_attn.keep_packed(*mats)
         if embed is not None:
             self.embed_q, self.embed_weight = embed, None
         head = lm_head if lm_head is not None else embed if self.args.tie_word_embeddings else None

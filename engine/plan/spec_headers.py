@@ -158,7 +158,8 @@ def _resolve_model_dir(model: str | os.PathLike) -> Path:
 
 @dataclass(frozen=True)
 class GGUFModelSpec(ModelSpec):
-    """A GGUF model's spec: `packed_parts` the dense parts counted as the file packs them ("lm_head", "embeddings"):
+    """A GGUF model's spec: `packed_parts` the dense parts counted as the file packs them ("lm_head", "embeddings",
+    "attention"):
     --dense-format leaves a packed head as it is (MoEForCausalLM.quantize_dense; a tied one is the table) and --dtype
     converts only the parts dequantized at load."""
 
@@ -166,8 +167,8 @@ class GGUFModelSpec(ModelSpec):
     packed_elems: tuple[tuple[str, int], ...] = ()  # (part, weights): what each packed part holds once dequantized
 
     def for_gpu(self) -> ModelSpec:
-        """On a GPU the loader dequantizes the head and the table too (packing is CPU-only): their bytes in the
-        compute dtype."""
+        """On a GPU the loader dequantizes the head, the table and attention too (packing is CPU-only): their bytes in
+        the compute dtype."""
         if not self.packed_parts:
             return self
         elems = dict(self.packed_elems)
@@ -175,20 +176,22 @@ class GGUFModelSpec(ModelSpec):
         parts = tuple((w, elems[w] * fb if w in elems else b) for w, b in self.dense_parts)
         embedding = elems["embeddings"] * fb if "embeddings" in elems else self.embedding_bytes
         return replace(self, dense_parts=parts, embedding_bytes=embedding, packed_parts=(), packed_elems=(),
-                       notes=self.notes + ("on a GPU the output and embedding matrices are dequantized at load: "
+                       notes=self.notes + ("on a GPU the matrices a CPU keeps packed are dequantized at load: "
                                            "counted so",))
 
     def in_dense_format(self, name: str | None) -> ModelSpec:
+        """--dense-format leaves what the file packs as it is: a packed head and packed attention keep their bytes
+        (no int8 / int4 copy); a tied packed table stays the head, read whole each token."""
         out = super().in_dense_format(name)
-        before = dict(self.dense_parts)
-        if out is self or not ("lm_head" in self.packed_parts or ("lm_head" not in before
-                                                                  and "embeddings" in self.packed_parts)):
+        if out is self:
             return out
-        if "lm_head" in before:  # its packed bytes, not an int8 copy's
-            return replace(out, dense_parts=tuple((w, before[w] if w == "lm_head" else b) for w, b in out.dense_parts))
-        # tied: no int8 copy beside the table, which stays the head and is read whole each token
-        return replace(out, dense_parts=tuple((w, b) for w, b in out.dense_parts if w != "lm_head"),
-                       embedding_bytes=self.embedding_bytes)
+        before = dict(self.dense_parts)
+        keep = {w for w in ("attention", "lm_head") if w in self.packed_parts and w in before}
+        parts = tuple((w, before[w] if w in keep else b) for w, b in out.dense_parts)
+        if "lm_head" not in before and "embeddings" in self.packed_parts:  # tied: no int8 copy beside the table
+            return replace(out, dense_parts=tuple((w, b) for w, b in parts if w != "lm_head"),
+                           embedding_bytes=self.embedding_bytes)
+        return replace(out, dense_parts=parts)
 
     def in_dtype(self, elem_bytes: int, name: str) -> ModelSpec:
         out = super().in_dtype(elem_bytes, name)
@@ -214,6 +217,8 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
 
     ckpt = open_gguf(path)
     cfg = ckpt.config
+    layers = range(int(cfg.get("num_hidden_layers") or 0))
+    attention = ckpt.packable_attention(ckpt.attention_layers())  # q/k/v/o the loader keeps packed on a CPU
     fdtag, fbytes = ("F32", 4) if cfg["torch_dtype"] == "float32" else ("BF16", 2)
     held: dict[str, TensorInfo] = {}
     kept: dict[str, str] = {}  # engine name -> ggml type: the dense matrices counted packed
@@ -231,8 +236,8 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
         elif m:  # gpt-oss's expert biases: in every tier with their expert, in the compute dtype
             hf = f"model.layers.{m.group(1)}.mlp.experts.{parts[m.group(2)]}_bias"
             held[hf] = TensorInfo(hf, info.file, fdtag, info.shape, 0, int(np.prod(info.shape)) * fbytes)
-        elif name in PACKED_DENSE and getattr(info, "ggml", "") in VECDOT_TYPES:  # held as the file stores it
-            held[name] = TensorInfo(name, info.file, "U8", info.shape, info.start, info.end)
+        elif (name in PACKED_DENSE and getattr(info, "ggml", "") in VECDOT_TYPES) or name in attention:
+            held[name] = TensorInfo(name, info.file, "U8", info.shape, info.start, info.end)  # as the file stores it
             kept[name] = info.ggml
         else:
             n = int(np.prod(info.shape)) * fbytes
@@ -243,6 +248,10 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
                          if name in kept)
     names = {"lm_head": "lm_head.weight", "embeddings": "model.embed_tokens.weight"}
     packed_elems = tuple((what, int(np.prod(ckpt.tensors[names[what]].shape))) for what in packed_parts)
+    if attention and len(attention) == 4 * len(layers):  # every layer's: the part stays as the file packs it
+        packed_parts += ("attention",)
+        packed_elems += (("attention", sum(int(np.prod(i.shape)) for n, i in ckpt.tensors.items()
+                                           if ".self_attn." in n)),)
     spec = GGUFModelSpec(**{f.name: getattr(spec, f.name) for f in fields(ModelSpec)}, packed_parts=packed_parts,
                          packed_elems=packed_elems)
     types = "/".join(t.name for t in ckpt.expert_format.types.values()) if ckpt.expert_format else "none"
@@ -252,8 +261,11 @@ def gguf_spec(path: str | os.PathLike) -> ModelSpec:
     size = sum(f.stat().st_size for f in ckpt.files_)
     notes = (f"GGUF file of {gib(size)}, packed per type: {packed}",
              f"experts kept packed as the file stores them ({types}, {roles}); the other tensors dequantized "
-             f"at load to {cfg['torch_dtype']}" + ("; kept packed on a CPU (dequantized on a GPU): " + " and ".join(
-                 f"the {'output' if n == 'lm_head.weight' else 'embedding'} matrix ({t})" for n, t in kept.items())
+             f"at load to {cfg['torch_dtype']}" + ("; kept packed on a CPU (dequantized on a GPU): " + ", ".join(
+                 [f"the {'output' if n == 'lm_head.weight' else 'embedding'} matrix ({t})" for n, t in kept.items()
+                  if n in PACKED_DENSE]
+                 + ([f"attention's projections ({'/'.join(sorted({attention[n].ggml for n in attention}))}, "
+                     f"{len(attention) // 4} of {len(layers)} layers)"] if attention else []))
                  if kept else ""))
     spec = replace(spec, expert_format=f"GGUF {types}", checkpoint_bytes=size, present_bytes=size,
                    path=str(path), notes=tuple(n for n in spec.notes if "safetensors" not in n) + notes)

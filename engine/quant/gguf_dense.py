@@ -91,3 +91,53 @@ class GGUFMatrix:
 
     def __repr__(self) -> str:
         return f"GGUFMatrix({self.type.name}, {self.raw.shape[0]} x {self.cols})"
+
+
+class GGUFProjection:
+    """An attention projection kept in the file's quant types: y = x @ [W_1; W_2; ...]^T (+ bias) (+ residual), the
+    row blocks W_i (q, k, v: one fused projection, as the dequantized path fuses them) each a `GGUFMatrix`; blocks of
+    the same type side by side are joined into one matrix at load (one kernel call for Q4_K q and k, another for a
+    Q6_K v). QuantLinear's call, so `Attention` holds either as `qkv_q` / `o_q`: one token by the integer vec_dot,
+    bf16 / fp16 tokens by the integer prefill kernel, fp32 ones by the exact fp32 kernel (quant/gguf.py
+    `gguf_linear`), the blocks' fp32 outputs joined, + bias in fp32, rounded once."""
+
+    __slots__ = ("parts", "bias", "dtype")
+
+    def __init__(self, mats: list[GGUFMatrix], bias: torch.Tensor | None = None):
+        parts: list[GGUFMatrix] = []
+        for m in mats:
+            if parts and parts[-1].type is m.type and parts[-1].cols == m.cols:
+                last = parts.pop()
+                m = GGUFMatrix(torch.cat([last.raw, m.raw]), m.type, m.cols, m.dtype)  # a copy of the two
+            parts.append(m)
+        self.parts = parts
+        self.bias = None if bias is None else bias.detach()
+        self.dtype = mats[0].dtype
+
+    @property
+    def format(self) -> str:
+        return "/".join(p.type.name for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized W [rows, cols]: the slow reference."""
+        return torch.cat([p.weight(dtype) for p in self.parts])
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        ys = [gguf_linear(x, p.raw, p.type, p.cols, out_dtype=torch.float32) for p in self.parts]  # [T, rows_i] fp32
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        y = y.to(out_dtype or x.dtype)
+        return y if residual is None else residual + y
+
+    def __repr__(self) -> str:
+        return f"GGUFProjection({self.format}, {self.shape[0]} x {self.shape[1]})"

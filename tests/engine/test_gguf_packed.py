@@ -195,3 +195,94 @@ def test_a_nan_scale_in_the_packed_head_is_one_typed_line(tmp_path, model256, na
     with pytest.raises(CheckpointError) as e:
         load_model(path, dtype="float32")
     assert "lm_head.weight" in str(e.value) and "NaN or Inf" in str(e.value) and "\n" not in str(e.value)
+
+
+# -- attention's projections kept packed (load/gguf.py `packed_attention`, quant/gguf_dense.py `GGUFProjection`) --
+
+
+@pytest.fixture(scope="module")
+def heads256():
+    """Attention 256 wide on both sides (4 heads of 64; k and v 2 of them): k-quant blocks of 256 in every
+    projection, o's input included."""
+    return tiny_qwen3moe(hidden_size=256, moe_intermediate_size=256, num_experts=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_packed_attention_matches_transformers_in_fp32(tmp_path, heads256, name, monkeypatch):
+    from moechat.engine.quant.gguf_dense import GGUFProjection
+
+    path = tmp_path / f"attn-{name}.gguf"
+    ref = _reference(heads256, write_gguf(path, heads256, ("Q8_0", "Q8_0", "Q8_0"), name, "F32"))
+    loaded = load_model(path, dtype="float32")
+    for layer in loaded.model.layer_list:
+        attn = layer.self_attn
+        assert isinstance(attn.qkv_q, GGUFProjection) and isinstance(attn.o_q, GGUFProjection)
+        assert attn.qkv_t is None and attn.o_weight_t is None  # no dequantized copy
+        assert attn.qkv_q.format == name and len(attn.qkv_q.parts) == 1  # q, k, v joined: one call
+    ids = _prompt(9, seed=11)
+    ours, engine = _logits(loaded, ids)
+    with torch.inference_mode():
+        theirs = ref(torch.tensor([ids])).logits[0, -1].float()
+    assert (ours - theirs).abs().max().item() < 1e-4  # fp32 tokens: the exact fp32 kernels
+    got = [t for c in engine.generate(ids[:5], sampling=GREEDY, max_tokens=8) for t in c.token_ids]
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids[:5]]), do_sample=False, max_new_tokens=8, min_new_tokens=0,
+                           pad_token_id=0)
+    assert got == out[0, 5:].tolist()
+    int8 = load_model(path, dtype="float32", dense_format="int8")  # --dense-format leaves packed attention as it is
+    assert isinstance(int8.model.layer_list[0].self_attn.qkv_q, GGUFProjection)
+    monkeypatch.setenv("MOECHAT_GGUF_PACKED", "0")  # dequantized at load, as before
+    plain = load_model(path, dtype="float32")
+    assert plain.model.layer_list[0].self_attn.qkv_q is None
+    assert (ours - _logits(plain, ids)[0]).abs().max().item() < 1e-4  # fp32 sums in another order
+
+
+def test_projection_joins_same_type_blocks_and_is_each_matrix_bit_for_bit():
+    """Q4_K q and k joined into one matrix, a Q6_K v apart: the outputs are each matrix's own (rows are independent,
+    x is rounded once per call either way), + bias in fp32, rounded once; one bf16 token within vec_dot's bound of
+    the exact product, many within bound_q8."""
+    from moechat.engine.quant import prefill
+    from moechat.engine.quant.gguf import gguf_linear
+    from moechat.engine.quant.gguf_dense import GGUFProjection
+
+    q, k, v = _matrix("Q4_K", 64, 256, seed=1), _matrix("Q4_K", 32, 256, seed=2), _matrix("Q6_K", 32, 256, seed=3)
+    bias = torch.randn(128, generator=torch.Generator().manual_seed(4))
+    p = GGUFProjection([q, k, v], bias)
+    assert [m.type.name for m in p.parts] == ["Q4_K", "Q6_K"] and p.shape == (128, 256)
+    assert p.nbytes == q.nbytes + k.nbytes + v.nbytes and torch.equal(p.weight(), torch.cat([m.weight() for m in
+                                                                                            (q, k, v)]))
+    g = torch.Generator().manual_seed(5)
+    w = p.weight().double()
+    for T in (1, 6):
+        x = torch.randn(T, 256, generator=g).bfloat16()
+        each = torch.cat([gguf_linear(x, m.raw, m.type, m.cols, out_dtype=torch.float32) for m in (q, k, v)], dim=-1)
+        y = p(x, out_dtype=torch.float32)
+        assert torch.equal(y, each + bias)
+        assert torch.equal(p(x), (each + bias).bfloat16())
+        res = torch.randn(T, 128, generator=g).bfloat16()
+        assert torch.equal(p(x, residual=res), res + p(x))
+        exact = x.double() @ w.t()
+        if T == 1:
+            bound = torch.cat([vecdot_bound(x, m.raw, m.type, m.cols) for m in (q, k, v)], dim=-1) + 1e-6
+        else:
+            bound = prefill.bound_q8(x.float(), p.weight())
+        assert ((y.double() - bias.double() - exact).abs() <= bound).all()
+
+
+def test_fit_counts_packed_attention(tmp_path, model256):
+    from moechat.engine.plan import read_model_spec
+
+    packed, plain = tmp_path / "q8.gguf", tmp_path / "f32.gguf"
+    write_gguf(packed, model256, ("Q8_0", "Q8_0", "Q8_0"), "Q8_0", "F32")
+    write_gguf(plain, model256, ("Q8_0", "Q8_0", "Q8_0"), "F32", "F32")
+    a, b = read_model_spec(packed), read_model_spec(plain)
+    assert "attention" in a.packed_parts and "attention" not in getattr(b, "packed_parts", ())
+    loaded = load_model(packed, dtype="float32")  # the file's config says float32: the spec's dtype
+    held = sum(layer.self_attn.qkv_q.nbytes + layer.self_attn.o_q.nbytes for layer in loaded.model.layer_list)
+    norms = sum(t.numel() * t.element_size() for n, t in loaded.model.named_parameters()
+                if ".self_attn." in n and not t.is_meta)
+    assert dict(a.dense_parts)["attention"] == held + norms  # the packed q/k/v/o + the norms as held
+    assert dict(a.in_dense_format("int8").dense_parts)["attention"] == held + norms  # --dense-format keeps them
+    assert dict(a.for_gpu().dense_parts)["attention"] == dict(b.dense_parts)["attention"]  # dequantized on a GPU
+    assert any("attention's projections (Q8_0" in n for n in a.notes)
