@@ -447,7 +447,8 @@ static inline __attribute__((always_inline)) __m256 gv_block32(const uint8_t *x,
  * o = 8, Q5_0 16, MXFP4 12 through its table plus 12, Q4_1 / Q5_1 0), vpmaddubsw straight on u and x (pairs <= 2 x 31
  * x 127: no saturation) from `init` = -o x x's sums of 4 (gv_prep_nz, once per call): the 8 lane sums of 4 are the
  * signed form's exactly (integers), so the bits too, with no vpsignb pair and no subtraction a block (Zen 2, one
- * thread, an LM head out of cache, bench/gguf_vecdot.py: Q4_0 0.46 -> 0.53 of the read probe, MXFP4 0.41 -> 0.47).
+ * thread, an LM head out of cache, bench/gguf_vecdot.py --base: Q4_0 0.52 -> 0.57 of the read probe, Q5_0 0.50 ->
+ * 0.54, MXFP4 0.47 -> 0.49; Q4_1 even).
  * Q8_0 and IQ4_NL (signed, wider) keep gv_block32. */
 #if !defined(__AVX512BW__) /* not GV_Z's builds (defined below), whose 512-bit loops take u their own way */
 #define GV_UNSIGNED(type) ((type) == 2 || (type) == 6 || (type) == 39 || (type) == 3 || (type) == 7)
