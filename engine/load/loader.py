@@ -72,6 +72,20 @@ def model_config(raw: dict, model_dir: str | os.PathLike) -> tuple[type[MoEForCa
     return cls, args, raw
 
 
+def _head_cache(ckpt, args, model_dir, repack_dir):
+    """Where the int8 LM head of this checkpoint is kept between loads (engine/cache/dense_cache.py): beside the
+    repacked experts (--repack-dir, else under $XDG_CACHE_HOME/moechat/repacked), keyed by the file it comes from."""
+    from ..cache.dense_cache import HeadCache
+    from ..cache.repacked import default_repack_dir
+
+    name = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+    try:
+        source = ckpt.info(name).file
+    except (CheckpointError, AttributeError):  # a head the loader made another way: quantized at each load
+        return None
+    return HeadCache(Path(repack_dir) if repack_dir else default_repack_dir(model_dir, "dense"), source)
+
+
 def resolve_device(name: str | torch.device) -> torch.device:
     """A device moechat can compute on, or a ConfigError saying why not (a typo, no CUDA, no such GPU)."""
     try:
@@ -285,7 +299,10 @@ def load_model(model_dir: str | os.PathLike, *, dtype: str | None = None, device
     model.finalize(min(max_positions or args.max_position_embeddings, args.max_position_embeddings))
     if packed:
         model.keep_packed(packed.get("model.embed_tokens.weight"), packed.get("lm_head.weight"), packed)
-    model.quantize_dense(dense_format)  # int8 attention projections and LM head, or nothing
+    if dense_format != "native" and type(model).quantize_dense is MoEForCausalLM.quantize_dense:
+        model.quantize_dense(dense_format, head_cache=_head_cache(ckpt, args, model_dir, repack_dir))
+    else:
+        model.quantize_dense(dense_format)  # int8 attention projections and LM head, or nothing
     model.eval()
     if getattr(ckpt, "layer_formats", None):  # GGUF, expert types by layer (Q4_K_M): resident, a format per layer
         disk.close()

@@ -579,10 +579,11 @@ class MoEForCausalLM(nn.Module):
         if head is not None:
             self.lm_q, self.lm_weight_t = head, None
 
-    def quantize_dense(self, name: str) -> None:
+    def quantize_dense(self, name: str, head_cache=None) -> None:
         """`--dense-format int8|int4`: attention's projections in `name`, the LM head in int8 under either
-        (quant/dense_quant.py). MLA attention keeps its own layout (its absorbed decode multiplies the latent by the
-        weights directly)."""
+        (quant/dense_quant.py; through `head_cache`, engine/cache/dense_cache.py, where the loader gives one: the
+        previous load's codes mapped instead of quantized again). MLA attention keeps its own layout (its absorbed
+        decode multiplies the latent by the weights directly)."""
         if name == "native":
             return
         from ..quant.dense_quant import LM_HEAD_FORMAT, QuantLinear
@@ -591,7 +592,9 @@ class MoEForCausalLM(nn.Module):
             if isinstance(layer.self_attn, Attention):
                 layer.self_attn.quantize_dense(name)
         if self.lm_weight_t is not None:  # a GGUF head kept packed (6-8 bits as its file ships it) stays so
-            self.lm_q = QuantLinear(self.lm_weight_t.t(), None, LM_HEAD_FORMAT)
+            head = self.lm_weight_t.t()
+            self.lm_q = (head_cache.get(head, LM_HEAD_FORMAT) if head_cache is not None
+                         else QuantLinear(head, None, LM_HEAD_FORMAT))
             self.lm_weight_t = None
             if not self.args.tie_word_embeddings:
                 del self.lm_head  # the int8 copy is the LM head now; a tied table stays for the embedding lookups

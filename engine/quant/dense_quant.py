@@ -75,12 +75,24 @@ class QuantLinear:
         except CheckpointError:
             raise CheckpointError(f"dense weights reach |w| = {float(w.abs().max()):.4g}, past int4's fp16 group "
                                   "scales: use --dense-format int8 (fp32 scales)") from None
-        self.q = packed["q"].contiguous()  # int8 [out, in] | uint8 [out, in/2]
-        self.scale = packed["scale"].contiguous()  # fp32 [out] | fp16 [out, in/group]
+        self._hold(packed["q"], packed["scale"], bias)
+
+    def _hold(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.q = q.contiguous()  # int8 [out, in] | uint8 [out, in/2]
+        self.scale = scale.contiguous()  # fp32 [out] | fp16 [out, in/group]
         self.bias = None if bias is None else bias.detach()
         self._tensors = {"w_q": self.q, "w_scale": self.scale}
         if self.bias is not None:
             self._tensors["w_bias"] = self.bias
+
+    @classmethod
+    def packed(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> QuantLinear:
+        """One already quantized in `fmt` (codes and scales as `__init__` would make them: engine/cache/dense_cache.py
+        maps a previous load's)."""
+        self = cls.__new__(cls)
+        self.fmt = _FORMATS[fmt]
+        self._hold(q, scale, bias)
+        return self
 
     @property
     def format(self) -> str:
