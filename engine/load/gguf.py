@@ -5,13 +5,15 @@ read until it is used) and returns a `GGUFCheckpoint`, a `Checkpoint` whose tens
 model classes use (`model.layers.3.self_attn.q_proj.weight`), so `loader.check_model` and `load_model` run the
 same checks and the same load over it as over a safetensors folder. Dense tensors are dequantized when read
 (`get`: to fp32, the loader casts to the compute dtype), with llama.cpp's conventions undone (the q/k row
-permutation its converter applies to llama-type models), but for the two large ones: output.weight and token_embd of
-a quantized type stay packed on a CPU (`packed_dense`: the LM head by the GGUF kernels, the table decoded a row an id;
-a Qwen3-30B-A3B Q6_K head reads 255 MB a token where bf16 read 622 MB). The routed experts stay as the file stores
-them: `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, row_bytes] uint8, read per expert by the disk tier with preadv
-straight from the .gguf, in a `GGUFFormat` naming each projection's ggml type (quant/gguf.py). Every problem a
-user can meet (a truncated or damaged file, an unknown type, an architecture moechat lacks, a missing split)
-is one typed line naming the file and what to do.
+permutation its converter applies to llama-type models), but for those a token reads whole: output.weight and
+token_embd of a quantized type stay packed on a CPU (`packed_dense`: the LM head by the GGUF kernels, the table decoded
+a row an id; a Qwen3-30B-A3B Q6_K head reads 255 MB a token where bf16 read 622 MB), and so do the q/k/v/o
+projections of each plain-attention layer (`packed_attention`: quant/gguf_dense.py `GGUFProjection`; a Q4_0 file's
+token then reads what llama.cpp's does, 319 MB on the 2-layer Qwen3 shape, not 373). The routed experts stay as the
+file stores them: `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, row_bytes] uint8, read per expert by the disk tier
+with preadv straight from the .gguf, in a `GGUFFormat` naming each projection's ggml type (quant/gguf.py). Every
+problem a user can meet (a truncated or damaged file, an unknown type, an architecture moechat lacks, a missing
+split) is one typed line naming the file and what to do.
 
 gpt-oss (`gpt-oss`): the converter split HF's interleaved gate_up rows by parity into ffn_gate_exps (even) and
 ffn_up_exps (odd) and their biases likewise; the format re-interleaves gate/up outputs for the clamped SwiGLU, and
