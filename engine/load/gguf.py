@@ -200,14 +200,16 @@ class GGUFCheckpoint(Checkpoint):
     def attention_layers(self) -> list[int]:
         """The layers whose attention is the plain `Attention` (MoEForCausalLM.packable_attention) in the model this
         file's config makes, built on the meta device (no weight read): what `fit` counts packed from the header."""
-        from .loader import model_config
+        from ..errors import MoechatError
+        from ..models import ARCHITECTURES
 
+        cls = ARCHITECTURES.get(self.config.get("model_type"))
         try:
-            cls, args, _ = model_config(self.config, self.files_[0])
+            args = cls.args_class.from_dict(self.config, str(self.files_[0]))
             with torch.device("meta"):
                 model = cls(args)
-        except (CheckpointError, ConfigError, UnsupportedModelError):  # the load says why; fit counts them dequantized
-            return []
+        except (MoechatError, TypeError, ValueError, ArithmeticError, LookupError, AttributeError):  # the load says
+            return []  # why; fit counts them dequantized
         return model.packable_attention() if hasattr(model, "packable_attention") else []
 
     def packable_attention(self, layers) -> dict[str, GGUFTensorInfo]:

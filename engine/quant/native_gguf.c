@@ -355,15 +355,12 @@ static inline __m256 gv_lanes_ss(__m256i a, const int8_t *s, float dd, __m256 ac
 }
 /* 16 bytes of nibbles -> 32 values: the low nibbles first, then the high ones (through an int8 table if lut) */
 static inline __m256i gv_nibbles(const uint8_t *p16, const int8_t *lut) {
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    __m128i p = _mm_loadu_si128((const __m128i *)p16);
-    __m128i lo = _mm_and_si128(p, m4), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m4);
-    if (lut) {
-        __m128i t = _mm_loadu_si128((const __m128i *)lut);
-        lo = _mm_shuffle_epi8(t, lo);
-        hi = _mm_shuffle_epi8(t, hi);
-    }
-    return _mm256_set_m128i(hi, lo);
+    /* the 16 bytes in both halves, the high half's 64-bit words shifted right by 4: each byte's high nibble lands in
+     * its low bits (the next byte's low nibble above them, masked off); 3 ops where two 128-bit halves took 5 */
+    __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p16));
+    __m256i u = _mm256_and_si256(_mm256_srlv_epi64(t, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+    if (lut) u = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut)), u);
+    return u;
 }
 /* Q5_0 / Q5_1's fifth bits: byte i of the result 0x10 where bit i of qh is set */
 static inline __m256i gv_bit5(uint32_t qh) {
