@@ -25,9 +25,10 @@ loops, bit for bit the reference in every build) and computes `linear` three way
   batch. Against the tile path on the same w13 and machine (minima): T = 4 1.4-1.7x for every type (0.8-1.0 ms
   against 1.3-1.5), T = 32 1.2-1.3x where neither run was preempted (2.7-2.9 ms against 3.3-3.5), T = 128 about
   even (18-28 ms both: torch's GEMM on a decoded tile is as fast there).
-* many bf16 / fp16 tokens of Q8_0, Q4_0, MXFP4, Q4_K and Q6_K (`prefill_q8`): native_prefill_int.c's integer dots
+* many bf16 / fp16 tokens of Q8_0, Q4_0, MXFP4, Q4_K, Q5_K and Q6_K (`prefill_q8`): native_prefill_int.c's integer dots
   over the rows as the file stores them, x rounded to int8 per block of 32 once per call (as the one-token dots and
-  llama.cpp round it; Q4_K's mins through x's block sums; Q6_K's two 16-value halves a block summed and scaled apart,
+  llama.cpp round it; Q4_K's and Q5_K's mins through x's block sums; Q6_K's two 16-value halves a block summed and
+  scaled apart,
   the -32 through x's half sums), within quant/prefill.py `bound_q8` (observed 0.07-0.36 of it); and a
   chunk's experts of those types (gate and up apart, SwiGLU, no biases) in one call a layer
   (engine/layers/experts.py `_layer_prefill`, the same bits). fp32 tokens keep `prefill` (exact to fp32 sums). A
@@ -323,8 +324,8 @@ def _native_prefill():
 
 
 # the types whose rows the integer prefill kernel reads as the file stores them (native_prefill_int.c): blocks of 32
-# with one scale each (Q4_K: per 32 of its super-block a scale and a min; Q6_K: a scale per 16)
-Q8_PREFILL_TYPES = frozenset({"Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q6_K"})
+# with one scale each (Q4_K / Q5_K: per 32 of its super-block a scale and a min; Q6_K: a scale per 16)
+Q8_PREFILL_TYPES = frozenset({"Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K"})
 
 
 def prefill_q8(x: torch.Tensor, raw: torch.Tensor, t: GGMLType, cols: int) -> torch.Tensor | None:

@@ -78,7 +78,7 @@ static const uint8_t U_MXFP4[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 
 /* the GGUF block types: rows of blocks of 32 as the file stores them (Q8_0: fp16 d + 32 int8; Q4_0: fp16 d + 16
  * bytes, element i in the low nibble of byte i, element 16 + i in its high one, code - 8; MXFP4: an E8M0 byte + 16
  * such bytes of E2M1 codes), each element in order (x unpermuted) */
-enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4, Q_G4K, Q_G6K };
+enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4, Q_G4K, Q_G6K, Q_G5K };
 /* Q4_K: super-blocks of 256 in 144 bytes (fp16 d, dmin, 12 bytes of 6-bit scales and mins, then 128 bytes: values
  * 64c.. in the low nibbles of bytes 32c.., 64c + 32.. in their high ones), w = d sc_j q - dmin m_j per 32 (sub-block
  * j): each 32 a block here, its codes u = q (offset 0), WS = d sc_j, and a second term per block, - (dmin m_j) x
@@ -89,7 +89,7 @@ enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4, Q_G4K, Q_G6K };
  * packs the two 16-element sums of q into xc, low then high int16) and scaled apart: two FMAs a block */
 #define SIGNED_Q(f) ((f) == Q_INT8 || (f) == Q_G8_0) /* int8 codes: the AVX2 build multiplies them signed */
 #define GGUF_Q(f) ((f) >= Q_G8_0)
-#define KQ(f) ((f) == Q_G4K || (f) == Q_G6K) /* super-blocks of 256 */
+#define KQ(f) ((f) == Q_G4K || (f) == Q_G5K || (f) == Q_G6K) /* super-blocks of 256 */
 #define CODES_15(f) ((f) == Q_INT4 || (f) == Q_G4_0 || (f) == Q_G4K) /* unsigned codes 0..15 */
 /* int8 weights: VNNI and scalar builds take u = q + 128 (offset 128); the AVX2 build keeps q signed (offset 0) and
  * multiplies |q| by x with q's sign (vpsignb), since u8 pairs of 255 x 127 would saturate vpmaddubsw's int16 */
@@ -347,15 +347,16 @@ static void int4_scales(const uint16_t *sc, int64_t G, int nr, float *WS) {
     }
 }
 
-/* Q4_K rows (base[i], NULL past the group) -> W as the others, WS = d sc_j and WM = dmin m_j per block of 32 */
-static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t *W, float *WS) {
-    const int64_t G = J->G;
+/* Q4_K / Q5_K rows (base[i], NULL past the group) -> W as the others, WS = d sc_j and WM = dmin m_j per block of 32;
+ * Q5_K (`five`: 176 bytes, qh[32] before qs) adds bit j of qh[l] as each code's fifth (u = 0..31) */
+static void decode_group_q45k(const QJob *J, const uint8_t *const *base, uint8_t *W, float *WS, const int five) {
+    const int64_t G = J->G, sbytes = five ? 176 : 144, qs_at = five ? 48 : 16;
     float *WM = WS + G * RG;
-    const uint8_t *rp[RG];
+    const uint8_t *rp[RG], *rh[RG];
 #if IQ_ISA == 3
-    const __m512i m0f = _mm512_set1_epi8(0x0F);
+    const __m512i m0f = _mm512_set1_epi8(0x0F), b01 = _mm512_set1_epi8(0x01);
 #elif IQ_ISA
-    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    const __m256i m0f = _mm256_set1_epi8(0x0F), b01 = _mm256_set1_epi8(0x01);
 #endif
     float d[RG], dmin[RG]; /* the super-block's, per row */
     for (int64_t b = 0; b < G; b++, W += 8 * RG * 4) {
@@ -363,29 +364,36 @@ static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t 
         const int j = (int)(b % 8);
         for (int i = 0; i < RG; i++) {
             if (!base[i]) {
-                rp[i] = NULL, WS[b * RG + i] = 0.0f, WM[b * RG + i] = 0.0f;
+                rp[i] = rh[i] = NULL, WS[b * RG + i] = 0.0f, WM[b * RG + i] = 0.0f;
                 continue;
             }
-            const uint8_t *blk = base[i] + sb * 144, *sc = blk + 4;
+            const uint8_t *blk = base[i] + sb * sbytes, *sc = blk + 4;
             if (j == 0) d[i] = h2f((uint16_t)(blk[0] | blk[1] << 8)), dmin[i] = h2f((uint16_t)(blk[2] | blk[3] << 8));
             int s6, m6;
             if (j < 4) s6 = sc[j] & 63, m6 = sc[j + 4] & 63;
             else s6 = (sc[j + 4] & 0xF) | (sc[j - 4] >> 6) << 4, m6 = (sc[j + 4] >> 4) | (sc[j] >> 6) << 4;
             WS[b * RG + i] = d[i] * (float)s6;
             WM[b * RG + i] = dmin[i] * (float)m6;
-            rp[i] = blk + 16 + 32 * (j / 2);
+            rp[i] = blk + qs_at + 32 * (j / 2);
+            rh[i] = blk + 16;
         }
         const int hi = j & 1;
 #if IQ_ISA
+        const __m128i jsh = _mm_cvtsi32_si128(j);
         for (int h = 0; h < 2; h++) {
-            RV D[4];
+            RV D[4], Q[4];
             rows_dwords(rp, 16 * h, D);
+            if (five) rows_dwords(rh, 16 * h, Q);
             for (int m = 0; m < 4; m++) {
 #if IQ_ISA == 3
                 __m512i u = hi ? _mm512_and_si512(_mm512_srli_epi32(D[m], 4), m0f) : _mm512_and_si512(D[m], m0f);
+                if (five) /* bit j of each qh byte -> bit 4 (a 32-bit shift moves it within its byte) */
+                    u = _mm512_or_si512(u, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(Q[m], jsh), b01), 4));
                 _mm512_store_si512((__m512i *)(W + (4 * h + m) * 64), u);
 #else
                 __m256i u = hi ? _mm256_and_si256(_mm256_srli_epi32(D[m], 4), m0f) : _mm256_and_si256(D[m], m0f);
+                if (five)
+                    u = _mm256_or_si256(u, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(Q[m], jsh), b01), 4));
                 _mm256_store_si256((__m256i *)(W + (4 * h + m) * 32), u);
 #endif
             }
@@ -394,7 +402,8 @@ static void decode_group_q4k(const QJob *J, const uint8_t *const *base, uint8_t 
         for (int c = 0; c < 8; c++)
             for (int i = 0; i < RG; i++)
                 for (int k = 0; k < 4; k++)
-                    W[(c * RG + i) * 4 + k] = rp[i] ? (uint8_t)(hi ? rp[i][4 * c + k] >> 4 : rp[i][4 * c + k] & 15) : 0;
+                    W[(c * RG + i) * 4 + k] = rp[i] ? (uint8_t)((hi ? rp[i][4 * c + k] >> 4 : rp[i][4 * c + k] & 15)
+                                                                | (five ? (rh[i][4 * c + k] >> j & 1) << 4 : 0)) : 0;
 #endif
     }
 }
@@ -462,8 +471,8 @@ static void decode_group_gguf(const QJob *J, int64_t r0, int nr, uint8_t *W, flo
         const int64_t r = r0 + i;
         base[i] = i >= nr ? NULL : J->w_hi && r >= J->split ? J->w_hi + (r - J->split) * J->rb : J->w + r * J->rb;
     }
-    if (J->fmt == Q_G4K) {
-        decode_group_q4k(J, base, W, WS);
+    if (J->fmt == Q_G4K || J->fmt == Q_G5K) {
+        decode_group_q45k(J, base, W, WS, J->fmt == Q_G5K);
         return;
     }
     if (J->fmt == Q_G6K) {
@@ -624,7 +633,7 @@ static inline int32_t word(const int8_t *p) {
 /* a tile's inner loop, a constant in each instance (no branch on the format inside it, where the compiler would
  * hoist the shared loads above the branch and spill them): unsigned codes (MXFP4: 4 chunks summed in int16 on AVX2),
  * unsigned codes <= 15 (int4, Q4_0: all 8), those with Q4_K's mins, signed int8 codes, Q6_K's two half blocks */
-enum { M_U, M_C15, M_K, M_S, M_6 };
+enum { M_U, M_C15, M_K, M_S, M_6, M_K5 };
 
 /* y[t0 + t, r0 + i] for t < NT, i < nr from the decoded group */
 static inline int32_t half_sum(int32_t xc, int hf) { /* Q6_K: x's sum of q over the block's half hf */
@@ -634,7 +643,7 @@ static inline int32_t half_sum(int32_t xc, int hf) { /* Q6_K: x's sum of q over 
 /* a block's (half's) integer sum starts at x's offset term: -offset x sum q (xc), none for Q4_K (its mins after the
  * sum), -32 x the half's sum for Q6_K */
 static inline int32_t isum0(const int mode, int32_t xc, int hf) {
-    return mode == M_6 ? -32 * half_sum(xc, hf) : mode == M_K ? 0 : xc;
+    return mode == M_6 ? -32 * half_sum(xc, hf) : mode == M_K || mode == M_K5 ? 0 : xc;
 }
 
 static inline __attribute__((always_inline)) void qtile(const QJob *J, const uint8_t *W, const float *WS, int64_t t0,
@@ -643,7 +652,7 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
     const int8_t *xq = J->xq + t0 * cols;
     const float *xs = J->xs + t0 * G;
     const int32_t *xc = J->xc + t0 * G;
-    const int mins = mode == M_K, halves = mode == M_6 ? 2 : 1, per = 8 / halves; /* chunks a half */
+    const int mins = mode == M_K || mode == M_K5, halves = mode == M_6 ? 2 : 1, per = 8 / halves; /* chunks a half */
     const float *WM = WS + G * RG;
 #if IQ_ISA == 3
     __m512 af[TBQ];
@@ -756,14 +765,15 @@ static inline __attribute__((always_inline)) void qtile(const QJob *J, const uin
 
 /* tokens [t0, t1) of the decoded group of rows [r0, r0 + nr) */
 static void qtokens(const QJob *J, const uint8_t *W, const float *WS, int64_t t0, int64_t t1, int64_t r0, int nr) {
-    const int mode = SIGNED_Q(J->fmt) ? M_S : J->fmt == Q_G4K ? M_K : J->fmt == Q_G6K ? M_6 : CODES_15(J->fmt) ? M_C15
-                                                                                                         : M_U;
+    const int mode = SIGNED_Q(J->fmt) ? M_S : J->fmt == Q_G4K ? M_K : J->fmt == Q_G5K ? M_K5 : J->fmt == Q_G6K ? M_6
+                   : CODES_15(J->fmt) ? M_C15 : M_U;
     for (; t0 < t1; t0 += TBQ) {
         int nt = (int)(t1 - t0 < TBQ ? t1 - t0 : TBQ);
 #define QT(n)                                                                                                          \
     (mode == M_S     ? qtile(J, W, WS, t0, n, M_S, r0, nr)                                                             \
      : mode == M_6   ? qtile(J, W, WS, t0, n, M_6, r0, nr)                                                             \
      : mode == M_K   ? qtile(J, W, WS, t0, n, M_K, r0, nr)                                                             \
+     : mode == M_K5  ? qtile(J, W, WS, t0, n, M_K5, r0, nr)                                                            \
      : mode == M_C15 ? qtile(J, W, WS, t0, n, M_C15, r0, nr)                                                           \
                      : qtile(J, W, WS, t0, n, M_U, r0, nr))
         switch (nt) { /* a constant token count per instance: the accumulators stay in registers */
@@ -1066,10 +1076,10 @@ int moechat_moe_prefill_q8(int kind, const uint16_t *x, int64_t T, const int64_t
 /* ggml's type id -> the format, the offset x's quantization takes (Q4_K: -1, its block sums; Q6_K: -2, its halves'),
  * and the bytes of 32 values (Q4_K, Q6_K: of 256) */
 static int gguf_fmt(int type, int *offset, int64_t *block_bytes) {
-    *offset = type == 8 ? INT8_OFFSET : type == 2 ? 8 : type == 12 ? -1 : type == 14 ? -2 : 12;
-    *block_bytes = type == 8 ? 34 : type == 2 ? 18 : type == 12 ? 144 : type == 14 ? 210 : 17;
-    return type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : type == 12 ? Q_G4K : type == 14 ? Q_G6K
-                                                                                                          : -1;
+    *offset = type == 8 ? INT8_OFFSET : type == 2 ? 8 : type == 12 || type == 13 ? -1 : type == 14 ? -2 : 12;
+    *block_bytes = type == 8 ? 34 : type == 2 ? 18 : type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : 17;
+    return type == 8 ? Q_G8_0 : type == 2 ? Q_G4_0 : type == 39 ? Q_GMXFP4 : type == 12 ? Q_G4K : type == 13 ? Q_G5K
+         : type == 14 ? Q_G6K : -1;
 }
 
 /* The same for GGUF experts as the file stores them: gate's and up's rows of ggml type `type13`, down's of `type2`

@@ -1,4 +1,4 @@
-"""GGUF Q8_0, Q4_0, MXFP4, Q4_K and Q6_K rows through the integer prefill kernel as the file stores them
+"""GGUF Q8_0, Q4_0, MXFP4, Q4_K, Q5_K and Q6_K rows through the integer prefill kernel as the file stores them
 (native_prefill_int.c `moechat_prefill_q8_gguf`, quant/gguf.py `prefill_q8`): within quant/prefill.py's `bound_q8` of
 x @ W^T with W the gguf package's own dequantization, on odd row counts (a ragged last row group); the scalar, AVX2
 and this machine's builds write the same bits; the same bits at 1, 2 and 3 threads and whatever other tokens share
@@ -25,8 +25,8 @@ from tests.engine.quant.test_prefill_int import avx2_lib  # noqa: E402, F401 - a
 from tests.engine.test_gguf_quant import random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the fp32 paths run")
-NAMES = ["Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q6_K"]
-K_QUANTS = ("Q4_K", "Q6_K")  # super-blocks of 256
+NAMES = ["Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K"]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # super-blocks of 256
 
 
 def _c(name: str, cols: int) -> int:
