@@ -222,7 +222,8 @@ _LAYER_PREFILL_KINDS = ("int4", "mxfp4", "int8")  # the formats with integer (Q8
 
 def _gguf_q8(fmt: ExpertFormat) -> bool:
     """A GGUF format whose rows the layer call reads as the file stores them: gate and up apart (not interleaved, not
-    fused), each projection in a type of gguf.Q8_PREFILL_TYPES (Q8_0, Q4_0, MXFP4, Q4_K, Q6_K), gate's type up's."""
+    fused), each projection in a type of gguf.Q8_PREFILL_TYPES (Q8_0, Q4_0, MXFP4, Q4_K, Q5_K, Q6_K), gate's type
+    up's."""
     from ..quant.gguf import Q8_PREFILL_TYPES, GGUFFormat
 
     return (isinstance(fmt, GGUFFormat) and not fmt.interleaved and set(fmt.types) == {"w1", "w3", "w2"}

@@ -514,7 +514,7 @@ def moe_prefill(lib, kind: int, x: torch.Tensor, ptrs: torch.Tensor, start: torc
 def moe_prefill_gguf(lib, type13: int, type2: int, x: torch.Tensor, ptrs: torch.Tensor, start: torch.Tensor,
                      tok: torch.Tensor, dst: torch.Tensor, wt: torch.Tensor, inter: int, out: torch.Tensor) -> None:
     """`moe_prefill` for GGUF experts as the file stores them (moechat_moe_prefill_q8_gguf): gate's and up's rows of
-    ggml type `type13`, down's of `type2` (Q8_0, Q4_0, MXFP4, Q4_K or Q6_K ids); ptrs int64 [n, 6]: each expert's
+    ggml type `type13`, down's of `type2` (Q8_0, Q4_0, MXFP4, Q4_K, Q5_K or Q6_K ids); ptrs int64 [n, 6]: each expert's
     gate, up and down rows, then zeros; SwiGLU, no biases."""
     _threads(lib)
     _check(lib.moechat_moe_prefill_q8_gguf(type13, type2, x.data_ptr(), x.shape[0], ptrs.data_ptr(),

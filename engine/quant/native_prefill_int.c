@@ -82,7 +82,8 @@ enum { Q_INT4, Q_MXFP4, Q_INT8, Q_G8_0, Q_G4_0, Q_GMXFP4, Q_G4K, Q_G6K, Q_G5K };
 /* Q4_K: super-blocks of 256 in 144 bytes (fp16 d, dmin, 12 bytes of 6-bit scales and mins, then 128 bytes: values
  * 64c.. in the low nibbles of bytes 32c.., 64c + 32.. in their high ones), w = d sc_j q - dmin m_j per 32 (sub-block
  * j): each 32 a block here, its codes u = q (offset 0), WS = d sc_j, and a second term per block, - (dmin m_j) x
- * (xs x sum q) from x's block sum (quantize_block with offset -1 leaves +sum q in xc).
+ * (xs x sum q) from x's block sum (quantize_block with offset -1 leaves +sum q in xc). Q5_K: the same in 176 bytes
+ * (qh[32] between the scales and the 128 bytes of low nibbles), bit j of qh[l] each code's fifth: u = 0..31.
  * Q6_K: super-blocks of 256 in 210 bytes (ql[128]: low 4 bits, qh[64]: high 2, int8 scales[16] one per 16 values,
  * fp16 d), w = d sc (q - 32), q 0..63: each 32 a block here, u = q, its two halves' scales WS = d sc_2j (inputs
  * 0..15) and WM = d sc_2j+1 (16..31), each half's int sum started at -32 x its x sum (quantize_block with offset -2
@@ -1073,8 +1074,8 @@ int moechat_moe_prefill_q8(int kind, const uint16_t *x, int64_t T, const int64_t
     return layer_run(&L, T, n, start);
 }
 
-/* ggml's type id -> the format, the offset x's quantization takes (Q4_K: -1, its block sums; Q6_K: -2, its halves'),
- * and the bytes of 32 values (Q4_K, Q6_K: of 256) */
+/* ggml's type id -> the format, the offset x's quantization takes (Q4_K / Q5_K: -1, its block sums; Q6_K: -2, its
+ * halves'), and the bytes of 32 values (the k-quants: of 256) */
 static int gguf_fmt(int type, int *offset, int64_t *block_bytes) {
     *offset = type == 8 ? INT8_OFFSET : type == 2 ? 8 : type == 12 || type == 13 ? -1 : type == 14 ? -2 : 12;
     *block_bytes = type == 8 ? 34 : type == 2 ? 18 : type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : 17;
@@ -1083,7 +1084,7 @@ static int gguf_fmt(int type, int *offset, int64_t *block_bytes) {
 }
 
 /* The same for GGUF experts as the file stores them: gate's and up's rows of ggml type `type13`, down's of `type2`
- * (8 Q8_0, 2 Q4_0, 39 MXFP4, 12 Q4_K, 14 Q6_K); ptrs [n, 6] each expert's gate, up and down rows then three zeros (no biases); SwiGLU
+ * (8 Q8_0, 2 Q4_0, 39 MXFP4, 12 Q4_K, 13 Q5_K, 14 Q6_K); ptrs [n, 6] each expert's gate, up and down rows then three zeros (no biases); SwiGLU
  * (gate's rows, then up's: not interleaved). */
 int moechat_moe_prefill_q8_gguf(int type13, int type2, const uint16_t *x, int64_t T, const int64_t *ptrs,
                                 const int64_t *start, int64_t n, const int64_t *tok, const int64_t *dst,
@@ -1103,7 +1104,7 @@ int moechat_moe_prefill_q8_gguf(int type13, int type2, const uint16_t *x, int64_
 }
 
 /* GGUF rows as the file stores them: raw [rows, row_bytes] of `type` (ggml's ids: 8 Q8_0, 2 Q4_0, 39 MXFP4, 12 Q4_K,
- * 14 Q6_K) */
+ * 13 Q5_K, 14 Q6_K) */
 int moechat_prefill_q8_gguf(int type, const float *x, int64_t T, const uint8_t *raw, int64_t rows, int64_t cols,
                             int64_t row_bytes, float *y, int64_t ldy) {
     int offset;
