@@ -101,7 +101,7 @@ class GGUFProjection:
     bf16 / fp16 tokens by the integer prefill kernel, fp32 ones by the exact fp32 kernel (quant/gguf.py
     `gguf_linear`), the blocks' fp32 outputs joined, + bias in fp32, rounded once."""
 
-    __slots__ = ("parts", "bias", "dtype")
+    __slots__ = ("parts", "bias")
 
     def __init__(self, mats: list[GGUFMatrix], bias: torch.Tensor | None = None):
         parts: list[GGUFMatrix] = []
@@ -112,7 +112,6 @@ class GGUFProjection:
             parts.append(m)
         self.parts = parts
         self.bias = None if bias is None else bias.detach()
-        self.dtype = mats[0].dtype
 
     @property
     def format(self) -> str:

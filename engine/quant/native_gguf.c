@@ -387,6 +387,9 @@ static inline float gv_e8m0(uint8_t e) {
     return f;
 }
 
+/* where a 32-value block's codes start: after its scale(s) and, for Q5_0 / Q5_1, the 4 bytes of fifth bits */
+static inline int gv_codes_at(int type) { return type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2; }
+
 static inline uint32_t gv_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
@@ -410,7 +413,7 @@ static inline void gv_codes32(const int type, const uint8_t *x, int8_t *w) {
         memcpy(w, x + 2, 32);
         return;
     }
-    int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2; /* where the nibbles start */
+    int o = gv_codes_at(type);
     uint32_t qh = type == 6 || type == 7 ? gv_u32(x + o - 4) : 0;
     for (int i = 0; i < 16; i++) {
         int lo = x[o + i] & 0x0f, hi = x[o + i] >> 4;
@@ -432,7 +435,7 @@ static inline __attribute__((always_inline)) __m256 gv_block32(const uint8_t *x,
     if (type == 8) {
         wv = _mm256_loadu_si256((const __m256i *)(x + 2));
     } else {
-        int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2;
+        int o = gv_codes_at(type);
         wv = gv_nibbles(x + o, type == 20 ? gguf_iq4 : type == 39 ? gguf_fp4x2 : NULL);
         if (type == 6 || type == 7) wv = _mm256_or_si256(wv, gv_bit5(gv_u32(x + o - 4)));
         if (type == 2 || type == 6) wv = _mm256_sub_epi8(wv, _mm256_set1_epi8(type == 2 ? 8 : 16));
@@ -454,7 +457,7 @@ static inline int gv_uoffset(int type) { return type == 2 ? 8 : type == 6 ? 16 :
 
 static inline __attribute__((always_inline)) __m256 gv_block32u(const uint8_t *x, const int8_t *qb, __m256i init,
                                                                 float dd, const int type, __m256 acc) {
-    const int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2;
+    const int o = gv_codes_at(type);
     __m256i u = gv_nibbles(x + o, type == 39 ? gguf_fp4x2_u12 : NULL);
     if (type == 6 || type == 7) u = _mm256_or_si256(u, gv_bit5(gv_u32(x + o - 4)));
     __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)qb)),
@@ -485,7 +488,7 @@ static inline __attribute__((always_inline)) float gv_row32(const GVJob *j, cons
         float dx = j->d[b], dd = (type == 39 ? gv_e8m0(x[0]) : gguf_h2f(x)) * dx;
 #if GV_SIMD
 #if !defined(__AVX512BW__)
-        if (GV_UNSIGNED(type) && j->nz)
+        if (GV_UNSIGNED(type))
             acc = gv_block32u(x, q + 32 * b, _mm256_loadu_si256((const __m256i *)(j->nz + 8 * b)), dd, type, acc);
         else
 #endif
@@ -575,7 +578,7 @@ static inline __m128i gv_hsum4_z(__m512i a, __m512i b, __m512i c, __m512i d) {
  * row 0 high, row 1 high] (values 0-15, 16-31). The fp32 steps lane by lane, gv_row32's: the same bits. */
 static inline __attribute__((always_inline)) void gv_rows_32z(const GVJob *j, const uint8_t *r0, const int type,
                                                               const int nb, const int R, float *y) {
-    const int o = type == 39 ? 1 : type == 3 ? 4 : type == 6 ? 6 : type == 7 ? 8 : 2; /* where the codes start */
+    const int o = gv_codes_at(type);
     const int sh = type == 8 || type == 20 || type == 39 ? 7 : type == 6 ? 4 : 3;    /* log2 o (not Q4_1 / Q5_1) */
     const int64_t rb = j->row_bytes;
     const __m512i m4 = _mm512_set1_epi8(0x0f), b16 = _mm512_set1_epi8(0x10);

@@ -28,16 +28,23 @@ def _head_file(repack):
     return repack / "lm_head-int8.bin"
 
 
-def test_the_second_load_maps_the_first_loads_head(model_dir, tmp_path):
+def test_the_second_load_maps_the_first_loads_head(model_dir, tmp_path, monkeypatch):
+    from moechat.engine.quant import dense_quant
     from moechat.engine.runtime.generate import Engine
 
+    quantized = []  # the shapes dense_quant quantized: the head's only when it was not mapped
+    real = dense_quant.quantize_rows
+    monkeypatch.setattr(dense_quant, "quantize_rows", lambda fmt, w: quantized.append(tuple(w.shape)) or real(fmt, w))
     repack = tmp_path / "repack"
     first = load_model(model_dir, dtype="bfloat16", dense_format="int8", repack_dir=repack)
+    head = tuple(first.model.lm_q.q.shape)
+    assert head in quantized
     assert _head_file(repack).is_file() and _head_file(repack).with_suffix(".json").is_file()
+    quantized.clear()
     second = load_model(model_dir, dtype="bfloat16", dense_format="int8", repack_dir=repack)
+    assert quantized and head not in quantized  # attention quantized again, the head mapped from the file
     a, b = first.model.lm_q, second.model.lm_q
     assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
-    assert b.q.untyped_storage().data_ptr() != a.q.untyped_storage().data_ptr()
     e1, e2 = Engine(first, None, None, {}, 64, 16), Engine(second, None, None, {}, 64, 16)
     ids = list(range(3, 14))
     steps = greedy(e1, ids, 3)[0]
